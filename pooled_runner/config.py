@@ -1,0 +1,140 @@
+"""The one frozen configuration of a pooled MoE runtime.
+
+`PoolConfig` is built once (from the CLI, or by hand) and handed to everything else. It never holds an
+"auto" value: `PoolConfig.resolve()` turns the user's request into concrete choices (device, staging on a
+machine without CUDA) and validates it, so no later reader has to guess. CLI flags are derived from the
+dataclass fields (`cli_flags()`), so their defaults cannot drift from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from pooled_runner.formats import FORMATS
+
+logger = logging.getLogger("pooled_runner")
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """How many GPU rows the expert pool has, and how experts move.
+
+    Fields (all resolved; see `resolve`):
+      pool_rows: number of device rows shared by all pooled MoE layers (`--moe-expert-pool-rows`).
+      weight_format: expert weight format; one of `pooled_runner.formats.FORMATS` ("bf16" for now).
+      device: "cuda", "cuda:N" or "cpu". "auto" is only accepted by `resolve`.
+      prefill_staging: stage whole layers into VRAM for large uncaptured steps.
+      staging_min_tokens: smallest step (tokens) that is staged.
+      telemetry: accumulate per-(layer, expert) route counters.
+    """
+
+    pool_rows: int
+    weight_format: str = "bf16"
+    device: str = AUTO
+    prefill_staging: bool = True
+    staging_min_tokens: int = 512
+    telemetry: bool = False
+
+    # Help text for the CLI flag of each field; the flag name is `--moe-expert-pool-<field>` unless listed in
+    # `_FLAG_NAMES`.
+    _HELP: ClassVar[dict[str, str]] = {
+        "pool_rows": "GPU rows of the expert pool shared by all pooled MoE layers (required).",
+        "weight_format": "Expert weight format.",
+        "device": "Device of the pool rows (auto: cuda if available, else cpu).",
+        "prefill_staging": "Stage a layer's non-resident experts into VRAM for prefill steps of at least "
+        "--moe-expert-pool-staging-min-tokens tokens.",
+        "staging_min_tokens": "Smallest step, in tokens, that uses prefill staging.",
+        "telemetry": "Accumulate per-(layer, expert) route counters.",
+    }
+    _FLAG_NAMES: ClassVar[dict[str, str]] = {"pool_rows": "--moe-expert-pool-rows"}
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if self.device == AUTO:
+            problems.append("device is 'auto': call PoolConfig.resolve() before use")
+        if problems:
+            raise ValueError("invalid PoolConfig: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """Every problem with the values, each naming the fix (empty when valid)."""
+        out: list[str] = []
+        if not isinstance(self.pool_rows, int) or isinstance(self.pool_rows, bool) or self.pool_rows <= 0:
+            out.append(f"pool_rows={self.pool_rows!r} must be a positive integer (--moe-expert-pool-rows N)")
+        if self.weight_format not in FORMATS:
+            out.append(f"weight_format={self.weight_format!r} is not one of {sorted(FORMATS)}")
+        if self.staging_min_tokens < 1:
+            out.append(f"staging_min_tokens={self.staging_min_tokens} must be >= 1")
+        if self.device != AUTO:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError):
+                out.append(f"device={self.device!r} is not a torch device (use cuda, cuda:N or cpu)")
+        return out
+
+    @classmethod
+    def resolve(cls, **requested: Any) -> PoolConfig:
+        """Build a fully resolved config from the user's request ("auto" allowed for `device`).
+
+        Without CUDA the device is "cpu" and prefill staging is turned off with one log line (there is
+        nothing to stage on the CPU path). Raises ValueError listing every problem at once.
+        """
+        device = requested.get("device", AUTO)
+        if device == AUTO:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        requested["device"] = device
+        if torch.device(device).type != "cuda" and requested.get("prefill_staging", True):
+            logger.info("prefill staging disabled: device %s has nothing to stage into", device)
+            requested["prefill_staging"] = False
+        return cls(**requested)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    def replace(self, **changes: Any) -> PoolConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def flag_name(field_name: str) -> str:
+    """The CLI flag of a PoolConfig field."""
+    return PoolConfig._FLAG_NAMES.get(field_name, "--moe-expert-pool-" + field_name.replace("_", "-"))
+
+
+def cli_fields() -> list[dataclasses.Field[Any]]:
+    """The dataclass fields that become CLI flags, in declaration order."""
+    return [f for f in dataclasses.fields(PoolConfig) if not f.name.startswith("_")]
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per PoolConfig field; defaults come from the dataclass (pool_rows is required)."""
+    group = parser.add_argument_group("pooled_runner (expert pool)")
+    for f in cli_fields():
+        name, helptext = flag_name(f.name), PoolConfig._HELP[f.name]
+        if f.type in ("bool", bool):
+            group.add_argument(
+                name, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=helptext
+            )
+        elif f.default is dataclasses.MISSING:
+            group.add_argument(name, dest=f.name, type=int, default=None, help=helptext)
+        else:
+            kind = type(f.default)
+            choices = sorted(FORMATS) if f.name == "weight_format" else None
+            group.add_argument(
+                name, dest=f.name, type=kind, default=f.default, choices=choices, help=helptext
+            )
+
+
+def config_from_cli(args: argparse.Namespace) -> PoolConfig:
+    """Resolve a PoolConfig from parsed flags; ValueError lists every problem with the flag to fix."""
+    values = {f.name: getattr(args, f.name) for f in cli_fields()}
+    if values["pool_rows"] is None:
+        raise ValueError(f"{flag_name('pool_rows')} N is required (N = GPU rows of the expert pool)")
+    return PoolConfig.resolve(**values)

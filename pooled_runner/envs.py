@@ -1,0 +1,41 @@
+"""Environment knobs, all typed and all under one prefix: POOLED_RUNNER_.
+
+Read through the functions here, never with os.environ elsewhere, so the full list lives in one place.
+"""
+
+from __future__ import annotations
+
+import os
+
+PREFIX = "POOLED_RUNNER_"
+
+
+def _get_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(PREFIX + name)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{PREFIX}{name}={raw!r}: expected one of 1/0/true/false/yes/no/on/off")
+
+
+def _get_str(name: str, default: str) -> str:
+    return os.environ.get(PREFIX + name) or default
+
+
+def log_level() -> str:
+    """POOLED_RUNNER_LOG_LEVEL: level of the `pooled_runner` logger (default INFO)."""
+    return _get_str("LOG_LEVEL", "INFO").upper()
+
+
+def force_torch_path() -> bool:
+    """POOLED_RUNNER_FORCE_TORCH_PATH: run the plain torch forward even where kernels are available."""
+    return _get_bool("FORCE_TORCH_PATH", False)
+
+
+def debug_checks() -> bool:
+    """POOLED_RUNNER_DEBUG_CHECKS: verify pool invariants after every change (slow; tests and debugging)."""
+    return _get_bool("DEBUG_CHECKS", False)

@@ -1,0 +1,267 @@
+"""The pooled experts: installation of a model's experts, and the forward route -> locate -> compute -> combine.
+
+`PooledMoE` owns the bank (host rows), the pool (device rows + location tables) and the forward of every
+pooled layer. The forward here is the plain torch path (used on the CPU, and as the reference the GPU kernels
+are tested against): it plans on the host (copy-then-compute LRU with host-view fallback, `ExpertPool.plan_step`)
+and computes each distinct expert once over the tokens routed to it.
+
+The torch path is batch-invariant: a token's output does not depend on which other tokens share its step,
+because every dot product is one fp32 reduction over the same elements in the same order (a dense GEMM's
+blocking depends on M and would change the last bits). So a pool holding every expert and one holding only
+top_k rows give bit-identical outputs, and so does a per-token dense loop using `expert_mlp`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from pooled_runner.bank import ExpertBank, check_expert_weights
+from pooled_runner.config import PoolConfig
+from pooled_runner.formats import make_format
+from pooled_runner.pool import ExpertPool, PoolStats
+
+logger = logging.getLogger("pooled_runner")
+
+# loader(layer, expert) -> {operand name: row tensor}, in the weight format's operand layout.
+ExpertLoader = Callable[[int, int], dict[str, torch.Tensor]]
+
+# Elements of the largest temporary product in `batch_invariant_linear` (bounds its memory).
+_MAX_PRODUCT_NUMEL = 1 << 22
+
+
+def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x [M, K] @ weight[N, K].T -> [M, N]` in fp32, each output one fp32 sum over K, independent of M."""
+    x32, w32 = x.float(), weight.float()
+    M, N = x32.shape[0], w32.shape[0]
+    out = torch.empty((M, N), dtype=torch.float32, device=x.device)
+    rows_per_chunk = max(1, _MAX_PRODUCT_NUMEL // max(1, N * w32.shape[1]))
+    for start in range(0, M, rows_per_chunk):
+        chunk = x32[start : start + rows_per_chunk]
+        out[start : start + chunk.shape[0]] = (chunk[:, None, :] * w32[None, :, :]).sum(-1)
+    return out
+
+
+def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert's SiLU-gated MLP: `x [M, H]`, `w13 [2I, H]` (gate rows then up rows), `w2 [H, I]` -> [M, H].
+
+    fp32 accumulation; the gate/up output and the activation are rounded to x's dtype, as a GEMM storing
+    its output in that dtype would.
+    """
+    intermediate = w13.shape[0] // 2
+    gate_up = batch_invariant_linear(x, w13).to(x.dtype)
+    gate, up = gate_up[:, :intermediate].float(), gate_up[:, intermediate:].float()
+    act = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+    return batch_invariant_linear(act, w2).to(x.dtype)
+
+
+def combine(expert_out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """`expert_out [T, K, H]`, ids/weights `[T, K]` -> `[T, H]`: fp32 sum over k in order; padding adds 0."""
+    T, K, H = expert_out.shape
+    acc = torch.zeros((T, H), dtype=torch.float32, device=expert_out.device)
+    for k in range(K):
+        routed = (topk_ids[:, k] >= 0)[:, None]  # [T, 1]
+        term = topk_weights[:, k, None].float() * expert_out[:, k].float()  # [T, H]
+        acc += torch.where(routed, term, torch.zeros_like(term))
+    return acc.to(expert_out.dtype)
+
+
+def _check_routing(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    H: int,
+    dtype: torch.dtype,
+    num_experts: int,
+) -> None:
+    if hidden.dim() != 2 or hidden.shape[1] != H:
+        raise ValueError(f"hidden has shape {tuple(hidden.shape)}, expected [T, {H}]")
+    if hidden.dtype != dtype:
+        raise ValueError(f"hidden has dtype {hidden.dtype}, expected {dtype}")
+    T = hidden.shape[0]
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}, expected [{T}, K]")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids has dtype {topk_ids.dtype}, expected torch.int32 or torch.int64")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_weights has shape {tuple(topk_weights.shape)}, expected {tuple(topk_ids.shape)}"
+        )
+    if not topk_weights.is_floating_point():
+        raise ValueError(f"topk_weights has dtype {topk_weights.dtype}, expected a floating dtype")
+    if topk_ids.numel():
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < -1 or hi >= num_experts:
+            raise ValueError(f"topk_ids values in [{lo}, {hi}], expected -1 (padding) or [0, {num_experts})")
+
+
+class PooledMoE:
+    """The routed experts of every pooled MoE layer, behind one shared pool.
+
+    Usage: `register_layer(num_experts)` once per MoE layer, then `install(loader)`, then `forward(...)`.
+
+    Args:
+      config: resolved PoolConfig (`pool_rows`, device, format).
+      hidden_size: H. intermediate_size: I (per rank). top_k: K, experts per token.
+      dtype: compute dtype of activations and (bf16 format) weights.
+    """
+
+    def __init__(
+        self,
+        config: PoolConfig,
+        hidden_size: int,
+        intermediate_size: int,
+        top_k: int,
+        dtype: torch.dtype = torch.bfloat16,
+    ):
+        if hidden_size <= 0 or intermediate_size <= 0 or top_k <= 0:
+            raise ValueError(
+                f"hidden_size={hidden_size}, intermediate_size={intermediate_size}, top_k={top_k} "
+                "must all be positive"
+            )
+        self.config = config
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.top_k = top_k
+        self.dtype = dtype
+        self.format = make_format(config.weight_format, dtype)
+        self.operands = self.format.operands(hidden_size, intermediate_size)
+        self.num_experts_per_layer: list[int] = []
+        self.bank: ExpertBank | None = None
+        self.pool: ExpertPool | None = None
+
+    def register_layer(self, num_experts: int) -> int:
+        """Register one MoE layer with `num_experts` routed experts; returns its pooled-layer index."""
+        if self.pool is not None:
+            raise RuntimeError("register_layer() after install(): register every layer first")
+        if num_experts <= 0:
+            raise ValueError(f"num_experts={num_experts} must be positive")
+        self.num_experts_per_layer.append(num_experts)
+        return len(self.num_experts_per_layer) - 1
+
+    @property
+    def num_total_experts(self) -> int:
+        return sum(self.num_experts_per_layer)
+
+    @property
+    def all_resident(self) -> bool:
+        return self.config.pool_rows >= self.num_total_experts
+
+    def install(self, loader: ExpertLoader, priority: list[tuple[int, int]] | None = None) -> None:
+        """Load every expert through `loader`, one expert at a time, and fill the pool.
+
+        With `pool_rows >= total experts` every expert goes straight to a row (no bank). Otherwise every
+        expert goes to the bank, then the pool takes the first R pairs of `priority` (default layer-major).
+        """
+        if not self.num_experts_per_layer:
+            raise ValueError("install() with no registered layer: call register_layer() first")
+        if self.pool is not None:
+            raise RuntimeError("install() called twice")
+        R = self.config.pool_rows
+        if R < self.top_k:
+            raise ValueError(
+                f"pool_rows={R} is below top_k={self.top_k}: one token's experts must fit in "
+                f"the rows; use --moe-expert-pool-rows >= {self.top_k}"
+            )
+        device = self.config.torch_device
+        if self.all_resident:
+            self._install_resident(loader, device)
+        else:
+            self._install_banked(loader, device, priority)
+
+    def _install_resident(self, loader: ExpertLoader, device: torch.device) -> None:
+        total = self.num_total_experts
+        if self.config.pool_rows > total:
+            logger.info(
+                "pool_rows=%d >= %d experts: every expert resident, no host bank (%d rows used)",
+                self.config.pool_rows,
+                total,
+                total,
+            )
+        else:
+            logger.info(
+                "pool_rows=%d holds all %d experts: every expert resident, no host bank",
+                self.config.pool_rows,
+                total,
+            )
+        self.pool = ExpertPool(self.operands, self.num_experts_per_layer, total, device, bank=None)
+        row = 0
+        for layer, num_experts in enumerate(self.num_experts_per_layer):
+            for expert in range(num_experts):
+                weights = loader(layer, expert)
+                check_expert_weights(self.operands, weights, f"loader(layer={layer}, expert={expert})")
+                self.pool.place(layer, expert, row, weights)
+                row += 1
+
+    def _install_banked(
+        self, loader: ExpertLoader, device: torch.device, priority: list[tuple[int, int]] | None
+    ) -> None:
+        pin = device.type == "cuda"
+        self.bank = ExpertBank(self.operands, self.num_experts_per_layer, pin=pin)
+        for layer, num_experts in enumerate(self.num_experts_per_layer):
+            for expert in range(num_experts):
+                weights = loader(layer, expert)
+                check_expert_weights(self.operands, weights, f"loader(layer={layer}, expert={expert})")
+                self.bank.write_expert(layer, expert, weights)
+        self.pool = ExpertPool(
+            self.operands, self.num_experts_per_layer, self.config.pool_rows, device, self.bank
+        )
+        filled = self.pool.fill(priority)
+        logger.info(
+            "expert pool: %d rows (%.3f GiB on %s), %d filled, %d layers, %d experts",
+            self.pool.num_rows,
+            self.pool.nbytes / (1 << 30),
+            device,
+            filled,
+            len(self.num_experts_per_layer),
+            self.num_total_experts,
+        )
+
+    def _require_pool(self) -> ExpertPool:
+        if self.pool is None:
+            raise RuntimeError("PooledMoE used before install()")
+        return self.pool
+
+    def stats(self) -> PoolStats:
+        return self._require_pool().stats()
+
+    def forward(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        admit_misses: bool = True,
+    ) -> torch.Tensor:
+        """Routed-experts output of one pooled layer.
+
+        Args:
+          layer: pooled-layer index (from `register_layer`).
+          hidden: `[T, H]` in `dtype` (T may be 0).
+          topk_ids: `[T, K]` int32/int64 logical expert ids; -1 is padding and contributes nothing.
+          topk_weights: `[T, K]` floating combine weights.
+          admit_misses: copy missed experts into rows (LRU) before computing; False reads them in place.
+        Returns:
+          `[T, H]` in `dtype`: `sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t])`.
+        """
+        pool = self._require_pool()
+        if not 0 <= layer < len(self.num_experts_per_layer):
+            raise ValueError(f"layer {layer} out of range [0, {len(self.num_experts_per_layer)})")
+        _check_routing(
+            hidden, topk_ids, topk_weights, self.hidden_size, self.dtype, self.num_experts_per_layer[layer]
+        )
+        T, K = topk_ids.shape
+        expert_out = torch.zeros(
+            (T, K, self.hidden_size), dtype=self.dtype, device=hidden.device
+        )  # [T, K, H]
+        ids = topk_ids.long()  # [T, K]
+        experts = torch.unique(ids[ids >= 0]).tolist()
+        codes = pool.plan_step(layer, experts, admit_misses=admit_misses)
+        for expert, code in zip(experts, codes):
+            token_idx, slot_idx = (ids == expert).nonzero(as_tuple=True)
+            w13, w2 = self.format.expert_weights(pool.weights_at(layer, code))
+            x = hidden[token_idx]
+            expert_out[token_idx, slot_idx] = expert_mlp(x, w13.to(x.device), w2.to(x.device))
+        return combine(expert_out, topk_ids, topk_weights)
