@@ -21,7 +21,9 @@ import torch
 from pooled_runner.bank import ExpertBank, check_expert_weights
 from pooled_runner.config import PoolConfig
 from pooled_runner.formats import make_format
+from pooled_runner.guard import TORCH, KernelBackend, check_tensors
 from pooled_runner.pool import ExpertPool, PoolStats
+from pooled_runner.staging import LayerStager, check_fits
 
 logger = logging.getLogger("pooled_runner")
 
@@ -131,6 +133,10 @@ class PooledMoE:
         self.num_experts_per_layer: list[int] = []
         self.bank: ExpertBank | None = None
         self.pool: ExpertPool | None = None
+        self.stager: LayerStager | None = None
+        # The kernel backend whose index limit the bank-size guard checks (the torch path has none).
+        self.kernel_backend: KernelBackend = TORCH
+        self._last_layer: int | None = None  # a call at a layer <= the last one starts a new step
 
     def register_layer(self, num_experts: int) -> int:
         """Register one MoE layer with `num_experts` routed experts; returns its pooled-layer index."""
@@ -166,6 +172,8 @@ class PooledMoE:
                 f"the rows; use --moe-expert-pool-rows >= {self.top_k}"
             )
         device = self.config.torch_device
+        num_rows = min(R, self.num_total_experts)
+        check_tensors(self.kernel_backend, self.operands, num_rows, self.num_experts_per_layer)
         if self.all_resident:
             self._install_resident(loader, device)
         else:
@@ -209,6 +217,8 @@ class PooledMoE:
             self.operands, self.num_experts_per_layer, self.config.pool_rows, device, self.bank
         )
         filled = self.pool.fill(priority)
+        if self.config.prefill_staging:
+            self.stager = self._make_stager(device)
         logger.info(
             "expert pool: %d rows (%.3f GiB on %s), %d filled, %d layers, %d experts",
             self.pool.num_rows,
@@ -218,6 +228,34 @@ class PooledMoE:
             len(self.num_experts_per_layer),
             self.num_total_experts,
         )
+
+    def _make_stager(self, device: torch.device) -> LayerStager:
+        """Allocate the two staging buffers now (before an engine sizes its KV cache), or refuse."""
+        assert self.bank is not None and self.pool is not None
+        needed = LayerStager.buffer_bytes(self.operands, max(self.num_experts_per_layer))
+        if device.type == "cuda":
+            check_fits(needed, torch.cuda.mem_get_info(device)[0])
+        stager = LayerStager(
+            self.operands, self.bank, self.pool.num_rows, device, self.config.staging_min_tokens
+        )
+        logger.info(
+            "prefill staging: two full-layer buffers, %d bytes (%.3f GiB) on %s, steps >= %d tokens",
+            stager.nbytes,
+            stager.nbytes / (1 << 30),
+            device,
+            self.config.staging_min_tokens,
+        )
+        return stager
+
+    def _staged_source(self, layer: int, num_tokens: int) -> dict[str, torch.Tensor] | None:
+        """The staging buffer to read host codes from in this step, or None (read the bank's host view)."""
+        if self.stager is None:
+            return None
+        assert self.pool is not None
+        if self._last_layer is None or layer <= self._last_layer:
+            self.stager.begin_step(num_tokens, self.pool.l2p_gpu)
+        self._last_layer = layer
+        return self.stager.source(layer) if self.stager.active else None
 
     def _require_pool(self) -> ExpertPool:
         if self.pool is None:
@@ -258,10 +296,15 @@ class PooledMoE:
         )  # [T, K, H]
         ids = topk_ids.long()  # [T, K]
         experts = torch.unique(ids[ids >= 0]).tolist()
-        codes = pool.plan_step(layer, experts, admit_misses=admit_misses)
+        staged = self._staged_source(layer, T)
+        codes = pool.plan_step(layer, experts, admit_misses=admit_misses, staged=staged is not None)
         for expert, code in zip(experts, codes):
             token_idx, slot_idx = (ids == expert).nonzero(as_tuple=True)
-            w13, w2 = self.format.expert_weights(pool.weights_at(layer, code))
+            if staged is not None and code >= pool.num_rows:
+                rows = {name: t[code - pool.num_rows] for name, t in staged.items()}
+            else:
+                rows = pool.weights_at(layer, code)
+            w13, w2 = self.format.expert_weights(rows)
             x = hidden[token_idx]
             expert_out[token_idx, slot_idx] = expert_mlp(x, w13.to(x.device), w2.to(x.device))
         return combine(expert_out, topk_ids, topk_weights)

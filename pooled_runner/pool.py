@@ -249,13 +249,17 @@ class ExpertPool:
         self.stats_counters.admissions += 1
         return row
 
-    def plan_step(self, layer: int, experts: list[int], admit_misses: bool = True) -> list[int]:
+    def plan_step(
+        self, layer: int, experts: list[int], admit_misses: bool = True, staged: bool = False
+    ) -> list[int]:
         """Host-side LRU plan for one step of one layer: location codes for the distinct `experts`.
 
         Hits are touched; misses are admitted (copy-then-compute) while a row outside this step's rows can
         be evicted, and otherwise read through the host view (code R + e). `admit_misses=False` reads every
-        miss through the host view.
+        miss through the host view. `staged=True` (a prefill-staged step) admits nothing and counts no
+        host-view bytes: code R + e is then read from the staging buffer.
         """
+        admit_misses = admit_misses and not staged
         codes: list[int] = [self.lookup(layer, e) for e in experts]
         step_rows = {c for c in codes if c < self.num_rows}
         for c in codes:
@@ -269,7 +273,8 @@ class ExpertPool:
                 continue
             row = self.admit(layer, e, protected=step_rows) if admit_misses else None
             if row is None:
-                self.stats_counters.bytes_read_host_view += self.row_bytes
+                if not staged:
+                    self.stats_counters.bytes_read_host_view += self.row_bytes
             else:
                 codes[i] = row
                 step_rows.add(row)
