@@ -1,0 +1,65 @@
+"""transformers adapter on the CPU: greedy generate with the pool equals the unpooled model (float32)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+
+from pooled_runner import PoolConfig
+from pooled_runner.hf import PooledExperts, find_experts_modules, pool_experts
+from tests.hf_models import ARCHS, num_routed_experts, tiny_config
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def _model(arch: str, seed: int) -> transformers.PreTrainedModel:
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("frac", "staging"), [(0.25, False), (0.5, False), (0.25, True)])
+def test_greedy_tokens_equal_unpooled(arch, frac, staging):
+    model = _model(arch, seed=7)
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, 256, (2, 11), generator=g)
+    mask = torch.ones_like(prompt)
+    ref = model.generate(prompt, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+
+    num_layers = len(find_experts_modules(model))
+    cfg = model.config
+    rows = max(cfg.num_experts_per_tok, int(frac * num_layers * num_routed_experts(cfg)))
+    pool_cfg = PoolConfig(pool_rows=rows, device="cpu", prefill_staging=staging, staging_min_tokens=16)
+    moe = pool_experts(model, pool_cfg)
+    assert not find_experts_modules(model), "an experts module was left in place"
+    assert sum(isinstance(m, PooledExperts) for m in model.modules()) == num_layers
+    out = model.generate(prompt, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref), f"pooled tokens {out.tolist()} != unpooled {ref.tolist()}"
+
+    stats = moe.stats()
+    assert stats.misses > 0 and stats.admissions > 0 and stats.evictions > 0
+    if staging:  # the 22-token prefill is staged, decode steps are not
+        assert moe.stager is not None and moe.stager.stats.steps_staged == 1
+        assert moe.stager.stats.layers_staged == num_layers
+
+
+def test_model_without_experts_is_refused():
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48
+    )
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no routed-experts module"):
+        pool_experts(model, PoolConfig(pool_rows=4, device="cpu"))
+
+
+def test_pooled_module_holds_no_parameters():
+    model = _model("qwen3_moe", seed=1)
+    before = sum(p.numel() for p in model.parameters())
+    moe = pool_experts(model, PoolConfig(pool_rows=5, device="cpu"))
+    after = sum(p.numel() for p in model.parameters())
+    E, H, inter = 13, 64, 40
+    assert before - after == 3 * E * 3 * H * inter  # every expert left the model's parameters
+    assert moe.bank is not None and moe.bank.num_total_experts == 3 * E
