@@ -52,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(2, H, generator=g)
             ids = torch.multinomial(skew.expand(2, E), K, generator=g)  # [T, K]
             topk_w = torch.softmax(torch.randn(2, K, generator=g), dim=-1)  # [T, K]
-            out = pooled.forward(layer, x.to(pooled.config.torch_device), ids, topk_w)
-            ref = resident.forward(layer, x.to(resident.config.torch_device), ids, topk_w)
+            dev = pooled.config.torch_device
+            out = pooled.forward(layer, x.to(dev), ids.to(dev), topk_w.to(dev))
+            ref = resident.forward(layer, x.to(dev), ids.to(dev), topk_w.to(dev))
             if not torch.equal(out.cpu(), ref.cpu()):
                 print("MISMATCH between pooled and resident outputs")
                 return 1

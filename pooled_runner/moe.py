@@ -83,6 +83,11 @@ def _check_routing(
     if hidden.dtype != dtype:
         raise ValueError(f"hidden has dtype {hidden.dtype}, expected {dtype}")
     T = hidden.shape[0]
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.device != hidden.device:
+            raise ValueError(
+                f"{name} is on {t.device} but hidden is on {hidden.device}; put them on one device"
+            )
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
         raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}, expected [{T}, K]")
     if topk_ids.dtype not in (torch.int32, torch.int64):

@@ -147,6 +147,15 @@ def test_forward_rejects_bad_routing(hidden, ids, weights, match):
     assert torch.equal(moe.pool.l2p_host, before)
 
 
+def test_forward_rejects_routing_on_another_device():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a second device")
+    moe = _moe(rows=2)
+    moe.install(_loader)
+    with pytest.raises(ValueError, match="topk_ids is on cuda"):
+        moe.forward(0, torch.randn(1, 8), torch.zeros(1, 2, dtype=torch.long).cuda(), torch.rand(1, 2))
+
+
 def test_forward_before_install_and_bad_layer():
     moe = _moe(rows=2)
     with pytest.raises(RuntimeError, match="before install"):
