@@ -139,6 +139,7 @@ class PooledMoE:
         self.bank: ExpertBank | None = None
         self.pool: ExpertPool | None = None
         self.stager: LayerStager | None = None
+        self._storage: dict[str, torch.Tensor] | None = None  # bank tensors, or resident rows, once allocated
         # The kernel backend whose index limit the bank-size guard checks (the torch path has none).
         self.kernel_backend: KernelBackend = TORCH
         self._last_layer: int | None = None  # a call at a layer <= the last one starts a new step
@@ -165,11 +166,30 @@ class PooledMoE:
 
         With `pool_rows >= total experts` every expert goes straight to a row (no bank). Otherwise every
         expert goes to the bank, then the pool takes the first R pairs of `priority` (default layer-major).
+        Equivalent to `allocate()`, writing each expert into `expert_rows()`, then `finalize(priority)`.
+        """
+        self.allocate()
+        for layer, num_experts in enumerate(self.num_experts_per_layer):
+            for expert in range(num_experts):
+                weights = loader(layer, expert)
+                check_expert_weights(self.operands, weights, f"loader(layer={layer}, expert={expert})")
+                for name, dst in self.expert_rows(layer, expert).items():
+                    dst.copy_(weights[name])
+        self.finalize(priority)
+
+    # Staged installation, for engines whose loader delivers weights piece by piece (SGLang's weight_loader
+    # writes w1 and w3 of one expert in separate calls): allocate() once every layer is registered, write each
+    # expert into `expert_rows(layer, expert)` in place, then finalize().
+    def allocate(self) -> None:
+        """Check the configuration, then allocate the storage of every registered expert.
+
+        Storage is the host bank, or the pool rows themselves when every expert is resident. Raises
+        ValueError (rows below top-k, bank-size guard) before any weight is read.
         """
         if not self.num_experts_per_layer:
-            raise ValueError("install() with no registered layer: call register_layer() first")
-        if self.pool is not None:
-            raise RuntimeError("install() called twice")
+            raise ValueError("install()/allocate() with no registered layer: call register_layer() first")
+        if self.pool is not None or self._storage is not None:
+            raise RuntimeError("allocate()/install() called twice")
         R = self.config.pool_rows
         if R < self.top_k:
             raise ValueError(
@@ -177,47 +197,57 @@ class PooledMoE:
                 f"the rows; use --moe-expert-pool-rows >= {self.top_k}"
             )
         device = self.config.torch_device
-        num_rows = min(R, self.num_total_experts)
-        check_tensors(self.kernel_backend, self.operands, num_rows, self.num_experts_per_layer)
+        check_tensors(
+            self.kernel_backend, self.operands, min(R, self.num_total_experts), self.num_experts_per_layer
+        )
         if self.all_resident:
-            self._install_resident(loader, device)
+            total = self.num_total_experts
+            self._storage = {
+                spec.name: torch.empty((total, *spec.row_shape), dtype=spec.dtype, device=device)
+                for spec in self.operands
+            }
         else:
-            self._install_banked(loader, device, priority)
+            self.bank = ExpertBank(self.operands, self.num_experts_per_layer, pin=device.type == "cuda")
+            self._storage = self.bank.tensors_host
 
-    def _install_resident(self, loader: ExpertLoader, device: torch.device) -> None:
+    @property
+    def allocated(self) -> bool:
+        return self._storage is not None
+
+    def expert_rows(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """Writable views `{operand: [*row_shape]}` of one expert's storage (between allocate and finalize)."""
+        if self._storage is None or self.pool is not None:
+            raise RuntimeError("expert_rows() is only valid between allocate() and finalize()")
+        if not 0 <= layer < len(self.num_experts_per_layer):
+            raise ValueError(f"layer {layer} out of range [0, {len(self.num_experts_per_layer)})")
+        if not 0 <= expert < self.num_experts_per_layer[layer]:
+            raise ValueError(
+                f"expert {expert} out of range [0, {self.num_experts_per_layer[layer]}) for layer {layer}"
+            )
+        idx = sum(self.num_experts_per_layer[:layer]) + expert
+        return {name: t[idx] for name, t in self._storage.items()}
+
+    def finalize(self, priority: list[tuple[int, int]] | None = None) -> None:
+        """Build the pool over the written experts: all resident, or the first R of `priority` in rows."""
+        if self._storage is None:
+            raise RuntimeError("finalize() before allocate()")
+        if self.pool is not None:
+            raise RuntimeError("finalize() called twice")
+        device = self.config.torch_device
         total = self.num_total_experts
-        if self.config.pool_rows > total:
+        if self.all_resident:
+            self.pool = ExpertPool.all_resident(
+                self.operands, self.num_experts_per_layer, device, self._storage
+            )
             logger.info(
-                "pool_rows=%d >= %d experts: every expert resident, no host bank (%d rows used)",
+                "pool_rows=%d %s all %d experts: every expert resident, no host bank (%d rows used)",
                 self.config.pool_rows,
+                "holds" if self.config.pool_rows == total else ">=",
                 total,
                 total,
             )
-        else:
-            logger.info(
-                "pool_rows=%d holds all %d experts: every expert resident, no host bank",
-                self.config.pool_rows,
-                total,
-            )
-        self.pool = ExpertPool(self.operands, self.num_experts_per_layer, total, device, bank=None)
-        row = 0
-        for layer, num_experts in enumerate(self.num_experts_per_layer):
-            for expert in range(num_experts):
-                weights = loader(layer, expert)
-                check_expert_weights(self.operands, weights, f"loader(layer={layer}, expert={expert})")
-                self.pool.place(layer, expert, row, weights)
-                row += 1
-
-    def _install_banked(
-        self, loader: ExpertLoader, device: torch.device, priority: list[tuple[int, int]] | None
-    ) -> None:
-        pin = device.type == "cuda"
-        self.bank = ExpertBank(self.operands, self.num_experts_per_layer, pin=pin)
-        for layer, num_experts in enumerate(self.num_experts_per_layer):
-            for expert in range(num_experts):
-                weights = loader(layer, expert)
-                check_expert_weights(self.operands, weights, f"loader(layer={layer}, expert={expert})")
-                self.bank.write_expert(layer, expert, weights)
+            return
+        assert self.bank is not None
         self.pool = ExpertPool(
             self.operands, self.num_experts_per_layer, self.config.pool_rows, device, self.bank
         )
@@ -231,7 +261,7 @@ class PooledMoE:
             device,
             filled,
             len(self.num_experts_per_layer),
-            self.num_total_experts,
+            total,
         )
 
     def _make_stager(self, device: torch.device) -> LayerStager:

@@ -62,6 +62,7 @@ class ExpertPool:
         num_rows: int,
         device: torch.device,
         bank: ExpertBank | None,
+        allocate_rows: bool = True,
     ):
         num_total = sum(num_experts_per_layer)
         if num_rows <= 0:
@@ -75,10 +76,14 @@ class ExpertPool:
         self.bank = bank
         self.max_experts = max(num_experts_per_layer)
         # Rows on the pool device (the GPU; the CPU in CPU runs).
-        self.rows_gpu: dict[str, torch.Tensor] = {
-            spec.name: torch.empty((num_rows, *spec.row_shape), dtype=spec.dtype, device=device)
-            for spec in operands
-        }
+        self.rows_gpu: dict[str, torch.Tensor] = (
+            {
+                spec.name: torch.empty((num_rows, *spec.row_shape), dtype=spec.dtype, device=device)
+                for spec in operands
+            }
+            if allocate_rows
+            else {}
+        )
         self.l2p_host = torch.full((self.num_layers, self.max_experts), NOT_ROUTED, dtype=torch.int32)
         for layer, num_experts in enumerate(num_experts_per_layer):
             self.l2p_host[layer, :num_experts] = num_rows + torch.arange(num_experts, dtype=torch.int32)
@@ -87,6 +92,32 @@ class ExpertPool:
         self._lru: OrderedDict[int, None] = OrderedDict()  # rows in use, least recently used first
         self._free_rows: list[int] = list(range(num_rows - 1, -1, -1))  # pop() yields the lowest row
         self.stats_counters = PoolStats()
+
+    @classmethod
+    def all_resident(
+        cls,
+        operands: tuple[OperandSpec, ...],
+        num_experts_per_layer: list[int],
+        device: torch.device,
+        rows_gpu: dict[str, torch.Tensor],
+    ) -> ExpertPool:
+        """A pool adopting `rows_gpu` (`[total experts, *row]`, layer-major) as its rows: every expert resident."""
+        total = sum(num_experts_per_layer)
+        pool = cls(operands, num_experts_per_layer, total, device, bank=None, allocate_rows=False)
+        for spec in operands:
+            t = rows_gpu[spec.name]
+            if tuple(t.shape) != (total, *spec.row_shape) or t.dtype != spec.dtype or t.device != device:
+                raise ValueError(
+                    f"rows {spec.name}: {tuple(t.shape)} {t.dtype} on {t.device}, expected "
+                    f"{(total, *spec.row_shape)} {spec.dtype} on {device}"
+                )
+        pool.rows_gpu = dict(rows_gpu)
+        row = 0
+        for layer, num_experts in enumerate(num_experts_per_layer):
+            for expert in range(num_experts):
+                pool._assign(layer, expert, row)
+                row += 1
+        return pool
 
     # ----------------------------------------------------------------------------------------------
     # Queries
@@ -198,7 +229,14 @@ class ExpertPool:
             weights = self.bank.row(layer, expert)
             self.stats_counters.bytes_copied_to_rows += self.row_bytes
         self.write_row(row, weights)
-        self._free_rows.remove(row)
+        self._assign(layer, expert, row)
+
+    def _assign(self, layer: int, expert: int, row: int) -> None:
+        """Record that `row` (free) now holds (layer, expert); its weights are already there."""
+        if self._free_rows and self._free_rows[-1] == row:  # the usual case (lowest free row): O(1)
+            self._free_rows.pop()
+        else:
+            self._free_rows.remove(row)
         self.row_owner[row] = (layer, expert)
         self._lru[row] = None
         self._set_code(layer, expert, row)
