@@ -131,6 +131,8 @@ class PooledMoE:
         self.num_experts_per_layer: list[int] = []
         self.bank: ExpertBank | None = None
         self.pool: ExpertPool | None = None
+        # Storage written in place by `expert_rows` between `allocate` and `finalize` (staged installation).
+        self._staged_rows: dict[str, torch.Tensor] | None = None
 
     def register_layer(self, num_experts: int) -> int:
         """Register one MoE layer with `num_experts` routed experts; returns its pooled-layer index."""
@@ -205,6 +207,90 @@ class PooledMoE:
                 weights = loader(layer, expert)
                 check_expert_weights(self.operands, weights, f"loader(layer={layer}, expert={expert})")
                 self.bank.write_expert(layer, expert, weights)
+        self.pool = ExpertPool(
+            self.operands, self.num_experts_per_layer, self.config.pool_rows, device, self.bank
+        )
+        filled = self.pool.fill(priority)
+        logger.info(
+            "expert pool: %d rows (%.3f GiB on %s), %d filled, %d layers, %d experts",
+            self.pool.num_rows,
+            self.pool.nbytes / (1 << 30),
+            device,
+            filled,
+            len(self.num_experts_per_layer),
+            self.num_total_experts,
+        )
+
+    # ----------------------------------------------------------------------------------------------
+    # Staged installation, for engines whose loader delivers weights piece by piece (SGLang's
+    # weight_loader writes w1 and w3 of one expert in separate calls): allocate() once every layer is
+    # registered, write each expert into `expert_rows(layer, expert)` in place, then finalize().
+    def allocate(self) -> None:
+        """Allocate the storage of every registered expert (bank, or pool rows when all are resident).
+
+        After this, `expert_rows` gives writable views; `finalize` must follow once all are written.
+        """
+        if not self.num_experts_per_layer:
+            raise ValueError("allocate() with no registered layer: call register_layer() first")
+        if self.pool is not None or self._staged_rows is not None:
+            raise RuntimeError("allocate() called twice, or after install()")
+        R = self.config.pool_rows
+        if R < self.top_k:
+            raise ValueError(
+                f"pool_rows={R} is below top_k={self.top_k}: one token's experts must fit in "
+                f"the rows; use --moe-expert-pool-rows >= {self.top_k}"
+            )
+        device = self.config.torch_device
+        if self.all_resident:
+            total = self.num_total_experts
+            self._staged_rows = {
+                spec.name: torch.empty((total, *spec.row_shape), dtype=spec.dtype, device=device)
+                for spec in self.operands
+            }
+        else:
+            self.bank = ExpertBank(self.operands, self.num_experts_per_layer, pin=device.type == "cuda")
+            self._staged_rows = self.bank.tensors_host
+
+    @property
+    def allocated(self) -> bool:
+        return self._staged_rows is not None
+
+    def _flat_index(self, layer: int, expert: int) -> int:
+        if not 0 <= layer < len(self.num_experts_per_layer):
+            raise ValueError(f"layer {layer} out of range [0, {len(self.num_experts_per_layer)})")
+        if not 0 <= expert < self.num_experts_per_layer[layer]:
+            raise ValueError(
+                f"expert {expert} out of range [0, {self.num_experts_per_layer[layer]}) for layer {layer}"
+            )
+        return sum(self.num_experts_per_layer[:layer]) + expert
+
+    def expert_rows(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """Writable views `{operand: [*row_shape]}` of one expert's storage (between allocate and finalize)."""
+        if self._staged_rows is None or self.pool is not None:
+            raise RuntimeError("expert_rows() is only valid between allocate() and finalize()")
+        idx = self._flat_index(layer, expert)
+        return {name: t[idx] for name, t in self._staged_rows.items()}
+
+    def finalize(self, priority: list[tuple[int, int]] | None = None) -> None:
+        """Build the pool over the written experts: all resident, or the first R of `priority` in rows."""
+        if self._staged_rows is None:
+            raise RuntimeError("finalize() before allocate()")
+        if self.pool is not None:
+            raise RuntimeError("finalize() called twice")
+        device = self.config.torch_device
+        if self.all_resident:
+            total = self.num_total_experts
+            self.pool = ExpertPool(self.operands, self.num_experts_per_layer, total, device, bank=None)
+            # The staged tensors become the rows: no second copy of the weights.
+            self.pool.rows_gpu = self._staged_rows
+            row = 0
+            for layer, num_experts in enumerate(self.num_experts_per_layer):
+                for expert in range(num_experts):
+                    self.pool.place(layer, expert, row, self.pool.weights_at(layer, row))
+                    row += 1
+            logger.info("expert pool: every one of %d experts resident on %s, no host bank", total, device)
+            return
+        assert self.bank is not None
         self.pool = ExpertPool(
             self.operands, self.num_experts_per_layer, self.config.pool_rows, device, self.bank
         )
