@@ -93,7 +93,9 @@ def pool_problems(rows: int | None, facts: ModelFacts | None) -> list[str]:
     if facts is None:
         return out
     if facts.num_moe_layers == 0:
-        out.append("the model has no MoE layer (no routed experts in config.json): serve it with SGLang directly")
+        out.append(
+            "the model has no MoE layer (no routed experts in config.json): serve it with SGLang directly"
+        )
         return out
     if facts.quantization is not None:
         out.append(
@@ -102,7 +104,9 @@ def pool_problems(rows: int | None, facts: ModelFacts | None) -> list[str]:
         )
     if rows is not None and rows > 0:
         if facts.top_k and rows < facts.top_k:
-            out.append(f"{flag} {rows} is below top-k {facts.top_k}: one token's experts must fit; use >= {facts.top_k}")
+            out.append(
+                f"{flag} {rows} is below top-k {facts.top_k}: one token's experts must fit; use >= {facts.top_k}"
+            )
         if rows > facts.num_total_experts:
             out.append(
                 f"{flag} {rows} is above the {facts.num_total_experts} routed experts of the model "
@@ -195,7 +199,9 @@ def serve(plan: LaunchPlan) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=envs.log_level(), format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+    logging.basicConfig(
+        level=envs.log_level(), format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S"
+    )
     parser = build_parser()
     ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if ours.help:

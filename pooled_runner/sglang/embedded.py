@@ -201,7 +201,12 @@ def write_tokenizer(out: Path) -> tuple[dict[str, int], int]:
     tok.train_from_iterator(_CORPUS.splitlines(keepends=True) * 4, trainer=trainer)
 
     tok.save(str(out / "tokenizer.json"))
-    special_ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    special_ids: dict[str, int] = {}
+    for t in SPECIAL_TOKENS:
+        token_id = tok.token_to_id(t)
+        if token_id is None:
+            raise RuntimeError(f"embedded tokenizer lost special token {t!r}")
+        special_ids[t] = token_id
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": 4096,
@@ -213,8 +218,14 @@ def write_tokenizer(out: Path) -> tuple[dict[str, int], int]:
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
         "added_tokens_decoder": {
-            str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
-                     "single_word": False}
+            str(i): {
+                "content": t,
+                "special": True,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            }
             for t, i in special_ids.items()
         },
     }
@@ -232,4 +243,3 @@ def digest(path: Path) -> str:
         h.update(f.name.encode())
         h.update(f.read_bytes())
     return h.hexdigest()
-

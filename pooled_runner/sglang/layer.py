@@ -15,6 +15,7 @@ from typing import Any
 
 from sglang.srt.layers.moe import get_moe_runner_backend
 from sglang.srt.layers.moe.fused_moe_triton import layer as fused_moe_layer
+from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE as _FusedMoE
 from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
 from sglang.srt.runtime_context import get_flags, get_parallel
 
@@ -24,7 +25,6 @@ from pooled_runner.sglang.runtime import get_runtime
 logger = logging.getLogger("pooled_runner")
 
 TARGET = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE"
-_FusedMoE = fused_moe_layer.FusedMoE
 _SIGNATURE = inspect.signature(_FusedMoE.__init__)
 
 

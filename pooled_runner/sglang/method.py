@@ -45,7 +45,7 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
 
     def create_weights(
         self,
-        layer: torch.nn.Module,
+        layer: Any,
         num_experts: int,
         hidden_size: int,
         intermediate_size_per_partition: int,
@@ -79,7 +79,7 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             param = getattr(layer, param_name)
             param.weight_loader = self._make_bank_loader(layer, operand)
 
-    def _make_bank_loader(self, layer: torch.nn.Module, operand: str) -> Any:
+    def _make_bank_loader(self, layer: Any, operand: str) -> Any:
         def weight_loader(
             param: torch.nn.Parameter,
             loaded_weight: torch.Tensor,
@@ -121,15 +121,15 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
 
         return weight_loader
 
-    def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config: Any) -> None:
+    def create_moe_runner(self, layer: Any, moe_runner_config: Any) -> None:
         self.base_method.create_moe_runner(layer, moe_runner_config)
         self.runner = self.base_method.runner
         self.routed_scaling_factor = moe_runner_config.routed_scaling_factor or 1.0
 
-    def get_moe_runner_backend(self, layer: torch.nn.Module) -> Any:
+    def get_moe_runner_backend(self, layer: Any) -> Any:
         return self.base_method.get_moe_runner_backend(layer)
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         missing = [
             f"expert {e} {shard}"
             for e in range(self.num_experts)
@@ -146,7 +146,7 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             param.data = param.data.new_empty((0, *param.shape[1:]))
         self.runtime.layer_loaded(self.index)
 
-    def apply(self, layer: torch.nn.Module, dispatch_output: Any) -> Any:
+    def apply(self, layer: Any, dispatch_output: Any) -> Any:  # type: ignore[override]
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
         from sglang.srt.layers.moe.topk import TopKOutputChecker
 

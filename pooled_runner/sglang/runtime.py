@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from pooled_runner.moe import PooledMoE
 from pooled_runner.sglang.serve_config import ServeConfig
+
+if TYPE_CHECKING:
+    from pooled_runner.sglang.metrics import PoolMetrics
 
 logger = logging.getLogger("pooled_runner")
 
@@ -41,7 +45,7 @@ class PoolRuntime:
         self._load_start: float | None = None
         self.num_steps = 0
         self.num_tokens = 0
-        self._metrics = None
+        self._metrics: PoolMetrics | None = None
 
     # ---------------------------------------------------------------------------------------------
     # Construction
