@@ -149,6 +149,10 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
     if problems:
         raise ValueError("cannot launch:\n  - " + "\n  - ".join(problems))
     cpu = not cuda_available
+    if pool is not None and not cpu and not _has_flag(argv, "--disable-cuda-graph"):
+        # The pooled forward plans on the host for now (it syncs), which a CUDA graph cannot capture; the
+        # device planner lifts this. Said in the log by main().
+        argv += ["--disable-cuda-graph"]
     if cpu:
         if not _has_flag(argv, "--device"):
             argv += ["--device", "cpu"]
@@ -219,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         f"pool {pool}" if pool is not None else "pooling off (--no-moe-expert-pool)",
         " ".join(plan.sglang_argv),
     )
+    if "--disable-cuda-graph" in plan.sglang_argv and "--disable-cuda-graph" not in rest:
+        logger.warning("pooled_runner: CUDA graphs disabled: the pooled forward plans on the host for now")
     serve(plan)
     return 0
 

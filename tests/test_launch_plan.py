@@ -82,7 +82,9 @@ def test_user_cpu_flags_are_kept_and_cuda_adds_nothing(tmp_path: Path) -> None:
     ]
     assert plan(argv).sglang_argv == argv[:1] + argv[3:]
     cuda = plan(["--model-path", str(model), "--moe-expert-pool-rows", "4"], cuda=True)
-    assert cuda.sglang_argv == ["--model-path", str(model)] and not cuda.serve.cpu
+    assert cuda.sglang_argv == ["--model-path", str(model), "--disable-cuda-graph"] and not cuda.serve.cpu
+    unpooled = plan(["--model-path", str(model), "--no-moe-expert-pool"], cuda=True)
+    assert unpooled.sglang_argv == ["--model-path", str(model)]
 
 
 @pytest.mark.parametrize(
