@@ -39,3 +39,13 @@ def force_torch_path() -> bool:
 def debug_checks() -> bool:
     """POOLED_RUNNER_DEBUG_CHECKS: verify pool invariants after every change (slow; tests and debugging)."""
     return _get_bool("DEBUG_CHECKS", False)
+
+
+def cache_dir() -> str:
+    """POOLED_RUNNER_CACHE_DIR: where generated checkpoints (the embedded model) are kept."""
+    return _get_str("CACHE_DIR", "~/.cache/pooled_runner")
+
+
+def serve_config() -> str:
+    """POOLED_RUNNER_SERVE_CONFIG: JSON of the resolved serving config, set by the launcher for its children."""
+    return _get_str("SERVE_CONFIG", "")

@@ -3,7 +3,7 @@
 # Usage: bash scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/env.sh test
+source scripts/env.sh test,serve
 ruff check .
 ruff format --check .
 mypy

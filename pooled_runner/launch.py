@@ -1,0 +1,233 @@
+"""`python -m pooled_runner.launch`: an SGLang 0.5.23 server whose MoE layers run out of the expert pool.
+
+Our flags (`--moe-expert-pool-*`, from `PoolConfig`) are parsed first with `parse_known_args`; everything else
+goes unchanged to SGLang's `prepare_server_args`, so every SGLang flag and endpoint stays as it is. With no
+`--model` the embedded tiny Qwen3-MoE is generated (once, offline) and served. Without CUDA the CPU defaults
+are added unless given (`--device cpu`, `--max-total-tokens 4096`) and the CPU patches are applied in this
+process and in the spawned children. The resolved configuration reaches the children through the
+environment (`POOLED_RUNNER_SERVE_CONFIG`).
+
+Everything up to `LaunchPlan` runs without importing SGLang, so bad flags are refused in a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from pooled_runner import envs
+from pooled_runner.config import PoolConfig, add_cli_arguments, cli_fields, flag_name
+from pooled_runner.sglang.model_facts import ModelFacts, read_model_facts
+from pooled_runner.sglang.serve_config import ServeConfig
+
+logger = logging.getLogger("pooled_runner")
+
+PROG = "python -m pooled_runner.launch"
+CPU_MAX_TOTAL_TOKENS = 4096
+_MODEL_FLAGS = ("--model-path", "--model")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Our flags only (SGLang's are parsed by SGLang); `--help` prints these, then SGLang's."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        add_help=False,
+        allow_abbrev=False,  # never swallow an SGLang flag as an abbreviation of ours
+        description="SGLang server with pooled MoE experts. Flags not listed here are SGLang's (below).",
+    )
+    parser.add_argument("-h", "--help", action="store_true", help="show our flags, then SGLang's, and exit")
+    add_cli_arguments(parser)
+    group = parser.add_argument_group("pooled_runner (launcher)")
+    group.add_argument(
+        "--no-moe-expert-pool",
+        dest="no_pool",
+        action="store_true",
+        help="serve with SGLang's own MoE layers (the unpooled baseline); CPU support still applies",
+    )
+    group.add_argument(
+        "--moe-expert-pool-stats-interval",
+        dest="stats_interval",
+        type=int,
+        default=64,
+        help="log pool statistics (and update the /metrics gauges) every N forward steps",
+    )
+    return parser
+
+
+def _has_flag(argv: list[str], *names: str) -> bool:
+    return any(a == n or a.startswith(n + "=") for a in argv for n in names)
+
+
+def _flag_value(argv: list[str], *names: str) -> str | None:
+    for i, a in enumerate(argv):
+        for n in names:
+            if a == n and i + 1 < len(argv):
+                return argv[i + 1]
+            if a.startswith(n + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What the launcher will do: the serving config for every process and SGLang's argv."""
+
+    serve: ServeConfig
+    sglang_argv: list[str]
+    embedded: bool
+
+
+def pool_problems(rows: int | None, facts: ModelFacts | None) -> list[str]:
+    """Every problem with `--moe-expert-pool-rows` against the model, each with its fix."""
+    flag = flag_name("pool_rows")
+    out: list[str] = []
+    if rows is None:
+        out.append(f"{flag} N is required (N = device rows of the expert pool, shared by all MoE layers)")
+    elif rows <= 0:
+        out.append(f"{flag} {rows}: must be a positive number of rows")
+    if facts is None:
+        return out
+    if facts.num_moe_layers == 0:
+        out.append(
+            "the model has no MoE layer (no routed experts in config.json): serve it with SGLang directly"
+        )
+        return out
+    if facts.quantization is not None:
+        out.append(
+            f"quantization {facts.quantization!r}: the pool handles unquantized (bf16/fp16/fp32) experts only; "
+            "use an unquantized checkpoint or pass --no-moe-expert-pool"
+        )
+    if rows is not None and rows > 0:
+        if facts.top_k and rows < facts.top_k:
+            out.append(
+                f"{flag} {rows} is below top-k {facts.top_k}: one token's experts must fit; use >= {facts.top_k}"
+            )
+        if rows > facts.num_total_experts:
+            out.append(
+                f"{flag} {rows} is above the {facts.num_total_experts} routed experts of the model "
+                f"({facts.num_moe_layers} MoE layers x {facts.num_experts}); use <= {facts.num_total_experts}"
+            )
+    return out
+
+
+def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bool) -> LaunchPlan:
+    """Turn our parsed flags and SGLang's argv into a LaunchPlan; ValueError lists every problem at once."""
+    argv = list(rest)
+    problems: list[str] = []
+    embedded = not _has_flag(argv, *_MODEL_FLAGS)
+    rows = ours.pool_rows
+    if embedded:
+        from pooled_runner.sglang.embedded import DEFAULT_POOL_ROWS, ensure_embedded_model
+
+        argv = ["--model-path", str(ensure_embedded_model()), *argv]
+        if rows is None:
+            rows = DEFAULT_POOL_ROWS
+    pool: PoolConfig | None = None
+    if not ours.no_pool:
+        if _has_flag(argv, "--enable-paged-experts"):
+            problems.append(
+                "--enable-paged-experts is SGLang's own per-layer expert paging; it cannot wrap the pooled "
+                "layers. Use one of them (drop --enable-paged-experts, or pass --no-moe-expert-pool)"
+            )
+        model_path = _flag_value(argv, *_MODEL_FLAGS)
+        facts = read_model_facts(model_path) if model_path else None
+        problems += pool_problems(rows, facts)
+        if ours.stats_interval <= 0:
+            problems.append(f"--moe-expert-pool-stats-interval {ours.stats_interval}: must be positive")
+        if not problems:
+            values = {f.name: getattr(ours, f.name) for f in cli_fields()}
+            values["pool_rows"] = rows
+            try:
+                pool = PoolConfig.resolve(**values)
+            except ValueError as exc:
+                problems.append(str(exc))
+    if problems:
+        raise ValueError("cannot launch:\n  - " + "\n  - ".join(problems))
+    cpu = not cuda_available
+    if pool is not None and not cpu and not _has_flag(argv, "--disable-cuda-graph"):
+        # The pooled forward plans on the host for now (it syncs), which a CUDA graph cannot capture; the
+        # device planner lifts this. Said in the log by main().
+        argv += ["--disable-cuda-graph"]
+    if cpu:
+        if not _has_flag(argv, "--device"):
+            argv += ["--device", "cpu"]
+        if not _has_flag(argv, "--max-total-tokens"):
+            argv += ["--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS)]
+    serve = ServeConfig(
+        pool=pool,
+        cpu=cpu,
+        metrics=_has_flag(argv, "--enable-metrics"),
+        stats_interval=ours.stats_interval,
+    )
+    return LaunchPlan(serve=serve, sglang_argv=argv, embedded=embedded)
+
+
+def print_help(parser: argparse.ArgumentParser) -> None:
+    parser.print_help()
+    print("\n==== SGLang's flags (all accepted unchanged) ====\n", flush=True)
+    from sglang.srt.server_args import prepare_server_args
+
+    prepare_server_args(["--help"])  # prints SGLang's help and exits
+
+
+def serve(plan: LaunchPlan) -> None:
+    """Start SGLang's HTTP server with our wrapped child entry functions; returns when it stops."""
+    plan.serve.export()
+    if plan.serve.cpu:
+        from pooled_runner.patches import apply_cpu_patches
+
+        logger.info("no CUDA: applied %s", ", ".join(apply_cpu_patches()))
+    from sglang.srt.entrypoints.http_server import launch_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    from pooled_runner.sglang import children
+
+    load_plugins()
+    server_args = prepare_server_args(plan.sglang_argv)
+    server_args.resolve_once()
+    try:
+        launch_server(
+            server_args,
+            run_scheduler_process_func=children.run_scheduler_process,
+            run_detokenizer_process_func=children.run_detokenizer_process,
+        )
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=envs.log_level(), format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S"
+    )
+    parser = build_parser()
+    ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if ours.help:
+        print_help(parser)
+        return 0
+    try:
+        plan = resolve_launch(ours, rest, torch.cuda.is_available())
+    except ValueError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    pool = plan.serve.pool
+    logger.info(
+        "pooled_runner: %s; %s; SGLang args: %s",
+        "embedded model (random weights)" if plan.embedded else "user model",
+        f"pool {pool}" if pool is not None else "pooling off (--no-moe-expert-pool)",
+        " ".join(plan.sglang_argv),
+    )
+    if "--disable-cuda-graph" in plan.sglang_argv and "--disable-cuda-graph" not in rest:
+        logger.warning("pooled_runner: CUDA graphs disabled: the pooled forward plans on the host for now")
+    serve(plan)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The SGLang layer: everything here may import SGLang (the core never does)."""

@@ -1,0 +1,95 @@
+"""`PooledFusedMoE`: SGLang's `FusedMoE`, with the pooled method for the layers the pool handles.
+
+Installed with SGLang's `HookRegistry` class REPLACE (`install_layer_hook`), which also rewrites every stale
+`from ... import FusedMoE` binding, so every model file builds this class. For each layer it decides, before
+any weight exists, whether the pool handles it; if so it passes `quant_method=PooledMoEMethod(base)` to
+`FusedMoE.__init__`, otherwise the layer is built exactly as SGLang would and keeps its experts on the device
+(one warning for the whole model, from the runtime).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+from sglang.srt.layers.moe import get_moe_runner_backend
+from sglang.srt.layers.moe.fused_moe_triton import layer as fused_moe_layer
+from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE as _FusedMoE
+from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
+from sglang.srt.runtime_context import get_flags, get_parallel
+
+from pooled_runner.sglang.method import PooledMoEMethod
+from pooled_runner.sglang.runtime import get_runtime
+
+logger = logging.getLogger("pooled_runner")
+
+TARGET = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE"
+_SIGNATURE = inspect.signature(_FusedMoE.__init__)
+
+
+def not_pooled_reason(args: dict[str, Any]) -> str | None:
+    """Why the pool cannot handle a layer built with these `FusedMoE.__init__` arguments (None: it can)."""
+    if get_flags().moe.in_speculative_scope:
+        return "draft-model layer"
+    if args.get("quant_method") is not None:
+        return f"explicit quant method {type(args['quant_method']).__name__}"
+    quant_config = args.get("quant_config")
+    if quant_config is not None:
+        return f"quantization {quant_config.get_name()} (the pool handles unquantized experts)"
+    if args.get("with_bias"):
+        return "expert biases"
+    if args.get("apply_router_weight_on_input"):
+        return "router weight applied on the input"
+    if args.get("activation", "silu") != "silu" or not args.get("is_gated", True):
+        return f"activation {args.get('activation')!r} (the pool computes gated SiLU)"
+    if args.get("num_fused_shared_experts", 0):
+        return "fused shared experts (use --disable-shared-experts-fusion)"
+    if args.get("use_weight_loader_fused"):
+        return "fused expert weight loader"
+    if args.get("gemm1_alpha") is not None or args.get("gemm1_clamp_limit") is not None:
+        return "clamped/scaled gate activation"
+    if get_parallel().moe_ep_size > 1:
+        return "expert parallelism (--ep-size > 1)"
+    return None
+
+
+class PooledFusedMoE(_FusedMoE):
+    """`FusedMoE` whose routed experts live in the shared pool when the pool handles the layer."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        bound = _SIGNATURE.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        values.pop("self")
+        runtime = get_runtime()
+        if runtime is not None:
+            reason = not_pooled_reason(values)
+            if reason is None:
+                backend = get_moe_runner_backend()
+                base = UnquantizedFusedMoEMethod(
+                    backend.is_triton_kernels(),
+                    backend.is_flashinfer_trtllm() or backend.is_flashinfer_trtllm_routed(),
+                    backend.is_deep_gemm() or backend.is_lora(),
+                )
+                values["quant_method"] = PooledMoEMethod(base, runtime)
+            else:
+                runtime.note_not_pooled(values.get("prefix", "") or f"layer {values['layer_id']}", reason)
+        super().__init__(**values)
+
+    @property
+    def is_pooled(self) -> bool:
+        return isinstance(self.quant_method, PooledMoEMethod)
+
+
+def install_layer_hook() -> None:
+    """Replace `FusedMoE` by `PooledFusedMoE` everywhere (HookRegistry REPLACE); raise if it did not take."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if fused_moe_layer.FusedMoE is PooledFusedMoE:
+        return
+    HookRegistry.register(TARGET, PooledFusedMoE, HookType.REPLACE)
+    HookRegistry.apply_hooks()  # logs (does not raise) on failure: check below
+    if fused_moe_layer.FusedMoE is not PooledFusedMoE:
+        raise RuntimeError(f"pooled_runner: HookRegistry did not replace {TARGET}; see the log above")
+    logger.info("pooled_runner: %s replaced by PooledFusedMoE", TARGET)

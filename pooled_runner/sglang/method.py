@@ -1,0 +1,164 @@
+"""`PooledMoEMethod`: a `FusedMoEMethodBase` that runs a `FusedMoE` layer's experts out of the shared pool.
+
+It wraps the layer's own quant method the way SGLang's paged experts does: the base method creates the
+layer's parameters (with ONE expert: a placeholder that gives the loader its layout and tags), every expert
+parameter's `weight_loader` is replaced by one that runs the layer's native per-expert loader
+(`FusedMoE._weight_loader_impl`: TP sharding, w1/w3 placement) on a one-row view of the expert's storage in
+the pool's bank, so bank rows have exactly the layout the device weights would have. `apply` runs the
+pooled forward (`PooledMoE.forward`). Only `pooled_runner.sglang` imports SGLang.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
+
+from pooled_runner.sglang.runtime import PoolRuntime
+
+logger = logging.getLogger("pooled_runner")
+
+# Our operand name -> the FusedMoE parameter holding it, and the checkpoint shards that write it.
+PARAMS = {"w13": ("w13_weight", ("w1", "w3")), "w2": ("w2_weight", ("w2",))}
+
+
+class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
+    """Experts of one `FusedMoE` layer served from the pool (an `nn.Module`, like the methods it wraps).
+
+    Args:
+      base_method: the layer's own (unquantized) method; it creates the placeholder parameters and the
+        runner, and decides the loader's layout.
+      runtime: the process's pool runtime (`pooled_runner.sglang.runtime`).
+    """
+
+    def __init__(self, base_method: FusedMoEMethodBase, runtime: PoolRuntime):
+        torch.nn.Module.__init__(self)
+        self.base_method = base_method
+        self.runtime = runtime
+        self.index = -1  # pooled-layer index, set in create_weights
+        self.num_experts = 0
+        self.layer_name = ""
+        self.routed_scaling_factor = 1.0
+        self._written: set[tuple[int, str]] = set()
+
+    def create_weights(
+        self,
+        layer: Any,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra: Any,
+    ) -> None:
+        self.num_experts = num_experts
+        self.layer_name = getattr(layer, "layer_name", "") or f"layer {getattr(layer, 'layer_id', '?')}"
+        self.index = self.runtime.register_layer(
+            self.layer_name,
+            num_experts,
+            hidden_size,
+            intermediate_size_per_partition,
+            int(layer.top_k),
+            params_dtype,
+        )
+        # One placeholder expert on the device: the loader's layout and tags come from it.
+        self.base_method.create_weights(
+            layer=layer,
+            num_experts=1,
+            hidden_size=hidden_size,
+            intermediate_size_per_partition=intermediate_size_per_partition,
+            params_dtype=params_dtype,
+            **extra,
+        )
+        layer.weight_load_method = self.base_method
+        layer._derived_weight_cache_error = (
+            "Online weight updates are not supported for pooled MoE layers: pool rows would keep old weights."
+        )
+        for operand, (param_name, _shards) in PARAMS.items():
+            param = getattr(layer, param_name)
+            param.weight_loader = self._make_bank_loader(layer, operand)
+
+    def _make_bank_loader(self, layer: Any, operand: str) -> Any:
+        def weight_loader(
+            param: torch.nn.Parameter,
+            loaded_weight: torch.Tensor,
+            weight_name: str,
+            shard_id: str,
+            *rest: Any,
+            **kwargs: Any,
+        ) -> None:
+            expert_id = kwargs.get("expert_id", rest[0] if rest else None)
+            if expert_id is None:
+                raise ValueError(
+                    f"{weight_name}: a stacked tensor of all experts (no expert_id) is not supported by the "
+                    "expert pool; pooled layers load one expert at a time"
+                )
+            if not 0 <= expert_id < self.num_experts:
+                raise ValueError(
+                    f"{weight_name}: expert id {expert_id} out of range [0, {self.num_experts}) of {self.layer_name}"
+                )
+            moe = self.runtime.ensure_allocated()
+            storage = moe.expert_rows(self.index, expert_id)[operand]
+            # The native loader writes into expert 0 of a one-row view of the bank row, so the row gets the
+            # layout (and the TP shard) the device weight would have. The view carries the parameter's tags.
+            row = torch.nn.Parameter(storage.unsqueeze(0), requires_grad=False)
+            row.__dict__.update(param.__dict__)
+            try:
+                layer._weight_loader_impl(
+                    param=row,
+                    loaded_weight=loaded_weight,
+                    weight_name=weight_name,
+                    shard_id=shard_id,
+                    expert_id=0,
+                )
+            except (RuntimeError, ValueError, AssertionError) as exc:
+                raise ValueError(
+                    f"{weight_name} (expert {expert_id}, shard {shard_id}, shape {tuple(loaded_weight.shape)}) "
+                    f"does not fit {operand} rows of shape {tuple(storage.shape)}: {exc}"
+                ) from exc
+            self._written.add((expert_id, shard_id))
+
+        return weight_loader
+
+    def create_moe_runner(self, layer: Any, moe_runner_config: Any) -> None:
+        self.base_method.create_moe_runner(layer, moe_runner_config)
+        self.runner = self.base_method.runner
+        self.routed_scaling_factor = moe_runner_config.routed_scaling_factor or 1.0
+
+    def get_moe_runner_backend(self, layer: Any) -> Any:
+        return self.base_method.get_moe_runner_backend(layer)
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        missing = [
+            f"expert {e} {shard}"
+            for e in range(self.num_experts)
+            for _op, (_p, shards) in PARAMS.items()
+            for shard in shards
+            if (e, shard) not in self._written
+        ]
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ValueError(f"{self.layer_name}: the checkpoint did not provide {shown}")
+        # The placeholders are no longer needed: the experts live in the bank and the pool rows.
+        for param_name, _shards in PARAMS.values():
+            param = getattr(layer, param_name)
+            param.data = param.data.new_empty((0, *param.shape[1:]))
+        self.runtime.layer_loaded(self.index)
+
+    def apply(self, layer: Any, dispatch_output: Any) -> Any:  # type: ignore[override]
+        from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+        from sglang.srt.layers.moe.topk import TopKOutputChecker
+
+        topk_output = dispatch_output.topk_output
+        if not TopKOutputChecker.format_is_standard(topk_output):
+            raise ValueError(
+                f"{self.layer_name}: the pooled forward needs standard top-k output, got {type(topk_output).__name__}"
+            )
+        hidden = dispatch_output.hidden_states  # [T, H]
+        moe = self.runtime.require_moe()
+        out = moe.forward(self.index, hidden, topk_output.topk_ids, topk_output.topk_weights)  # [T, H]
+        if self.routed_scaling_factor != 1.0:
+            out = out * self.routed_scaling_factor
+        self.runtime.after_forward(self.index, hidden.shape[0])
+        return StandardCombineInput(hidden_states=out)

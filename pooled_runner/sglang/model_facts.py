@@ -1,0 +1,72 @@
+"""What the launcher reads from a checkpoint's config.json before any weight is read (no SGLang import).
+
+Used to refuse a bad `--moe-expert-pool-rows` (below top-k, above the experts there are), a model with no MoE
+layer or a quantization the pool does not handle, all in one message, before the server starts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+_TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """MoE facts of a checkpoint's main model (draft/MTP layers excluded)."""
+
+    num_moe_layers: int
+    num_experts: int  # routed experts per MoE layer
+    top_k: int
+    quantization: str | None  # quant_method of quantization_config, if any
+
+    @property
+    def num_total_experts(self) -> int:
+        return self.num_moe_layers * self.num_experts
+
+
+def _first(config: dict[str, Any], keys: tuple[str, ...]) -> int:
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return 0
+
+
+def _moe_layers(config: dict[str, Any], num_layers: int) -> int:
+    if "first_k_dense_replace" in config:  # DeepSeek / GLM family
+        freq = int(config.get("moe_layer_freq", 1) or 1)
+        first = int(config["first_k_dense_replace"])
+        return sum(1 for i in range(first, num_layers) if i % freq == 0)
+    step = int(config.get("decoder_sparse_step", 1) or 1)
+    dense = set(config.get("mlp_only_layers") or [])
+    return sum(1 for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+
+
+def facts_from_config(config: dict[str, Any]) -> ModelFacts:
+    """MoE facts from a config.json dict (a `text_config` inside it wins for multimodal checkpoints)."""
+    quant = config.get("quantization_config")
+    text = config.get("text_config") or config
+    num_experts = _first(text, _EXPERT_KEYS)
+    num_layers = int(text.get("num_hidden_layers", 0) or 0)
+    num_moe_layers = _moe_layers(text, num_layers) if num_experts > 0 else 0
+    quant_name = None
+    if isinstance(quant, dict):
+        quant_name = str(quant.get("quant_method") or quant.get("quant_algo") or "unknown")
+    return ModelFacts(num_moe_layers, num_experts, _first(text, _TOP_K_KEYS), quant_name)
+
+
+def read_model_facts(model_path: str) -> ModelFacts | None:
+    """Facts of a local checkpoint directory; None when the path is not a local directory with config.json."""
+    config_file = Path(model_path).expanduser() / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_file} is not valid JSON: {exc}") from exc
+    return facts_from_config(config)

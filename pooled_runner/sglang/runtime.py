@@ -1,0 +1,188 @@
+"""The pool of one SGLang process: the `PooledMoE` shared by every pooled layer, and its bookkeeping.
+
+Lifecycle inside the scheduler process (the one that builds the model):
+  1. model construction: each pooled `FusedMoE` registers its layer (`register_layer`); layers the pool does
+     not handle are noted (`note_not_pooled`), with ONE warning for the whole model;
+  2. weight loading: the first expert weight allocates the bank (every layer is registered by then) and each
+     expert is written into its host row in place (`PooledMoE.expert_rows`);
+  3. after loading: when every pooled layer has finished loading, the pool is filled (`finalize`) and the
+     startup summary is logged (bank size, pinned or not, rows, layers pooled and not pooled);
+  4. serving: every forward of the first pooled layer counts one step; every `stats_interval` steps (a
+     coarse boundary, outside any graph) the statistics are logged and exported as metrics.
+
+Nothing here imports SGLang at module level.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from pooled_runner.moe import PooledMoE
+from pooled_runner.sglang.serve_config import ServeConfig
+
+if TYPE_CHECKING:
+    from pooled_runner.sglang.metrics import PoolMetrics
+
+logger = logging.getLogger("pooled_runner")
+
+
+class PoolRuntime:
+    """One process's pool: layer registry, staged loading, stats boundaries."""
+
+    def __init__(self, serve: ServeConfig):
+        if serve.pool is None:
+            raise ValueError("PoolRuntime needs a pool config (ServeConfig.pool is None)")
+        self.serve = serve
+        self.config = serve.pool
+        self.moe: PooledMoE | None = None
+        self.layer_names: list[str] = []
+        self.not_pooled: dict[str, list[str]] = {}  # reason -> layer names
+        self._loaded: set[int] = set()
+        self._load_start: float | None = None
+        self.num_steps = 0
+        self.num_tokens = 0
+        self._metrics: PoolMetrics | None = None
+
+    # ---------------------------------------------------------------------------------------------
+    # Construction
+    def register_layer(
+        self,
+        name: str,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        top_k: int,
+        dtype: torch.dtype,
+    ) -> int:
+        """Register one pooled MoE layer; returns its pooled-layer index. All layers must share H, I, K, dtype."""
+        if self.moe is None:
+            self.moe = PooledMoE(self.config, hidden_size, intermediate_size, top_k, dtype)
+        moe = self.moe
+        shape = (hidden_size, intermediate_size, top_k, dtype)
+        expected = (moe.hidden_size, moe.intermediate_size, moe.top_k, moe.dtype)
+        if shape != expected:
+            raise ValueError(
+                f"MoE layer {name}: (hidden, intermediate, top_k, dtype) = {shape}, but the pool was built "
+                f"for {expected}; every pooled layer must have the same expert shape"
+            )
+        self.layer_names.append(name)
+        return moe.register_layer(num_experts)
+
+    def note_not_pooled(self, name: str, reason: str) -> None:
+        """A MoE layer keeps its experts on the device; one warning per model, a summary after loading."""
+        if not self.not_pooled:
+            logger.warning(
+                "MoE layer %s is not pooled (%s): its experts stay on the device. Further layers that are "
+                "not pooled are listed once after loading.",
+                name,
+                reason,
+            )
+        self.not_pooled.setdefault(reason, []).append(name)
+
+    # ---------------------------------------------------------------------------------------------
+    # Loading
+    def require_moe(self) -> PooledMoE:
+        if self.moe is None:
+            raise RuntimeError("no pooled layer registered")
+        return self.moe
+
+    def ensure_allocated(self) -> PooledMoE:
+        moe = self.require_moe()
+        if not moe.allocated:
+            self._load_start = time.perf_counter()
+            moe.allocate()
+        return moe
+
+    def layer_loaded(self, index: int) -> None:
+        """Layer `index` has all its experts; the last one finalizes the pool and logs the summary."""
+        self._loaded.add(index)
+        moe = self.require_moe()
+        if len(self._loaded) < len(moe.num_experts_per_layer):
+            return
+        moe.finalize()
+        self.log_summary()
+
+    def log_summary(self) -> None:
+        moe = self.require_moe()
+        pool = moe.pool
+        assert pool is not None
+        bank = moe.bank
+        elapsed = time.perf_counter() - self._load_start if self._load_start is not None else 0.0
+        logger.info(
+            "pooled_runner: %d MoE layers pooled (%d experts), %d not pooled; bank %s; pool %d rows of "
+            "%.1f KiB = %.3f GiB on %s; loaded in %.1f s",
+            len(moe.num_experts_per_layer),
+            moe.num_total_experts,
+            sum(len(v) for v in self.not_pooled.values()),
+            (
+                f"{bank.nbytes / (1 << 30):.3f} GiB {'pinned' if bank.pinned else 'pageable (not pinned)'}"
+                if bank is not None
+                else "none (every expert resident)"
+            ),
+            pool.num_rows,
+            pool.row_bytes / 1024,
+            pool.nbytes / (1 << 30),
+            pool.device,
+            elapsed,
+        )
+        for reason, names in self.not_pooled.items():
+            logger.warning("not pooled (%s): %d layers: %s", reason, len(names), ", ".join(names))
+
+    # ---------------------------------------------------------------------------------------------
+    # Serving
+    def after_forward(self, index: int, num_tokens: int) -> None:
+        """Called after each pooled forward; the first layer's calls count steps and mark the boundaries."""
+        if index != 0:
+            return
+        self.num_steps += 1
+        self.num_tokens += num_tokens
+        if self.num_steps % self.serve.stats_interval == 0:
+            self.report()
+
+    def report(self) -> None:
+        """Log the pool statistics and export them as metrics (at a coarse boundary)."""
+        moe = self.require_moe()
+        stats = moe.stats()
+        logger.info(
+            "expert pool after %d steps: hit rate %.3f (%d hits, %d misses), %d admissions, %d evictions, "
+            "%.2f MiB copied to rows, %.2f MiB read through the host view, rows per layer %s",
+            self.num_steps,
+            stats.hit_rate,
+            stats.hits,
+            stats.misses,
+            stats.admissions,
+            stats.evictions,
+            stats.bytes_copied_to_rows / (1 << 20),
+            stats.bytes_read_host_view / (1 << 20),
+            stats.rows_in_use_per_layer,
+        )
+        if self.serve.metrics:
+            if self._metrics is None:
+                from pooled_runner.sglang.metrics import PoolMetrics
+
+                self._metrics = PoolMetrics(self.layer_names)
+            self._metrics.update(stats, self.num_steps, self.num_tokens)
+
+
+_RUNTIME: PoolRuntime | None = None
+
+
+def get_runtime() -> PoolRuntime | None:
+    """This process's runtime, created from the launcher's exported config on first use (None: no pool)."""
+    global _RUNTIME
+    if _RUNTIME is None:
+        serve = ServeConfig.from_env()
+        if serve is None or serve.pool is None:
+            return None
+        _RUNTIME = PoolRuntime(serve)
+    return _RUNTIME
+
+
+def set_runtime(runtime: PoolRuntime | None) -> None:
+    """Install (or clear) the process's runtime explicitly (tests, in-process engines)."""
+    global _RUNTIME
+    _RUNTIME = runtime

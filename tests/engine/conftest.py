@@ -1,0 +1,96 @@
+"""Engine-test fixtures: the embedded model, one pooled server per pytest run, a transformers reference.
+
+Every test here is marked `engine` and skips when SGLang is not installed. Servers run in float32 so greedy
+tokens are comparable exactly (bf16 near-ties flip on random weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang", reason="engine tests need the serve extra (sglang==0.5.23)")
+
+from tests.engine.server import Server, launched
+
+# Pool rows far below the embedded model's 4 x 16 = 64 experts, so the pool misses and evicts.
+POOL_ROWS = 12
+SERVER_ARGS = ["--dtype", "float32", "--enable-metrics", "--moe-expert-pool-stats-interval", "4"]
+PROMPTS = ["The capital of France is", "Hello, how can I help you? Please write", "def main():\n    print("]
+NEW_TOKENS = 24
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/engine/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.engine)
+
+
+@pytest.fixture(scope="session")
+def embedded_model() -> Path:
+    from pooled_runner.sglang.embedded import ensure_embedded_model
+
+    return ensure_embedded_model()
+
+
+@pytest.fixture(scope="session")
+def pooled_server(embedded_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The one pooled server of this pytest run (embedded model, float32, metrics on)."""
+    log = tmp_path_factory.mktemp("pooled") / "server.log"
+    args = ["--model-path", str(embedded_model), "--moe-expert-pool-rows", str(POOL_ROWS), *SERVER_ARGS]
+    with launched(args, log) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def tokenizer(embedded_model: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_model)
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tokenizer) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    return [tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def transformers_ids(embedded_model: Path, prompt_ids: list[list[int]]) -> list[list[int]]:
+    """Greedy continuations from transformers' own Qwen3-MoE on the same checkpoint, float32.
+
+    A plain argmax loop over full forwards (no EOS handling), like SGLang's `ignore_eos` greedy decoding.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(embedded_model, dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for ids in prompt_ids:
+            seq = list(ids)
+            for _ in range(NEW_TOKENS):
+                logits = model(torch.tensor([seq])).logits[0, -1]
+                seq.append(int(logits.argmax()))
+            out.append(seq[len(ids) :])
+    return out
+
+
+@pytest.fixture(scope="session")
+def unpooled_ids(
+    embedded_model: Path, prompt_ids: list[list[int]], tmp_path_factory: pytest.TempPathFactory
+) -> list[list[int]]:
+    """Greedy ids from an unpooled server (SGLang's own MoE, `--no-moe-expert-pool`), same checkpoint.
+
+    The server is started and stopped inside this fixture, so it never runs next to the pooled one as long
+    as a test asks for this fixture before `pooled_server` (the first test of test_server.py does).
+    """
+    from tests.engine.server import generate_ids
+
+    log = tmp_path_factory.mktemp("unpooled") / "server.log"
+    args = ["--model-path", str(embedded_model), "--no-moe-expert-pool", *SERVER_ARGS]
+    with launched(args, log) as server:
+        ids = [generate_ids(server.url, p, NEW_TOKENS) for p in prompt_ids]
+        assert "MoE layers pooled" not in server.log()
+    return ids

@@ -1,0 +1,166 @@
+"""Layer level, against the real SGLang classes on CPU: a `FusedMoE` built under SGLang's runtime context and
+loaded through its real weight loader from the embedded safetensors checkpoint, against `PooledFusedMoE`
+built and loaded the same way (its experts in the bank, 6 pool rows for 32 experts)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from pooled_runner import PoolConfig
+
+E, H, I, K = 16, 64, 32, 4
+NUM_LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def sglang_context() -> None:
+    """World-size-1 gloo groups and SGLang's runtime context in this process (as SGLang's own layer UTs do)."""
+    from pooled_runner.patches import apply_cpu_patches
+
+    apply_cpu_patches()
+    from sglang.test.layer_ut_utils import init_single_process_dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_single_process_dist(master_port=port)
+
+
+@pytest.fixture
+def runtime(sglang_context: None):  # type: ignore[no-untyped-def]
+    from pooled_runner.sglang.runtime import PoolRuntime, set_runtime
+    from pooled_runner.sglang.serve_config import ServeConfig
+
+    rt = PoolRuntime(ServeConfig(pool=PoolConfig.resolve(pool_rows=6, device="cpu"), cpu=True))
+    set_runtime(rt)
+    yield rt
+    set_runtime(None)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(embedded_model: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(embedded_model / "model.safetensors"))
+
+
+def build(cls: type, layer_id: int, dtype: torch.dtype, **kwargs: object) -> torch.nn.Module:
+    return cls(
+        num_experts=E,
+        hidden_size=H,
+        intermediate_size=I,
+        layer_id=layer_id,
+        top_k=K,
+        params_dtype=dtype,
+        prefix=f"model.layers.{layer_id}.mlp.experts",
+        **kwargs,
+    )
+
+
+def load(layer: torch.nn.Module, layer_id: int, sd: dict[str, torch.Tensor], skip: str | None = None) -> None:
+    """Feed the layer's expert tensors through `param.weight_loader`, as Qwen3MoeForCausalLM.load_weights does."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    mapping = FusedMoE.make_expert_params_mapping(
+        ckpt_gate_proj_name="gate_proj",
+        ckpt_down_proj_name="down_proj",
+        ckpt_up_proj_name="up_proj",
+        num_experts=E,
+    )
+    params = dict(layer.named_parameters())
+    prefix = f"model.layers.{layer_id}.mlp."
+    for name, weight in sd.items():
+        if not name.startswith(prefix + "experts.") or name == skip:
+            continue
+        short = name[len(prefix) :]
+        for param_name, weight_name, expert_id, shard_id in mapping:
+            if weight_name in short:
+                local = short.replace(weight_name, param_name)[len("experts.") :]
+                param = params[local]
+                param.weight_loader(param, weight, local, shard_id=shard_id, expert_id=expert_id)  # type: ignore[operator]
+                break
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 6e-2)])
+def test_pooled_layer_matches_sglang_fused_moe(runtime, checkpoint, dtype: torch.dtype, atol: float) -> None:  # type: ignore[no-untyped-def]
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.moe.topk import TopK
+
+    from pooled_runner.sglang.layer import PooledFusedMoE
+    from pooled_runner.sglang.method import PooledMoEMethod
+
+    sd = {k: v.to(dtype) for k, v in checkpoint.items()}
+    ref = [build(FusedMoE, i, dtype) for i in range(NUM_LAYERS)]
+    pooled = [build(PooledFusedMoE, i, dtype) for i in range(NUM_LAYERS)]
+    assert all(isinstance(p.quant_method, PooledMoEMethod) for p in pooled)
+    for i in range(NUM_LAYERS):
+        for layer in (ref[i], pooled[i]):
+            load(layer, i, sd)
+            layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+    moe = runtime.require_moe()
+    assert moe.pool is not None and moe.bank is not None and moe.pool.num_rows == 6
+    # Bank rows hold exactly what SGLang's loader put into the device weights (gate rows, then up rows).
+    for i in range(NUM_LAYERS):
+        for e in (0, 7, E - 1):
+            row = moe.bank.row(i, e)
+            assert torch.equal(row["w13"], ref[i].w13_weight[e]) and torch.equal(
+                row["w2"], ref[i].w2_weight[e]
+            )
+    assert pooled[0].w13_weight.numel() == 0  # the device placeholder is released after loading
+    topks = [TopK(top_k=K, renormalize=True, layer_id=i) for i in range(NUM_LAYERS)]
+    g = torch.Generator().manual_seed(0)
+    for T in (1, 7, 33, 0):
+        for i in range(NUM_LAYERS):
+            x = torch.randn(T, H, generator=g).to(dtype)
+            logits = x.float() @ sd[f"model.layers.{i}.mlp.gate.weight"].float().T
+            routing = topks[i](x, logits)
+            got = pooled[i](x, routing)
+            assert got.shape == (T, H) and got.dtype == dtype
+            if T:  # SGLang's native reference cannot reshape an empty step; the pooled layer can
+                expected = ref[i](x, routing)
+                diff = (got.float() - expected.float()).abs()
+                worst = divmod(int(diff.argmax()), H)
+                assert diff.max() <= atol, (
+                    f"T={T} layer {i}: max diff {diff.max():.3g} at (token, col) {worst}"
+                )
+    stats = moe.stats()
+    assert stats.misses > 0 and stats.evictions > 0  # 6 rows for 32 experts: the pool really moved rows
+
+
+def test_malformed_checkpoint_names_the_tensor(runtime, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    from pooled_runner.sglang.layer import PooledFusedMoE
+
+    layer = build(PooledFusedMoE, 0, torch.float32)
+    param = layer.w13_weight
+    bad = checkpoint["model.layers.0.mlp.experts.3.gate_proj.weight"][:, :-1]  # one column short
+    with pytest.raises(ValueError, match=r"w13_weight \(expert 3, shard w1, shape \(32, 63\)\)"):
+        param.weight_loader(param, bad, "w13_weight", shard_id="w1", expert_id=3)  # type: ignore[operator]
+    with pytest.raises(ValueError, match=r"expert id 16 out of range \[0, 16\)"):
+        param.weight_loader(param, bad, "w13_weight", shard_id="w1", expert_id=16)  # type: ignore[operator]
+
+
+def test_missing_expert_is_reported_after_loading(runtime, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    from pooled_runner.sglang.layer import PooledFusedMoE
+
+    layer = build(PooledFusedMoE, 0, torch.float32)
+    load(layer, 0, checkpoint, skip="model.layers.0.mlp.experts.5.up_proj.weight")
+    with pytest.raises(ValueError, match="did not provide expert 5 w3"):
+        layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+
+
+def test_unhandled_layers_stay_unpooled_with_one_warning(runtime, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    from pooled_runner.sglang.layer import PooledFusedMoE
+    from pooled_runner.sglang.method import PooledMoEMethod
+
+    with caplog.at_level(logging.WARNING, logger="pooled_runner"):
+        layers = [build(PooledFusedMoE, i, torch.float32, with_bias=True) for i in range(3)]
+    assert not any(isinstance(layer.quant_method, PooledMoEMethod) for layer in layers)
+    assert layers[0].w13_weight.shape[0] == E  # experts stay on the device, as SGLang builds them
+    assert runtime.not_pooled == {"expert biases": [f"model.layers.{i}.mlp.experts" for i in range(3)]}
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "not pooled (expert biases)" in warnings[0].getMessage()

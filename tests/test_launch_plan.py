@@ -1,0 +1,174 @@
+"""The launcher's plan, without SGLang: flag validation against config.json, CPU defaults, child config."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pooled_runner.config import PoolConfig
+from pooled_runner.launch import CPU_MAX_TOTAL_TOKENS, build_parser, resolve_launch
+from pooled_runner.sglang.model_facts import facts_from_config
+from pooled_runner.sglang.serve_config import ServeConfig
+
+QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "num_hidden_layers": 6,
+    "num_experts": 10,
+    "num_experts_per_tok": 3,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [2],
+}
+
+
+def write_model(tmp_path: Path, config: dict) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def plan(argv: list[str], cuda: bool = False):  # type: ignore[no-untyped-def]
+    ours, rest = build_parser().parse_known_args(argv)
+    return resolve_launch(ours, rest, cuda_available=cuda)
+
+
+def test_facts_count_moe_layers_of_each_family() -> None:
+    f = facts_from_config(QWEN3_MOE)
+    assert (f.num_moe_layers, f.num_experts, f.top_k, f.num_total_experts) == (5, 10, 3, 50)
+    deepseek = {
+        "num_hidden_layers": 7,
+        "n_routed_experts": 9,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 3,
+    }
+    assert facts_from_config(deepseek).num_total_experts == 4 * 9
+    sparse_step = {
+        "num_hidden_layers": 8,
+        "num_experts": 4,
+        "num_experts_per_tok": 1,
+        "decoder_sparse_step": 3,
+    }
+    assert facts_from_config(sparse_step).num_moe_layers == 2  # layers 2 and 5
+    nested = {"text_config": {**QWEN3_MOE}, "quantization_config": {"quant_method": "fp8"}}
+    assert facts_from_config(nested).quantization == "fp8"
+    assert facts_from_config({"num_hidden_layers": 4}).num_moe_layers == 0
+
+
+def test_user_model_rows_pass_through_with_cpu_defaults(tmp_path: Path) -> None:
+    model = write_model(tmp_path, QWEN3_MOE)
+    p = plan(["--model", str(model), "--moe-expert-pool-rows", "7", "--enable-metrics", "--dtype", "float32"])
+    assert p.serve.pool == PoolConfig.resolve(pool_rows=7, device="cpu")
+    assert p.serve.cpu and p.serve.metrics and not p.embedded
+    assert p.sglang_argv == [
+        "--model", str(model), "--enable-metrics", "--dtype", "float32",
+        "--device", "cpu", "--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS),
+    ]  # fmt: skip
+
+
+def test_user_cpu_flags_are_kept_and_cuda_adds_nothing(tmp_path: Path) -> None:
+    model = write_model(tmp_path, QWEN3_MOE)
+    argv = [
+        "--model-path=" + str(model),
+        "--moe-expert-pool-rows",
+        "50",
+        "--device=cpu",
+        "--max-total-tokens",
+        "99",
+    ]
+    assert plan(argv).sglang_argv == argv[:1] + argv[3:]
+    cuda = plan(["--model-path", str(model), "--moe-expert-pool-rows", "4"], cuda=True)
+    assert cuda.sglang_argv == ["--model-path", str(model), "--disable-cuda-graph"] and not cuda.serve.cpu
+    unpooled = plan(["--model-path", str(model), "--no-moe-expert-pool"], cuda=True)
+    assert unpooled.sglang_argv == ["--model-path", str(model)]
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        (None, "--moe-expert-pool-rows N is required"),
+        ("0", "must be a positive number of rows"),
+        ("-3", "must be a positive number of rows"),
+        ("2", "below top-k 3"),
+        ("51", "above the 50 routed experts of the model (5 MoE layers x 10); use <= 50"),
+    ],
+)
+def test_bad_rows_are_refused_with_the_fix(tmp_path: Path, rows: str | None, expected: str) -> None:
+    model = write_model(tmp_path, QWEN3_MOE)
+    argv = ["--model", str(model)] + (["--moe-expert-pool-rows", rows] if rows is not None else [])
+    with pytest.raises(ValueError, match="cannot launch") as info:
+        plan(argv)
+    assert expected in str(info.value)
+
+
+def test_every_problem_in_one_message(tmp_path: Path) -> None:
+    model = write_model(tmp_path, {**QWEN3_MOE, "quantization_config": {"quant_method": "awq"}})
+    with pytest.raises(ValueError) as info:
+        plan(["--model", str(model), "--moe-expert-pool-rows", "1", "--enable-paged-experts"])
+    message = str(info.value)
+    for part in ("--enable-paged-experts", "quantization 'awq'", "below top-k 3"):
+        assert part in message, message
+
+
+def test_model_without_moe_is_refused(tmp_path: Path) -> None:
+    model = write_model(tmp_path, {"num_hidden_layers": 4, "intermediate_size": 64})
+    with pytest.raises(ValueError, match="no MoE layer"):
+        plan(["--model", str(model), "--moe-expert-pool-rows", "4"])
+
+
+def test_no_pool_needs_no_rows_and_allows_paged_experts(tmp_path: Path) -> None:
+    model = write_model(tmp_path, {"num_hidden_layers": 4})
+    p = plan(["--model", str(model), "--no-moe-expert-pool", "--enable-paged-experts"])
+    assert p.serve.pool is None and "--enable-paged-experts" in p.sglang_argv
+
+
+def test_unknown_flags_are_left_to_sglang(tmp_path: Path) -> None:
+    model = write_model(tmp_path, QWEN3_MOE)
+    # No abbreviation matching: an SGLang flag sharing a prefix with ours is not swallowed.
+    p = plan(
+        ["--model", str(model), "--moe-expert-pool-rows", "8", "--moe-runner-backend", "triton", "--moe"]
+    )
+    assert "--moe-runner-backend" in p.sglang_argv and "--moe" in p.sglang_argv
+
+
+def test_serve_config_round_trips_through_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    serve = ServeConfig(
+        pool=PoolConfig.resolve(pool_rows=5, device="cpu", telemetry=True), cpu=True, metrics=True
+    )
+    monkeypatch.delenv("POOLED_RUNNER_SERVE_CONFIG", raising=False)
+    assert ServeConfig.from_env() is None
+    serve.export()
+    assert ServeConfig.from_env() == serve
+    assert ServeConfig.from_json(ServeConfig(pool=None, cpu=False).to_json()).pool is None
+
+
+def test_core_and_launch_plan_import_without_sglang(tmp_path: Path) -> None:
+    """The core (and the launcher's planning) must import where SGLang is not installed (the GPU image)."""
+    code = textwrap.dedent(
+        """
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "sglang" or name.startswith("sglang."):
+                    raise ImportError("sglang blocked for this test")
+        sys.meta_path.insert(0, Block())
+        import pooled_runner, pooled_runner.launch, pooled_runner.sglang.model_facts
+        import pooled_runner.sglang.serve_config, pooled_runner.sglang.runtime
+        assert not any(m == "sglang" or m.startswith("sglang.") for m in sys.modules), "sglang was imported"
+        try:
+            import pooled_runner.sglang.layer
+        except ImportError as exc:
+            assert "blocked" in str(exc)
+        else:
+            raise AssertionError("the block did not work")
+        print("ok")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
