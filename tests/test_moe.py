@@ -98,29 +98,3 @@ def test_int32_ids_accepted():
     out = moe.forward(0, hidden, ids.to(torch.int32), w)
     assert torch.equal(out, dense_reference(hidden, ids, w, {e: weights[(0, e)] for e in range(6)}))
 
-
-@pytest.mark.parametrize("rows", [3, 40])  # banked, and every expert resident
-def test_staged_installation_equals_install(rows):
-    E, K, L = 7, 3, 2
-    weights = random_expert_weights(L, E, H, I, torch.float32, seed=31)
-    direct, _ = build(L, E, K, rows, torch.float32, seed=31)
-    staged = PooledMoE(PoolConfig.resolve(pool_rows=rows, device="cpu"), H, I, top_k=K, dtype=torch.float32)
-    for _ in range(L):
-        staged.register_layer(E)
-    with pytest.raises(RuntimeError, match="only valid between allocate"):
-        staged.expert_rows(0, 0)
-    staged.allocate()
-    for (layer, e), w in weights.items():  # written piece by piece, as an engine's loader does
-        rows_view = staged.expert_rows(layer, e)
-        rows_view["w13"][:I].copy_(w["w13"][:I])
-        rows_view["w13"][I:].copy_(w["w13"][I:])
-        rows_view["w2"].copy_(w["w2"])
-    staged.finalize()
-    assert torch.equal(staged.pool.l2p_host, direct.pool.l2p_host)
-    g = torch.Generator().manual_seed(32)
-    hidden = torch.randn(6, H, generator=g)
-    ids, w = random_routing(6, K, E, g)
-    assert torch.equal(staged.forward(1, hidden, ids, w), direct.forward(1, hidden, ids, w))
-    staged.pool.check_invariants()
-    with pytest.raises(RuntimeError, match="finalize\\(\\) called twice"):
-        staged.finalize()
