@@ -185,9 +185,11 @@ def _align_small_kernel(
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+def _align_count_kernel(
+    ids_ptr, counts_ptr, num_pairs, num_experts, E_POW2: tl.constexpr, CHUNK: tl.constexpr
+):
     pid = tl.program_id(0)
-    offs, ids, valid = _chunk_ids(ids_ptr, pid * CHUNK, num_pairs, num_experts, CHUNK)
+    _offs, ids, valid = _chunk_ids(ids_ptr, pid * CHUNK, num_pairs, num_experts, CHUNK)
     tl.atomic_add(counts_ptr + pid * E_POW2 + ids, 1, mask=valid)
 
 
@@ -213,7 +215,9 @@ def _align_scan_kernel(
     totals = tl.zeros((E_POW2,), dtype=tl.int32)
     for p0 in range(0, num_chunks, P_BLOCK):
         p = p0 + tl.arange(0, P_BLOCK)
-        c = tl.load(counts_ptr + p[:, None] * E_POW2 + e_offs[None, :], mask=(p < num_chunks)[:, None], other=0)
+        c = tl.load(
+            counts_ptr + p[:, None] * E_POW2 + e_offs[None, :], mask=(p < num_chunks)[:, None], other=0
+        )
         totals += tl.sum(c, axis=0)
     padded = tl.cdiv(totals, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, axis=0)

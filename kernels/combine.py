@@ -38,7 +38,9 @@ def _check(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
             "contiguous [T, K] shape"
         )
     if y.dim() != 2 or y.shape[0] < T * K or y.stride(1) != 1:
-        raise ValueError(f"y: shape {tuple(y.shape)} strides {y.stride()}, expected [>= {T * K}, H] row-major")
+        raise ValueError(
+            f"y: shape {tuple(y.shape)} strides {y.stride()}, expected [>= {T * K}, H] row-major"
+        )
     if l2p.dtype != torch.int32 or l2p.dim() != 1:
         raise ValueError(f"l2p: shape {tuple(l2p.shape)} dtype {l2p.dtype}, expected [E_max] int32")
 
@@ -55,7 +57,17 @@ def combine(
         return out
     block_h = min(1024, triton.next_power_of_2(H))
     _combine_kernel[(T, triton.cdiv(H, block_h))](
-        y, topk_ids, topk_weights, l2p, out, H, num_experts, y.stride(0), out.stride(0), TOP_K=K, BLOCK_H=block_h
+        y,
+        topk_ids,
+        topk_weights,
+        l2p,
+        out,
+        H,
+        num_experts,
+        y.stride(0),
+        out.stride(0),
+        TOP_K=K,
+        BLOCK_H=block_h,
     )
     return out
 

@@ -31,7 +31,9 @@ def make_projections(
     return w13, w2
 
 
-def pick_configs(num_tokens: int, top_k: int, num_experts: int, H: int, I: int) -> tuple[GemmConfig, GemmConfig]:
+def pick_configs(
+    num_tokens: int, top_k: int, num_experts: int, H: int, I: int
+) -> tuple[GemmConfig, GemmConfig]:
     """Tile shapes for (gemm1, gemm2): small-M decode tiles up to 32 tokens, MMA-sized tiles above."""
     if interpreting():  # the interpreter's cost grows with tile size; correctness only
         return GemmConfig(16, 16, 32, num_stages=1), GemmConfig(16, 16, 32, num_stages=1)
@@ -132,7 +134,12 @@ def gemm1_ref(
 
 
 def gemm2_ref(
-    act: torch.Tensor, align: AlignOutput, w2: Projection, fmt: KernelFormat, num_pairs: int, config: GemmConfig
+    act: torch.Tensor,
+    align: AlignOutput,
+    w2: Projection,
+    fmt: KernelFormat,
+    num_pairs: int,
+    config: GemmConfig,
 ) -> torch.Tensor:
     """Reference of `gemm2`: rows of pairs not computed are 0."""
     from pooled_runner.moe import batch_invariant_linear

@@ -25,9 +25,13 @@ def _locate_kernel(experts_ptr, l2p_ptr, codes_ptr, n, num_experts, BLOCK: tl.co
 
 def _check(experts: torch.Tensor, l2p: torch.Tensor, num_experts: int) -> None:
     if experts.dtype != torch.int32 or not experts.is_contiguous():
-        raise ValueError(f"experts: dtype {experts.dtype}, strides {experts.stride()}; expected contiguous int32")
+        raise ValueError(
+            f"experts: dtype {experts.dtype}, strides {experts.stride()}; expected contiguous int32"
+        )
     if l2p.dim() != 1 or l2p.dtype != torch.int32 or l2p.shape[0] < num_experts:
-        raise ValueError(f"l2p: shape {tuple(l2p.shape)} dtype {l2p.dtype}; expected [>= {num_experts}] int32")
+        raise ValueError(
+            f"l2p: shape {tuple(l2p.shape)} dtype {l2p.dtype}; expected [>= {num_experts}] int32"
+        )
     if experts.device != l2p.device:
         raise ValueError(f"experts on {experts.device}, l2p on {l2p.device}: expected one device")
 

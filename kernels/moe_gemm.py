@@ -33,8 +33,13 @@ class GemmConfig:
     num_stages: int = 3
 
 
+# Decided when the kernels are imported (that is when triton.jit picks the interpreter), not per call.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether these kernels were imported under TRITON_INTERPRET=1 (CPU tests)."""
+    return _INTERPRETING
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -104,7 +109,9 @@ def _gemm1_kernel(
     code = tl.load(codes_ptr + blk)
     if code < 0:
         return
-    w_base, s_base, z_base, g_base = _row_bases(code, num_rows, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se)
+    w_base, s_base, z_base, g_base = _row_bases(
+        code, num_rows, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se
+    )
     offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + offs_m)
     row_ok = pair < num_pairs
@@ -116,7 +123,11 @@ def _gemm1_kernel(
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < H
-        a = tl.load(x_ptr + token[:, None] * stride_x + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(
+            x_ptr + token[:, None] * stride_x + offs_k[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         bg = load_b_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, n_ok, k_ok, w_sn, s_sn, z_sn,
                          FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE)  # fmt: skip
         bu = load_b_tile(w_base, s_base, z_base, g_base, offs_n + I, offs_k, n_ok, k_ok, w_sn, s_sn, z_sn,
@@ -147,7 +158,9 @@ def _gemm2_kernel(
     code = tl.load(codes_ptr + blk)
     if code < 0:
         return
-    w_base, s_base, z_base, g_base = _row_bases(code, num_rows, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se)
+    w_base, s_base, z_base, g_base = _row_bases(
+        code, num_rows, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se
+    )
     offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + offs_m)
     row_ok = pair < num_pairs
@@ -158,7 +171,11 @@ def _gemm2_kernel(
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < I
-        a = tl.load(act_ptr + slot[:, None] * stride_act + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(
+            act_ptr + slot[:, None] * stride_act + offs_k[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         b = load_b_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, n_ok, k_ok, w_sn, s_sn, z_sn,
                         FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE)  # fmt: skip
         acc = _mma(a, b, acc, DOT_F32)
@@ -222,7 +239,12 @@ def gemm1(
 
 
 def gemm2(
-    act: torch.Tensor, align: AlignOutput, w2: Projection, fmt: KernelFormat, num_pairs: int, config: GemmConfig
+    act: torch.Tensor,
+    align: AlignOutput,
+    w2: Projection,
+    fmt: KernelFormat,
+    num_pairs: int,
+    config: GemmConfig,
 ) -> torch.Tensor:
     """`y [num_pairs, H]` (compute dtype): each routed pair's expert output; unrouted pairs are left unset."""
     H = w2.weight.shape[1]

@@ -34,7 +34,10 @@ class Fp8Format:
 
     def operands(self, hidden_size: int, intermediate_size: int) -> tuple[OperandSpec, ...]:
         out = []
-        for p, (n, k) in (("w13", (2 * intermediate_size, hidden_size)), ("w2", (hidden_size, intermediate_size))):
+        for p, (n, k) in (
+            ("w13", (2 * intermediate_size, hidden_size)),
+            ("w2", (hidden_size, intermediate_size)),
+        ):
             out.append(OperandSpec(p, (n, k), torch.float8_e4m3fn))
             b = self.block
             out.append(OperandSpec(f"{p}_s", (n,) if b is None else (-(-n // b), -(-k // b)), torch.float32))

@@ -53,7 +53,8 @@ class Int4Format:
 
     def expert_weights(self, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         w13, w2 = (
-            dequantize_int4(rows[f"{p}_q"], rows[f"{p}_s"], rows.get(f"{p}_z"), self.dtype) for p in PROJECTIONS
+            dequantize_int4(rows[f"{p}_q"], rows[f"{p}_s"], rows.get(f"{p}_z"), self.dtype)
+            for p in PROJECTIONS
         )
         return w13, w2
 

@@ -28,7 +28,10 @@ class Nvfp4Format:
 
     def operands(self, hidden_size: int, intermediate_size: int) -> tuple[OperandSpec, ...]:
         out = []
-        for p, (n, k) in (("w13", (2 * intermediate_size, hidden_size)), ("w2", (hidden_size, intermediate_size))):
+        for p, (n, k) in (
+            ("w13", (2 * intermediate_size, hidden_size)),
+            ("w2", (hidden_size, intermediate_size)),
+        ):
             if k % 16:
                 raise ValueError(f"nvfp4 format: {p} has K={k}, not a multiple of 16")
             out.append(OperandSpec(p, (n, k // 2), torch.uint8))

@@ -25,7 +25,7 @@ def _check_2d(w: torch.Tensor, name: str) -> None:
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """`q [N, K]` values 0..15 -> `[N, K/8]` int32, value k at bits 4*(k % 8) of word k // 8."""
     N, K = q.shape
-    shifts = torch.arange(8, dtype=torch.int64) * 4
+    shifts = torch.arange(8, dtype=torch.int64, device=q.device) * 4
     words = (q.to(torch.int64).reshape(N, K // 8, 8) << shifts).sum(-1)
     words = torch.where(words >= 2**31, words - 2**32, words)
     return words.to(torch.int32)
@@ -57,7 +57,7 @@ def quantize_int4(
         zeros: torch.Tensor | None = z.to(torch.uint8)
     else:
         s = (wg.abs().amax(-1) / 7).clamp(min=1e-8).to(scale_dtype)
-        q = ((wg / s.float()[..., None]).round().clamp(-8, 7) + 8)
+        q = (wg / s.float()[..., None]).round().clamp(-8, 7) + 8
         zeros = None
     return pack_int4(q.reshape(N, K).to(torch.int32)), s, zeros
 
@@ -84,7 +84,7 @@ def quantize_fp8(w: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torc
         q = (wf / s[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         return q, s
     nb, kb = -(-N // block), -(-K // block)
-    padded = torch.zeros(nb * block, kb * block)
+    padded = torch.zeros(nb * block, kb * block, device=w.device)
     padded[:N, :K] = wf
     tiles = padded.reshape(nb, block, kb, block)
     s = (tiles.abs().amax((1, 3)) / E4M3_MAX).clamp(min=1e-12)
@@ -92,7 +92,9 @@ def quantize_fp8(w: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torc
     return q[:N, :K].contiguous().to(torch.float8_e4m3fn), s
 
 
-def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, block: int | None, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_fp8(
+    q: torch.Tensor, scales: torch.Tensor, block: int | None, dtype: torch.dtype
+) -> torch.Tensor:
     N, K = q.shape
     qf = q.float()
     if block is None:
@@ -104,7 +106,7 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, block: int | None, dty
 # ---- NVFP4: e2m1 values, one e4m3 scale per 16 values, one fp32 global scale --------------------------------
 def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """Nearest e2m1 code (sign bit 3) of each value of x (already divided by its scales)."""
-    table = torch.tensor(E2M1_VALUES)
+    table = torch.tensor(E2M1_VALUES, device=x.device)
     mag = (x.abs()[..., None] - table).abs().argmin(-1)
     return (mag | ((x < 0).to(torch.int64) << 3)).to(torch.uint8)
 
