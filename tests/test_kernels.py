@@ -15,7 +15,6 @@ if not torch.cuda.is_available():
 try:
     import triton
     import triton.language as tl
-
     from pooled_runner.kernels.align import SMALL_MAX_PAIRS, align_blocks, align_blocks_ref
     from pooled_runner.kernels.combine import combine, combine_ref
     from pooled_runner.kernels.dequant import e2m1_to_f32, e4m3_to_f32
@@ -34,7 +33,7 @@ try:
     def _decode_kernel(raw_ptr, out_ptr, N: tl.constexpr, WHICH: tl.constexpr):
         offs = tl.arange(0, N)
         raw = tl.load(raw_ptr + offs)
-        if WHICH == 0:
+        if WHICH == 0:  # noqa: SIM108 (constexpr branch)
             v = e4m3_to_f32(raw, False)
         else:
             v = e2m1_to_f32(raw.to(tl.int32))
