@@ -81,6 +81,7 @@ def _block_tables(
         tl.store(block_experts_ptr + b, expert, mask=b < max_blocks)
         tl.store(block_codes_ptr + b, code, mask=b < max_blocks)
         num_host += tl.sum((used & (code >= num_rows)).to(tl.int32), axis=0)
+    tl.debug_barrier()  # the codes written above are read back by other threads below
     # host-row blocks first, then the rest; each group keeps block order
     host_seen = 0
     other_seen = 0

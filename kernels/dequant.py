@@ -80,17 +80,18 @@ def load_b_tile(
         else:
             w = ((q - 8).to(tl.float32) * s).to(COMPUTE)
     elif FMT == 2:
-        q = e4m3_to_f32(tl.load(w_base + n * w_sn + k, mask=mask, other=0), NATIVE_FP8)
+        # fp8 loads take no `other` (an int/float -> fp8 constant cast is version-dependent): zero after decoding
+        q = tl.where(mask, e4m3_to_f32(tl.load(w_base + n * w_sn + k, mask=mask), NATIVE_FP8), 0.0)
         s = tl.load(s_base + n, mask=mask_n[None, :], other=0.0)
         w = (q * s).to(COMPUTE)
     elif FMT == 3:
-        q = e4m3_to_f32(tl.load(w_base + n * w_sn + k, mask=mask, other=0), NATIVE_FP8)
+        q = tl.where(mask, e4m3_to_f32(tl.load(w_base + n * w_sn + k, mask=mask), NATIVE_FP8), 0.0)
         s = tl.load(s_base + (n // GROUP) * s_sn + k // GROUP, mask=mask, other=0.0)
         w = (q * s).to(COMPUTE)
     else:
         byte = tl.load(w_base + n * w_sn + k // 2, mask=mask, other=0).to(tl.int32)
         v = e2m1_to_f32((byte >> ((k % 2) * 4)) & 0xF)
-        s = e4m3_to_f32(tl.load(s_base + n * s_sn + k // 16, mask=mask, other=0), NATIVE_FP8)
+        s = tl.where(mask, e4m3_to_f32(tl.load(s_base + n * s_sn + k // 16, mask=mask), NATIVE_FP8), 0.0)
         g = tl.load(g_base)
         w = (v * s * g).to(COMPUTE)
     return w

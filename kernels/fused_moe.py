@@ -7,15 +7,12 @@ nothing is read back. Torch references with the same signatures sit beside each 
 from __future__ import annotations
 
 import torch
-import triton
 
 from .align import AlignOutput, align_blocks
 from .combine import combine
 from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4
 from .moe_gemm import GemmConfig, gemm1, gemm2, interpreting
 from .operands import KernelFormat, Projection, make_projection
-
-NUM_SMS_HINT = 132  # H200; only shapes the decode tile choice
 
 
 def make_projections(
@@ -38,10 +35,9 @@ def pick_configs(
     if interpreting():  # the interpreter's cost grows with tile size; correctness only
         return GemmConfig(16, 16, 32, num_stages=1), GemmConfig(16, 16, 32, num_stages=1)
     if num_tokens <= 32:
-        est_blocks = max(1, min(num_tokens * top_k, num_experts))
-        # enough programs to cover the SMs about twice over
-        bn1 = max(16, min(128, triton.next_power_of_2(max(1, I * est_blocks // (2 * NUM_SMS_HINT))) // 2))
-        bn2 = max(16, min(128, triton.next_power_of_2(max(1, H * est_blocks // (2 * NUM_SMS_HINT))) // 2))
+        # Decode: memory-bound; N tiles small enough that top-k blocks cover the SMs (and one compile per shape).
+        bn1 = 32 if I <= 1024 else 64
+        bn2 = 64
         return (
             GemmConfig(16, bn1, 128, group_m=1, num_warps=4, num_stages=4),
             GemmConfig(16, bn2, 128, group_m=1, num_warps=4, num_stages=4),

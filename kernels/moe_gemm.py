@@ -86,10 +86,17 @@ def _row_bases(
     """Base pointers of one expert's operands: pool row `code` or host row `code - R`; int64 row offsets."""
     if code >= num_rows:
         r = (code - num_rows).to(tl.int64)
-        return wb + r * w_se, sb + r * s_se, zb + r * z_se, gb + r * g_se
+        w_base = wb + r * w_se
+        s_base = sb + r * s_se
+        z_base = zb + r * z_se
+        g_base = gb + r * g_se
     else:
         r = code.to(tl.int64)
-        return wp + r * w_se, sp + r * s_se, zp + r * z_se, gp + r * g_se
+        w_base = wp + r * w_se
+        s_base = sp + r * s_se
+        z_base = zp + r * z_se
+        g_base = gp + r * g_se
+    return w_base, s_base, z_base, g_base
 
 
 @triton.jit
