@@ -129,6 +129,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="fewer formats and M values")
+    ap.add_argument("--commit", default="", help="commit to print (default: git rev-parse HEAD)")
     args = ap.parse_args()
     torch.manual_seed(0)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -136,9 +137,12 @@ def main() -> None:
     pinned = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
     zero_copy = read_bandwidth(pinned, reps=2)
     del pinned
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = (
+        args.commit
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
     lines = [
         f"date {datetime.date.today()}, GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, "
         f"triton {triton.__version__}, commit {commit or 'n/a'}",
@@ -179,7 +183,13 @@ def main() -> None:
                         l2p += E
                     num_host = int((l2p[distinct] >= E).sum())
                     hit, miss = (distinct.numel() - num_host) * row_bytes, num_host * row_bytes
-                    us = time_graph(functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt))
+                    try:
+                        us = time_graph(functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt))
+                    except Exception as exc:  # report the case and go on with the others
+                        row = f"| {shape} | {name} | {M} | {frac} | error: {type(exc).__name__} | | | | |"
+                        print(row, f"{exc!r}"[:300], flush=True)
+                        lines.append(row)
+                        continue
                     bound_us = (hit / (hbm * 1e9) + miss / (zero_copy * 1e9)) * 1e6
                     gbs = (hit + miss) / (us * 1e-6) / 1e9
                     base = ""
@@ -193,6 +203,7 @@ def main() -> None:
                     )
                     print(row, flush=True)
                     lines.append(row)
+                    write(args.out, lines)  # as we go: a capped run keeps what it measured
             pool = bank = None  # free before the next format
             torch.cuda.empty_cache()
     lines += [
@@ -201,8 +212,12 @@ def main() -> None:
         "torch._grouped_mm time / ours (> 1 = ours faster). *stock SGLang 0.5.23 fused MoE times are DESIGN.md §4 "
         "numbers (measured 2026-11-29, not in this run; SGLang is not on the GPU image).",
     ]
-    if args.out:
-        with open(args.out, "w") as f:
+    write(args.out, lines)
+
+
+def write(path: str | None, lines: list[str]) -> None:
+    if path:
+        with open(path, "w") as f:
             f.write("\n".join(lines) + "\n")
 
 

@@ -71,8 +71,12 @@ class Projection:
 
     def pointers(self) -> list[torch.Tensor]:
         """8 tensors for the kernel's pointer arguments (pool w, s, z, g, bank w, s, z, g); absent -> pool w."""
+        # An absent operand points at one of the same dtype in the same location (never read), because
+        # the kernel selects pool or bank pointers per block and both branches must have one type.
         w = self.weight
-        return [t if t is not None else w for t in (*self.pool, *self.bank)]
+        pool = [t if t is not None else w for t in self.pool]
+        bank = [b if b is not None else p for b, p in zip(self.bank, pool)]
+        return pool + bank
 
     def row_strides(self) -> list[int]:
         """Row (expert) stride of w, s, z, g, then N stride of w, s, z."""

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one call: the GPU tests (pytest -m gpu) and every benchmark. Logs under $OUT
 # (default ./gpu_out); a short table last. Usage: bash scripts/gpu_check.sh
+# GIT_COMMIT names the commit in the bench header where the copy has no .git.
 # Each step has a time cap so one slow step cannot eat the others' time; add new steps with `step`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +23,7 @@ step() {  # step NAME CAP_SECONDS COMMAND...
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1 || true
 step gpu_tests "${GPU_TESTS_CAP:-240}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests
-step bench_kernels "${BENCH_KERNELS_CAP:-200}" "$PY" bench/kernels.py --out "$OUT/bench_kernels.md"
+step bench_kernels "${BENCH_KERNELS_CAP:-200}" "$PY" bench/kernels.py --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
 
 echo
 cat "$OUT/bench_kernels.md" 2>/dev/null || true
