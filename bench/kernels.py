@@ -206,6 +206,8 @@ def main() -> None:
                     write(args.out, lines)  # as we go: a capped run keeps what it measured
             pool = bank = None  # free before the next format
             torch.cuda.empty_cache()
+    lines += sweep_decode_tiles(g)
+    write(args.out, lines)
     lines += [
         "",
         "% of bound: (hit bytes / HBM read + host bytes / zero-copy read) / measured time. 'vs torch grouped': "
@@ -213,6 +215,41 @@ def main() -> None:
         "numbers (measured 2026-11-29, not in this run; SGLang is not on the GPU image).",
     ]
     write(args.out, lines)
+
+
+def sweep_decode_tiles(g: torch.Generator) -> list[str]:
+    """Qwen3-like bf16 decode (M = 1, 4) over a few tile shapes: data for tuning `pick_configs`."""
+    from pooled_runner.kernels.moe_gemm import GemmConfig
+
+    H, I, E, K = SHAPES["qwen3"]
+    pool = random_rows("bf16", H, I, E, "cuda", g)
+    fmt = kernel_format(make_format("bf16", torch.bfloat16))
+    p13, p2 = make_projections(fmt, pool, None, H, I)
+    l2p = torch.arange(E, dtype=torch.int32, device="cuda")
+    out = [
+        "",
+        "decode tile sweep (qwen3 bf16, resident; µs per layer):",
+        "",
+        "| BN1 | BN2 | BK | warps | M=1 | M=4 |",
+    ]
+    out.append("|---|---|---|---|---|---|")
+    for bn1, bn2, bk, warps in [
+        (16, 32, 128, 4), (32, 64, 128, 4), (64, 64, 128, 4), (32, 32, 256, 4), (32, 64, 64, 4),
+        (16, 64, 256, 4), (32, 128, 128, 8), (64, 128, 64, 4),
+    ]:  # fmt: skip
+        cfgs = (GemmConfig(16, bn1, bk, 1, warps, 4), GemmConfig(16, bn2, bk, 1, warps, 4))
+        times = []
+        for M in (1, 4):
+            x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+            w, ids = torch.softmax(torch.randn(M, E, generator=g, device="cuda"), -1).topk(K, -1)
+            try:
+                fn = functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, cfgs)
+                times.append(f"{time_graph(fn):.1f}")
+            except Exception as exc:
+                times.append(f"error {type(exc).__name__}")
+        out.append(f"| {bn1} | {bn2} | {bk} | {warps} | {times[0]} | {times[1]} |")
+        print(out[-1], flush=True)
+    return out
 
 
 def write(path: str | None, lines: list[str]) -> None:
