@@ -29,7 +29,7 @@ def make_projections(
 
 
 def pick_configs(
-    num_tokens: int, top_k: int, num_experts: int, H: int, I: int
+    num_tokens: int, top_k: int, num_experts: int, H: int, I: int, weight_fmt: int = FMT_DENSE
 ) -> tuple[GemmConfig, GemmConfig]:
     """Tile shapes for (gemm1, gemm2): small-M decode tiles up to 32 tokens, MMA-sized tiles above."""
     if interpreting():  # the interpreter's cost grows with tile size; correctness only
@@ -38,9 +38,12 @@ def pick_configs(
         # Decode: memory-bound; N tiles small enough that top-k blocks cover the SMs (and one compile per shape).
         bn1 = 32 if I <= 1024 else 64
         bn2 = 64
+        # int4 tiles hold a word per value (unpacked in registers): 4 stages of the DeepSeek-shape gemm1 asked
+        # for 236 KiB of shared memory on the H200 (limit 227 KiB; 2026-11-30). 2 stages fit.
+        stages = 2 if weight_fmt == FMT_INT4 else 4
         return (
-            GemmConfig(16, bn1, 128, group_m=1, num_warps=4, num_stages=4),
-            GemmConfig(16, bn2, 128, group_m=1, num_warps=4, num_stages=4),
+            GemmConfig(16, bn1, 128, group_m=1, num_warps=4, num_stages=stages),
+            GemmConfig(16, bn2, 128, group_m=1, num_warps=4, num_stages=stages),
         )
     block_m = 32 if num_tokens <= 128 else 64 if num_tokens <= 1024 else 128
     warps = 8 if block_m == 128 else 4
@@ -76,7 +79,7 @@ def pooled_fused_moe(
         raise ValueError(f"hidden: shape {tuple(hidden.shape)}, expected [{T}, H]")
     if T == 0:
         return torch.empty((0, H), dtype=hidden.dtype, device=hidden.device)
-    cfg1, cfg2 = configs or pick_configs(T, K, num_experts, H, I)
+    cfg1, cfg2 = configs or pick_configs(T, K, num_experts, H, I, fmt.fmt)
     if cfg1.block_m != cfg2.block_m:
         raise ValueError(f"gemm1 block_m={cfg1.block_m} != gemm2 block_m={cfg2.block_m}")
     align = align_blocks(topk_ids.contiguous(), l2p, num_experts, w13.num_rows, cfg1.block_m)
