@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from pooled_runner import envs
 from pooled_runner.bank import ExpertBank, check_expert_weights
 from pooled_runner.config import PoolConfig
 from pooled_runner.formats import make_format
@@ -143,6 +144,7 @@ class PooledMoE:
         # The kernel backend whose index limit the bank-size guard checks (the torch path has none).
         self.kernel_backend: KernelBackend = TORCH
         self._last_layer: int | None = None  # a call at a layer <= the last one starts a new step
+        self._kernel_path: object | None = None  # pooled_runner.kernel_path.KernelPath, built on first use
 
     def register_layer(self, num_experts: int) -> int:
         """Register one MoE layer with `num_experts` routed experts; returns its pooled-layer index."""
@@ -325,6 +327,8 @@ class PooledMoE:
         _check_routing(
             hidden, topk_ids, topk_weights, self.hidden_size, self.dtype, self.num_experts_per_layer[layer]
         )
+        if self._use_kernels(pool):
+            return self._forward_kernels(pool, layer, hidden, topk_ids, topk_weights, admit_misses)
         T, K = topk_ids.shape
         expert_out = torch.zeros(
             (T, K, self.hidden_size), dtype=self.dtype, device=hidden.device
@@ -343,3 +347,32 @@ class PooledMoE:
             x = hidden[token_idx]
             expert_out[token_idx, slot_idx] = expert_mlp(x, w13.to(x.device), w2.to(x.device))
         return combine(expert_out, topk_ids, topk_weights)
+
+    def _use_kernels(self, pool: ExpertPool) -> bool:
+        """The Triton kernel path on a CUDA pool with a bf16/fp16 dtype, unless forced to the torch path."""
+        from pooled_runner.kernel_path import kernels_supported
+
+        return kernels_supported(pool.device, self.dtype) and not envs.force_torch_path()
+
+    def _forward_kernels(
+        self,
+        pool: ExpertPool,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        admit_misses: bool,
+    ) -> torch.Tensor:
+        from pooled_runner.kernel_path import KernelPath
+
+        if self._kernel_path is None:
+            self._kernel_path = KernelPath(
+                self.format, pool, self.bank, self.hidden_size, self.intermediate_size
+            )
+        ids = topk_ids.long()  # [T, K]
+        staged = self._staged_source(layer, hidden.shape[0])
+        # Host-side plan (a host sync) until the device planner lands; the kernels read l2p_gpu afterwards.
+        experts = torch.unique(ids[ids >= 0]).tolist()
+        pool.plan_step(layer, experts, admit_misses=admit_misses, staged=staged is not None)
+        assert isinstance(self._kernel_path, KernelPath)
+        return self._kernel_path.forward(layer, hidden, topk_ids, topk_weights, host_view=staged)

@@ -97,4 +97,3 @@ def test_int32_ids_accepted():
     ids, w = random_routing(3, 2, 6, g)
     out = moe.forward(0, hidden, ids.to(torch.int32), w)
     assert torch.equal(out, dense_reference(hidden, ids, w, {e: weights[(0, e)] for e in range(6)}))
-

@@ -46,3 +46,7 @@ class WeightFormat(Protocol):
     def expert_weights(self, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense (w13 [2I, H], w2 [H, I]) of one expert from its operand rows, in the compute dtype."""
         ...
+
+    def quantize(self, w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Operand rows of one expert from dense `w13 [2I, H]`, `w2 [H, I]` (the format converter)."""
+        ...

@@ -30,3 +30,7 @@ class Bf16Format:
 
     def expert_weights(self, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return rows["w13"], rows["w2"]
+
+    def quantize(self, w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Operand rows of one expert from dense weights (a cast to the format's dtype)."""
+        return {"w13": w13.to(self.dtype).contiguous(), "w2": w2.to(self.dtype).contiguous()}

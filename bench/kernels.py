@@ -1,0 +1,262 @@
+"""Kernel benchmark (GPU): the pooled fused MoE per format, M and residency, against bandwidths measured here.
+
+Per case: one layer, graph-captured `pooled_fused_moe` (align, gemm1, gemm2, combine), replayed; time per
+call from CUDA events. Bytes = the distinct experts' rows touched (weights + scales), so GB/s is the weight
+stream the step needs. Bound = hit_bytes / B_hbm + miss_bytes / B_zero_copy with both bandwidths measured in
+the same run by a Triton streaming read. Prefill cases (M >= 512) also time torch's grouped bf16 GEMM
+(`torch._grouped_mm`) on the same experts. Seeded; warmed up (compile before capture).
+
+Usage: python bench/kernels.py [--out results.md] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import subprocess
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe
+from pooled_runner.kernels.operands import kernel_format
+
+from pooled_runner.formats import make_format
+
+SHAPES = {"deepseek": (7168, 2048, 256, 8), "qwen3": (2048, 768, 128, 8)}
+STOCK_SGLANG_US = {("qwen3", 1): 31.7, ("qwen3", 4): 76.0, ("qwen3", 16): 197.0, ("qwen3", 4096): 880.0}
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0)
+    tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), acc)
+
+
+def read_bandwidth(t: torch.Tensor, reps: int = 5) -> float:
+    """GB/s of a Triton streaming read of `t` (device or pinned host) into the GPU."""
+    x = t.view(torch.int32).reshape(-1)
+    programs, block = 132 * 8, 1024
+    out = torch.empty(programs * block, dtype=torch.int32, device="cuda")
+    _read_kernel[(programs,)](x, out, x.numel(), BLOCK=block)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        _read_kernel[(programs,)](x, out, x.numel(), BLOCK=block)
+    end.record()
+    torch.cuda.synchronize()
+    return x.numel() * 4 * reps / (start.elapsed_time(end) * 1e-3) / 1e9
+
+
+def random_rows(
+    name: str, H: int, I: int, num: int, device: str, g: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """`num` rows of random operands of format `name` (valid codes; values do not matter for speed)."""
+    specs = make_format(name, torch.bfloat16).operands(H, I)
+    rows = {}
+    for s in specs:
+        shape = (num, *s.row_shape)
+        if s.dtype == torch.bfloat16:
+            t = torch.randn(shape, generator=g, device=device).mul_(0.02).bfloat16()
+        elif s.dtype == torch.float32:
+            t = torch.rand(shape, generator=g, device=device) * 0.01 + 0.001
+        elif s.dtype == torch.float8_e4m3fn:
+            t = (torch.rand(shape, generator=g, device=device) + 0.5).to(torch.float8_e4m3fn)
+        else:
+            info = torch.iinfo(s.dtype)
+            t = torch.randint(0, min(info.max, 255), shape, generator=g, device=device).to(s.dtype)
+        rows[s.name] = t
+    return rows
+
+
+def time_graph(fn, min_ms: float = 30.0) -> float:
+    """Mean µs per replay of a CUDA graph of `fn` (compiled first)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    graph.replay()
+    torch.cuda.synchronize()
+    reps = max(3, min(200, int(min_ms * 1e-3 / max(time.perf_counter() - t0, 1e-6))))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def grouped_gemm_us(x, ids, w13, w2) -> float | None:
+    """torch._grouped_mm MoE (gate/up, SiLU*mul, down; no combine) on the same routing, µs; None if absent."""
+    if not hasattr(torch, "_grouped_mm"):
+        return None
+    E = w13.shape[0]
+    K = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = flat.argsort()
+    counts = torch.bincount(flat, minlength=E)
+    offs = counts.cumsum(0).int()
+    xs = x[order // K]
+    w13t, w2t = w13.transpose(1, 2), w2.transpose(1, 2)
+    I = w13.shape[1] // 2
+
+    def run():
+        gu = torch._grouped_mm(xs, w13t, offs=offs)
+        act = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+        return torch._grouped_mm(act, w2t, offs=offs)
+
+    try:
+        return time_graph(run)
+    except Exception as exc:  # an unsupported build: report, don't fail the bench
+        print(f"  torch._grouped_mm unavailable: {exc!r}"[:200], file=sys.stderr)
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="fewer formats and M values")
+    ap.add_argument("--commit", default="", help="commit to print (default: git rev-parse HEAD)")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hbm = read_bandwidth(torch.empty(4 << 30, dtype=torch.uint8, device="cuda"))
+    pinned = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    zero_copy = read_bandwidth(pinned, reps=2)
+    del pinned
+    commit = (
+        args.commit
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
+    lines = [
+        f"date {datetime.date.today()}, GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"triton {triton.__version__}, commit {commit or 'n/a'}",
+        f"measured: HBM read {hbm:.0f} GB/s, pinned zero-copy read {zero_copy:.1f} GB/s",
+        "",
+        "| shape | format | M | host rows | µs | GB/s | % of bound | vs torch grouped | vs stock SGLang* |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    formats = ["bf16", "int4-g128", "fp8", "nvfp4"]
+    ms = [1, 2, 4, 8, 16, 64, 512, 4096]
+    if args.quick:
+        formats, ms = ["bf16", "int4-g128"], [1, 8, 512]
+    for shape, (H, I, E, K) in SHAPES.items():
+        for name in formats:
+            fmt_obj = make_format(name, torch.bfloat16)
+            fmt = kernel_format(fmt_obj)
+            pool = random_rows(name, H, I, E, "cuda", g)
+            row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
+            bank = (
+                {k: torch.empty_like(v, device="cpu", pin_memory=True).copy_(v) for k, v in pool.items()}
+                if name == "bf16"
+                else None
+            )
+            p13, p2 = make_projections(fmt, pool, bank, H, I)
+            for M in ms:
+                x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+                logits = torch.randn(M, E, generator=g, device="cuda")
+                w, ids = torch.softmax(logits, -1).topk(K, -1)
+                distinct = torch.unique(ids)
+                fracs = ["0"] + (["1/8", "all"] if bank is not None and M <= 64 else [])
+                for frac in fracs:
+                    l2p = torch.arange(E, dtype=torch.int32, device="cuda")
+                    if frac == "1/8":
+                        host = distinct[::8]
+                        l2p[host] = (E + host).int()
+                    elif frac == "all":
+                        l2p += E
+                    num_host = int((l2p[distinct] >= E).sum())
+                    hit, miss = (distinct.numel() - num_host) * row_bytes, num_host * row_bytes
+                    try:
+                        us = time_graph(functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt))
+                    except Exception as exc:  # report the case and go on with the others
+                        row = f"| {shape} | {name} | {M} | {frac} | error: {type(exc).__name__} | | | | |"
+                        print(row, f"{exc!r}"[:300], flush=True)
+                        lines.append(row)
+                        continue
+                    bound_us = (hit / (hbm * 1e9) + miss / (zero_copy * 1e9)) * 1e6
+                    gbs = (hit + miss) / (us * 1e-6) / 1e9
+                    base = ""
+                    if name == "bf16" and M >= 512 and frac == "0":
+                        gg = grouped_gemm_us(x, ids, pool["w13"], pool["w2"])
+                        base = f"{gg / us:.2f}x ({gg:.0f} µs)" if gg else "n/a"
+                    stock = STOCK_SGLANG_US.get((shape, M)) if name == "bf16" and frac == "0" else None
+                    row = (
+                        f"| {shape} | {name} | {M} | {frac} | {us:.1f} | {gbs:.0f} | {100 * bound_us / us:.0f}% | "
+                        f"{base} | {f'{stock / us:.2f}x' if stock else ''} |"
+                    )
+                    print(row, flush=True)
+                    lines.append(row)
+                    write(args.out, lines)  # as we go: a capped run keeps what it measured
+            pool = bank = None  # free before the next format
+            torch.cuda.empty_cache()
+    lines += sweep_decode_tiles(g)
+    write(args.out, lines)
+    lines += [
+        "",
+        "% of bound: (hit bytes / HBM read + host bytes / zero-copy read) / measured time. 'vs torch grouped': "
+        "torch._grouped_mm time / ours (> 1 = ours faster). *stock SGLang 0.5.23 fused MoE times are DESIGN.md §4 "
+        "numbers (measured 2026-11-29, not in this run; SGLang is not on the GPU image).",
+    ]
+    write(args.out, lines)
+
+
+def sweep_decode_tiles(g: torch.Generator) -> list[str]:
+    """Qwen3-like bf16 decode (M = 1, 4) over a few tile shapes: data for tuning `pick_configs`."""
+    from pooled_runner.kernels.moe_gemm import GemmConfig
+
+    H, I, E, K = SHAPES["qwen3"]
+    pool = random_rows("bf16", H, I, E, "cuda", g)
+    fmt = kernel_format(make_format("bf16", torch.bfloat16))
+    p13, p2 = make_projections(fmt, pool, None, H, I)
+    l2p = torch.arange(E, dtype=torch.int32, device="cuda")
+    out = [
+        "",
+        "decode tile sweep (qwen3 bf16, resident; µs per layer):",
+        "",
+        "| BN1 | BN2 | BK | warps | M=1 | M=4 |",
+    ]
+    out.append("|---|---|---|---|---|---|")
+    for bn1, bn2, bk, warps in [
+        (16, 32, 128, 4), (32, 64, 128, 4), (64, 64, 128, 4), (32, 32, 256, 4), (32, 64, 64, 4),
+        (16, 64, 256, 4), (32, 128, 128, 8), (64, 128, 64, 4),
+    ]:  # fmt: skip
+        cfgs = (GemmConfig(16, bn1, bk, 1, warps, 4), GemmConfig(16, bn2, bk, 1, warps, 4))
+        times = []
+        for M in (1, 4):
+            x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+            w, ids = torch.softmax(torch.randn(M, E, generator=g, device="cuda"), -1).topk(K, -1)
+            try:
+                fn = functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, cfgs)
+                times.append(f"{time_graph(fn):.1f}")
+            except Exception as exc:
+                times.append(f"error {type(exc).__name__}")
+        out.append(f"| {bn1} | {bn2} | {bk} | {warps} | {times[0]} | {times[1]} |")
+        print(out[-1], flush=True)
+    return out
+
+
+def write(path: str | None, lines: list[str]) -> None:
+    if path:
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

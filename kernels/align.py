@@ -1,0 +1,368 @@
+"""Align + locate: routed (token, k) pairs -> M-blocks per logical expert -> location codes, on the device.
+
+Outputs (all device tensors, sized by upper bounds so a CUDA graph can capture them; nothing is read back):
+  sorted_pairs   `[max_blocks * block_m]` int32: flat pair index `t * K + k` for each slot, grouped by expert in
+                 ascending expert order, ascending pair order inside an expert; `num_pairs` (= T*K) marks a
+                 padding slot.
+  block_experts  `[max_blocks]` int32: logical expert of each M-block, -1 past the used blocks.
+  block_codes    `[max_blocks]` int32: `l2p[block_experts]` (0..R-1 pool row, R+e host row, -1 skip).
+  block_order    `[max_blocks]` int32: the used blocks, host-row blocks first (stragglers start early), then
+                 the pool-row blocks, each group in block order; -1 past the used blocks.
+  num_post_padded `[1]` int32: used slots (= used blocks * block_m).
+
+Padding ids (-1) and ids >= num_experts are not placed: their pairs contribute nothing downstream.
+Upper bound of used blocks: each expert with c pairs uses ceil(c / block_m) blocks, so
+`max_blocks = min(N, ceil(N / block_m) + E)` with N = T*K.
+
+Two device paths with identical results: one program (decode: N <= SMALL_MAX_PAIRS, one launch), and three
+launches (count per chunk, scan, scatter) for wide steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 128  # pairs per rank computation ([CHUNK, CHUNK] compare)
+BLOCK_CHUNK = 64  # blocks per step of the block-table pass
+SMALL_MAX_PAIRS = 1024  # up to this many pairs, the one-program path
+
+
+@dataclass(frozen=True)
+class AlignOutput:
+    sorted_pairs: torch.Tensor  # [max_blocks * block_m] int32
+    block_experts: torch.Tensor  # [max_blocks] int32
+    block_codes: torch.Tensor  # [max_blocks] int32
+    block_order: torch.Tensor  # [max_blocks] int32
+    num_post_padded: torch.Tensor  # [1] int32
+    block_m: int
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_codes.shape[0]
+
+
+def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of used M-blocks for `num_pairs` routed pairs over `num_experts` experts."""
+    return max(1, min(num_pairs, triton.cdiv(num_pairs, block_m) + num_experts))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# jit helpers
+@triton.jit
+def _block_tables(
+    ends_ptr,  # [E_POW2] int32: padded end slot of each expert (cumulative)
+    l2p_ptr,
+    block_experts_ptr,
+    block_codes_ptr,
+    block_order_ptr,
+    num_experts,
+    num_rows,
+    max_blocks,
+    total,  # used slots
+    BLOCK_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BLOCK_CHUNK: tl.constexpr,
+):
+    e_offs = tl.arange(0, E_POW2)
+    ends = tl.load(ends_ptr + e_offs)
+    num_host = 0
+    for b0 in range(0, max_blocks, BLOCK_CHUNK):
+        b = b0 + tl.arange(0, BLOCK_CHUNK)
+        pos = b * BLOCK_M
+        used = (pos < total) & (b < max_blocks)
+        before = (ends[None, :] <= pos[:, None]) & (e_offs[None, :] < num_experts)
+        expert = tl.sum(before.to(tl.int32), axis=1)
+        expert = tl.where(used, expert, -1)
+        code = tl.load(l2p_ptr + expert, mask=used, other=-1)
+        tl.store(block_experts_ptr + b, expert, mask=b < max_blocks)
+        tl.store(block_codes_ptr + b, code, mask=b < max_blocks)
+        num_host += tl.sum((used & (code >= num_rows)).to(tl.int32), axis=0)
+    tl.debug_barrier()  # the codes written above are read back by other threads below
+    # host-row blocks first, then the rest; each group keeps block order
+    host_seen = 0
+    other_seen = 0
+    for b0 in range(0, max_blocks, BLOCK_CHUNK):
+        b = b0 + tl.arange(0, BLOCK_CHUNK)
+        used = (b * BLOCK_M < total) & (b < max_blocks)
+        code = tl.load(block_codes_ptr + b, mask=used, other=-1)
+        is_host = used & (code >= num_rows)
+        is_other = used & (code < num_rows)
+        host_pos = host_seen + tl.cumsum(is_host.to(tl.int32), axis=0) - 1
+        other_pos = num_host + other_seen + tl.cumsum(is_other.to(tl.int32), axis=0) - 1
+        tl.store(block_order_ptr + host_pos, b, mask=is_host)
+        tl.store(block_order_ptr + other_pos, b, mask=is_other)
+        host_seen += tl.sum(is_host.to(tl.int32), axis=0)
+        other_seen += tl.sum(is_other.to(tl.int32), axis=0)
+    # blocks past the used ones: -1
+    num_used = host_seen + other_seen
+    for b0 in range(0, max_blocks, BLOCK_CHUNK):
+        b = b0 + tl.arange(0, BLOCK_CHUNK)
+        tl.store(block_order_ptr + b, -1, mask=(b >= num_used) & (b < max_blocks))
+
+
+@triton.jit
+def _chunk_ids(ids_ptr, start, num_pairs, num_experts, CHUNK: tl.constexpr):
+    offs = start + tl.arange(0, CHUNK)
+    in_range = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+    valid = in_range & (ids >= 0) & (ids < num_experts)
+    return offs, ids, valid
+
+
+@triton.jit
+def _rank_in_chunk(ids, valid, CHUNK: tl.constexpr):
+    """For each pair: how many earlier valid pairs of the chunk have the same expert."""
+    i = tl.arange(0, CHUNK)
+    same = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None]) & valid[None, :]
+    return tl.sum(same.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _align_small_kernel(
+    ids_ptr,
+    l2p_ptr,
+    scratch_ptr,  # [2 * E_POW2] int32: counts/cursor, ends
+    sorted_ptr,
+    block_experts_ptr,
+    block_codes_ptr,
+    block_order_ptr,
+    num_post_ptr,
+    num_pairs,
+    num_experts,
+    num_rows,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_CHUNK: tl.constexpr,
+):
+    e_offs = tl.arange(0, E_POW2)
+    cursor_ptr = scratch_ptr
+    ends_ptr = scratch_ptr + E_POW2
+    tl.store(cursor_ptr + e_offs, 0)
+    for s0 in range(0, max_blocks * BLOCK_M, CHUNK):
+        s = s0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + s, num_pairs, mask=s < max_blocks * BLOCK_M)
+    tl.debug_barrier()
+    for start in range(0, num_pairs, CHUNK):
+        offs, ids, valid = _chunk_ids(ids_ptr, start, num_pairs, num_experts, CHUNK)
+        tl.atomic_add(cursor_ptr + ids, 1, mask=valid)
+    tl.debug_barrier()
+    counts = tl.load(cursor_ptr + e_offs)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    tl.debug_barrier()
+    tl.store(ends_ptr + e_offs, ends)
+    tl.store(cursor_ptr + e_offs, ends - padded)
+    tl.store(num_post_ptr, total)
+    tl.debug_barrier()
+    for start in range(0, num_pairs, CHUNK):
+        offs, ids, valid = _chunk_ids(ids_ptr, start, num_pairs, num_experts, CHUNK)
+        rank = _rank_in_chunk(ids, valid, CHUNK)
+        base = tl.load(cursor_ptr + ids, mask=valid, other=0)
+        tl.store(sorted_ptr + base + rank, offs, mask=valid)
+        tl.debug_barrier()
+        tl.atomic_add(cursor_ptr + ids, 1, mask=valid)
+        tl.debug_barrier()
+    _block_tables(
+        ends_ptr,
+        l2p_ptr,
+        block_experts_ptr,
+        block_codes_ptr,
+        block_order_ptr,
+        num_experts,
+        num_rows,
+        max_blocks,
+        total,
+        BLOCK_M,
+        E_POW2,
+        BLOCK_CHUNK,
+    )
+
+
+@triton.jit
+def _align_count_kernel(
+    ids_ptr, counts_ptr, num_pairs, num_experts, E_POW2: tl.constexpr, CHUNK: tl.constexpr
+):
+    pid = tl.program_id(0)
+    _offs, ids, valid = _chunk_ids(ids_ptr, pid * CHUNK, num_pairs, num_experts, CHUNK)
+    tl.atomic_add(counts_ptr + pid * E_POW2 + ids, 1, mask=valid)
+
+
+@triton.jit
+def _align_scan_kernel(
+    counts_ptr,  # [P, E_POW2] int32 in: per-chunk counts; out: per-chunk base slot
+    ends_ptr,
+    l2p_ptr,
+    block_experts_ptr,
+    block_codes_ptr,
+    block_order_ptr,
+    num_post_ptr,
+    num_chunks,
+    num_experts,
+    num_rows,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+    P_BLOCK: tl.constexpr,
+    BLOCK_CHUNK: tl.constexpr,
+):
+    e_offs = tl.arange(0, E_POW2)
+    totals = tl.zeros((E_POW2,), dtype=tl.int32)
+    for p0 in range(0, num_chunks, P_BLOCK):
+        p = p0 + tl.arange(0, P_BLOCK)
+        c = tl.load(
+            counts_ptr + p[:, None] * E_POW2 + e_offs[None, :], mask=(p < num_chunks)[:, None], other=0
+        )
+        totals += tl.sum(c, axis=0)
+    padded = tl.cdiv(totals, BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    tl.store(ends_ptr + e_offs, ends)
+    tl.store(num_post_ptr, total)
+    carry = ends - padded
+    for p0 in range(0, num_chunks, P_BLOCK):
+        p = p0 + tl.arange(0, P_BLOCK)
+        ptrs = counts_ptr + p[:, None] * E_POW2 + e_offs[None, :]
+        mask = (p < num_chunks)[:, None]
+        c = tl.load(ptrs, mask=mask, other=0)
+        incl = tl.cumsum(c, axis=0)
+        tl.store(ptrs, carry[None, :] + incl - c, mask=mask)
+        carry += tl.sum(c, axis=0)
+    tl.debug_barrier()
+    _block_tables(
+        ends_ptr,
+        l2p_ptr,
+        block_experts_ptr,
+        block_codes_ptr,
+        block_order_ptr,
+        num_experts,
+        num_rows,
+        max_blocks,
+        total,
+        BLOCK_M,
+        E_POW2,
+        BLOCK_CHUNK,
+    )
+
+
+@triton.jit
+def _align_scatter_kernel(
+    ids_ptr, base_ptr, sorted_ptr, num_pairs, num_experts, E_POW2: tl.constexpr, CHUNK: tl.constexpr
+):
+    pid = tl.program_id(0)
+    offs, ids, valid = _chunk_ids(ids_ptr, pid * CHUNK, num_pairs, num_experts, CHUNK)
+    rank = _rank_in_chunk(ids, valid, CHUNK)
+    base = tl.load(base_ptr + pid * E_POW2 + ids, mask=valid, other=0)
+    tl.store(sorted_ptr + base + rank, offs, mask=valid)
+
+
+# ------------------------------------------------------------------------------------------------------------
+def _check_align_inputs(topk_ids: torch.Tensor, l2p: torch.Tensor, num_experts: int, block_m: int) -> None:
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}, expected [T, K]")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids has dtype {topk_ids.dtype}, expected int32 or int64")
+    if not topk_ids.is_contiguous():
+        raise ValueError(f"topk_ids with strides {topk_ids.stride()} is not contiguous")
+    if l2p.dim() != 1 or l2p.dtype != torch.int32 or l2p.shape[0] < num_experts:
+        raise ValueError(
+            f"l2p has shape {tuple(l2p.shape)} dtype {l2p.dtype}, expected [>= {num_experts}] int32"
+        )
+    if l2p.device != topk_ids.device:
+        raise ValueError(f"l2p on {l2p.device}, topk_ids on {topk_ids.device}: expected one device")
+    if num_experts <= 0:
+        raise ValueError(f"num_experts={num_experts} must be positive")
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m={block_m}: expected a power of two >= 16 (tl.dot needs M >= 16)")
+
+
+def align_blocks(
+    topk_ids: torch.Tensor, l2p: torch.Tensor, num_experts: int, num_rows: int, block_m: int
+) -> AlignOutput:
+    """Align routed pairs into M-blocks per expert and locate each block (see the module docstring).
+
+    Args:
+      topk_ids: `[T, K]` int32/int64 logical expert ids, -1 padding (contiguous, on the device).
+      l2p: `[E_max]` int32 location codes of this layer (E_max >= num_experts).
+      num_experts: E of this layer. num_rows: R (codes >= R are host rows).
+      block_m: rows per M-block (power of two >= 16).
+    """
+    _check_align_inputs(topk_ids, l2p, num_experts, block_m)
+    device = topk_ids.device
+    num_pairs = topk_ids.numel()
+    max_blocks = max_blocks_for(num_pairs, num_experts, block_m)
+    e_pow2 = max(16, triton.next_power_of_2(num_experts))
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+    block_experts = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    block_codes = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    block_order = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_post = torch.empty(1, dtype=torch.int32, device=device)
+    ids = topk_ids.reshape(-1)
+    common = (num_experts, num_rows, max_blocks)
+    if num_pairs <= SMALL_MAX_PAIRS:
+        scratch = torch.empty(2 * e_pow2, dtype=torch.int32, device=device)
+        _align_small_kernel[(1,)](
+            ids, l2p, scratch, sorted_pairs, block_experts, block_codes, block_order, num_post,
+            num_pairs, *common,
+            BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=CHUNK, BLOCK_CHUNK=BLOCK_CHUNK, num_warps=4,
+        )  # fmt: skip
+    else:
+        num_chunks = triton.cdiv(num_pairs, CHUNK)
+        counts = torch.zeros((num_chunks, e_pow2), dtype=torch.int32, device=device)
+        ends = torch.empty(e_pow2, dtype=torch.int32, device=device)
+        sorted_pairs.fill_(num_pairs)
+        _align_count_kernel[(num_chunks,)](ids, counts, num_pairs, num_experts, E_POW2=e_pow2, CHUNK=CHUNK)
+        p_block = max(1, min(64, 16384 // e_pow2))
+        _align_scan_kernel[(1,)](
+            counts, ends, l2p, block_experts, block_codes, block_order, num_post,
+            num_chunks, *common,
+            BLOCK_M=block_m, E_POW2=e_pow2, P_BLOCK=p_block, BLOCK_CHUNK=BLOCK_CHUNK, num_warps=4,
+        )  # fmt: skip
+        _align_scatter_kernel[(num_chunks,)](
+            ids, counts, sorted_pairs, num_pairs, num_experts, E_POW2=e_pow2, CHUNK=CHUNK
+        )
+    return AlignOutput(sorted_pairs, block_experts, block_codes, block_order, num_post, block_m)
+
+
+def align_blocks_ref(
+    topk_ids: torch.Tensor, l2p: torch.Tensor, num_experts: int, num_rows: int, block_m: int
+) -> AlignOutput:
+    """Plain torch reference of `align_blocks` (same signature, same outputs; host syncs allowed)."""
+    _check_align_inputs(topk_ids, l2p, num_experts, block_m)
+    ids = topk_ids.reshape(-1).long().cpu()
+    num_pairs = ids.numel()
+    max_blocks = max_blocks_for(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int32)
+    block_experts = torch.full((max_blocks,), -1, dtype=torch.int32)
+    pos = 0
+    for e in range(num_experts):
+        pairs = (ids == e).nonzero().flatten()
+        if pairs.numel() == 0:
+            continue
+        sorted_pairs[pos : pos + pairs.numel()] = pairs.int()
+        n_blocks = -(-pairs.numel() // block_m)
+        block_experts[pos // block_m : pos // block_m + n_blocks] = e
+        pos += n_blocks * block_m
+    l2p_cpu = l2p.cpu()
+    block_codes = torch.where(block_experts >= 0, l2p_cpu[block_experts.clamp(min=0).long()], -1).int()
+    used = block_experts >= 0
+    host = (used & (block_codes >= num_rows)).nonzero().flatten()
+    other = (used & (block_codes < num_rows)).nonzero().flatten()
+    block_order = torch.full((max_blocks,), -1, dtype=torch.int32)
+    order = torch.cat([host, other]).int()
+    block_order[: order.numel()] = order
+    dev = topk_ids.device
+    return AlignOutput(
+        sorted_pairs.to(dev),
+        block_experts.to(dev),
+        block_codes.to(dev),
+        block_order.to(dev),
+        torch.tensor([pos], dtype=torch.int32, device=dev),
+        block_m,
+    )

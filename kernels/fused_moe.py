@@ -1,0 +1,194 @@
+"""The pooled MoE forward on the kernels: align+locate -> gemm1 (+SiLU*mul) -> gemm2 -> weighted combine.
+
+Graph-safe: every buffer is sized from host-known shapes (T, K, E, block sizes), routing stays on the device,
+nothing is read back. Torch references with the same signatures sit beside each stage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .align import AlignOutput, align_blocks
+from .combine import combine
+from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4
+from .moe_gemm import GemmConfig, gemm1, gemm2, interpreting
+from .operands import KernelFormat, Projection, make_projection
+
+
+def make_projections(
+    fmt: KernelFormat,
+    pool: dict[str, torch.Tensor],
+    bank: dict[str, torch.Tensor] | None,
+    hidden_size: int,
+    intermediate_size: int,
+) -> tuple[Projection, Projection]:
+    """Validated (w13, w2) projections of the pool rows `[R, ...]` and one layer's host view `[E, ...]`."""
+    w13 = make_projection(fmt, "w13", pool, bank, 2 * intermediate_size, hidden_size)
+    w2 = make_projection(fmt, "w2", pool, bank, hidden_size, intermediate_size)
+    return w13, w2
+
+
+def pick_configs(
+    num_tokens: int, top_k: int, num_experts: int, H: int, I: int, weight_fmt: int = FMT_DENSE
+) -> tuple[GemmConfig, GemmConfig]:
+    """Tile shapes for (gemm1, gemm2): small-M decode tiles up to 32 tokens, MMA-sized tiles above."""
+    if interpreting():  # the interpreter's cost grows with tile size; correctness only
+        return GemmConfig(16, 16, 32, num_stages=1), GemmConfig(16, 16, 32, num_stages=1)
+    if num_tokens <= 32:
+        # Decode: memory-bound; N tiles small enough that top-k blocks cover the SMs (and one compile per shape).
+        bn1 = 32 if I <= 1024 else 64
+        bn2 = 64
+        # int4 tiles hold a word per value (unpacked in registers): 4 stages of the DeepSeek-shape gemm1 asked
+        # for 236 KiB of shared memory on the H200 (limit 227 KiB; 2026-11-30). 2 stages fit.
+        stages = 2 if weight_fmt == FMT_INT4 else 4
+        return (
+            GemmConfig(16, bn1, 128, group_m=1, num_warps=4, num_stages=stages),
+            GemmConfig(16, bn2, 128, group_m=1, num_warps=4, num_stages=stages),
+        )
+    block_m = 32 if num_tokens <= 128 else 64 if num_tokens <= 1024 else 128
+    warps = 8 if block_m == 128 else 4
+    return (
+        GemmConfig(block_m, 64, 64, group_m=8, num_warps=warps, num_stages=3),
+        GemmConfig(block_m, 128, 64, group_m=8, num_warps=warps, num_stages=3),
+    )
+
+
+def pooled_fused_moe(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    l2p: torch.Tensor,
+    num_experts: int,
+    w13: Projection,
+    w2: Projection,
+    fmt: KernelFormat,
+    configs: tuple[GemmConfig, GemmConfig] | None = None,
+) -> torch.Tensor:
+    """Routed-experts output `[T, H]` of one pooled layer.
+
+    Args:
+      hidden: `[T, H]` bf16/fp16 row-major. topk_ids `[T, K]` int32/int64 (-1 padding), topk_weights `[T, K]`.
+      l2p: `[E_max]` int32 location codes of the layer (row, R + e host row, -1 not here).
+      w13, w2: projections from `make_projections`. fmt: their kernel format.
+      configs: (gemm1, gemm2) tiles; default `pick_configs`.
+    """
+    T, K = topk_ids.shape
+    H = hidden.shape[1]
+    I = w2.weight.shape[2] * fmt.values_per_element()
+    if hidden.dim() != 2 or hidden.shape[0] != T:
+        raise ValueError(f"hidden: shape {tuple(hidden.shape)}, expected [{T}, H]")
+    if T == 0:
+        return torch.empty((0, H), dtype=hidden.dtype, device=hidden.device)
+    cfg1, cfg2 = configs or pick_configs(T, K, num_experts, H, I, fmt.fmt)
+    if cfg1.block_m != cfg2.block_m:
+        raise ValueError(f"gemm1 block_m={cfg1.block_m} != gemm2 block_m={cfg2.block_m}")
+    align = align_blocks(topk_ids.contiguous(), l2p, num_experts, w13.num_rows, cfg1.block_m)
+    act = gemm1(hidden, align, w13, fmt, K, cfg1)
+    y = gemm2(act, align, w2, fmt, T * K, cfg2)
+    return combine(y, topk_ids.contiguous(), topk_weights.contiguous(), l2p, num_experts)
+
+
+# ---- references ---------------------------------------------------------------------------------------------
+def dense_row(proj: Projection, fmt: KernelFormat, code: int, dtype: torch.dtype) -> torch.Tensor:
+    """The dense `[N, K]` weight at location `code` (pool row or host row), by the formats' reference dequant."""
+    from pooled_runner.formats import quant
+
+    src = proj.pool if code < proj.num_rows else proj.bank
+    r = code if code < proj.num_rows else code - proj.num_rows
+    w, s, z, g = (t[r].cpu() if t is not None else None for t in src)
+    assert w is not None
+    if fmt.fmt == FMT_DENSE:
+        return w.to(dtype)
+    assert s is not None
+    if fmt.fmt == FMT_INT4:
+        return quant.dequantize_int4(w, s, z, dtype)
+    if fmt.fmt in (FMT_FP8_CHANNEL, FMT_FP8_BLOCK):
+        return quant.dequantize_fp8(w, s, fmt.group if fmt.fmt == FMT_FP8_BLOCK else None, dtype)
+    assert g is not None
+    return quant.dequantize_nvfp4(w, s, g, dtype)
+
+
+def gemm1_ref(
+    x: torch.Tensor, align: AlignOutput, w13: Projection, fmt: KernelFormat, top_k: int, config: GemmConfig
+) -> torch.Tensor:
+    """Reference of `gemm1`: only the slots of routed pairs are defined (others 0)."""
+    from pooled_runner.moe import batch_invariant_linear
+
+    I = w13.weight.shape[1] // 2
+    act = torch.zeros((align.max_blocks * align.block_m, I), dtype=x.dtype)
+    sorted_pairs, codes = align.sorted_pairs.cpu(), align.block_codes.cpu()
+    xc = x.cpu()
+    for b in range(int(align.num_post_padded.item()) // align.block_m):
+        code = int(codes[b])
+        slots = torch.arange(b * align.block_m, (b + 1) * align.block_m)
+        pairs = sorted_pairs[slots]
+        keep = pairs < xc.shape[0] * top_k
+        if code < 0 or not keep.any():
+            continue
+        w = dense_row(w13, fmt, code, x.dtype)
+        gate_up = batch_invariant_linear(xc[pairs[keep].long() // top_k], w).to(x.dtype)
+        gate, up = gate_up[:, :I].float(), gate_up[:, I:].float()
+        act[slots[keep]] = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+    return act.to(x.device)
+
+
+def gemm2_ref(
+    act: torch.Tensor,
+    align: AlignOutput,
+    w2: Projection,
+    fmt: KernelFormat,
+    num_pairs: int,
+    config: GemmConfig,
+) -> torch.Tensor:
+    """Reference of `gemm2`: rows of pairs not computed are 0."""
+    from pooled_runner.moe import batch_invariant_linear
+
+    H = w2.weight.shape[1]
+    y = torch.zeros((max(num_pairs, 1), H), dtype=act.dtype)
+    sorted_pairs, codes, ac = align.sorted_pairs.cpu(), align.block_codes.cpu(), act.cpu()
+    for b in range(int(align.num_post_padded.item()) // align.block_m):
+        code = int(codes[b])
+        slots = torch.arange(b * align.block_m, (b + 1) * align.block_m)
+        pairs = sorted_pairs[slots]
+        keep = pairs < num_pairs
+        if code < 0 or not keep.any():
+            continue
+        w = dense_row(w2, fmt, code, act.dtype)
+        y[pairs[keep].long()] = batch_invariant_linear(ac[slots[keep]], w).to(act.dtype)
+    return y.to(act.device)
+
+
+def pooled_fused_moe_ref(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    l2p: torch.Tensor,
+    num_experts: int,
+    w13: Projection,
+    w2: Projection,
+    fmt: KernelFormat,
+    configs: tuple[GemmConfig, GemmConfig] | None = None,
+) -> torch.Tensor:
+    """Reference of `pooled_fused_moe`: per distinct expert, the torch path's `expert_mlp` and `combine`."""
+    from pooled_runner.moe import combine as torch_combine
+    from pooled_runner.moe import expert_mlp
+
+    T, K = topk_ids.shape
+    H = hidden.shape[1]
+    ids = topk_ids.long().cpu()
+    l2p_cpu = l2p.cpu()
+    x = hidden.cpu()
+    expert_out = torch.zeros((T, K, H), dtype=hidden.dtype)
+    for e in torch.unique(ids[(ids >= 0) & (ids < num_experts)]).tolist():
+        code = int(l2p_cpu[e])
+        if code < 0:
+            continue
+        t_idx, k_idx = (ids == e).nonzero(as_tuple=True)
+        expert_out[t_idx, k_idx] = expert_mlp(
+            x[t_idx], dense_row(w13, fmt, code, hidden.dtype), dense_row(w2, fmt, code, hidden.dtype)
+        )
+    routed = ids.clone()
+    not_here = (ids >= 0) & (ids < num_experts)
+    not_here &= l2p_cpu[ids.clamp(0, num_experts - 1)] < 0
+    routed[not_here] = -1
+    return torch_combine(expert_out, routed, topk_weights.cpu()).to(hidden.device)

@@ -1,0 +1,85 @@
+"""The pooled forward on CUDA through `pooled_runner.kernels`: pool rows and the pinned host view read in place.
+
+`KernelPath` binds one `PooledMoE`'s pool (`rows_gpu[op] [R, ...]`, `l2p_gpu[layer] [E_max]`) and bank
+(`bank.layer(layer)[op] [E, ...]`, page-locked) to the kernels, validating each layer's operands once.
+The location codes are read on the device; the caller plans residency first (`ExpertPool.plan_step` today).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pooled_runner.bank import ExpertBank
+from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe
+from pooled_runner.kernels.operands import KernelFormat, Projection, kernel_format
+from pooled_runner.pool import ExpertPool
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def kernels_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernel path can run: a CUDA pool and a bf16/fp16 compute dtype."""
+    return device.type == "cuda" and dtype in KERNEL_DTYPES
+
+
+class KernelPath:
+    """Kernel forward of every pooled layer of one pool.
+
+    Args:
+      weight_format: the `pooled_runner.formats` object of the pool's rows.
+      pool: the installed `ExpertPool`. bank: its `ExpertBank` (None when every expert is resident).
+      hidden_size, intermediate_size: H, I.
+    """
+
+    def __init__(
+        self,
+        weight_format: object,
+        pool: ExpertPool,
+        bank: ExpertBank | None,
+        hidden_size: int,
+        intermediate_size: int,
+    ):
+        self.fmt: KernelFormat = kernel_format(weight_format)
+        self.pool = pool
+        self.bank = bank
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self._projections: dict[tuple[int, int | None], tuple[Projection, Projection]] = {}
+
+    def projections(
+        self, layer: int, host_view: dict[str, torch.Tensor] | None = None
+    ) -> tuple[Projection, Projection]:
+        """(w13, w2) of one layer: pool rows + the source of host codes, validated on first use.
+
+        `host_view` replaces the bank's host view of the layer (a prefill staging buffer, `[E_max, ...]`
+        on the device, host row e at index e); None reads the pinned bank in place.
+        """
+        if host_view is None and self.bank is not None:
+            host_view = self.bank.layer(layer)
+        key = (layer, None if host_view is None else next(iter(host_view.values())).data_ptr())
+        if key not in self._projections:
+            self._projections[key] = make_projections(
+                self.fmt, self.pool.rows_gpu, host_view, self.hidden_size, self.intermediate_size
+            )
+        return self._projections[key]
+
+    def forward(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        host_view: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """`[T, H]` routed-experts output of `layer` with the current location codes (no host sync)."""
+        w13, w2 = self.projections(layer, host_view)
+        return pooled_fused_moe(
+            hidden,
+            topk_ids,
+            topk_weights,
+            self.pool.l2p_gpu[layer],
+            self.pool.num_experts_per_layer[layer],
+            w13,
+            w2,
+            self.fmt,
+        )

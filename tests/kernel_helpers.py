@@ -1,0 +1,68 @@
+"""Builders and float comparison shared by the kernel tests (CPU interpreter and GPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from pooled_runner.formats import make_format
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, rel: float = 2e-2) -> None:
+    """bf16-level tolerance: |out - ref| <= rel * (|ref| + max|ref|); names the first mismatch coordinates."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    o, r = out.float().cpu(), ref.float().cpu()
+    assert torch.isfinite(o).all(), (
+        f"{what}: non-finite values at {(~torch.isfinite(o)).nonzero()[:5].tolist()}"
+    )
+    scale = r.abs().max().item() if r.numel() else 0.0
+    bad = ((o - r).abs() > rel * (r.abs() + scale)).nonzero()
+    if bad.numel():
+        i = tuple(bad[0].tolist())
+        raise AssertionError(
+            f"{what}: {bad.shape[0]} of {r.numel()} mismatch, first at {i}: {o[i].item()} vs {r[i].item()} "
+            f"(max|ref| {scale:.4g}); first coordinates {bad[:5].tolist()}"
+        )
+
+
+def build_layer(
+    format_name: str,
+    H: int,
+    I: int,
+    E: int,
+    R: int,
+    g: torch.Generator,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    num_not_here: int = 1,
+    host_rows: bool = True,
+):
+    """A layer of E experts in format `format_name`: bank `[E, ...]` (host view), pool `[R, ...]` holding a
+    random R of them, l2p `[E + 2]` with codes row / R + e / -1 (`num_not_here` experts, and the 2 padding)."""
+    fmt = make_format(format_name, dtype)
+    rows = [
+        fmt.quantize(torch.randn(2 * I, H, generator=g) / H**0.5, torch.randn(H, I, generator=g) / I**0.5)
+        for _ in range(E)
+    ]
+    bank = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    pool = {k: torch.empty((R, *v.shape[1:]), dtype=v.dtype) for k, v in bank.items()}
+    l2p = torch.full((E + 2,), -1, dtype=torch.int32)
+    l2p[:E] = R + torch.arange(E, dtype=torch.int32)
+    perm = torch.randperm(E, generator=g)
+    for r in range(min(R, E)):
+        e = int(perm[r])
+        l2p[e] = r
+        for k in pool:
+            pool[k][r] = bank[k][e]
+    for e in perm[E - num_not_here :].tolist() if num_not_here else []:
+        l2p[e] = -1
+    if device != "cpu":
+        pool = {k: v.to(device) for k, v in pool.items()}
+        l2p = l2p.to(device)
+    return fmt, pool, (bank if host_rows else None), l2p
+
+
+def random_routing(T: int, K: int, E: int, g: torch.Generator, pad_prob: float = 0.1):
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K)
+    ids = ids.long().reshape(T, K)
+    ids[torch.rand(T, K, generator=g) < pad_prob] = -1
+    return ids, torch.rand(T, K, generator=g) + 0.05

@@ -1,0 +1,227 @@
+"""Kernels against their torch references on the CPU, under Triton's interpreter, at small awkward sizes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# The interpreter is chosen when triton.jit decorates the kernels: set it for this import only, then restore,
+# so nothing else in the session (servers, other Triton users) inherits it.
+_saved = os.environ.get("TRITON_INTERPRET")
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    import triton
+    import triton.language as tl
+    from pooled_runner.kernels.align import SMALL_MAX_PAIRS, align_blocks, align_blocks_ref
+    from pooled_runner.kernels.combine import combine, combine_ref
+    from pooled_runner.kernels.dequant import e2m1_to_f32, e4m3_to_f32
+    from pooled_runner.kernels.fused_moe import (
+        gemm1_ref,
+        gemm2_ref,
+        make_projections,
+        pooled_fused_moe,
+        pooled_fused_moe_ref,
+    )
+    from pooled_runner.kernels.locate import locate, locate_ref
+    from pooled_runner.kernels.moe_gemm import GemmConfig, gemm1, gemm2, interpreting
+    from pooled_runner.kernels.operands import kernel_format
+
+    @triton.jit
+    def _decode_kernel(raw_ptr, out_ptr, N: tl.constexpr, WHICH: tl.constexpr):
+        offs = tl.arange(0, N)
+        raw = tl.load(raw_ptr + offs)
+        if WHICH == 0:  # noqa: SIM108 (constexpr branch)
+            v = e4m3_to_f32(raw, False)
+        else:
+            v = e2m1_to_f32(raw.to(tl.int32))
+        tl.store(out_ptr + offs, v)
+finally:
+    if _saved is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
+
+from pooled_runner.formats import Int4Format, make_format  # noqa: E402
+from pooled_runner.formats.quant import E2M1_VALUES, pack_int4, unpack_int4  # noqa: E402
+from tests.kernel_helpers import assert_close, build_layer, random_routing  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not interpreting(), reason="interpreter tests; the GPU runs test_kernels_gpu.py"
+)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton also reads TRITON_INTERPRET at launch time: set it while each test of this module runs."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+ALIGN_FIELDS = ("sorted_pairs", "block_experts", "block_codes", "block_order", "num_post_padded")
+
+
+@pytest.mark.parametrize(
+    ("T", "K", "E", "block_m"),
+    [(0, 2, 3, 16), (1, 1, 1, 16), (7, 3, 5, 16), (5, 8, 9, 32), (40, 8, 33, 16), (200, 6, 61, 32)],
+)
+def test_align_matches_reference(T, K, E, block_m):
+    g = torch.Generator().manual_seed(T * 131 + E)
+    R = max(1, E // 2)
+    ids = torch.randint(-1, E, (T, K), generator=g)
+    l2p = torch.randint(-1, R + E, (E + 3,), generator=g).int()
+    l2p[E:] = -1
+    for dtype in (torch.int64, torch.int32):
+        got, ref = align_blocks(ids.to(dtype), l2p, E, R, block_m), align_blocks_ref(ids, l2p, E, R, block_m)
+        for f in ALIGN_FIELDS:
+            assert torch.equal(getattr(got, f), getattr(ref, f)), (
+                f"{f}: {getattr(got, f)} != {getattr(ref, f)}"
+            )
+
+
+def test_align_wide_path_used_and_exact():
+    T, K, E = SMALL_MAX_PAIRS // 4 + 3, 4, 7  # > SMALL_MAX_PAIRS pairs: the three-launch path
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(-1, E, (T, K), generator=g)
+    l2p = torch.tensor([0, 9, 1, 10, -1, 2, 13, -1], dtype=torch.int32)
+    got, ref = align_blocks(ids, l2p, E, 3, 16), align_blocks_ref(ids, l2p, E, 3, 16)
+    for f in ALIGN_FIELDS:
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    # host blocks (codes >= 3) come first in the schedule
+    order = got.block_order[got.block_order >= 0].long()
+    is_host = (got.block_codes[order] >= 3).int()
+    assert torch.equal(is_host, is_host.sort(descending=True, stable=True).values)
+
+
+def test_align_bad_input():
+    l2p = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_m"):
+        align_blocks(torch.zeros(2, 2, dtype=torch.int64), l2p, 4, 2, 24)
+    with pytest.raises(ValueError, match="l2p"):
+        align_blocks(torch.zeros(2, 2, dtype=torch.int64), l2p.long(), 4, 2, 16)
+    with pytest.raises(ValueError, match="contiguous"):
+        align_blocks(torch.zeros(4, 4, dtype=torch.int64)[:, ::2], l2p, 4, 2, 16)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 300])
+def test_locate_matches_reference(n):
+    g = torch.Generator().manual_seed(n)
+    E = 11
+    experts = torch.randint(-1, E + 2, (n,), generator=g).int()
+    l2p = torch.randint(-1, 30, (E + 1,), generator=g).int()
+    assert torch.equal(locate(experts, l2p, E), locate_ref(experts, l2p, E))
+
+
+@pytest.mark.parametrize(("T", "K", "H"), [(1, 1, 5), (7, 3, 33), (4, 8, 1100)])
+def test_combine_matches_reference(T, K, H):
+    g = torch.Generator().manual_seed(H)
+    E = 9
+    ids, w = random_routing(T, K, E, g, pad_prob=0.3)
+    l2p = torch.arange(E + 1, dtype=torch.int32)
+    l2p[2] = -1  # an expert not here: its pairs add nothing
+    y = torch.randn(T * K, H, generator=g).bfloat16()
+    y[(ids.flatten() < 0) | (ids.flatten() == 2)] = float("nan")  # unrouted rows must not leak
+    got, ref = combine(y, ids, w, l2p, E), combine_ref(y, ids, w, l2p, E)
+    # not bitwise: the interpreter's fp32 -> bf16 store may round differently from torch's
+    assert_close(got, ref, "combine", rel=1e-2)
+
+
+def test_in_kernel_decoders_exact():
+    raw = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    out = torch.empty(256)
+    _decode_kernel[(1,)](raw, out, 256, 0)
+    ref = raw.view(torch.float8_e4m3fn).float()
+    finite = torch.isfinite(ref)
+    assert torch.equal(out[finite], ref[finite])
+    codes = torch.arange(16, dtype=torch.uint8)
+    out16 = torch.empty(16)
+    _decode_kernel[(1,)](codes, out16, 16, 1)
+    table = torch.tensor(E2M1_VALUES)
+    assert torch.equal(out16, torch.cat([table, -table]))
+
+
+def test_int4_pack_roundtrip_and_bad_group():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (5, 64), generator=g, dtype=torch.int32)
+    assert torch.equal(unpack_int4(pack_int4(q)), q)
+    with pytest.raises(ValueError, match="group"):
+        Int4Format(torch.bfloat16, group=48)
+    with pytest.raises(ValueError, match="group"):
+        make_format("int4-g128", torch.bfloat16).operands(96, 64)
+
+
+FORMATS = [
+    ("bf16", 40, 24, torch.bfloat16),
+    ("bf16", 40, 24, torch.float16),
+    ("int4-g32", 64, 32, torch.bfloat16),
+    ("int4-g64-zp", 64, 64, torch.bfloat16),
+    ("int4-g128-zp", 128, 128, torch.float16),
+    ("fp8", 40, 24, torch.bfloat16),
+    ("fp8-b16", 40, 24, torch.bfloat16),
+    ("nvfp4", 48, 32, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize(("name", "H", "I", "dtype"), FORMATS)
+def test_gemm_stages_match_reference(name, H, I, dtype):
+    g = torch.Generator().manual_seed(len(name) + H)
+    E, R, T, K = 7, 3, 9, 3
+    fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, R, g, dtype)
+    fmt = kernel_format(fmt_obj)
+    w13, w2 = make_projections(fmt, pool, bank, H, I)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids, _ = random_routing(T, K, E, g)
+    cfg = GemmConfig(16, 16, 32, num_stages=1)
+    al = align_blocks(ids, l2p, E, R, 16)
+    computed = ((al.block_codes >= 0).repeat_interleave(16)) & (al.sorted_pairs < T * K)
+    act, act_ref = gemm1(x, al, w13, fmt, K, cfg), gemm1_ref(x, al, w13, fmt, K, cfg)
+    assert_close(act[computed], act_ref[computed], f"{name} gemm1")
+    y, y_ref = gemm2(act_ref, al, w2, fmt, T * K, cfg), gemm2_ref(act_ref, al, w2, fmt, T * K, cfg)
+    pairs = al.sorted_pairs[computed].long()
+    assert_close(y[pairs], y_ref[pairs], f"{name} gemm2")
+
+
+@pytest.mark.parametrize(("name", "H", "I", "dtype"), FORMATS)
+@pytest.mark.parametrize(("T", "K", "E", "R"), [(1, 1, 1, 1), (7, 3, 5, 2), (13, 4, 9, 9)])
+def test_pooled_fused_moe_matches_reference(name, H, I, dtype, T, K, E, R):
+    g = torch.Generator().manual_seed(T * 7 + E + H)
+    fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, R, g, dtype, num_not_here=int(E > 3))
+    fmt = kernel_format(fmt_obj)
+    w13, w2 = make_projections(fmt, pool, bank if R < E else None, H, I)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids, w = random_routing(T, K, E, g)
+    out = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt)
+    ref = pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt)
+    assert out.dtype == dtype
+    assert_close(out, ref, f"{name} T={T} K={K} E={E} R={R}")
+
+
+def test_fused_moe_zero_tokens():
+    g = torch.Generator().manual_seed(1)
+    fmt_obj, pool, bank, l2p = build_layer("bf16", 16, 16, 3, 2, g)
+    fmt = kernel_format(fmt_obj)
+    w13, w2 = make_projections(fmt, pool, bank, 16, 16)
+    ids = torch.empty(0, 2, dtype=torch.int64)
+    out = pooled_fused_moe(
+        torch.empty(0, 16, dtype=torch.bfloat16), ids, torch.empty(0, 2), l2p, 3, w13, w2, fmt
+    )
+    assert out.shape == (0, 16)
+
+
+def test_operand_bad_input():
+    g = torch.Generator().manual_seed(2)
+    fmt_obj, pool, bank, l2p = build_layer("bf16", 16, 16, 3, 2, g)
+    fmt = kernel_format(fmt_obj)
+    bad_bank = dict(bank, w2=bank["w2"].half())
+    with pytest.raises(ValueError, match="bank w2"):
+        make_projections(fmt, pool, bad_bank, 16, 16)
+    strided = dict(pool, w13=torch.empty(2, 32, 32, dtype=torch.bfloat16)[:, :, ::2])
+    with pytest.raises(ValueError, match="not contiguous"):
+        make_projections(fmt, strided, bank, 16, 16)
+    with pytest.raises(ValueError, match="shape"):
+        make_projections(fmt, pool, bank, 16, 8)
+    w13, w2 = make_projections(fmt, pool, bank, 16, 16)
+    x16 = torch.randn(2, 16).half()  # fp16 activations, bf16 weights
+    with pytest.raises(ValueError, match="dtype"):
+        pooled_fused_moe(x16, torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1), l2p, 3, w13, w2, fmt)

@@ -1,0 +1,219 @@
+"""GPU tests of the pooled MoE kernels at real sizes (run by scripts/gpu_check.sh; skipped without CUDA).
+
+Shapes from DESIGN.md §4: DeepSeek-like (H 7168, I 2048, E 256, top-8) and Qwen3-30B-like (H 2048, I 768,
+E 128, top-8). References are independent: fp32 matmuls per logical expert from the dense weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernel_helpers import assert_close
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = {"deepseek": (7168, 2048, 256, 8), "qwen3": (2048, 768, 128, 8)}
+MS = [1, 2, 4, 8, 16, 64, 512, 4096]
+
+
+def _kernels():
+    from pooled_runner.kernels import fused_moe, operands
+
+    return fused_moe, operands
+
+
+def gpu_reference(x, ids, weights, dense_w13, dense_w2, routed_here=None):
+    """`sum_k w * mlp_e(x)`: fp32 matmuls (no TF32), gate/up and activation rounded to x's dtype."""
+    T, K = ids.shape
+    H = x.shape[1]
+    y = torch.zeros(T, K, H, dtype=x.dtype, device=x.device)
+    for e in torch.unique(ids[ids >= 0]).tolist():
+        if routed_here is not None and not routed_here[e]:
+            continue
+        t, k = (ids == e).nonzero(as_tuple=True)
+        w13, w2 = dense_w13(e).float(), dense_w2(e).float()
+        I = w13.shape[0] // 2
+        gu = (x[t].float() @ w13.T).to(x.dtype).float()
+        act = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).to(x.dtype)
+        y[t, k] = (act.float() @ w2.T).to(x.dtype)
+    ok = ids >= 0
+    if routed_here is not None:
+        ok &= routed_here[ids.clamp(min=0)]
+    return (y.float() * torch.where(ok, weights.float(), 0.0)[..., None]).sum(1).to(x.dtype)
+
+
+def routing(T, K, E, g, device="cuda"):
+    logits = torch.randn(T, E, generator=g, device=device)
+    w, ids = torch.softmax(logits, -1).topk(K, -1)
+    return ids, w
+
+
+def poison_allocator():
+    """Fill freed caching-allocator blocks with NaN so unwritten outputs show up."""
+    free = torch.cuda.mem_get_info()[0]
+    junk = torch.full((min(free // 4, 8 << 30) // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    del junk
+
+
+@pytest.fixture(scope="module")
+def resident_layers():
+    """bf16 layers of both shapes, every expert in a pool row (codes = a random permutation of rows)."""
+    fused_moe, operands = _kernels()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out = {}
+    for name, (H, I, E, _) in SHAPES.items():
+        w13 = (torch.randn(E, 2 * I, H, generator=g, device="cuda") / H**0.5).bfloat16()
+        w2 = (torch.randn(E, H, I, generator=g, device="cuda") / I**0.5).bfloat16()
+        perm = torch.randperm(E, generator=g, device="cuda")
+        pool = {"w13": w13[perm].contiguous(), "w2": w2[perm].contiguous()}  # row r holds expert perm[r]
+        l2p = torch.empty(E, dtype=torch.int32, device="cuda")
+        l2p[perm] = torch.arange(E, dtype=torch.int32, device="cuda")
+        fmt = operands.KernelFormat(0)
+        p13, p2 = fused_moe.make_projections(fmt, pool, None, H, I)
+        out[name] = (w13, w2, l2p, fmt, p13, p2)
+        del pool
+    yield out
+    out.clear()
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_bf16_resident_real_shapes(resident_layers, shape, M):
+    fused_moe, _ = _kernels()
+    H, _, E, K = SHAPES[shape]
+    w13, w2, l2p, fmt, p13, p2 = resident_layers[shape]
+    g = torch.Generator(device="cuda").manual_seed(M)
+    x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+    ids, w = routing(M, K, E, g)
+    poison_allocator()
+    out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt)
+    ref = gpu_reference(x, ids, w, lambda e: w13[e], lambda e: w2[e])
+    assert_close(out, ref, f"{shape} M={M}")
+
+
+def test_graph_replay_with_new_routing_equals_eager(resident_layers):
+    fused_moe, _ = _kernels()
+    H, I, E, K = SHAPES["qwen3"]
+    w13, w2, l2p, fmt, p13, p2 = resident_layers["qwen3"]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    M = 8
+    x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+    ids, w = routing(M, K, E, g)
+    # a pinned host view of the layer; 1/8 of the experts are read through it
+    bank = {"w13": w13.cpu().pin_memory(), "w2": w2.cpu().pin_memory()}
+    p13, p2 = fused_moe.make_projections(fmt, {"w13": p13.weight, "w2": p2.weight}, bank, H, I)
+    l2p = l2p.clone()
+    host = torch.arange(0, E, 8, device="cuda")
+    l2p[host] = (E + host).int()
+    fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt)  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt)
+    side = torch.cuda.Stream()
+    for step in range(3):
+        new_ids, new_w = routing(M, K, E, g)
+        if step == 2:
+            new_ids[0, 1] = -1  # padding inside the graph
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        x.copy_(torch.randn(M, H, generator=g, device="cuda").bfloat16())
+        with torch.cuda.stream(side):  # unrelated work beside the replay
+            busy = torch.randn(4096, 4096, device="cuda") @ torch.randn(4096, 4096, device="cuda")
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt)
+        assert torch.equal(out, eager), f"step {step}: replay differs from eager"
+        del busy
+
+
+QUANT_FORMATS = ["bf16", "int4-g128", "int4-g64-zp", "int4-g32", "fp8", "fp8-b128", "nvfp4"]
+
+
+MIXED_CASES = [(n, M) for n in QUANT_FORMATS for M in ([1, 8, 64, 512] if n == "bf16" else [1, 64])]
+
+
+@pytest.mark.parametrize(("name", "M"), MIXED_CASES)
+def test_pooled_moe_kernel_path_mixed_rows(name, M):
+    """PooledMoE on CUDA (the kernel path of moe.py) with a pinned bank: rows, host rows, every format."""
+    from pooled_runner import PoolConfig, PooledMoE
+    from pooled_runner.formats import make_format
+
+    H, I, _, K = SHAPES["qwen3"]
+    E, L, R = 16, 2, 12  # 32 experts, 12 rows: many host-view reads
+    fmt = make_format(name, torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(len(name) * 10 + M)
+    rows = {}
+    for layer in range(L):
+        for e in range(E):
+            w13 = torch.randn(2 * I, H, generator=g, device="cuda") / H**0.5
+            w2 = torch.randn(H, I, generator=g, device="cuda") / I**0.5
+            rows[(layer, e)] = {k: v.cpu() for k, v in fmt.quantize(w13, w2).items()}
+    moe = PooledMoE(PoolConfig.resolve(pool_rows=R, device="cuda", weight_format=name), H, I, K)
+    for _ in range(L):
+        moe.register_layer(E)
+    moe.install(lambda layer, e: rows[(layer, e)])
+    assert moe.bank is not None and moe.bank.pinned
+    for layer in range(L):
+        x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+        ids, w = routing(M, K, E, g)
+        out = moe.forward(layer, x, ids, w, admit_misses=(layer == 0))
+        dense = {e: fmt.expert_weights({k: v.cuda() for k, v in rows[(layer, e)].items()}) for e in range(E)}
+        ref = gpu_reference(x, ids, w, lambda e, d=dense: d[e][0], lambda e, d=dense: d[e][1])
+        assert_close(out, ref, f"{name} M={M} layer={layer}")
+    assert moe.stats().bytes_read_host_view > 0
+    moe.bank.close()
+
+
+def test_pageable_bank_refused():
+    _, operands = _kernels()
+    pool = {"w13": torch.empty(2, 64, 32, dtype=torch.bfloat16, device="cuda")}
+    bank = {"w13": torch.empty(4, 64, 32, dtype=torch.bfloat16)}  # pageable
+    with pytest.raises(ValueError, match="pageable"):
+        operands.make_projection(operands.KernelFormat(0), "w13", pool, bank, 64, 32)
+
+
+def test_bank_past_32_gib():
+    """A host-view weight tensor > 32 GiB, read at experts placed past 2^31 x 16 B (the Marlin bound)."""
+    fused_moe, operands = _kernels()
+    H, I = 7168, 2048
+    row13 = 2 * I * H * 2
+    E = (2**35) // row13 + 8  # w13 bank > 32 GiB
+    cudart = torch.cuda.cudart()
+    bank = {
+        "w13": torch.empty((E, 2 * I, H), dtype=torch.bfloat16),
+        "w2": torch.empty((E, H, I), dtype=torch.bfloat16),
+    }
+    assert bank["w13"].numel() * 2 > 2**35
+    for t in bank.values():
+        assert int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)) == 0
+    try:
+        g = torch.Generator(device="cuda").manual_seed(9)
+        far = [E - 1, E - 3, E - 6]  # byte offsets past 2^35 in w13
+        assert all(e * row13 > 2**35 for e in far)
+        dense = {}
+        for e in far:
+            w13 = (torch.randn(2 * I, H, generator=g, device="cuda") / H**0.5).bfloat16()
+            w2 = (torch.randn(H, I, generator=g, device="cuda") / I**0.5).bfloat16()
+            bank["w13"][e].copy_(w13)
+            bank["w2"][e].copy_(w2)
+            dense[e] = (w13, w2)
+        R = 1
+        pool = {"w13": torch.zeros(R, 2 * I, H, dtype=torch.bfloat16, device="cuda")}
+        pool["w2"] = torch.zeros(R, H, I, dtype=torch.bfloat16, device="cuda")
+        l2p = (R + torch.arange(E, dtype=torch.int32)).cuda()
+        fmt = operands.KernelFormat(0)
+        p13, p2 = fused_moe.make_projections(fmt, pool, bank, H, I)
+        ids = torch.tensor([far, far[::-1]], device="cuda")
+        w = torch.rand(2, 3, generator=g, device="cuda")
+        x = torch.randn(2, H, generator=g, device="cuda").bfloat16()
+        out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt)
+        ref = gpu_reference(x, ids, w, lambda e: dense[e][0], lambda e: dense[e][1])
+        assert_close(out, ref, "bank past 32 GiB")
+    finally:
+        torch.cuda.synchronize()
+        for t in bank.values():
+            cudart.cudaHostUnregister(t.data_ptr())
