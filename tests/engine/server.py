@@ -51,7 +51,10 @@ def launched(args: list[str], log_path: Path) -> Iterator[Server]:
     port = free_port()
     cmd = [sys.executable, "-m", "pooled_runner.launch", "--host", "127.0.0.1", "--port", str(port), *args]
     log_file = log_path.open("wb")
-    process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=dict(os.environ))
+    env = {
+        k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"
+    }  # set by tests/conftest.py for kernels
+    process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
