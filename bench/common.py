@@ -1,30 +1,23 @@
-"""Benchmark helpers: seeded inputs, CUDA-event / graph-replay timing, bandwidth probes, the bound, a table."""
+"""Benchmark helpers shared by bench/*.py (the kernel bench's read_bandwidth / random_rows / time_graph live in
+bench/kernels.py): event timing, the H2D copy bandwidth, the bound, commit id, markdown output."""
 
 from __future__ import annotations
 
-import functools
 import math
 import statistics
+import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-GB = 1e9
 
-
-def seed_all(seed: int) -> torch.Generator:
-    torch.manual_seed(seed)
-    return torch.Generator().manual_seed(seed)
-
-
-def time_cuda(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float:
+def time_cuda(fn: Callable[[], object], warmup: int = 2, iters: int = 5) -> float:
     """Median milliseconds of `fn` timed with CUDA events (after `warmup` calls)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
     times = []
     for _ in range(iters):
+        torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -34,82 +27,33 @@ def time_cuda(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> flo
     return statistics.median(times)
 
 
-def time_graph(fn: Callable[[], object], warmup: int = 3, iters: int = 20, per_replay: int = 1) -> float:
-    """Median milliseconds of one call of `fn`, captured in a CUDA graph `per_replay` times and replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(per_replay):
-            fn()
-    return time_cuda(graph.replay, warmup=2, iters=iters) / per_replay
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """GB/s of a pinned host -> device copy on the copy engine (the staging path)."""
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    ms = time_cuda(lambda: dev.copy_(host, non_blocking=True))
+    return nbytes / (ms * 1e-3) / 1e9
 
 
-@dataclass(frozen=True)
-class Bandwidths:
-    """Bytes per second measured in this run."""
-
-    hbm_read: float  # device memory, streaming read (sum reduction over a large tensor)
-    host_zero_copy: float  # a kernel reading pinned host memory through its device address
-    host_to_device_copy: float  # copy engine, pinned host -> device
-
-    def describe(self) -> str:
-        return (
-            f"HBM read {self.hbm_read / GB:.0f} GB/s, zero-copy host read {self.host_zero_copy / GB:.1f} GB/s, "
-            f"H2D copy {self.host_to_device_copy / GB:.1f} GB/s"
-        )
-
-
-def measure_bandwidths(nbytes: int = 1 << 30) -> Bandwidths:
-    """Measure the three bandwidths the bound uses, on the current GPU."""
-    numel = nbytes // 2
-    dev = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
-    host = torch.randn(numel, dtype=torch.bfloat16).pin_memory()
-    dst = torch.empty_like(dev)
-    hbm_ms = time_cuda(lambda: dev.sum(dtype=torch.float32))
-    copy_ms = time_cuda(lambda: dst.copy_(host, non_blocking=True))
-    zc_ms = time_cuda(lambda: _zero_copy_read(host), iters=5)
-    return Bandwidths(nbytes / (hbm_ms / 1e3), nbytes / (zc_ms / 1e3), nbytes / (copy_ms / 1e3))
-
-
-def _zero_copy_read(host: torch.Tensor) -> torch.Tensor:
-    """Sum a pinned host tensor with a Triton kernel that reads it in place (UVA)."""
-    import triton
-
-    out = torch.zeros(1, device="cuda", dtype=torch.float32)
-    block = 8192
-    _read_kernel()[(triton.cdiv(host.numel(), block),)](host, out, host.numel(), BLOCK=block)
-    return out
-
-
-@functools.cache
-def _read_kernel():  # type: ignore[no-untyped-def]
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _read(src, out, n, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(src + offs, mask=offs < n, other=0.0)
-        tl.atomic_add(out, tl.sum(x.to(tl.float32), axis=0))
-
-    return _read
-
-
-def bound_ms(miss_bytes: float, hit_bytes: float, bw: Bandwidths, host_path: str = "zero_copy") -> float:
-    """DESIGN.md bound for one step: miss bytes over PCIe plus hit bytes over HBM."""
-    pcie = bw.host_zero_copy if host_path == "zero_copy" else bw.host_to_device_copy
-    return 1e3 * (miss_bytes / pcie + hit_bytes / bw.hbm_read)
+def bound_ms(miss_bytes: float, hit_bytes: float, pcie_gbs: float, hbm_gbs: float) -> float:
+    """DESIGN.md's bound for one step: miss bytes over PCIe plus hit bytes over HBM."""
+    return 1e3 * (miss_bytes / (pcie_gbs * 1e9) + hit_bytes / (hbm_gbs * 1e9))
 
 
 def distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
     """Expected distinct experts touched by `tokens` tokens routing top-k of E uniformly."""
     return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+def commit_id(given: str = "") -> str:
+    if given:
+        return given
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def print_table(title: str, header: list[str], rows: list[list[object]]) -> str:
@@ -125,3 +69,9 @@ def print_table(title: str, header: list[str], rows: list[list[object]]) -> str:
     text = "\n".join(lines)
     print(text, flush=True)
     return text
+
+
+def write(path: str | None, lines: list[str]) -> None:
+    if path:
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")

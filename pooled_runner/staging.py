@@ -91,19 +91,22 @@ class LayerStager:
         num_rows: int,
         device: torch.device,
         min_tokens: int,
+        prefetch: bool = True,
     ):
         self.operands = operands
         self.bank = bank
         self.num_rows = num_rows
         self.device = device
         self.min_tokens = min_tokens
+        # prefetch=False copies each layer on the compute stream when it is needed (benchmarks compare).
+        self.prefetch = prefetch
         max_experts = max(bank.num_experts_per_layer)
         self.buffers_gpu: list[dict[str, torch.Tensor]] = [
             {s.name: torch.empty((max_experts, *s.row_shape), dtype=s.dtype, device=device) for s in operands}
             for _ in range(self.NUM_BUFFERS)
         ]
         self.is_cuda = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device=device) if self.is_cuda else None
+        self.copy_stream = torch.cuda.Stream(device=device) if self.is_cuda and prefetch else None
         self._copied: list[torch.cuda.Event | None] = [None] * self.NUM_BUFFERS
         self._runs: list[list[Run]] | None = None  # per layer, for the current staged step
         self._buffer_layer: list[int] = [-1] * self.NUM_BUFFERS  # layer each buffer holds this step
@@ -139,7 +142,8 @@ class LayerStager:
             for layer, n in enumerate(self.bank.num_experts_per_layer)
         ]
         self.stats.steps_staged += 1
-        self._start_copy(0)
+        if self.prefetch:
+            self._start_copy(0)
         return True
 
     def end_step(self) -> None:
@@ -189,6 +193,7 @@ class LayerStager:
         event = self._copied[slot]
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
-        if layer + 1 < len(self._runs) and self._buffer_layer[(layer + 1) % self.NUM_BUFFERS] != layer + 1:
-            self._start_copy(layer + 1)
+        nxt = layer + 1
+        if self.prefetch and nxt < len(self._runs) and self._buffer_layer[nxt % self.NUM_BUFFERS] != nxt:
+            self._start_copy(nxt)
         return self.buffers_gpu[slot]

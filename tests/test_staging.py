@@ -106,3 +106,22 @@ def test_buffers_that_do_not_fit_are_refused_with_numbers():
     ):
         check_fits(needed, needed - 1)
     check_fits(needed, needed)
+
+
+def test_staging_without_prefetch_stages_each_layer_when_needed():
+    from pooled_runner.staging import LayerStager
+
+    moe, weights = _build(rows=6, staging=True, min_tokens=8)
+    plain, _ = _build(rows=6, staging=False, min_tokens=8)
+    moe.stager = LayerStager(
+        moe.operands, moe.bank, moe.pool.num_rows, torch.device("cpu"), 8, prefetch=False
+    )
+    g = torch.Generator().manual_seed(2)
+    for layer in range(3):
+        hidden = torch.randn(12, H, generator=g)
+        ids, w = random_routing(12, 3, 11, g)
+        assert torch.equal(
+            moe.forward(layer, hidden, ids, w), plain.forward(layer, hidden, ids, w, admit_misses=False)
+        )
+        assert moe.stager._buffer_layer[(layer + 1) % 2] != layer + 1  # nothing copied ahead
+    assert moe.stager.stats.layers_staged == 3
