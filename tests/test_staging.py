@@ -111,7 +111,7 @@ def test_buffers_that_do_not_fit_are_refused_with_numbers():
 def test_staging_without_prefetch_stages_each_layer_when_needed():
     from pooled_runner.staging import LayerStager
 
-    moe, weights = _build(rows=6, staging=True, min_tokens=8)
+    moe, _ = _build(rows=6, staging=True, min_tokens=8)
     plain, _ = _build(rows=6, staging=False, min_tokens=8)
     moe.stager = LayerStager(
         moe.operands, moe.bank, moe.pool.num_rows, torch.device("cpu"), 8, prefetch=False
