@@ -125,7 +125,9 @@ def _weight_dtype(argv: list[str], facts: ModelFacts) -> torch.dtype:
     return _DTYPES.get(facts.dtype, torch.bfloat16)
 
 
-def pool_problems(rows: int | None, facts: ModelFacts | None, tp_size: int = 1) -> list[str]:
+def pool_problems(
+    rows: int | None, facts: ModelFacts | None, tp_size: int = 1, cpu: bool = False
+) -> list[str]:
     """Every problem with `--moe-expert-pool-rows` (per rank) and `--tp-size` against the model, with fixes."""
     flag = flag_name("pool_rows")
     out: list[str] = []
@@ -146,7 +148,7 @@ def pool_problems(rows: int | None, facts: ModelFacts | None, tp_size: int = 1) 
             "use an unquantized checkpoint or pass --no-moe-expert-pool"
         )
     if tp_size != 1:
-        out += tp_problems(rows or 0, facts.top_k, facts.moe_intermediate_size, tp_size)
+        out += tp_problems(rows or 0, facts.top_k, facts.moe_intermediate_size, tp_size, cpu)
     if rows is not None and rows > 0:
         if facts.top_k and rows < facts.top_k and tp_size == 1:
             out.append(
@@ -187,7 +189,7 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
             )
         model_path = _flag_value(argv, *_MODEL_FLAGS)
         facts = read_model_facts(model_path) if model_path else None
-        problems += pool_problems(rows, facts, tp_size)
+        problems += pool_problems(rows, facts, tp_size, cpu=not cuda_available)
         if ours.stats_interval <= 0:
             problems.append(f"--moe-expert-pool-stats-interval {ours.stats_interval}: must be positive")
         if not problems:
@@ -206,6 +208,7 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
                 tp_size,
                 pool.pool_rows,
                 facts.num_total_experts,
+                cpu=not cuda_available,
             )
     if problems:
         raise ValueError("cannot launch:\n  - " + "\n  - ".join(problems))

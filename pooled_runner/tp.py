@@ -66,6 +66,24 @@ def shard_expert(
     return w13_shard.contiguous(), w2[:, lo:hi].contiguous()
 
 
+# SGLang 0.5.23 on the CPU (`configs/update_config.py:adjust_config_with_unaligned_cpu_tp`, called by
+# `ModelRunner` when device == "cpu") pads the expert intermediate size up to a multiple of tp_size * 32
+# (`DEFAULT_MOE_PADDING_SIZE`, unquantized) and zero-fills the padding: with TP = 2 a 32-wide expert is 64
+# wide, rank 0 holds all 32 real rows and rank 1 only zeros. The bank mirrors whatever the loader writes.
+CPU_MOE_PADDING = 32
+
+
+def rank_intermediate(intermediate_size: int, tp_size: int, cpu: bool) -> int:
+    """The intermediate size one rank holds: I / N on CUDA (ValueError unless it divides), SGLang's padded
+    `round_up(I, N * 32) / N` on the CPU."""
+    if not cpu:
+        return shard_size(intermediate_size, tp_size)
+    if tp_size <= 0 or intermediate_size <= 0:
+        raise ValueError(f"intermediate_size={intermediate_size}, tp_size={tp_size} must be positive")
+    step = tp_size * CPU_MOE_PADDING
+    return -(-intermediate_size // step) * step // tp_size
+
+
 @dataclass(frozen=True)
 class RankMemory:
     """What one rank holds: its shard of every expert in the bank, `pool_rows` rows of shards on the device."""
@@ -96,9 +114,10 @@ def rank_memory(
     tp_size: int,
     pool_rows: int,
     num_total_experts: int,
+    cpu: bool = False,
 ) -> RankMemory:
     """Per-rank bytes of a pooled model under TP (full `intermediate_size`; ValueError if it cannot split)."""
-    per_rank = shard_size(intermediate_size, tp_size)
+    per_rank = rank_intermediate(intermediate_size, tp_size, cpu)
     operands = make_format(weight_format, dtype).operands(hidden_size, per_rank)
     row_bytes = sum(spec.row_bytes for spec in operands)
     resident = pool_rows >= num_total_experts
@@ -111,16 +130,19 @@ def rank_memory(
     )
 
 
-def tp_problems(pool_rows: int, top_k: int, intermediate_size: int, tp_size: int) -> list[str]:
+def tp_problems(
+    pool_rows: int, top_k: int, intermediate_size: int, tp_size: int, cpu: bool = False
+) -> list[str]:
     """Every reason a TP configuration cannot run, with per-rank numbers (empty when it can).
 
     `pool_rows` is per rank: each of the `tp_size` ranks holds that many rows of its own shards, and one
-    token's top-k experts must fit in one rank's rows.
+    token's top-k experts must fit in one rank's rows. On CUDA the intermediate size must divide by the TP
+    size (SGLang's `FusedMoE` asserts it); on the CPU SGLang pads it instead.
     """
     out: list[str] = []
     if tp_size <= 0:
         return [f"--tp-size {tp_size}: must be positive"]
-    if intermediate_size > 0 and intermediate_size % tp_size:
+    if not cpu and intermediate_size > 0 and intermediate_size % tp_size:
         out.append(
             f"--tp-size {tp_size}: the expert intermediate size {intermediate_size} does not split evenly "
             f"({intermediate_size} / {tp_size} = {intermediate_size / tp_size:g} per rank); use a TP size "

@@ -140,7 +140,8 @@ class PoolRuntime:
         )
         if self.tp_size > 1:
             logger.info(
-                "pooled_runner: %sholds its shard of every expert (intermediate %d of %d): %d rows x %.1f KiB "
+                "pooled_runner: %sholds its shard of every expert (intermediate %d per rank, %d over the ranks): "
+                "%d rows x %.1f KiB "
                 "= %.3f GiB device, bank %.3f GiB host; --moe-expert-pool-rows is per rank",
                 self.rank_prefix,
                 moe.intermediate_size,
