@@ -236,4 +236,78 @@ def test_two_gloo_ranks_agree_and_match_the_unsharded_model(tmp_path: Path) -> N
     assert r0["num_checks"] == 9  # every 5 steps + once at the end, all agreeing
     assert r0["max_rel_err"] < 1e-5, r0["max_rel_err"]  # all-reduced shards == unsharded experts (fp32)
     for r in results:  # rank 1 planned one step alone: both ranks stop with the layer and the step
-        assert "TP ranks disagree at step 41: location table of pooled layer 1" in str(r["disagreement"])
+        assert "TP ranks disagree at step 41: location table of pooled layer" in str(r["disagreement"])
+
+
+def test_guard_and_staging_are_sized_from_the_rank_shard() -> None:
+    from pooled_runner.formats import make_format
+    from pooled_runner.guard import KernelBackend, check_tensors, max_pool_rows
+    from pooled_runner.staging import LayerStager
+
+    fmt = make_format("bf16", torch.bfloat16)
+    full, shard = fmt.operands(64, 32), fmt.operands(64, 16)  # TP=1 rows, and a TP=2 rank's rows
+    backend = KernelBackend("test", 10 * 2 * 32 * 64 * 2, "a 10-row limit for full-width w13 rows")
+    assert max_pool_rows(backend, full) == 10 and max_pool_rows(backend, shard) == 20
+    check_tensors(backend, shard, 16, [16])  # 16 rows of shards fit on each rank
+    with pytest.raises(ValueError, match="largest --moe-expert-pool-rows that fits is 10"):
+        check_tensors(backend, full, 16, [16])
+    assert LayerStager.buffer_bytes(shard, 16) * 2 == LayerStager.buffer_bytes(full, 16)
+
+
+# ------------------------------------------------------------------------------------------------------
+# The launcher: per-rank refusals before any weight is read, per-rank memory, CPU thread binding
+def _tp_model(tmp_path: Path, intermediate: int) -> Path:
+    import json
+
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {
+        "num_hidden_layers": 4,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "hidden_size": 64,
+        "moe_intermediate_size": intermediate,
+        "torch_dtype": "bfloat16",
+    }
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def _plan(argv: list[str], cuda: bool):  # type: ignore[no-untyped-def]
+    from pooled_runner.launch import build_parser, resolve_launch
+
+    ours, rest = build_parser().parse_known_args(argv)
+    return resolve_launch(ours, rest, cuda_available=cuda)
+
+
+def test_launcher_refuses_unsplittable_or_too_small_tp_with_per_rank_numbers(tmp_path: Path) -> None:
+    model = str(_tp_model(tmp_path, intermediate=96))
+    with pytest.raises(ValueError) as info:
+        _plan(["--model-path", model, "--tp-size", "5", "--moe-expert-pool-rows", "3"], cuda=True)
+    message = str(info.value)
+    assert "96 / 5 = 19.2 per rank" in message
+    assert "each of the 5 ranks would hold 3 rows, below top-k 4" in message
+    with pytest.raises(ValueError, match="--tp-size 'two' is not an integer"):
+        _plan(["--model-path", model, "--tp=two", "--moe-expert-pool-rows", "8"], cuda=True)
+    ok = _plan(["--model-path", model, "--tp-size", "2", "--moe-expert-pool-rows", "8"], cuda=True)
+    assert ok.tp_size == 2 and ok.rank_memory is not None
+    assert ok.rank_memory.intermediate_per_rank == 48
+    assert (
+        ok.rank_memory.row_bytes == 3 * 64 * 48 * 2
+        and ok.rank_memory.bank_bytes == 64 * ok.rank_memory.row_bytes
+    )
+    # On the CPU SGLang pads instead (96 -> 160 for TP=5: 32 per rank), so the same TP size is accepted.
+    cpu = _plan(
+        ["--model-path", model, "--tensor-parallel-size", "5", "--moe-expert-pool-rows", "8"], cuda=False
+    )
+    assert cpu.rank_memory is not None and cpu.rank_memory.intermediate_per_rank == 32
+
+
+def test_cpu_threads_bind_gives_each_rank_its_cores() -> None:
+    from pooled_runner.launch import cpu_threads_bind
+
+    assert cpu_threads_bind(2, [0, 1]) == "0|1"
+    assert cpu_threads_bind(2, [3, 0, 1, 2]) == "0,1|2,3"
+    assert cpu_threads_bind(3, [0, 1]) == "0|1|0"  # fewer cores than ranks: shared round-robin
+    with pytest.raises(ValueError, match="no CPU cores"):
+        cpu_threads_bind(2, [])

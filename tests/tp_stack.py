@@ -8,7 +8,7 @@ each layer's pooled output is all-reduced over the ranks and added to the residu
 from replicated hidden states as in SGLang. Each layer's all-reduced output is compared with the unsharded
 expert computation on the same inputs (fp32 reference, full weights); the location tables are compared
 across ranks (`verify_tables_agree`) every `check_every` steps; finally rank 1 plans one extra step on its
-own and the check must stop both ranks with `TablesDisagree`.
+own (gives back one of layer 1's rows) and the check must stop both ranks with `TablesDisagree`.
 
 Results: one JSON per rank in `out_dir` (`rank{r}.json`).
 """
@@ -48,20 +48,27 @@ class StackSpec:
     warmup_steps: int = 3  # steps left out of the timing
     seed: int = 0
     reference: bool = True  # compare with the unsharded computation (rank 0)
+    # Generate expert weights on the rank's GPU (fast; the bench) instead of the CPU (bit-identical in every
+    # process whatever the device; the tests, where rank 0's reference must match rank 1's shards exactly).
+    generate_on_device: bool = False
 
 
-def _gen(seed: int, *key: int) -> torch.Generator:
+def _gen(seed: int, *key: int, device: torch.device | None = None) -> torch.Generator:
     mixed = seed
     for k in key:
         mixed = (mixed * 1_000_003 + k + 1) % (1 << 62)
-    return torch.Generator().manual_seed(mixed)
+    return torch.Generator(device=device or "cpu").manual_seed(mixed)
 
 
-def full_expert(spec: StackSpec, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full (unsharded) fp32 weights `w13 [2I, H]`, `w2 [H, I]` of one expert, the same in every process."""
-    g = _gen(spec.seed, 1, layer, expert)
-    w13 = torch.randn(2 * spec.intermediate, spec.hidden, generator=g) / spec.hidden**0.5
-    w2 = torch.randn(spec.hidden, spec.intermediate, generator=g) / spec.intermediate**0.5
+def full_expert(
+    spec: StackSpec, layer: int, expert: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full (unsharded) fp32 weights `w13 [2I, H]`, `w2 [H, I]` of one expert, generated on `device`: the same
+    in every process using that kind of device (Philox on CUDA is counter-based, so cuda:0 and cuda:1 agree)."""
+    device = device or torch.device("cpu")
+    g = _gen(spec.seed, 1, layer, expert, device=device)
+    w13 = torch.randn(2 * spec.intermediate, spec.hidden, generator=g, device=device) / spec.hidden**0.5
+    w2 = torch.randn(spec.hidden, spec.intermediate, generator=g, device=device) / spec.intermediate**0.5
     return w13, w2
 
 
@@ -101,12 +108,13 @@ def reference_moe(
 def build_rank_moe(spec: StackSpec, rank: int, world: int, device: torch.device) -> PooledMoE:
     """This rank's pooled stack: its shard of every expert, its own bank and `pool_rows` rows."""
     config = PoolConfig.resolve(pool_rows=spec.pool_rows, device=str(device))
+    gen_device = device if spec.generate_on_device else torch.device("cpu")
     moe = PooledMoE(config, spec.hidden, spec.intermediate // world, spec.top_k, _DTYPES[spec.dtype])
     for _ in range(spec.num_layers):
         moe.register_layer(spec.num_experts)
 
     def loader(layer: int, expert: int) -> dict[str, torch.Tensor]:
-        w13, w2 = shard_expert(*full_expert(spec, layer, expert), rank, world)
+        w13, w2 = shard_expert(*full_expert(spec, layer, expert, gen_device), rank, world)
         return moe.format.quantize(w13, w2)
 
     moe.install(loader)
@@ -145,10 +153,14 @@ def _run(spec: StackSpec, rank: int, world: int, device: torch.device) -> dict[s
     pool, bank = moe.pool, moe.bank
     assert pool is not None
     gates = [router_weight(spec, i).to(device) for i in range(spec.num_layers)]
+    gen_device = device if spec.generate_on_device else torch.device("cpu")
     full = None
     if spec.reference and rank == 0:
         full = [
-            [tuple(t.to(dtype).to(device) for t in full_expert(spec, i, e)) for e in range(spec.num_experts)]
+            [
+                tuple(t.to(dtype).to(device) for t in full_expert(spec, i, e, gen_device))
+                for e in range(spec.num_experts)
+            ]
             for i in range(spec.num_layers)
         ]
     g = torch.Generator().manual_seed(spec.seed + 17)
@@ -183,10 +195,14 @@ def _run(spec: StackSpec, rank: int, world: int, device: torch.device) -> dict[s
     # Forced disagreement: rank 1 plans one more step alone (an expert not resident in layer 1, if any).
     disagreement = ""
     if world > 1:
-        if rank == 1:
+        if rank == 1:  # rank 1 alone gives back a row of layer 1 (else plans one more step of it)
             layer = min(1, spec.num_layers - 1)
-            missing = [e for e in range(spec.num_experts) if not pool.is_resident(layer, e)] or [0]
-            pool.plan_step(layer, [missing[0]])
+            rows = [r for r, owner in enumerate(pool.row_owner) if owner is not None and owner[0] == layer]
+            if rows:
+                pool.evict(rows[0])
+            else:
+                missing = [e for e in range(spec.num_experts) if not pool.is_resident(layer, e)]
+                pool.plan_step(layer, missing[:1])
         try:
             verify_tables_agree(pool, len(lengths) + 1, device=device)
         except TablesDisagree as exc:
