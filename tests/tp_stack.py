@@ -170,10 +170,13 @@ def _run(spec: StackSpec, rank: int, world: int, device: torch.device) -> dict[s
         x = torch.randn(T, spec.hidden, generator=g).to(dtype).to(device)  # the same on every rank
         moe_s = 0.0  # pooled forward + all-reduce of every layer (routing and the reference left out)
         for layer in range(spec.num_layers):
-            ids, weights = route(x, gates[layer], spec.top_k)
+            ids, weights_fp32 = route(x, gates[layer], spec.top_k)
+            weights = weights_fp32.to(dtype)
+            if world > 1:
+                dist.barrier()  # rank 0 computed a reference after the last layer: start the clock together
             _sync(device)
             start = time.perf_counter()
-            out = moe.forward(layer, x, ids, weights.to(dtype))  # [T, H] this rank's shard's share
+            out = moe.forward(layer, x, ids, weights)  # [T, H] this rank's share of the experts' output
             dist.all_reduce(out)
             _sync(device)
             moe_s += time.perf_counter() - start
