@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pooled_runner import envs
+from pooled_runner.config import PoolConfig
 from pooled_runner.moe import PooledMoE
 from pooled_runner.sglang.serve_config import ServeConfig
 
@@ -68,6 +69,7 @@ class PoolRuntime:
         """Register one pooled MoE layer; returns its pooled-layer index. All layers must share H, I, K, dtype."""
         if self.moe is None:
             self.tp_rank, self.tp_size = _moe_tp_rank_and_size()
+            self.config = _with_device_index(self.config)
             self.moe = PooledMoE(self.config, hidden_size, intermediate_size, top_k, dtype)
         moe = self.moe
         shape = (hidden_size, intermediate_size, top_k, dtype)
@@ -221,6 +223,16 @@ class PoolRuntime:
             self.num_steps,
             digest,
         )
+
+
+def _with_device_index(config: PoolConfig) -> PoolConfig:
+    """ "cuda" -> "cuda:N" of this process's current device (SGLang sets one GPU per TP rank before building
+    the model), so every tensor and comparison names the rank's GPU: `torch.device("cuda")` does not compare
+    equal to a tensor's `cuda:1`."""
+    device = config.torch_device
+    if device.type == "cuda" and device.index is None:
+        return config.replace(device=f"cuda:{torch.cuda.current_device()}")
+    return config
 
 
 def _moe_tp_rank_and_size() -> tuple[int, int]:
