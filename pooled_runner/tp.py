@@ -173,11 +173,15 @@ def table_digests(
 
     Byte counters are left out: they count each rank's own shard bytes, which differ by design.
     """
-    names = layer_names or [f"pooled layer {i}" for i in range(pool.num_layers)]
-    if len(names) != pool.num_layers:
-        raise ValueError(f"{len(names)} layer names for {pool.num_layers} pooled layers")
+    if layer_names is not None and len(layer_names) != pool.num_layers:
+        raise ValueError(f"{len(layer_names)} layer names for {pool.num_layers} pooled layers")
     entries: list[tuple[str, bytes]] = [
-        (f"location table of {names[i]} (pooled layer {i})", pool.l2p_host[i].numpy().tobytes())
+        (
+            f"location table of {layer_names[i]} (pooled layer {i})"
+            if layer_names
+            else f"location table of pooled layer {i}",
+            pool.l2p_host[i].numpy().tobytes(),
+        )
         for i in range(pool.num_layers)
     ]
     entries.append(
