@@ -172,8 +172,8 @@ def _run(spec: StackSpec, rank: int, world: int, device: torch.device) -> dict[s
         for layer in range(spec.num_layers):
             ids, weights_fp32 = route(x, gates[layer], spec.top_k)
             weights = weights_fp32.to(dtype)
-            if world > 1:
-                dist.barrier()  # rank 0 computed a reference after the last layer: start the clock together
+            if world > 1:  # rank 0 computed a reference after the last layer: start the clock together
+                dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
             _sync(device)
             start = time.perf_counter()
             out = moe.forward(layer, x, ids, weights)  # [T, H] this rank's share of the experts' output
