@@ -37,7 +37,11 @@ def force_torch_path() -> bool:
 
 
 def debug_checks() -> bool:
-    """POOLED_RUNNER_DEBUG_CHECKS: verify pool invariants after every change (slow; tests and debugging)."""
+    """POOLED_RUNNER_DEBUG_CHECKS: extra consistency checks (slow; tests and debugging).
+
+    Under tensor parallelism: at every stats boundary the ranks all-gather a hash of their location tables
+    (and telemetry) and stop with `TablesDisagree`, naming the layer and step, if any rank differs.
+    """
     return _get_bool("DEBUG_CHECKS", False)
 
 

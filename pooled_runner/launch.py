@@ -7,6 +7,11 @@ are added unless given (`--device cpu`, `--max-total-tokens 4096`) and the CPU p
 process and in the spawned children. The resolved configuration reaches the children through the
 environment (`POOLED_RUNNER_SERVE_CONFIG`).
 
+Tensor parallelism (`--tp-size N`): every rank holds its shard (I/N) of every expert and its own pool of
+`--moe-expert-pool-rows` rows (the flag is per rank); a size that does not split or leaves a rank below top-k
+is refused here with per-rank numbers, and the per-rank memory is logged. Without CUDA each rank's OpenMP
+threads get their own cores (`SGLANG_CPU_OMP_THREADS_BIND`, unless set).
+
 Everything up to `LaunchPlan` runs without importing SGLang, so bad flags are refused in a second.
 """
 
@@ -24,12 +29,17 @@ from pooled_runner import envs
 from pooled_runner.config import PoolConfig, add_cli_arguments, cli_fields, flag_name
 from pooled_runner.sglang.model_facts import ModelFacts, read_model_facts
 from pooled_runner.sglang.serve_config import ServeConfig
+from pooled_runner.tp import RankMemory, rank_memory, tp_problems
 
 logger = logging.getLogger("pooled_runner")
 
 PROG = "python -m pooled_runner.launch"
 CPU_MAX_TOTAL_TOKENS = 4096
 _MODEL_FLAGS = ("--model-path", "--model")
+_TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES |= {"float16": torch.float16, "half": torch.float16}
+CPU_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,10 +90,45 @@ class LaunchPlan:
     serve: ServeConfig
     sglang_argv: list[str]
     embedded: bool
+    tp_size: int = 1
+    rank_memory: RankMemory | None = None  # per-rank bytes, when config.json gives the expert shape
 
 
-def pool_problems(rows: int | None, facts: ModelFacts | None) -> list[str]:
-    """Every problem with `--moe-expert-pool-rows` against the model, each with its fix."""
+def tp_size_of(argv: list[str]) -> int:
+    """SGLang's `--tp-size` (or its aliases) from argv; 1 when absent. ValueError when not an integer."""
+    raw = _flag_value(argv, *_TP_FLAGS)
+    if raw is None:
+        return 1
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"--tp-size {raw!r} is not an integer") from None
+
+
+def cpu_threads_bind(tp_size: int, cores: list[int]) -> str:
+    """`SGLANG_CPU_OMP_THREADS_BIND` for `tp_size` ranks: the cores split into contiguous groups, one per
+    rank ("0|1" for two ranks on two cores); with fewer cores than ranks, ranks share cores round-robin."""
+    if not cores:
+        raise ValueError("no CPU cores to bind")
+    cores = sorted(cores)
+    if len(cores) < tp_size:
+        return "|".join(str(cores[r % len(cores)]) for r in range(tp_size))
+    per_rank = len(cores) // tp_size
+    groups = [cores[r * per_rank : (r + 1) * per_rank] for r in range(tp_size)]
+    return "|".join(",".join(str(c) for c in g) for g in groups)
+
+
+def _weight_dtype(argv: list[str], facts: ModelFacts) -> torch.dtype:
+    requested = _flag_value(argv, "--dtype")
+    if requested in _DTYPES:
+        return _DTYPES[requested]
+    return _DTYPES.get(facts.dtype, torch.bfloat16)
+
+
+def pool_problems(
+    rows: int | None, facts: ModelFacts | None, tp_size: int = 1, cpu: bool = False
+) -> list[str]:
+    """Every problem with `--moe-expert-pool-rows` (per rank) and `--tp-size` against the model, with fixes."""
     flag = flag_name("pool_rows")
     out: list[str] = []
     if rows is None:
@@ -102,8 +147,10 @@ def pool_problems(rows: int | None, facts: ModelFacts | None) -> list[str]:
             f"quantization {facts.quantization!r}: the pool handles unquantized (bf16/fp16/fp32) experts only; "
             "use an unquantized checkpoint or pass --no-moe-expert-pool"
         )
+    if tp_size != 1:
+        out += tp_problems(rows or 0, facts.top_k, facts.moe_intermediate_size, tp_size, cpu)
     if rows is not None and rows > 0:
-        if facts.top_k and rows < facts.top_k:
+        if facts.top_k and rows < facts.top_k and tp_size == 1:
             out.append(
                 f"{flag} {rows} is below top-k {facts.top_k}: one token's experts must fit; use >= {facts.top_k}"
             )
@@ -121,6 +168,12 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
     problems: list[str] = []
     embedded = not _has_flag(argv, *_MODEL_FLAGS)
     rows = ours.pool_rows
+    try:
+        tp_size = tp_size_of(argv)
+    except ValueError as exc:
+        problems.append(str(exc))
+        tp_size = 1
+    memory: RankMemory | None = None
     if embedded:
         from pooled_runner.sglang.embedded import DEFAULT_POOL_ROWS, ensure_embedded_model
 
@@ -136,7 +189,7 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
             )
         model_path = _flag_value(argv, *_MODEL_FLAGS)
         facts = read_model_facts(model_path) if model_path else None
-        problems += pool_problems(rows, facts)
+        problems += pool_problems(rows, facts, tp_size, cpu=not cuda_available)
         if ours.stats_interval <= 0:
             problems.append(f"--moe-expert-pool-stats-interval {ours.stats_interval}: must be positive")
         if not problems:
@@ -146,6 +199,17 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
                 pool = PoolConfig.resolve(**values)
             except ValueError as exc:
                 problems.append(str(exc))
+        if not problems and pool is not None and facts is not None and facts.hidden_size > 0:
+            memory = rank_memory(
+                pool.weight_format,
+                _weight_dtype(argv, facts),
+                facts.hidden_size,
+                facts.moe_intermediate_size,
+                tp_size,
+                pool.pool_rows,
+                facts.num_total_experts,
+                cpu=not cuda_available,
+            )
     if problems:
         raise ValueError("cannot launch:\n  - " + "\n  - ".join(problems))
     cpu = not cuda_available
@@ -164,7 +228,7 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
         metrics=_has_flag(argv, "--enable-metrics"),
         stats_interval=ours.stats_interval,
     )
-    return LaunchPlan(serve=serve, sglang_argv=argv, embedded=embedded)
+    return LaunchPlan(serve=serve, sglang_argv=argv, embedded=embedded, tp_size=tp_size, rank_memory=memory)
 
 
 def print_help(parser: argparse.ArgumentParser) -> None:
@@ -178,6 +242,9 @@ def print_help(parser: argparse.ArgumentParser) -> None:
 def serve(plan: LaunchPlan) -> None:
     """Start SGLang's HTTP server with our wrapped child entry functions; returns when it stops."""
     plan.serve.export()
+    if plan.serve.cpu and plan.tp_size > 1 and not os.environ.get(CPU_BIND_ENV):
+        os.environ[CPU_BIND_ENV] = cpu_threads_bind(plan.tp_size, sorted(os.sched_getaffinity(0)))
+        logger.info("no CUDA, TP=%d: %s=%s", plan.tp_size, CPU_BIND_ENV, os.environ[CPU_BIND_ENV])
     if plan.serve.cpu:
         from pooled_runner.patches import apply_cpu_patches
 
@@ -223,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         f"pool {pool}" if pool is not None else "pooling off (--no-moe-expert-pool)",
         " ".join(plan.sglang_argv),
     )
+    if plan.rank_memory is not None:
+        logger.info("pooled_runner: expert memory %s", plan.rank_memory.describe())
     if "--disable-cuda-graph" in plan.sglang_argv and "--disable-cuda-graph" not in rest:
         logger.warning("pooled_runner: CUDA graphs disabled: the pooled forward plans on the host for now")
     serve(plan)

@@ -295,27 +295,39 @@ class ExpertPool:
         Hits are touched; misses are admitted (copy-then-compute) while a row outside this step's rows can
         be evicted, and otherwise read through the host view (code R + e). `admit_misses=False` reads every
         miss through the host view. `staged=True` (a prefill-staged step) admits nothing and counts no
-        host-view bytes: code R + e is then read from the staging buffer.
+        host-view bytes: code R + e is then read from the staging buffer. Returns codes aligned with
+        `experts`; ValueError if an expert repeats.
+
+        Deterministic (tensor parallelism relies on it: every rank plans alone and must reach the same
+        tables): the codes and the new state (tables, LRU order, counters) depend only on the state before
+        the call and the *set* `experts`, never on its order. Misses are taken in ascending expert id; each
+        takes the lowest free row, else the least recently used row outside this step; at the end this
+        step's rows become the most recently used in ascending row order. The LRU order is therefore the
+        order of (last plan call that used the row, row index): ties broken by row index. A device planner
+        must reproduce exactly this (docs/tp.md).
         """
+        if len(set(experts)) != len(experts):
+            raise ValueError(f"layer {layer}: experts {experts} repeat an id; pass each routed expert once")
         admit_misses = admit_misses and not staged
         codes: list[int] = [self.lookup(layer, e) for e in experts]
         step_rows = {c for c in codes if c < self.num_rows}
-        for c in codes:
-            if c < self.num_rows:
-                self.touch(c)
+        for c in sorted(step_rows):
+            self.touch(c)
         num_hits = len(step_rows)
         self.stats_counters.hits += num_hits
         self.stats_counters.misses += len(codes) - num_hits
-        for i, e in enumerate(experts):
+        for i in sorted(range(len(experts)), key=experts.__getitem__):  # misses in ascending expert id
             if codes[i] < self.num_rows:
                 continue
-            row = self.admit(layer, e, protected=step_rows) if admit_misses else None
+            row = self.admit(layer, experts[i], protected=step_rows) if admit_misses else None
             if row is None:
                 if not staged:
                     self.stats_counters.bytes_read_host_view += self.row_bytes
             else:
                 codes[i] = row
                 step_rows.add(row)
+        for row in sorted(step_rows):  # this step's rows: most recent, ties broken by row index
+            self._lru.move_to_end(row)
         return codes
 
     def fill(self, priority: list[tuple[int, int]] | None = None) -> int:

@@ -23,10 +23,13 @@ step() {  # step NAME CAP_SECONDS COMMAND...
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1 || true
 step gpu_tests "${GPU_TESTS_CAP:-240}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests
+if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  step bench_tp "${BENCH_TP_CAP:-300}" "$PY" bench/tp.py --out "$OUT/bench_tp.md"
+fi
 step bench_kernels "${BENCH_KERNELS_CAP:-200}" "$PY" bench/kernels.py --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
 
 echo
-cat "$OUT/bench_kernels.md" 2>/dev/null || true
+cat "$OUT/bench_kernels.md" "$OUT/bench_tp.md" 2>/dev/null || true
 echo
 echo "| step | rc | time | log |"
 echo "|---|---|---|---|"

@@ -13,6 +13,8 @@ from typing import Any
 
 _EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")
+# Mixtral-style configs give the expert size as intermediate_size (they have no separate dense MLP).
+_EXPERT_INTERMEDIATE_KEYS = ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size")
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,9 @@ class ModelFacts:
     num_experts: int  # routed experts per MoE layer
     top_k: int
     quantization: str | None  # quant_method of quantization_config, if any
+    hidden_size: int = 0  # 0 when config.json does not say
+    moe_intermediate_size: int = 0  # one routed expert's intermediate size (all TP ranks together)
+    dtype: str = ""  # torch_dtype / dtype of config.json, "" when absent
 
     @property
     def num_total_experts(self) -> int:
@@ -57,7 +62,16 @@ def facts_from_config(config: dict[str, Any]) -> ModelFacts:
     quant_name = None
     if isinstance(quant, dict):
         quant_name = str(quant.get("quant_method") or quant.get("quant_algo") or "unknown")
-    return ModelFacts(num_moe_layers, num_experts, _first(text, _TOP_K_KEYS), quant_name)
+    dtype = text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or ""
+    return ModelFacts(
+        num_moe_layers,
+        num_experts,
+        _first(text, _TOP_K_KEYS),
+        quant_name,
+        hidden_size=_first(text, ("hidden_size",)),
+        moe_intermediate_size=_first(text, _EXPERT_INTERMEDIATE_KEYS),
+        dtype=str(dtype),
+    )
 
 
 def read_model_facts(model_path: str) -> ModelFacts | None:

@@ -8,7 +8,11 @@ Lifecycle inside the scheduler process (the one that builds the model):
   3. after loading: when every pooled layer has finished loading, the pool is filled (`finalize`) and the
      startup summary is logged (bank size, pinned or not, rows, layers pooled and not pooled);
   4. serving: every forward of the first pooled layer counts one step; every `stats_interval` steps (a
-     coarse boundary, outside any graph) the statistics are logged and exported as metrics.
+     coarse boundary, outside any graph) the statistics are logged and exported as metrics; with
+     `POOLED_RUNNER_DEBUG_CHECKS=1` the location tables are also compared across the TP group there.
+
+Under tensor parallelism this is one rank's pool: SGLang's loader gives each rank its shard of every expert
+(intermediate size I/N), so the bank and the rows hold shards and `pool_rows` is per rank (pooled_runner.tp).
 
 Nothing here imports SGLang at module level.
 """
@@ -21,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pooled_runner import envs
+from pooled_runner.config import PoolConfig
 from pooled_runner.moe import PooledMoE
 from pooled_runner.sglang.serve_config import ServeConfig
 
@@ -46,6 +52,8 @@ class PoolRuntime:
         self.num_steps = 0
         self.num_tokens = 0
         self._metrics: PoolMetrics | None = None
+        self.tp_rank, self.tp_size = 0, 1  # read from SGLang when the first layer registers
+        self.num_debug_checks = 0
 
     # ---------------------------------------------------------------------------------------------
     # Construction
@@ -60,6 +68,8 @@ class PoolRuntime:
     ) -> int:
         """Register one pooled MoE layer; returns its pooled-layer index. All layers must share H, I, K, dtype."""
         if self.moe is None:
+            self.tp_rank, self.tp_size = _moe_tp_rank_and_size()
+            self.config = _with_device_index(self.config)
             self.moe = PooledMoE(self.config, hidden_size, intermediate_size, top_k, dtype)
         moe = self.moe
         shape = (hidden_size, intermediate_size, top_k, dtype)
@@ -113,8 +123,9 @@ class PoolRuntime:
         bank = moe.bank
         elapsed = time.perf_counter() - self._load_start if self._load_start is not None else 0.0
         logger.info(
-            "pooled_runner: %d MoE layers pooled (%d experts), %d not pooled; bank %s; pool %d rows of "
+            "pooled_runner: %s%d MoE layers pooled (%d experts), %d not pooled; bank %s; pool %d rows of "
             "%.1f KiB = %.3f GiB on %s; loaded in %.1f s",
+            self.rank_prefix,
             len(moe.num_experts_per_layer),
             moe.num_total_experts,
             sum(len(v) for v in self.not_pooled.values()),
@@ -129,8 +140,26 @@ class PoolRuntime:
             pool.device,
             elapsed,
         )
+        if self.tp_size > 1:
+            logger.info(
+                "pooled_runner: %sholds its shard of every expert (intermediate %d per rank, %d over the ranks): "
+                "%d rows x %.1f KiB "
+                "= %.3f GiB device, bank %.3f GiB host; --moe-expert-pool-rows is per rank",
+                self.rank_prefix,
+                moe.intermediate_size,
+                moe.intermediate_size * self.tp_size,
+                pool.num_rows,
+                pool.row_bytes / 1024,
+                pool.nbytes / (1 << 30),
+                bank.nbytes / (1 << 30) if bank is not None else 0.0,
+            )
         for reason, names in self.not_pooled.items():
             logger.warning("not pooled (%s): %d layers: %s", reason, len(names), ", ".join(names))
+
+    @property
+    def rank_prefix(self) -> str:
+        """ "TP rank r/N: " under tensor parallelism, "" otherwise (log lines of each rank tell themselves apart)."""
+        return f"TP rank {self.tp_rank}/{self.tp_size}: " if self.tp_size > 1 else ""
 
     # ---------------------------------------------------------------------------------------------
     # Serving
@@ -148,8 +177,9 @@ class PoolRuntime:
         moe = self.require_moe()
         stats = moe.stats()
         logger.info(
-            "expert pool after %d steps: hit rate %.3f (%d hits, %d misses), %d admissions, %d evictions, "
+            "%sexpert pool after %d steps: hit rate %.3f (%d hits, %d misses), %d admissions, %d evictions, "
             "%.2f MiB copied to rows, %.2f MiB read through the host view, rows per layer %s",
+            self.rank_prefix,
             self.num_steps,
             stats.hit_rate,
             stats.hits,
@@ -160,12 +190,60 @@ class PoolRuntime:
             stats.bytes_read_host_view / (1 << 20),
             stats.rows_in_use_per_layer,
         )
+        if envs.debug_checks():
+            self.check_tables_agree()
         if self.serve.metrics:
             if self._metrics is None:
                 from pooled_runner.sglang.metrics import PoolMetrics
 
                 self._metrics = PoolMetrics(self.layer_names)
             self._metrics.update(stats, self.num_steps, self.num_tokens)
+
+    def check_tables_agree(self) -> None:
+        """Debug check (a collective over the MoE TP group): every rank's tables equal, else TablesDisagree."""
+        if self.tp_size == 1:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # never a collective inside a graph capture; the next boundary checks
+        from sglang.srt.distributed.parallel_state import get_moe_tp_group
+
+        from pooled_runner.tp import verify_tables_agree
+
+        pool = self.require_moe().pool
+        assert pool is not None
+        digest = verify_tables_agree(
+            pool, self.num_steps, get_moe_tp_group().cpu_group, layer_names=self.layer_names
+        )
+        self.num_debug_checks += 1
+        logger.info(
+            "%sdebug check %d: location tables agree across %d TP ranks at step %d (digest %#018x)",
+            self.rank_prefix,
+            self.num_debug_checks,
+            self.tp_size,
+            self.num_steps,
+            digest,
+        )
+
+
+def _with_device_index(config: PoolConfig) -> PoolConfig:
+    """ "cuda" -> "cuda:N" of this process's current device (SGLang sets one GPU per TP rank before building
+    the model), so every tensor and comparison names the rank's GPU: `torch.device("cuda")` does not compare
+    equal to a tensor's `cuda:1`."""
+    device = config.torch_device
+    if device.type == "cuda" and device.index is None:
+        return config.replace(device=f"cuda:{torch.cuda.current_device()}")
+    return config
+
+
+def _moe_tp_rank_and_size() -> tuple[int, int]:
+    """This process's MoE TP rank and size from SGLang's runtime context; (0, 1) outside one."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        return int(parallel.moe_tp_rank), int(parallel.moe_tp_size)
+    except Exception:  # no SGLang, or no parallel context (a bare PooledMoE in a unit test)
+        return 0, 1
 
 
 _RUNTIME: PoolRuntime | None = None

@@ -35,9 +35,10 @@ def embedded_model() -> Path:
     return ensure_embedded_model()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pooled_server(embedded_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The one pooled server of this pytest run (embedded model, float32, metrics on)."""
+    """The pooled server of test_server.py (embedded model, float32, metrics on); module-scoped so it is
+    stopped before another module (the TP test) starts its own server."""
     log = tmp_path_factory.mktemp("pooled") / "server.log"
     args = ["--model-path", str(embedded_model), "--moe-expert-pool-rows", str(POOL_ROWS), *SERVER_ARGS]
     with launched(args, log) as server:
@@ -94,3 +95,27 @@ def unpooled_ids(
         ids = [generate_ids(server.url, p, NEW_TOKENS) for p in prompt_ids]
         assert "MoE layers pooled" not in server.log()
     return ids
+
+
+@pytest.fixture(scope="session")
+def greedy_cache() -> dict[str, list[list[int]]]:
+    """Greedy ids of PROMPTS recorded by one test for another (one server at a time)."""
+    return {}
+
+
+@pytest.fixture(scope="session")
+def pooled_ids(
+    embedded_model: Path,
+    prompt_ids: list[list[int]],
+    greedy_cache: dict[str, list[list[int]]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> list[list[int]]:
+    """Greedy ids from the TP=1 pooled server: those test_server.py recorded, else from a server of its own."""
+    from tests.engine.server import generate_ids
+
+    if "pooled" not in greedy_cache:
+        log = tmp_path_factory.mktemp("pooled_tp1") / "server.log"
+        args = ["--model-path", str(embedded_model), "--moe-expert-pool-rows", str(POOL_ROWS), *SERVER_ARGS]
+        with launched(args, log) as server:
+            greedy_cache["pooled"] = [generate_ids(server.url, p, NEW_TOKENS) for p in prompt_ids]
+    return greedy_cache["pooled"]

@@ -46,7 +46,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def launched(args: list[str], log_path: Path) -> Iterator[Server]:
+def launched(args: list[str], log_path: Path, extra_env: dict[str, str] | None = None) -> Iterator[Server]:
     """Run `python -m pooled_runner.launch ARGS` on 127.0.0.1, wait for /health, yield, then stop it."""
     port = free_port()
     cmd = [sys.executable, "-m", "pooled_runner.launch", "--host", "127.0.0.1", "--port", str(port), *args]
@@ -54,6 +54,7 @@ def launched(args: list[str], log_path: Path) -> Iterator[Server]:
     env = {
         k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"
     }  # set by tests/conftest.py for kernels
+    env.update(extra_env or {})
     process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -23,12 +23,18 @@ def model_id(server: Server) -> str:
 
 
 def test_greedy_tokens_equal_unpooled_server(
-    unpooled_ids: list[list[int]], pooled_server: Server, prompt_ids: list[list[int]]
+    unpooled_ids: list[list[int]],
+    pooled_server: Server,
+    prompt_ids: list[list[int]],
+    greedy_cache: dict[str, list[list[int]]],
 ) -> None:
     # First test of the file: `unpooled_ids` runs (and stops) its server before the pooled one starts.
+    got_all = []
     for ids, expected in zip(prompt_ids, unpooled_ids):
         got = generate_ids(pooled_server.url, ids, NEW_TOKENS)
         assert got == expected, f"prompt {ids}: pooled server {got} != unpooled server {expected}"
+        got_all.append(got)
+    greedy_cache["pooled"] = got_all  # the TP test compares with these (fixture `pooled_ids`)
 
 
 def test_greedy_tokens_equal_transformers(
