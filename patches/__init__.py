@@ -16,3 +16,14 @@ def apply_cpu_patches() -> list[str]:
         patch.apply()
         applied.append(patch.__name__)
     return applied
+
+
+def apply_cpu_speculative_patches() -> list[str]:
+    """The extra patches speculative decoding (EAGLE/NEXTN) needs without CUDA; returns their module names."""
+    from pooled_runner.patches import cpu_cuda_synchronize, cpu_spec_tree
+
+    applied = []
+    for patch in (cpu_spec_tree, cpu_cuda_synchronize):
+        patch.apply()
+        applied.append(patch.__name__)
+    return applied

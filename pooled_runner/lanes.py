@@ -48,6 +48,63 @@ def check_rows_for_verify(pool_rows: int, top_k: int, num_speculative_tokens: in
 
 
 @dataclass(frozen=True)
+class SpecChecks:
+    """What the launcher says about a speculative configuration: warnings to log, problems that refuse it."""
+
+    warnings: list[str]
+    problems: list[str]
+
+
+def check_speculative(
+    pool_rows: int,
+    top_k: int,
+    tokens_per_request: int,
+    max_running_requests: int | None,
+    staging_min_tokens: int | None,
+) -> SpecChecks:
+    """Check one request's verify width (`tokens_per_request` = 1 + num_spec) against the rows and staging.
+
+    - rows < top_k x tokens_per_request: warned (`check_rows_for_verify`): correct, the rest goes through the
+      host view, but every verify step whose tokens route apart misses.
+    - staging on and one request's verify step alone reaches `staging_min_tokens`: refused. Steps of up to
+      `lanes` tokens take the decode path and never stage, so such a width could never be told from a
+      prefill step, even with `--max-running-requests 1`; the fix names the largest width that stays apart.
+    - staging on and the lanes of all requests reach `staging_min_tokens`: warned: staging then starts at
+      `lanes + 1` tokens.
+    `staging_min_tokens` None = staging off; `max_running_requests` None = not known yet (resolved later).
+    """
+    warnings: list[str] = []
+    problems: list[str] = []
+    if tokens_per_request < 1:
+        problems.append(f"tokens per request {tokens_per_request} must be >= 1 (1 + speculative tokens)")
+        return SpecChecks(warnings, problems)
+    num_spec = tokens_per_request - 1
+    rows_warning = check_rows_for_verify(pool_rows, top_k, num_spec)
+    if rows_warning is not None:
+        warnings.append(rows_warning)
+    if staging_min_tokens is None:
+        return SpecChecks(warnings, problems)
+    if tokens_per_request >= staging_min_tokens:
+        problems.append(
+            f"one request's verify step carries 1 + {num_spec} speculative tokens = {tokens_per_request} >= "
+            f"--moe-expert-pool-staging-min-tokens {staging_min_tokens}: the decode lanes would swallow "
+            f"prefill-sized steps; use at most {staging_min_tokens - 2} speculative tokens "
+            f"(--speculative-num-draft-tokens <= {staging_min_tokens - 1}), raise "
+            f"--moe-expert-pool-staging-min-tokens above {tokens_per_request}, or pass "
+            "--no-moe-expert-pool-prefill-staging"
+        )
+    elif max_running_requests is not None:
+        lanes = decode_lanes(max_running_requests, num_spec)
+        if lanes >= staging_min_tokens:
+            warnings.append(
+                f"decode lanes {lanes} = --max-running-requests {max_running_requests} x {tokens_per_request} "
+                f"tokens per request >= --moe-expert-pool-staging-min-tokens {staging_min_tokens}: steps of up "
+                f"to {lanes} tokens take the decode path, so prefill staging starts at {lanes + 1} tokens"
+            )
+    return SpecChecks(warnings, problems)
+
+
+@dataclass(frozen=True)
 class ChunkPlan:
     """The prefill chunk size the engine should be given, and why."""
 

@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -92,6 +93,7 @@ class LaunchPlan:
     embedded: bool
     tp_size: int = 1
     rank_memory: RankMemory | None = None  # per-rank bytes, when config.json gives the expert shape
+    facts: ModelFacts | None = None
 
 
 def tp_size_of(argv: list[str]) -> int:
@@ -181,6 +183,7 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
         if rows is None:
             rows = DEFAULT_POOL_ROWS
     pool: PoolConfig | None = None
+    facts: ModelFacts | None = None
     if not ours.no_pool:
         if _has_flag(argv, "--enable-paged-experts"):
             problems.append(
@@ -227,8 +230,11 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
         cpu=cpu,
         metrics=_has_flag(argv, "--enable-metrics"),
         stats_interval=ours.stats_interval,
+        speculative=_has_flag(argv, "--speculative-algorithm"),
     )
-    return LaunchPlan(serve=serve, sglang_argv=argv, embedded=embedded, tp_size=tp_size, rank_memory=memory)
+    return LaunchPlan(
+        serve=serve, sglang_argv=argv, embedded=embedded, tp_size=tp_size, rank_memory=memory, facts=facts
+    )
 
 
 def print_help(parser: argparse.ArgumentParser) -> None:
@@ -239,26 +245,49 @@ def print_help(parser: argparse.ArgumentParser) -> None:
     prepare_server_args(["--help"])  # prints SGLang's help and exits
 
 
-def serve(plan: LaunchPlan) -> None:
-    """Start SGLang's HTTP server with our wrapped child entry functions; returns when it stops."""
+def prepare_sglang(plan: LaunchPlan) -> Any:
+    """Export our config, apply the CPU patches, resolve SGLang's server args and check them against the pool.
+
+    Returns the resolved `ServerArgs`; raises ValueError (with numbers) to refuse a speculative configuration
+    the pool cannot serve (`spec.check_launch`).
+    """
     plan.serve.export()
     if plan.serve.cpu and plan.tp_size > 1 and not os.environ.get(CPU_BIND_ENV):
         os.environ[CPU_BIND_ENV] = cpu_threads_bind(plan.tp_size, sorted(os.sched_getaffinity(0)))
         logger.info("no CUDA, TP=%d: %s=%s", plan.tp_size, CPU_BIND_ENV, os.environ[CPU_BIND_ENV])
     if plan.serve.cpu:
+        if plan.serve.speculative and "TRITON_INTERPRET" not in os.environ:
+            # SGLang's speculative tree kernels and the draft's attention have no torch fallback on the CPU: they
+            # run under Triton's interpreter, which must be chosen before anything imports Triton (children
+            # inherit the environment).
+            os.environ["TRITON_INTERPRET"] = "1"
+            logger.info("no CUDA and speculative decoding: TRITON_INTERPRET=1 for this server")
         from pooled_runner.patches import apply_cpu_patches
 
         logger.info("no CUDA: applied %s", ", ".join(apply_cpu_patches()))
-    from sglang.srt.entrypoints.http_server import launch_server
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
-    from sglang.srt.utils import kill_process_tree
-
-    from pooled_runner.sglang import children
 
     load_plugins()
     server_args = prepare_server_args(plan.sglang_argv)
     server_args.resolve_once()
+    pool = plan.serve.pool
+    if pool is not None and plan.facts is not None and plan.facts.top_k:
+        from pooled_runner.sglang.spec import check_launch
+
+        staging = pool.staging_min_tokens if pool.prefill_staging else None
+        for warning in check_launch(server_args, pool.pool_rows, plan.facts.top_k, staging):
+            logger.warning("pooled_runner: %s", warning)
+    return server_args
+
+
+def serve(server_args: Any) -> None:
+    """Start SGLang's HTTP server with our wrapped child entry functions; returns when it stops."""
+    from sglang.srt.entrypoints.http_server import launch_server
+    from sglang.srt.utils import kill_process_tree
+
+    from pooled_runner.sglang import children
+
     try:
         launch_server(
             server_args,
@@ -294,7 +323,12 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("pooled_runner: expert memory %s", plan.rank_memory.describe())
     if "--disable-cuda-graph" in plan.sglang_argv and "--disable-cuda-graph" not in rest:
         logger.warning("pooled_runner: CUDA graphs disabled: the pooled forward plans on the host for now")
-    serve(plan)
+    try:
+        server_args = prepare_sglang(plan)
+    except ValueError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    serve(server_args)
     return 0
 
 

@@ -14,6 +14,7 @@ top_k rows give bit-identical outputs, and so does a per-token dense loop using 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -23,6 +24,7 @@ from pooled_runner.bank import ExpertBank, check_expert_weights
 from pooled_runner.config import PoolConfig
 from pooled_runner.formats import make_format
 from pooled_runner.guard import TORCH, KernelBackend, check_tensors
+from pooled_runner.lanes import takes_decode_path
 from pooled_runner.pool import ExpertPool, PoolStats
 from pooled_runner.staging import LayerStager, check_fits
 
@@ -144,6 +146,11 @@ class PooledMoE:
         # The kernel backend whose index limit the bank-size guard checks (the torch path has none).
         self.kernel_backend: KernelBackend = TORCH
         self._last_layer: int | None = None  # a call at a layer <= the last one starts a new step
+        # Decode lanes (`lanes.decode_lanes`): steps of at most this many tokens (decode, verify, draft) take the
+        # decode path and are never staged. None until the engine knows them (no step is a decode step then).
+        self.decode_lanes: int | None = None
+        # Steps seen per path ("decode" / "prefill"), keyed by step width in tokens.
+        self.step_widths: dict[str, Counter[int]] = {"decode": Counter(), "prefill": Counter()}
         self._kernel_path: object | None = None  # pooled_runner.kernel_path.KernelPath, built on first use
 
     def register_layer(self, num_experts: int) -> int:
@@ -154,6 +161,16 @@ class PooledMoE:
             raise ValueError(f"num_experts={num_experts} must be positive")
         self.num_experts_per_layer.append(num_experts)
         return len(self.num_experts_per_layer) - 1
+
+    def set_decode_lanes(self, lanes: int) -> None:
+        """Steps of at most `lanes` tokens take the decode path from now on (never staged)."""
+        if lanes < 1:
+            raise ValueError(f"decode lanes {lanes} must be >= 1")
+        self.decode_lanes = lanes
+
+    def takes_decode_path(self, num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` tokens is a decode-path step (within the lanes)."""
+        return self.decode_lanes is not None and takes_decode_path(num_tokens, self.decode_lanes)
 
     @property
     def num_total_experts(self) -> int:
@@ -285,13 +302,23 @@ class PooledMoE:
         return stager
 
     def _staged_source(self, layer: int, num_tokens: int) -> dict[str, torch.Tensor] | None:
-        """The staging buffer to read host codes from in this step, or None (read the bank's host view)."""
+        """The staging buffer to read host codes from in this step, or None (read the bank's host view).
+
+        A call at a layer <= the last one starts a new step: it is counted under its path, and only a step
+        wider than the decode lanes may be staged (a verify step of 1 + num_spec tokens per request never is).
+        """
+        if self._last_layer is None or layer <= self._last_layer:
+            decode = self.takes_decode_path(num_tokens)
+            self.step_widths["decode" if decode else "prefill"][num_tokens] += 1
+            if self.stager is not None:
+                assert self.pool is not None
+                if decode:
+                    self.stager.end_step()
+                else:
+                    self.stager.begin_step(num_tokens, self.pool.l2p_gpu)
+        self._last_layer = layer
         if self.stager is None:
             return None
-        assert self.pool is not None
-        if self._last_layer is None or layer <= self._last_layer:
-            self.stager.begin_step(num_tokens, self.pool.l2p_gpu)
-        self._last_layer = layer
         return self.stager.source(layer) if self.stager.active else None
 
     def _require_pool(self) -> ExpertPool:

@@ -56,3 +56,22 @@ def test_effective_is_the_largest_aligned_size_within_budget(requested, page, al
     plan = aligned_chunk_size(requested, page, align, grid)
     assert plan.grid == full and plan.effective % full == 0
     assert plan.effective <= requested < plan.effective + full
+
+
+def test_speculative_checks_warn_refuse_with_numbers():
+    from pooled_runner.lanes import check_speculative
+
+    ok = check_speculative(32, 8, 4, max_running_requests=1, staging_min_tokens=512)
+    assert ok.warnings == [] and ok.problems == []
+    rows = check_speculative(31, 8, 4, max_running_requests=1, staging_min_tokens=None)
+    assert rows.problems == [] and len(rows.warnings) == 1 and "use >= 32 rows" in rows.warnings[0]
+    refused = check_speculative(4096, 8, 512, max_running_requests=1, staging_min_tokens=512)
+    assert len(refused.problems) == 1
+    msg = refused.problems[0]
+    assert "1 + 511 speculative tokens = 512 >= --moe-expert-pool-staging-min-tokens 512" in msg
+    assert "use at most 510 speculative tokens (--speculative-num-draft-tokens <= 511)" in msg
+    assert check_speculative(4096, 8, 511, 1, 512).problems == []  # the largest width that stays apart
+    wide = check_speculative(4096, 8, 4, max_running_requests=128, staging_min_tokens=512)
+    assert wide.problems == [] and "decode lanes 512 = --max-running-requests 128 x 4" in wide.warnings[0]
+    assert "prefill staging starts at 513 tokens" in wide.warnings[0]
+    assert check_speculative(4096, 8, 4, 127, 512).warnings == []

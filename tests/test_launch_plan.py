@@ -172,3 +172,11 @@ def test_core_and_launch_plan_import_without_sglang(tmp_path: Path) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_speculative_flag_reaches_the_children(tmp_path: Path) -> None:
+    model = write_model(tmp_path, QWEN3_MOE)
+    p = plan(["--model-path", str(model), "--moe-expert-pool-rows", "8", "--speculative-algorithm", "NEXTN"])
+    assert p.serve.speculative and p.facts is not None and p.facts.top_k == 3
+    assert ServeConfig.from_json(p.serve.to_json()) == p.serve
+    assert not plan(["--model-path", str(model), "--moe-expert-pool-rows", "8"]).serve.speculative

@@ -25,13 +25,17 @@ def prepare_process(role: str) -> ServeConfig | None:
         return None
     logging.getLogger("pooled_runner").setLevel(envs.log_level())
     if serve.cpu:
-        from pooled_runner.patches import apply_cpu_patches
+        from pooled_runner.patches import apply_cpu_patches, apply_cpu_speculative_patches
 
         apply_cpu_patches()
+        if serve.speculative and role == "scheduler":
+            apply_cpu_speculative_patches()
     if serve.pool is not None and role == "scheduler":
         from pooled_runner.sglang.layer import install_layer_hook
+        from pooled_runner.sglang.spec import install_lanes_hook
 
         install_layer_hook()
+        install_lanes_hook()
     return serve
 
 

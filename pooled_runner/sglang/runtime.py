@@ -27,6 +27,7 @@ import torch
 
 from pooled_runner import envs
 from pooled_runner.config import PoolConfig
+from pooled_runner.guard import POOLED_TRITON, TORCH, KernelBackend
 from pooled_runner.moe import PooledMoE
 from pooled_runner.sglang.serve_config import ServeConfig
 
@@ -36,10 +37,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pooled_runner")
 
 
-class PoolRuntime:
-    """One process's pool: layer registry, staged loading, stats boundaries."""
+def select_kernel_backend(device: torch.device, dtype: torch.dtype) -> KernelBackend:
+    """The backend the pooled forward will run on this device and dtype (what the bank-size guard checks)."""
+    from pooled_runner.kernel_path import kernels_supported
 
-    def __init__(self, serve: ServeConfig):
+    if kernels_supported(device, dtype) and not envs.force_torch_path():
+        return POOLED_TRITON
+    return TORCH
+
+
+class PoolRuntime:
+    """One process's pool: layer registry, staged loading, stats boundaries.
+
+    `kernel_backend` overrides the backend the bank-size guard checks (default: `select_kernel_backend`).
+    """
+
+    def __init__(self, serve: ServeConfig, kernel_backend: KernelBackend | None = None):
         if serve.pool is None:
             raise ValueError("PoolRuntime needs a pool config (ServeConfig.pool is None)")
         self.serve = serve
@@ -54,6 +67,8 @@ class PoolRuntime:
         self._metrics: PoolMetrics | None = None
         self.tp_rank, self.tp_size = 0, 1  # read from SGLang when the first layer registers
         self.num_debug_checks = 0
+        self.kernel_backend_override = kernel_backend
+        self.decode_lanes: int | None = None
 
     # ---------------------------------------------------------------------------------------------
     # Construction
@@ -71,6 +86,16 @@ class PoolRuntime:
             self.tp_rank, self.tp_size = _moe_tp_rank_and_size()
             self.config = _with_device_index(self.config)
             self.moe = PooledMoE(self.config, hidden_size, intermediate_size, top_k, dtype)
+            backend = self.kernel_backend_override or select_kernel_backend(self.config.torch_device, dtype)
+            # Checked against every pooled weight tensor when the storage is allocated (first expert loaded).
+            self.moe.kernel_backend = backend
+            logger.info(
+                "pooled_runner: kernel backend %s (largest weight tensor: %s)",
+                backend.name,
+                "unbounded" if backend.max_tensor_bytes is None else f"{backend.max_tensor_bytes} B",
+            )
+            if self.decode_lanes is not None:
+                self.moe.set_decode_lanes(self.decode_lanes)
         moe = self.moe
         shape = (hidden_size, intermediate_size, top_k, dtype)
         expected = (moe.hidden_size, moe.intermediate_size, moe.top_k, moe.dtype)
@@ -161,6 +186,15 @@ class PoolRuntime:
         """ "TP rank r/N: " under tensor parallelism, "" otherwise (log lines of each rank tell themselves apart)."""
         return f"TP rank {self.tp_rank}/{self.tp_size}: " if self.tp_size > 1 else ""
 
+    def set_decode_lanes(self, lanes: int, why: str) -> None:
+        """Steps of at most `lanes` tokens take the decode path (never staged); logged once with `why`."""
+        self.decode_lanes = lanes
+        if self.moe is not None:
+            self.moe.set_decode_lanes(lanes)
+        logger.info(
+            "pooled_runner: decode lanes %d (%s); wider steps take the partition/staging path", lanes, why
+        )
+
     # ---------------------------------------------------------------------------------------------
     # Serving
     def after_forward(self, index: int, num_tokens: int) -> None:
@@ -189,6 +223,12 @@ class PoolRuntime:
             stats.bytes_copied_to_rows / (1 << 20),
             stats.bytes_read_host_view / (1 << 20),
             stats.rows_in_use_per_layer,
+        )
+        logger.info(
+            "expert pool steps by path (width: count): decode %s, prefill %s (decode lanes %s)",
+            dict(sorted(moe.step_widths["decode"].items())),
+            dict(sorted(moe.step_widths["prefill"].items())),
+            moe.decode_lanes,
         )
         if envs.debug_checks():
             self.check_tables_agree()

@@ -27,12 +27,15 @@ class ServeConfig:
       cpu: the machine has no CUDA: apply the CPU patches in every process.
       metrics: SGLang's `--enable-metrics` is on: export pool gauges.
       stats_interval: log (and export) pool statistics every this many forward steps.
+      speculative: SGLang runs speculative decoding (`--speculative-algorithm`): without CUDA the scheduler
+        needs the speculative CPU patches too.
     """
 
     pool: PoolConfig | None
     cpu: bool
     metrics: bool = False
     stats_interval: int = 64
+    speculative: bool = False
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)

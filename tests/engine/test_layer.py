@@ -164,3 +164,51 @@ def test_unhandled_layers_stay_unpooled_with_one_warning(runtime, caplog: pytest
     assert runtime.not_pooled == {"expert biases": [f"model.layers.{i}.mlp.experts" for i in range(3)]}
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "not pooled (expert biases)" in warnings[0].getMessage()
+
+
+def test_guard_runs_when_the_sglang_layer_allocates(sglang_context: None, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """The runtime hands its kernel backend to PooledMoE; the first expert load allocates and is refused."""
+    from pooled_runner.guard import KernelBackend
+    from pooled_runner.sglang.layer import PooledFusedMoE
+    from pooled_runner.sglang.runtime import PoolRuntime, set_runtime
+    from pooled_runner.sglang.serve_config import ServeConfig
+
+    w13_row_bytes = 2 * I * H * 4  # float32 [2I, H]
+    bounded = KernelBackend("bounded", 5 * w13_row_bytes, "test: five w13 rows")
+    rt = PoolRuntime(ServeConfig(pool=PoolConfig.resolve(pool_rows=6, device="cpu"), cpu=True), bounded)
+    set_runtime(rt)
+    try:
+        layers = [build(PooledFusedMoE, i, torch.float32) for i in range(NUM_LAYERS)]
+        assert rt.require_moe().kernel_backend is bounded
+        with pytest.raises(ValueError) as err:
+            load(layers[0], 0, checkpoint)
+        msg = str(err.value)
+        assert f"pool tensor w13: 6 rows x {w13_row_bytes} B" in msg
+        assert "the largest --moe-expert-pool-rows that fits is 5" in msg
+        assert not rt.require_moe().allocated  # refused before any storage was allocated
+    finally:
+        set_runtime(None)
+
+
+def test_default_backend_on_cpu_is_the_torch_path(runtime) -> None:  # type: ignore[no-untyped-def]
+    from pooled_runner.guard import TORCH
+    from pooled_runner.sglang.layer import PooledFusedMoE
+
+    build(PooledFusedMoE, 0, torch.float32)
+    assert runtime.require_moe().kernel_backend is TORCH
+
+
+def test_draft_model_layers_are_not_pooled(runtime, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    """Layers built in SGLang's draft scope (MTP/NextN heads) keep their experts on the device."""
+    from sglang.srt.layers.moe.utils import draft_model_build_scope
+
+    from pooled_runner.sglang.layer import PooledFusedMoE
+
+    target = build(PooledFusedMoE, 0, torch.float32)
+    with caplog.at_level(logging.WARNING, logger="pooled_runner"), draft_model_build_scope():
+        draft = build(PooledFusedMoE, 1, torch.float32)
+    assert target.is_pooled and not draft.is_pooled and draft.is_draft
+    assert draft.w13_weight.shape[0] == E  # all experts on the device, as SGLang builds them
+    assert runtime.not_pooled == {"draft-model layer": ["model.layers.1.mlp.experts"]}
+    assert len(runtime.require_moe().num_experts_per_layer) == 1  # only the target layer registered
+    assert any("not pooled (draft-model layer)" in r.getMessage() for r in caplog.records)

@@ -1,0 +1,100 @@
+"""Speculative decoding (NEXTN, the model's MTP head) through the pooled server, on the CPU.
+
+The embedded MTP checkpoint in "agree" mode (its head predicts the target's next token), served with the pool
+and `--speculative-algorithm NEXTN --max-running-requests 1` (3 speculative tokens: 4-token verify steps),
+against the same checkpoint served without speculation and without the pool. Greedy ids must be equal, SGLang
+must report accepted drafts, every verify step must take the decode path (lanes = 1 x 4), and the draft
+model's MoE layer must stay off the pool. Slow: SGLang's speculative kernels run under Triton's interpreter
+(the launcher sets TRITON_INTERPRET=1 for that server only); prompts are short and 16 tokens are generated.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.engine.server import generate_ids, launched
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 16
+PROMPTS = [[329, 400, 303, 399, 359], [391, 547]]
+SPEC_ARGS = [
+    "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+    "--speculative-num-draft-tokens", "4", "--max-running-requests", "1",
+    "--attention-backend", "triton", "--disable-cuda-graph",
+]  # fmt: skip
+POOL_ROWS = 12  # of 64 target experts: the pool misses and evicts during verify steps
+
+
+@pytest.fixture(scope="module")
+def mtp_model() -> Path:
+    from pooled_runner.sglang.embedded_mtp import ensure_embedded_mtp_model
+
+    return ensure_embedded_mtp_model("agree")
+
+
+def _generate(url: str, input_ids: list[int]) -> dict:
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+    }
+    r = requests.post(url + "/generate", json=body, timeout=600)
+    r.raise_for_status()
+    return dict(r.json())
+
+
+def _last_path_counts(log: str) -> tuple[dict[int, int], dict[int, int]]:
+    lines = re.findall(r"steps by path \(width: count\): decode (\{.*?\}), prefill (\{.*?\})", log)
+    assert lines, "no 'steps by path' line in the server log"
+    decode, prefill = lines[-1]
+    return ast.literal_eval(decode), ast.literal_eval(prefill)
+
+
+def test_pooled_nextn_equals_plain_server_and_accepts_drafts(
+    mtp_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # The reference server runs and stops first: one server at a time.
+    plain_log = tmp_path_factory.mktemp("plain") / "server.log"
+    plain_args = ["--model-path", str(mtp_model), "--no-moe-expert-pool", "--dtype", "float32"]
+    with launched(plain_args, plain_log) as plain:
+        expected = [generate_ids(plain.url, ids, NEW_TOKENS) for ids in PROMPTS]
+
+    spec_log = tmp_path_factory.mktemp("spec") / "server.log"
+    spec_args = [
+        "--model-path", str(mtp_model), "--moe-expert-pool-rows", str(POOL_ROWS), "--dtype", "float32",
+        "--moe-expert-pool-stats-interval", "4", *SPEC_ARGS,
+    ]  # fmt: skip
+    with launched(spec_args, spec_log) as server:
+        outs = [_generate(server.url, ids) for ids in PROMPTS]
+        log = server.log()
+
+    from pooled_runner.sglang.embedded_mtp import permutation
+
+    sigma = permutation(json.loads((mtp_model / "config.json").read_text())["vocab_size"])
+    for ids, out, want in zip(PROMPTS, outs, expected):
+        got = list(out["output_ids"])
+        assert got == want, f"prompt {ids}: pooled NEXTN {got} != plain server {want}"
+        chain = [int(sigma[t]) for t in [ids[-1], *got[:-1]]]
+        assert got == chain, f"prompt {ids}: {got} is not the target's permutation chain {chain}"
+    accepted = []
+    for out in outs:
+        meta = out["meta_info"]
+        verify_ct, accept_length = int(meta["spec_verify_ct"]), float(meta["spec_accept_length"])
+        assert verify_ct > 0, meta
+        # accept_length = tokens per verify step; > 1 means drafts were accepted.
+        accepted.append(round(accept_length * verify_ct) - verify_ct)
+        assert accept_length > 1.0 and accepted[-1] > 0, meta
+    print(f"accepted drafts per request {accepted} of {NEW_TOKENS} tokens each")
+
+    assert "decode lanes 4 (max_running_requests 1 x 4 tokens per request" in log
+    assert "4 MoE layers pooled (64 experts), 0 not pooled" in log  # target only: the draft's is not pooled
+    assert "MoE layer model.layers.0.mlp.experts is not pooled (draft-model layer)" in log
+    decode, prefill = _last_path_counts(log)
+    assert decode.get(4, 0) > 0, (decode, prefill)  # verify steps ran, on the decode path
+    assert all(width > 4 for width in prefill), prefill  # nothing within the lanes went to the prefill path
