@@ -24,8 +24,8 @@ step() {  # step NAME CAP_SECONDS COMMAND...
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1 || true
 if [ "${QUICK:-0}" = 1 ]; then
-  step gpu_tests "${GPU_TESTS_CAP:-110}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests/test_kernels_gpu.py
-  step bench_kernels "${BENCH_KERNELS_CAP:-160}" "$PY" bench/kernels.py --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  step gpu_tests "${GPU_TESTS_CAP:-100}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests/test_kernels_gpu.py
+  step bench_kernels "${BENCH_KERNELS_CAP:-170}" "$PY" bench/kernels.py --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
 else
   step gpu_tests "${GPU_TESTS_CAP:-240}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests
   step bench_kernels "${BENCH_KERNELS_CAP:-200}" "$PY" bench/kernels.py --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
