@@ -21,6 +21,7 @@ import time
 import torch
 import triton
 import triton.language as tl
+from pooled_runner.kernels.decode import DECODE_MAX_PAIRS
 from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe
 from pooled_runner.kernels.operands import kernel_format
 
@@ -154,8 +155,8 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     formats = ["bf16", "int4-g128", "fp8", "nvfp4"]
     ms = [1, 2, 4, 8, 16, 64, 512, 4096]
-    if args.quick:
-        formats, ms = ["bf16", "int4-g128"], [1, 8, 512]
+    if args.quick:  # the decode rows the kernel work targets, and a prefill row per format
+        formats, ms = ["bf16", "int4-g128", "nvfp4", "fp8"], [1, 8, 16, 512]
     for shape, (H, I, E, K) in SHAPES.items():
         for name in formats:
             fmt_obj = make_format(name, torch.bfloat16)
@@ -173,7 +174,9 @@ def main() -> None:
                 logits = torch.randn(M, E, generator=g, device="cuda")
                 w, ids = torch.softmax(logits, -1).topk(K, -1)
                 distinct = torch.unique(ids)
-                fracs = ["0"] + (["1/8", "all"] if bank is not None and M <= 64 else [])
+                fracs = ["0"] + (
+                    ["1/8", "all"] if bank is not None and M <= (1 if args.quick else 64) else []
+                )
                 for frac in fracs:
                     l2p = torch.arange(E, dtype=torch.int32, device="cuda")
                     if frac == "1/8":
@@ -183,6 +186,18 @@ def main() -> None:
                         l2p += E
                     num_host = int((l2p[distinct] >= E).sum())
                     hit, miss = (distinct.numel() - num_host) * row_bytes, num_host * row_bytes
+                    if M * K <= DECODE_MAX_PAIRS and frac == "0":  # the align path too, for comparison
+                        try:
+                            fn = functools.partial(
+                                pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, decode=False
+                            )
+                            row = (
+                                f"| {shape} | {name} (align path) | {M} | 0 | {time_graph(fn):.1f} | | | | |"
+                            )
+                        except Exception as exc:
+                            row = f"| {shape} | {name} (align path) | {M} | 0 | error: {type(exc).__name__} | | | | |"
+                        print(row, flush=True)
+                        lines.append(row)
                     try:
                         us = time_graph(functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt))
                     except Exception as exc:  # report the case and go on with the others
@@ -206,8 +221,11 @@ def main() -> None:
                     write(args.out, lines)  # as we go: a capped run keeps what it measured
             pool = bank = None  # free before the next format
             torch.cuda.empty_cache()
-    lines += sweep_decode_tiles(g)
+    lines += sweep_decode_path(g)
     write(args.out, lines)
+    if not args.quick:
+        lines += sweep_decode_tiles(g)
+        write(args.out, lines)
     lines += [
         "",
         "% of bound: (hit bytes / HBM read + host bytes / zero-copy read) / measured time. 'vs torch grouped': "
@@ -249,6 +267,35 @@ def sweep_decode_tiles(g: torch.Generator) -> list[str]:
                 times.append(f"error {type(exc).__name__}")
         out.append(f"| {bn1} | {bn2} | {bk} | {warps} | {times[0]} | {times[1]} |")
         print(out[-1], flush=True)
+    return out
+
+
+def sweep_decode_path(g: torch.Generator) -> list[str]:
+    """The decode path's tiles (BN1, BN2, BK, stages) at M = 1, resident, per shape and format."""
+    from pooled_runner.kernels.moe_gemm import GemmConfig
+
+    out = ["", "decode path tile sweep (resident, M=1; µs per layer):", "",
+           "| shape | format | BN1 | BN2 | BK | stages | µs |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for shape, name in (("qwen3", "bf16"), ("deepseek", "int4-g128")):
+        H, I, E, K = SHAPES[shape]
+        if True:
+            pool = random_rows(name, H, I, E, "cuda", g)
+            fmt = kernel_format(make_format(name, torch.bfloat16))
+            p13, p2 = make_projections(fmt, pool, None, H, I)
+            l2p = torch.arange(E, dtype=torch.int32, device="cuda")
+            x = torch.randn(1, H, generator=g, device="cuda").bfloat16()
+            w, ids = torch.softmax(torch.randn(1, E, generator=g, device="cuda"), -1).topk(K, -1)
+            for bn1, bn2, bk, st in [(16, 16, 128, 4), (32, 32, 128, 4), (64, 32, 128, 4), (32, 16, 256, 3)]:
+                cfgs = (GemmConfig(16, bn1, bk, 1, 4, st), GemmConfig(16, bn2, bk, 1, 4, st))
+                try:
+                    fn = functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, cfgs, True)
+                    t = f"{time_graph(fn):.1f}"
+                except Exception as exc:
+                    t = f"error {type(exc).__name__}"
+                out.append(f"| {shape} | {name} | {bn1} | {bn2} | {bk} | {st} | {t} |")
+                print(out[-1], flush=True)
+            del pool
+            torch.cuda.empty_cache()
     return out
 
 

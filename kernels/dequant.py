@@ -2,9 +2,11 @@
 compute dtype, for every format (constexpr FMT). Offsets inside a row are int32 (a row is < 2^31 elements,
 checked by the launchers); the row base pointers carry the int64 row offset.
 
+Packed formats (int4, NVFP4) load their packed words once per tile and expand them in registers.
+
 Formats (FMT): 0 dense bf16/fp16; 1 int4 (8 per int32 along K, scale per GROUP, zero point optional);
-2 fp8 e4m3 per-channel scale; 3 fp8 e4m3 with [GROUP, GROUP] block scales; 4 NVFP4 (e2m1 pairs per byte,
-e4m3 scale per 16, fp32 global). Dequantization is done in fp32 in the order of the torch reference
+2 fp8 e4m3 per-channel scale; 3 fp8 e4m3 with [GROUP, GROUP] block scales; 4 NVFP4 (e2m1 pairs per byte, read
+as int32 words, e4m3 scale per 16, fp32 global). Dequantization is done in fp32 in the order of the torch reference
 (`pooled_runner/formats/quant.py`), then rounded to the compute dtype.
 """
 
@@ -47,15 +49,88 @@ def e2m1_to_f32(code):
 
 
 @triton.jit
+def _interleave8(q0, q1, q2, q3, q4, q5, q6, q7):
+    """Eight `[BN, KW]` tensors -> `[BN, 8 * KW]` with element `8 * kw + j` from `q_j` (joins keep each new
+    axis inside the thread, so the final reshape moves no data)."""
+    a0, a1, a2, a3 = tl.join(q0, q4), tl.join(q2, q6), tl.join(q1, q5), tl.join(q3, q7)
+    c = tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [BN, KW, 2, 2, 2]: [a, b, c] = q_{4a + 2b + c}
+    return tl.reshape(c, (q0.shape[0], q0.shape[1] * 8))
+
+
+@triton.jit
+def _int4_tile(w_base, s_base, z_base, offs_n, mask_n, k0, K, w_sn, s_sn, z_sn,
+               BLOCK_K: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr):  # fmt: skip
+    """`[BLOCK_N, BLOCK_K]` fp32 of an int4 tile: the packed words `[BLOCK_N, BLOCK_K/8]` loaded once (contiguous
+    along K), one scale per word (a word never straddles a group), nibbles expanded in registers."""
+    KW: tl.constexpr = BLOCK_K // 8
+    kw = k0 // 8 + tl.arange(0, KW)
+    wmask = mask_n[:, None] & (kw < K // 8)[None, :]
+    words = tl.load(w_base + offs_n[:, None] * w_sn + kw[None, :], mask=wmask, other=0)
+    kg = (kw * 8) // GROUP
+    s = tl.load(s_base + offs_n[:, None] * s_sn + kg[None, :], mask=wmask, other=0.0).to(tl.float32)
+    # value = (2^23 + q) - (2^23 + zero point), exact in fp32, with no int -> float convert
+    if HAS_ZERO:
+        z = tl.load(z_base + offs_n[:, None] * z_sn + kg[None, :], mask=wmask, other=0).to(tl.float32)
+        zf = z + 8388608.0
+    else:
+        zf = 8388616.0
+    q0 = (((words >> 0) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    q1 = (((words >> 4) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    q2 = (((words >> 8) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    q3 = (((words >> 12) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    q4 = (((words >> 16) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    q5 = (((words >> 20) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    q6 = (((words >> 24) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    q7 = (((words >> 28) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    return _interleave8(
+        (q0 - zf) * s, (q1 - zf) * s, (q2 - zf) * s, (q3 - zf) * s,
+        (q4 - zf) * s, (q5 - zf) * s, (q6 - zf) * s, (q7 - zf) * s,
+    )  # fmt: skip
+
+
+@triton.jit
+def _e2m1_scaled(word, SHIFT: tl.constexpr):
+    """The e2m1 code at bits SHIFT..SHIFT+3 of `word` -> value / 16384 in fp32: its bits placed in an fp16
+    (subnormals exact), converted."""
+    code = word >> SHIFT
+    bits = ((code & 7) << 9) | ((code & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _nvfp4_tile(w_base, s_base, g_base, offs_n, mask_n, k0, K, w_sn, s_sn,
+                BLOCK_K: tl.constexpr, NATIVE_FP8: tl.constexpr):  # fmt: skip
+    """`[BLOCK_N, BLOCK_K]` fp32 of an NVFP4 tile. The launcher hands the packed bytes as int32 words (4 bytes,
+    even k in each low nibble, so value `8 * kw + j` sits at bits 4j, as int4); one e4m3 scale per word (a
+    word never straddles a 16-group); `(e2m1 * scale) * global` in the reference's order."""
+    KW: tl.constexpr = BLOCK_K // 8
+    kw = k0 // 8 + tl.arange(0, KW)
+    wmask = mask_n[:, None] & (kw < K // 8)[None, :]
+    words = tl.load(w_base + offs_n[:, None] * w_sn + kw[None, :], mask=wmask, other=0)
+    raw_s = tl.load(s_base + offs_n[:, None] * s_sn + (kw // 2)[None, :], mask=wmask)
+    s = tl.where(wmask, e4m3_to_f32(raw_s, NATIVE_FP8) * 16384.0, 0.0)  # exact (a power of two)
+    g = tl.load(g_base)
+    # e2m1 * scale is exact; then one rounding by the global, as the reference
+    return _interleave8(
+        (_e2m1_scaled(words, 0) * s) * g, (_e2m1_scaled(words, 4) * s) * g,
+        (_e2m1_scaled(words, 8) * s) * g, (_e2m1_scaled(words, 12) * s) * g,
+        (_e2m1_scaled(words, 16) * s) * g, (_e2m1_scaled(words, 20) * s) * g,
+        (_e2m1_scaled(words, 24) * s) * g, (_e2m1_scaled(words, 28) * s) * g,
+    )  # fmt: skip
+
+
+@triton.jit
 def load_b_tile(
     w_base,
     s_base,
     z_base,
     g_base,
     offs_n,  # [BLOCK_N] row index inside the projection (N)
-    offs_k,  # [BLOCK_K] column index (K, in values)
+    offs_k,  # [BLOCK_K] column index (K, in values) = k0 + arange(BLOCK_K)
     mask_n,
     mask_k,
+    k0,  # first K value of the tile (a multiple of BLOCK_K)
+    K,  # K of the projection (values)
     w_sn,  # stride along N of the weight (elements); stride along K is 1
     s_sn,
     z_sn,
@@ -64,21 +139,18 @@ def load_b_tile(
     HAS_ZERO: tl.constexpr,
     NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
+    """The `[BLOCK_K, BLOCK_N]` B tile in the compute dtype."""
     n = offs_n[None, :]
     k = offs_k[:, None]
     mask = mask_n[None, :] & mask_k[:, None]
     if FMT == 0:
         w = tl.load(w_base + n * w_sn + k, mask=mask, other=0.0).to(COMPUTE)
     elif FMT == 1:
-        word = tl.load(w_base + n * w_sn + k // 8, mask=mask, other=0)
-        q = (word >> ((k % 8) * 4)) & 0xF
-        s = tl.load(s_base + n * s_sn + k // GROUP, mask=mask, other=0.0).to(tl.float32)
-        if HAS_ZERO:
-            z = tl.load(z_base + n * z_sn + k // GROUP, mask=mask, other=0).to(tl.int32)
-            w = ((q - z).to(tl.float32) * s).to(COMPUTE)
-        else:
-            w = ((q - 8).to(tl.float32) * s).to(COMPUTE)
+        t = _int4_tile(w_base, s_base, z_base, offs_n, mask_n, k0, K, w_sn, s_sn, z_sn,
+                       BLOCK_K, GROUP, HAS_ZERO)  # fmt: skip
+        w = tl.trans(t.to(COMPUTE))
     elif FMT == 2:
         # fp8 loads take no `other` (an int/float -> fp8 constant cast is version-dependent): zero after decoding
         q = tl.where(mask, e4m3_to_f32(tl.load(w_base + n * w_sn + k, mask=mask), NATIVE_FP8), 0.0)
@@ -89,11 +161,8 @@ def load_b_tile(
         s = tl.load(s_base + (n // GROUP) * s_sn + k // GROUP, mask=mask, other=0.0)
         w = (q * s).to(COMPUTE)
     else:
-        byte = tl.load(w_base + n * w_sn + k // 2, mask=mask, other=0).to(tl.int32)
-        v = e2m1_to_f32((byte >> ((k % 2) * 4)) & 0xF)
-        s = tl.where(mask, e4m3_to_f32(tl.load(s_base + n * s_sn + k // 16, mask=mask), NATIVE_FP8), 0.0)
-        g = tl.load(g_base)
-        w = (v * s * g).to(COMPUTE)
+        t = _nvfp4_tile(w_base, s_base, g_base, offs_n, mask_n, k0, K, w_sn, s_sn, BLOCK_K, NATIVE_FP8)
+        w = tl.trans(t.to(COMPUTE))
     return w
 
 

@@ -1,4 +1,5 @@
-"""The pooled MoE forward on the kernels: align+locate -> gemm1 (+SiLU*mul) -> gemm2 -> weighted combine.
+"""The pooled MoE forward on the kernels: align+locate -> gemm1 (+SiLU*mul) -> gemm2 -> weighted combine, or for
+a few routed pairs the two-launch decode path (`decode.py`).
 
 Graph-safe: every buffer is sized from host-known shapes (T, K, E, block sizes), routing stays on the device,
 nothing is read back. Torch references with the same signatures sit beside each stage.
@@ -10,6 +11,7 @@ import torch
 
 from .align import AlignOutput, align_blocks
 from .combine import combine
+from .decode import DECODE_MAX_PAIRS, decode_moe
 from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4
 from .moe_gemm import GemmConfig, gemm1, gemm2, interpreting
 from .operands import KernelFormat, Projection, make_projection
@@ -38,9 +40,8 @@ def pick_configs(
         # Decode: memory-bound; N tiles small enough that top-k blocks cover the SMs (and one compile per shape).
         bn1 = 32 if I <= 1024 else 64
         bn2 = 64
-        # int4 tiles hold a word per value (unpacked in registers): 4 stages of the DeepSeek-shape gemm1 asked
-        # for 236 KiB of shared memory on the H200 (limit 227 KiB; 2026-11-30). 2 stages fit.
-        stages = 2 if weight_fmt == FMT_INT4 else 4
+        # packed formats stage their packed words (int4/NVFP4 gemm1 BN 64: 60 KiB for 4 stages, sm_90 compile)
+        stages = 4
         return (
             GemmConfig(16, bn1, 128, group_m=1, num_warps=4, num_stages=stages),
             GemmConfig(16, bn2, 128, group_m=1, num_warps=4, num_stages=stages),
@@ -63,6 +64,7 @@ def pooled_fused_moe(
     w2: Projection,
     fmt: KernelFormat,
     configs: tuple[GemmConfig, GemmConfig] | None = None,
+    decode: bool | None = None,
 ) -> torch.Tensor:
     """Routed-experts output `[T, H]` of one pooled layer.
 
@@ -70,7 +72,8 @@ def pooled_fused_moe(
       hidden: `[T, H]` bf16/fp16 row-major. topk_ids `[T, K]` int32/int64 (-1 padding), topk_weights `[T, K]`.
       l2p: `[E_max]` int32 location codes of the layer (row, R + e host row, -1 not here).
       w13, w2: projections from `make_projections`. fmt: their kernel format.
-      configs: (gemm1, gemm2) tiles; default `pick_configs`.
+      configs: (gemm1, gemm2) tiles; default `pick_configs` (or `decode_configs`).
+      decode: the two-launch decode path (`kernels/decode.py`); None: when T*K <= DECODE_MAX_PAIRS.
     """
     T, K = topk_ids.shape
     H = hidden.shape[1]
@@ -79,6 +82,8 @@ def pooled_fused_moe(
         raise ValueError(f"hidden: shape {tuple(hidden.shape)}, expected [{T}, H]")
     if T == 0:
         return torch.empty((0, H), dtype=hidden.dtype, device=hidden.device)
+    if decode if decode is not None else T * K <= DECODE_MAX_PAIRS:
+        return decode_moe(hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt, configs)
     cfg1, cfg2 = configs or pick_configs(T, K, num_experts, H, I, fmt.fmt)
     if cfg1.block_m != cfg2.block_m:
         raise ValueError(f"gemm1 block_m={cfg1.block_m} != gemm2 block_m={cfg2.block_m}")
@@ -168,6 +173,7 @@ def pooled_fused_moe_ref(
     w2: Projection,
     fmt: KernelFormat,
     configs: tuple[GemmConfig, GemmConfig] | None = None,
+    decode: bool | None = None,
 ) -> torch.Tensor:
     """Reference of `pooled_fused_moe`: per distinct expert, the torch path's `expert_mlp` and `combine`."""
     from pooled_runner.moe import combine as torch_combine

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .align import AlignOutput
-from .dequant import load_b_tile
+from .dequant import FMT_NVFP4, load_b_tile
 from .operands import KernelFormat, Projection
 
 
@@ -135,10 +135,10 @@ def _gemm1_kernel(
             mask=row_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
-        bg = load_b_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, n_ok, k_ok, w_sn, s_sn, z_sn,
-                         FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE)  # fmt: skip
-        bu = load_b_tile(w_base, s_base, z_base, g_base, offs_n + I, offs_k, n_ok, k_ok, w_sn, s_sn, z_sn,
-                         FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE)  # fmt: skip
+        bg = load_b_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, n_ok, k_ok, k0, H, w_sn, s_sn, z_sn,
+                         FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K)  # fmt: skip
+        bu = load_b_tile(w_base, s_base, z_base, g_base, offs_n + I, offs_k, n_ok, k_ok, k0, H, w_sn, s_sn,
+                         z_sn, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K)  # fmt: skip
         acc_g = _mma(a, bg, acc_g, DOT_F32)
         acc_u = _mma(a, bu, acc_u, DOT_F32)
     gate = acc_g.to(COMPUTE).to(tl.float32)
@@ -183,8 +183,8 @@ def _gemm2_kernel(
             mask=row_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
-        b = load_b_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, n_ok, k_ok, w_sn, s_sn, z_sn,
-                        FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE)  # fmt: skip
+        b = load_b_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, n_ok, k_ok, k0, I, w_sn, s_sn, z_sn,
+                        FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K)  # fmt: skip
         acc = _mma(a, b, acc, DOT_F32)
     ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
     tl.store(ptrs, acc.to(COMPUTE), mask=row_ok[:, None] & n_ok[None, :])
@@ -197,10 +197,17 @@ def _as_kernel_tensor(t: torch.Tensor, native_fp8: bool) -> torch.Tensor:
     return t
 
 
-def _launch_args(proj: Projection) -> tuple[list[torch.Tensor], list[int], bool]:
+def _launch_args(proj: Projection, fmt: KernelFormat) -> tuple[list[torch.Tensor], list[int], bool]:
     native_fp8 = not interpreting()
     ptrs = [_as_kernel_tensor(t, native_fp8) for t in proj.pointers()]
-    return ptrs, proj.row_strides(), native_fp8
+    strides = proj.row_strides()
+    if fmt.fmt == FMT_NVFP4:
+        # the packed bytes read as int32 words (8 values each; K % 16 == 0, rows 4-byte aligned): one load per
+        # word in the kernel, the same nibble order as int4
+        ptrs[0], ptrs[4] = ptrs[0].view(torch.int32), ptrs[4].view(torch.int32)
+        strides[0] //= 4
+        strides[4] //= 4
+    return ptrs, strides, native_fp8
 
 
 def _check_act_inputs(x: torch.Tensor, dtype: torch.dtype, name: str, k: int) -> None:
@@ -231,7 +238,7 @@ def gemm1(
     if config.block_m != align.block_m:
         raise ValueError(f"config.block_m={config.block_m} != align block_m={align.block_m}")
     act = torch.empty((align.max_blocks * align.block_m, I), dtype=x.dtype, device=x.device)
-    ptrs, strides, native = _launch_args(w13)
+    ptrs, strides, native = _launch_args(w13, fmt)
     grid = (align.max_blocks * triton.cdiv(I, config.block_n),)
     _gemm1_kernel[grid](
         x, act, align.sorted_pairs, align.block_codes, align.block_order, align.num_post_padded,
@@ -259,7 +266,7 @@ def gemm2(
     _check_act_inputs(act, act.dtype, "act", I)
     _check_dense_dtype(fmt, w2, act.dtype)
     y = torch.empty((max(num_pairs, 1), H), dtype=act.dtype, device=act.device)
-    ptrs, strides, native = _launch_args(w2)
+    ptrs, strides, native = _launch_args(w2, fmt)
     grid = (align.max_blocks * triton.cdiv(H, config.block_n),)
     _gemm2_kernel[grid](
         act, y, align.sorted_pairs, align.block_codes, align.block_order, align.num_post_padded,

@@ -2,6 +2,7 @@
 # Every GPU check in one call: the GPU tests (pytest -m gpu) and every benchmark. Logs under $OUT
 # (default ./gpu_out); a short table last. Usage: bash scripts/gpu_check.sh
 # GIT_COMMIT names the commit in the bench header where the copy has no .git.
+# QUICK=1: only the kernel GPU tests and the quick benchmark (decode rows, a prefill row, the decode sweep).
 # Each step has a time cap so one slow step cannot eat the others' time; add new steps with `step`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,14 +23,20 @@ step() {  # step NAME CAP_SECONDS COMMAND...
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1 || true
-step gpu_tests "${GPU_TESTS_CAP:-240}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests
-if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-  step bench_tp "${BENCH_TP_CAP:-300}" "$PY" bench/tp.py --out "$OUT/bench_tp.md"
+if [ "${QUICK:-0}" = 1 ]; then
+  step gpu_tests "${GPU_TESTS_CAP:-100}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests/test_kernels_gpu.py
+  step bench_kernels "${BENCH_KERNELS_CAP:-170}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+else
+  step gpu_tests "${GPU_TESTS_CAP:-240}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests
+  step bench_kernels "${BENCH_KERNELS_CAP:-200}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  step bench_prefill "${BENCH_PREFILL_CAP:-150}" "$PY" -m bench.prefill --quick --out "$OUT/bench_prefill.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    step bench_tp "${BENCH_TP_CAP:-300}" "$PY" -m bench.tp --out "$OUT/bench_tp.md"
+  fi
 fi
-step bench_kernels "${BENCH_KERNELS_CAP:-200}" "$PY" bench/kernels.py --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
 
 echo
-cat "$OUT/bench_kernels.md" "$OUT/bench_tp.md" 2>/dev/null || true
+cat "$OUT"/bench_*.md 2>/dev/null || true
 echo
 echo "| step | rc | time | log |"
 echo "|---|---|---|---|"

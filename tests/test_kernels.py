@@ -182,16 +182,35 @@ def test_gemm_stages_match_reference(name, H, I, dtype):
     assert_close(y[pairs], y_ref[pairs], f"{name} gemm2")
 
 
+@pytest.mark.parametrize(
+    ("name", "H", "I"), [("int4-g32", 128, 64), ("int4-g64-zp", 128, 64), ("nvfp4", 80, 64)]
+)
+def test_packed_tiles_spanning_groups(name, H, I):
+    """K tiles of 64 values: several int4 groups / NVFP4 scales per tile, and a partial last tile (H=80)."""
+    g = torch.Generator().manual_seed(H + I)
+    E, R, T, K = 5, 2, 6, 2
+    fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, R, g)
+    fmt = kernel_format(fmt_obj)
+    w13, w2 = make_projections(fmt, pool, bank, H, I)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids, w = random_routing(T, K, E, g)
+    cfg = GemmConfig(16, 16, 64, num_stages=1)
+    for decode in (False, True):
+        out = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, (cfg, cfg), decode=decode)
+        assert_close(out, pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt), f"{name} decode={decode}")
+
+
 @pytest.mark.parametrize(("name", "H", "I", "dtype"), FORMATS)
 @pytest.mark.parametrize(("T", "K", "E", "R"), [(1, 1, 1, 1), (7, 3, 5, 2), (13, 4, 9, 9)])
-def test_pooled_fused_moe_matches_reference(name, H, I, dtype, T, K, E, R):
+@pytest.mark.parametrize("decode", [False, True])
+def test_pooled_fused_moe_matches_reference(name, H, I, dtype, T, K, E, R, decode):
     g = torch.Generator().manual_seed(T * 7 + E + H)
     fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, R, g, dtype, num_not_here=int(E > 3))
     fmt = kernel_format(fmt_obj)
     w13, w2 = make_projections(fmt, pool, bank if R < E else None, H, I)
     x = torch.randn(T, H, generator=g).to(dtype)
     ids, w = random_routing(T, K, E, g)
-    out = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt)
+    out = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, decode=decode)
     ref = pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt)
     assert out.dtype == dtype
     assert_close(out, ref, f"{name} T={T} K={K} E={E} R={R}")
