@@ -348,6 +348,32 @@ class ExpertPool:
         self.stats_counters.bytes_copied_to_rows = 0  # installation copies are not traffic
         return filled
 
+    def load_residency(self, row_owner: list[tuple[int, int] | None], lru_rows: list[int]) -> None:
+        """Replace the residency bookkeeping (owners, LRU order, both tables) without copying weights.
+
+        For the device planner, whose tables are the truth after captured steps: the rows already hold the
+        owners' weights. `lru_rows` lists every row in use, least recently used first.
+        """
+        if len(row_owner) != self.num_rows:
+            raise ValueError(f"row_owner has {len(row_owner)} entries, expected {self.num_rows}")
+        used = [r for r, o in enumerate(row_owner) if o is not None]
+        if sorted(lru_rows) != used:
+            raise ValueError(f"lru_rows {sorted(lru_rows)} != rows in use {used}")
+        l2p = torch.full_like(self.l2p_host, NOT_ROUTED)
+        for layer, num_experts in enumerate(self.num_experts_per_layer):
+            l2p[layer, :num_experts] = self.num_rows + torch.arange(num_experts, dtype=torch.int32)
+        for row in used:
+            layer, expert = row_owner[row]  # type: ignore[misc]
+            self._check_expert(layer, expert)
+            if l2p[layer, expert] < self.num_rows:
+                raise ValueError(f"(layer {layer}, expert {expert}) owns rows {int(l2p[layer, expert])} and {row}")
+            l2p[layer, expert] = row
+        self.row_owner = list(row_owner)
+        self._lru = OrderedDict((r, None) for r in lru_rows)
+        self._free_rows = [r for r in range(self.num_rows - 1, -1, -1) if row_owner[r] is None]
+        self.l2p_host.copy_(l2p)
+        self.l2p_gpu.copy_(l2p)
+
     # ----------------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """AssertionError naming the first inconsistency between rows, owners, LRU and both tables."""

@@ -1,0 +1,158 @@
+"""Row gather: copy whole expert rows into destination rows, each source a pool row or a host (bank) row.
+
+For pair p with `valid[p] != 0`: `dst[dst_index[p]] = src_dev[code]` if `code = src_code[p] < num_rows`, else
+`src_host[host_offset + code - num_rows]` (the location-code convention of `l2p`: `0..R-1` pool row, `R + e`
+host row e of the layer whose first bank row is `host_offset`). Pairs with `valid[p] == 0` copy nothing.
+
+This is the planner's admission copy (SM gather from the pinned bank, ordered on the stream before the GEMM)
+and it is graph-safe: fixed pair count, no host sync, invalid pairs masked inside the kernel. On CUDA the host
+source must be page-locked (a Triton kernel reads a pinned tensor through its device address); on the CPU the
+torch reference runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional for the CPU core
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None  # type: ignore[assignment]
+
+
+def _check_args(
+    dst: torch.Tensor,
+    dst_index: torch.Tensor,
+    src_dev: torch.Tensor,
+    src_host: torch.Tensor,
+    src_code: torch.Tensor,
+    valid: torch.Tensor,
+    num_rows: int,
+    host_offset: int,
+) -> None:
+    if dst.dim() != 2 or src_dev.dim() != 2 or src_host.dim() != 2:
+        raise ValueError(
+            f"dst {tuple(dst.shape)}, src_dev {tuple(src_dev.shape)}, src_host {tuple(src_host.shape)}: "
+            "expected 2-d [rows, row_numel] views"
+        )
+    row_numel = dst.shape[1]
+    for name, t in (("src_dev", src_dev), ("src_host", src_host)):
+        if t.shape[1] != row_numel or t.dtype != dst.dtype:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} dtype {t.dtype}, expected [*, {row_numel}] {dst.dtype}"
+            )
+    for name, t in (("dst", dst), ("src_dev", src_dev), ("src_host", src_host)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} with strides {t.stride()} is not contiguous")
+    num_pairs = dst_index.shape[0]
+    for name, t in (("dst_index", dst_index), ("src_code", src_code), ("valid", valid)):
+        if t.dim() != 1 or t.shape[0] != num_pairs:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [{num_pairs}]")
+        if t.device != dst.device:
+            raise ValueError(f"{name} is on {t.device}, expected {dst.device}")
+    if src_dev.shape[0] != num_rows:
+        raise ValueError(f"src_dev has {src_dev.shape[0]} rows, expected num_rows={num_rows}")
+    if host_offset < 0:
+        raise ValueError(f"host_offset={host_offset} must be >= 0")
+
+
+def gather_rows_reference(
+    dst: torch.Tensor,
+    dst_index: torch.Tensor,
+    src_dev: torch.Tensor,
+    src_host: torch.Tensor,
+    src_code: torch.Tensor,
+    valid: torch.Tensor,
+    num_rows: int,
+    host_offset: int,
+) -> None:
+    """Torch reference of `gather_rows` (host-synchronizing: not for graph capture)."""
+    _check_args(dst, dst_index, src_dev, src_host, src_code, valid, num_rows, host_offset)
+    for p in valid.nonzero().flatten().tolist():
+        code = int(src_code[p])
+        src = src_dev[code] if code < num_rows else src_host[host_offset + code - num_rows]
+        dst[int(dst_index[p])].copy_(src.to(dst.device))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_rows_kernel(
+        dst_ptr,
+        dst_index_ptr,
+        src_dev_ptr,
+        src_host_ptr,
+        src_code_ptr,
+        valid_ptr,
+        num_rows,
+        host_offset,
+        row_numel,
+        BLOCK: tl.constexpr,
+    ):
+        pair = tl.program_id(0)
+        chunk = tl.program_id(1)
+        num_chunk_programs = tl.num_programs(1)
+        valid = tl.load(valid_ptr + pair)
+        if valid != 0:
+            code = tl.load(src_code_ptr + pair).to(tl.int64)
+            dst_row = tl.load(dst_index_ptr + pair).to(tl.int64)
+            dst_base = dst_ptr + dst_row * row_numel
+            offs = tl.arange(0, BLOCK)
+            if code < num_rows:
+                src_base = src_dev_ptr + code * row_numel
+            else:
+                src_base = src_host_ptr + (code - num_rows + host_offset) * row_numel
+            for start in range(chunk * BLOCK, row_numel, num_chunk_programs * BLOCK):
+                idx = start + offs
+                mask = idx < row_numel
+                x = tl.load(src_base + idx, mask=mask)
+                tl.store(dst_base + idx, x, mask=mask)
+
+
+GATHER_BLOCK = 2048
+MAX_CHUNK_PROGRAMS = 32
+
+
+def gather_rows(
+    dst: torch.Tensor,
+    dst_index: torch.Tensor,
+    src_dev: torch.Tensor,
+    src_host: torch.Tensor,
+    src_code: torch.Tensor,
+    valid: torch.Tensor,
+    num_rows: int,
+    host_offset: int,
+    force_triton: bool = False,
+) -> None:
+    """Copy rows (see module docstring). `dst`, `src_dev` `[R?, n]` on the device, `src_host` `[N, n]` (pinned
+    on CUDA); `dst_index`, `src_code`, `valid` `[P]` integer tensors on dst's device. P may be 0.
+
+    CUDA (or `force_triton`, for the Triton interpreter on CPU) launches the Triton kernel; otherwise the torch
+    reference runs.
+    """
+    _check_args(dst, dst_index, src_dev, src_host, src_code, valid, num_rows, host_offset)
+    if not (dst.is_cuda or force_triton):
+        gather_rows_reference(dst, dst_index, src_dev, src_host, src_code, valid, num_rows, host_offset)
+        return
+    if triton is None:  # pragma: no cover
+        raise RuntimeError("gather_rows on CUDA needs Triton")
+    if dst.is_cuda and src_host.device.type == "cpu" and not src_host.is_pinned():
+        raise ValueError("src_host is pageable: a kernel can only read page-locked host memory")
+    num_pairs, row_numel = dst_index.shape[0], dst.shape[1]
+    if num_pairs == 0 or row_numel == 0:
+        return
+    chunk_programs = min(MAX_CHUNK_PROGRAMS, triton.cdiv(row_numel, GATHER_BLOCK))
+    grid = (num_pairs, chunk_programs)
+    _gather_rows_kernel[grid](
+        dst,
+        dst_index,
+        src_dev,
+        src_host,
+        src_code,
+        valid,
+        num_rows,
+        host_offset,
+        row_numel,
+        BLOCK=GATHER_BLOCK,
+    )

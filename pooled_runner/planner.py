@@ -1,0 +1,365 @@
+"""The device planner: every residency decision of a decode step on the device, graph-safe, and its host twin.
+
+State at stable addresses (allocated once, updated in place, so one captured decode step replays with any
+routing): `row_owner [R + 1]` flat id `l * E_max + e` of the row's expert (-1 free), `row_stamp [R + 1]`
+last-use clock value (-1 free), `clock [1]`, `counters [4]` (hits, misses, admissions, host-view reads), the
+pool's `l2p_gpu [L, E_max]`, and the policy's state. Slot R of the row tensors is a dummy that masked writes go
+to, so every update is a fixed-size `index_put_` with no compaction.
+
+One planned step of layer l (`plan(l, topk_ids)`), see `policies.py` for the ordering rule:
+  - ids outside [0, E_l) (padding -1, or out of range) are not routed;
+  - clock += 1; hits get the new stamp (their rows cannot be evicted by this step);
+  - a miss is a candidate for admission if the byte-cost rule says copying it is worth it: the kernel reads a
+    host-view expert once per M-block, `reads = ceil(tokens / block_m)`; candidates need
+    `reads >= min_reads_to_admit` (1: every miss is a candidate, since a copy costs the same PCIe bytes as one
+    read and earns later hits; raise it when copies cannot overlap);
+  - candidate i takes victim i (a row not used by this step) if the policy accepts; the rest (more distinct
+    experts than free-able rows, rejected, or below the byte rule) are read through the host view (R + e);
+  - the admitted rows are copied from the bank by the row-gather kernel before the GEMM (same stream).
+Deterministic: sort keys are total orders (ties by expert id / stamp / row), masked writes go to the dummy slot,
+and integer counters only.
+
+`HostTwin` is an independent plain-Python implementation of the same rule, for tests and for uncaptured steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pooled_runner import envs
+from pooled_runner.kernels.row_gather import gather_rows
+from pooled_runner.policies import LRUPolicy, Policy
+from pooled_runner.pool import ExpertPool
+
+INT64_MAX = torch.iinfo(torch.int64).max
+INT64_MIN = torch.iinfo(torch.int64).min
+FREE = -1
+
+
+class DevicePlanner:
+    """Plans decode steps of `pool` on its device (see module docstring).
+
+    Args:
+      pool: the expert pool (its `l2p_gpu` and rows are updated in place).
+      policy: residency policy (default LRU); bound to the pool device here.
+      max_routed: the largest `T * K` of a planned step (the workspace bound; a larger step raises).
+      block_m: M-block of the MoE kernel (for the byte-cost rule).
+      min_reads_to_admit: byte-cost threshold (see module docstring).
+      debug_checks: verify the tables after every step (host sync; default from POOLED_RUNNER_DEBUG_CHECKS).
+    """
+
+    def __init__(
+        self,
+        pool: ExpertPool,
+        policy: Policy | None = None,
+        max_routed: int = 64,
+        block_m: int = 16,
+        min_reads_to_admit: int = 1,
+        debug_checks: bool | None = None,
+    ):
+        if max_routed < 1 or block_m < 1 or min_reads_to_admit < 1:
+            raise ValueError(
+                f"max_routed={max_routed}, block_m={block_m}, min_reads_to_admit={min_reads_to_admit} "
+                "must all be >= 1"
+            )
+        self.pool = pool
+        self.policy: Policy = policy if policy is not None else LRUPolicy()
+        self.max_routed = max_routed
+        self.block_m = block_m
+        self.min_reads_to_admit = min_reads_to_admit
+        self.debug_checks = envs.debug_checks() if debug_checks is None else debug_checks
+        R, L, EM = pool.num_rows, pool.num_layers, pool.max_experts
+        self.num_rows, self.num_layers, self.max_experts = R, L, EM
+        dev = pool.device
+        self.row_owner = torch.full((R + 1,), FREE, dtype=torch.int64, device=dev)
+        self.row_stamp = torch.full((R + 1,), FREE, dtype=torch.int64, device=dev)
+        self.clock = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.counters = torch.zeros(4, dtype=torch.int64, device=dev)  # hits, misses, admissions, host reads
+        self._l2p_scratch = torch.empty(L * EM + 1, dtype=torch.int32, device=dev)
+        self._counts = torch.zeros(EM + 1, dtype=torch.int64, device=dev)
+        self._ones = torch.ones(max_routed, dtype=torch.int64, device=dev)
+        self._arange = torch.arange(max(EM, R) + 1, dtype=torch.int64, device=dev)
+        self._rows_flat = {name: t.view(R, -1) for name, t in pool.rows_gpu.items()}
+        self._bank_flat = (
+            {name: t.view(t.shape[0], -1) for name, t in pool.bank.tensors_host.items()}
+            if pool.bank is not None
+            else None
+        )
+        self.policy.bind(L, EM, dev)
+        self.load_from_pool()
+
+    # ----------------------------------------------------------------------------------------------
+    # Boundaries (outside capture): exchange state with the pool's host bookkeeping.
+    def load_from_pool(self) -> None:
+        """Device state from the pool: owners, stamps 1..n in the pool's LRU order, clock n."""
+        owner, stamp = residency_from_pool(self.pool)
+        self.row_owner[: self.num_rows].copy_(torch.tensor(owner, dtype=torch.int64))
+        self.row_stamp[: self.num_rows].copy_(torch.tensor(stamp, dtype=torch.int64))
+        self.clock.fill_(max(stamp + [0]))
+
+    def store_to_pool(self) -> None:
+        """Push the device tables into the pool's host bookkeeping (syncs); LRU order = (stamp, row)."""
+        owner = self.row_owner[: self.num_rows].tolist()
+        stamp = self.row_stamp[: self.num_rows].tolist()
+        EM = self.max_experts
+        owners = [None if o < 0 else (o // EM, o % EM) for o in owner]
+        lru = sorted((r for r in range(self.num_rows) if owner[r] >= 0), key=lambda r: (stamp[r], r))
+        self.pool.load_residency(owners, lru)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """CPU copies of the planner state (for comparison with `HostTwin.state()`)."""
+        out = {
+            "l2p": self.pool.l2p_gpu.cpu(),
+            "row_owner": self.row_owner[: self.num_rows].cpu(),
+            "row_stamp": self.row_stamp[: self.num_rows].cpu(),
+            "clock": self.clock.cpu(),
+        }
+        out.update({k: v.cpu() for k, v in self.policy.state_tensors().items()})
+        return out
+
+    def counter_values(self) -> dict[str, int]:
+        hits, misses, admissions, host_reads = self.counters.tolist()
+        return {"hits": hits, "misses": misses, "admissions": admissions, "host_reads": host_reads}
+
+    # ----------------------------------------------------------------------------------------------
+    def plan(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Plan one step of `layer` from `topk_ids [T, K]` (any integer dtype, on the pool device).
+
+        Graph-safe: no host sync, fixed shapes for a given (layer, T, K). After it, `pool.l2p_gpu[layer]`
+        holds a row or host code for every routed expert, and admitted rows hold their weights (copies
+        enqueued on the current stream). Raises ValueError (at capture time, before any change) when
+        `T * K > max_routed`.
+        """
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
+        if topk_ids.dim() != 2:
+            raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}, expected [T, K]")
+        num_routed = topk_ids.numel()
+        if num_routed > self.max_routed:
+            raise ValueError(
+                f"topk_ids {tuple(topk_ids.shape)} routes {num_routed} > max_routed={self.max_routed}: "
+                "build the planner with a larger max_routed (decode lanes x top_k)"
+            )
+        if topk_ids.device != self.clock.device:
+            raise ValueError(f"topk_ids is on {topk_ids.device}, expected {self.clock.device}")
+        R, EM = self.num_rows, self.max_experts
+        E = self.pool.num_experts_per_layer[layer]
+        num_pairs = min(E, R, max(num_routed, 1))
+        ids = topk_ids.reshape(-1).to(torch.int64)  # [T*K]
+        routed = (ids >= 0) & (ids < E)
+        counts = self._counts
+        counts.zero_()
+        counts.scatter_add_(0, torch.where(routed, ids, EM), self._ones[:num_routed])
+        tokens = counts[:E]  # [E] tokens routed to each expert
+        present = tokens > 0
+        self.clock += 1
+        now = self.clock
+        self.policy.observe(layer, present, now)
+
+        l2p_layer = self.pool.l2p_gpu[layer, :E].to(torch.int64)  # [E]
+        hit = present & (l2p_layer < R)
+        miss = present & (l2p_layer >= R)
+        self.row_stamp.index_put_((torch.where(hit, l2p_layer, R),), now.expand(E))
+
+        reads = (tokens + self.block_m - 1) // self.block_m
+        cand = miss & (reads >= self.min_reads_to_admit)
+        experts, victims, ok, victim_owner = self._pair(layer, E, cand, now, num_pairs)
+        self._apply(layer, experts, victims, ok, victim_owner, now)
+        self.counters += torch.stack(
+            [hit.sum(), miss.sum(), ok.sum(), miss.sum() - ok.sum()]
+        )
+        if self.debug_checks:
+            self.check_invariants()
+
+    def _pair(
+        self, layer: int, E: int, cand: torch.Tensor, now: torch.Tensor, num_pairs: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Candidate experts, victim rows, admitted mask and victim owners, each `[num_pairs]`."""
+        R = self.num_rows
+        ckey = self.policy.candidate_key(layer, E)
+        if ckey is None:
+            ckey = self._arange[:E]
+        ckey = torch.where(cand, ckey, INT64_MAX)
+        experts = torch.sort(ckey, stable=True).indices[:num_pairs]  # [P] ties by expert id
+
+        owner, stamp = self.row_owner[:R], self.row_stamp[:R]
+        busy = stamp == now  # rows used by this step
+        order = torch.sort(torch.where(busy, INT64_MAX, stamp), stable=True).indices  # (stamp, row)
+        vkey = self.policy.victim_key(owner)
+        if vkey is not None:  # policy key first, then (stamp, row): a stable sort of the (stamp, row) order
+            vkey = torch.where(busy, INT64_MAX, torch.where(owner < 0, INT64_MIN, vkey))
+            order = order[torch.sort(vkey[order], stable=True).indices]
+        victims = order[:num_pairs]  # [P]
+
+        pair = self._arange[:num_pairs]
+        victim_owner = self.row_owner[victims]  # [P]
+        ok = (pair < cand.sum()) & (pair < (~busy).sum())
+        cand_flat = layer * self.max_experts + experts
+        accepted = self.policy.accept(cand_flat, victim_owner)
+        if accepted is not None:
+            ok = ok & ((victim_owner < 0) | accepted)
+        return experts, victims, ok, victim_owner
+
+    def _apply(
+        self,
+        layer: int,
+        experts: torch.Tensor,
+        victims: torch.Tensor,
+        ok: torch.Tensor,
+        victim_owner: torch.Tensor,
+        now: torch.Tensor,
+    ) -> None:
+        R, EM = self.num_rows, self.max_experts
+        dummy_flat = self._l2p_scratch.shape[0] - 1
+        l2p_flat = self.pool.l2p_gpu.view(-1)
+        scratch = self._l2p_scratch
+        scratch[:dummy_flat].copy_(l2p_flat)
+        evicted = ok & (victim_owner >= 0)
+        scratch.index_put_(
+            (torch.where(evicted, victim_owner, dummy_flat),),
+            (R + torch.remainder(victim_owner, EM)).to(torch.int32),
+        )
+        cand_flat = layer * EM + experts
+        scratch.index_put_((torch.where(ok, cand_flat, dummy_flat),), victims.to(torch.int32))
+        l2p_flat.copy_(scratch[:dummy_flat])
+        rows = torch.where(ok, victims, R)
+        self.row_owner.index_put_((rows,), cand_flat)
+        self.row_stamp.index_put_((rows,), now.expand(rows.shape[0]))
+        if self._bank_flat is None:
+            return  # every expert resident: nothing is ever a miss
+        offset = self.pool.bank.layer_offsets[layer]  # type: ignore[union-attr]
+        for name, dst in self._rows_flat.items():
+            gather_rows(dst, victims, dst, self._bank_flat[name], R + experts, ok, R, offset)
+
+    # ----------------------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """RuntimeError naming the first inconsistency between l2p, owners and stamps (host sync)."""
+        problems = table_problems(
+            self.pool.l2p_gpu.cpu(),
+            self.row_owner[: self.num_rows].tolist(),
+            self.row_stamp[: self.num_rows].tolist(),
+            self.pool.num_experts_per_layer,
+            self.num_rows,
+        )
+        if problems:
+            raise RuntimeError("planner tables inconsistent (a policy bug?): " + "; ".join(problems[:5]))
+
+
+def residency_from_pool(pool: ExpertPool) -> tuple[list[int], list[int]]:
+    """Flat owners and stamps (1..n in LRU order, -1 free) of the pool's rows."""
+    EM = pool.max_experts
+    owner = [FREE if o is None else o[0] * EM + o[1] for o in pool.row_owner]
+    stamp = [FREE] * pool.num_rows
+    for i, row in enumerate(pool.lru_rows()):
+        stamp[row] = i + 1
+    return owner, stamp
+
+
+def table_problems(
+    l2p: torch.Tensor, owner: list[int], stamp: list[int], num_experts_per_layer: list[int], R: int
+) -> list[str]:
+    """Inconsistencies between a location table `[L, E_max]`, flat row owners and stamps (empty if none)."""
+    EM = l2p.shape[1]
+    out = []
+    seen: dict[int, int] = {}
+    for row, o in enumerate(owner):
+        if o < 0:
+            if stamp[row] != FREE:
+                out.append(f"free row {row} has stamp {stamp[row]}")
+            continue
+        if o in seen:
+            out.append(f"expert {divmod(o, EM)} owns rows {seen[o]} and {row}")
+        seen[o] = row
+        layer, expert = divmod(o, EM)
+        if layer >= len(num_experts_per_layer) or expert >= num_experts_per_layer[layer]:
+            out.append(f"row {row} owner {(layer, expert)} is not an expert")
+        elif int(l2p[layer, expert]) != row:
+            out.append(f"row {row} owner {(layer, expert)} maps to {int(l2p[layer, expert])}")
+    for layer, n in enumerate(num_experts_per_layer):
+        for expert in range(EM):
+            code = int(l2p[layer, expert])
+            if expert >= n:
+                if code != -1:
+                    out.append(f"layer {layer} padding expert {expert} has code {code}")
+            elif code < R:
+                if owner[code] != layer * EM + expert:
+                    out.append(f"layer {layer} expert {expert} -> row {code} owned by {owner[code]}")
+            elif code != R + expert:
+                out.append(f"layer {layer} expert {expert}: host code {code} != {R + expert}")
+    return out
+
+
+class HostTwin:
+    """Plain-Python twin of `DevicePlanner` (same decision rule, own state, no tensors in the loop).
+
+    Tracks tables only (it copies no weights). Start it from the same pool state as the planner
+    (`HostTwin(pool, policy)` reads the pool's residency), feed it the same `plan` calls, and `state()`
+    equals the planner's.
+    """
+
+    def __init__(self, pool: ExpertPool, policy: Policy, block_m: int = 16, min_reads_to_admit: int = 1):
+        self.num_rows, self.max_experts = pool.num_rows, pool.max_experts
+        self.num_experts_per_layer = list(pool.num_experts_per_layer)
+        self.block_m, self.min_reads_to_admit = block_m, min_reads_to_admit
+        self.policy = policy
+        policy.host_reset(pool.num_layers, pool.max_experts)
+        self.row_owner, self.row_stamp = residency_from_pool(pool)
+        self.clock = max([*self.row_stamp, 0])
+        self.l2p = pool.l2p_host.tolist()
+        self.hits = self.misses = self.admissions = 0
+
+    def plan(self, layer: int, topk_ids: list[list[int]] | torch.Tensor) -> list[int]:
+        """Plan one step; returns the codes of the routed experts in expert-id order."""
+        R, EM = self.num_rows, self.max_experts
+        E = self.num_experts_per_layer[layer]
+        rows_of_ids = topk_ids.tolist() if isinstance(topk_ids, torch.Tensor) else topk_ids
+        tokens: dict[int, int] = {}
+        for token in rows_of_ids:
+            for e in token:
+                if 0 <= e < E:
+                    tokens[e] = tokens.get(e, 0) + 1
+        present = sorted(tokens)
+        self.clock += 1
+        now = self.clock
+        self.policy.host_observe(layer, present, now)
+        codes = self.l2p[layer]
+        for e in present:
+            if codes[e] < R:
+                self.row_stamp[codes[e]] = now
+                self.hits += 1
+            else:
+                self.misses += 1
+        cands = [
+            e
+            for e in present
+            if codes[e] >= R and -(-tokens[e] // self.block_m) >= self.min_reads_to_admit
+        ]
+        cands.sort(key=lambda e: self.policy.host_candidate_key(layer, e))  # stable: ties by expert id
+        victims = [r for r in range(R) if self.row_stamp[r] != now]
+        victims.sort(key=self._victim_order)
+        for e, r in zip(cands, victims):
+            old = self.row_owner[r]
+            if old >= 0 and not self.policy.host_accept(layer * EM + e, old):
+                continue
+            if old >= 0:
+                self.l2p[old // EM][old % EM] = R + old % EM
+            self.l2p[layer][e] = r
+            self.row_owner[r] = layer * EM + e
+            self.row_stamp[r] = now
+            self.admissions += 1
+        return [self.l2p[layer][e] for e in present]
+
+    def _victim_order(self, row: int) -> tuple[int, int, int]:
+        owner = self.row_owner[row]
+        key = INT64_MIN if owner < 0 else self.policy.host_victim_key(owner)
+        return (key, self.row_stamp[row], row)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        out = {
+            "l2p": torch.tensor(self.l2p, dtype=torch.int32),
+            "row_owner": torch.tensor(self.row_owner, dtype=torch.int64),
+            "row_stamp": torch.tensor(self.row_stamp, dtype=torch.int64),
+            "clock": torch.tensor([self.clock], dtype=torch.int64),
+        }
+        out.update({k: torch.tensor(v, dtype=torch.int64) for k, v in self.policy.host_state().items()})
+        return out
