@@ -185,7 +185,7 @@ class DevicePlanner:
         owner, stamp = self.row_owner[:R], self.row_stamp[:R]
         busy = stamp == now  # rows used by this step
         order = torch.sort(torch.where(busy, INT64_MAX, stamp), stable=True).indices  # (stamp, row)
-        vkey = self.policy.victim_key(owner)
+        vkey = self.policy.victim_key(owner, stamp, now)
         if vkey is not None:  # policy key first, then (stamp, row): a stable sort of the (stamp, row) order
             vkey = torch.where(busy, INT64_MAX, torch.where(owner < 0, INT64_MIN, vkey))
             order = order[torch.sort(vkey[order], stable=True).indices]
@@ -194,10 +194,10 @@ class DevicePlanner:
         pair = self._arange[:num_pairs]
         victim_owner = self.row_owner[victims]  # [P]
         ok = (pair < cand.sum()) & (pair < (~busy).sum())
-        cand_flat = layer * self.max_experts + experts
-        accepted = self.policy.accept(cand_flat, victim_owner)
-        if accepted is not None:
-            ok = ok & ((victim_owner < 0) | accepted)
+        if vkey is not None:
+            accepted = self.policy.accept(layer * self.max_experts + experts, vkey[victims])
+            if accepted is not None:
+                ok = ok & ((victim_owner < 0) | accepted)
         return experts, victims, ok, victim_owner
 
     def _apply(
@@ -339,7 +339,7 @@ class HostTwin:
         victims.sort(key=self._victim_order)
         for e, r in zip(cands, victims):
             old = self.row_owner[r]
-            if old >= 0 and not self.policy.host_accept(layer * EM + e, old):
+            if old >= 0 and not self.policy.host_accept(layer * EM + e, self._victim_order(r)[0]):
                 continue
             if old >= 0:
                 self.l2p[old // EM][old % EM] = R + old % EM
@@ -351,7 +351,7 @@ class HostTwin:
 
     def _victim_order(self, row: int) -> tuple[int, int, int]:
         owner = self.row_owner[row]
-        key = INT64_MIN if owner < 0 else self.policy.host_victim_key(owner)
+        key = INT64_MIN if owner < 0 else self.policy.host_victim_key(owner, self.row_stamp[row], self.clock)
         return (key, self.row_stamp[row], row)
 
     def state(self) -> dict[str, torch.Tensor]:

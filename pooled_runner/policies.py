@@ -9,7 +9,7 @@ Decision rule of one planned step (layer l, `now` = the step's clock value; see 
   3. candidates ordered by `candidate_key` ascending, ties by expert id;
      victims = rows not used by this step, ordered free rows first, then `victim_key` ascending, then last-use
      stamp, then row index.
-  4. candidate i pairs with victim i; admitted if the victim is free or `accept(candidate, victim owner)`.
+  4. candidate i pairs with victim i; admitted if the victim is free or `accept(candidate, victim's key)`.
 Flat ids: `l * E_max + e` for (layer l, expert e).
 """
 
@@ -18,6 +18,9 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
+
+NEVER = -(1 << 40)  # "never routed" tick: far enough back that every age test passes
 
 
 class Policy(Protocol):
@@ -35,12 +38,16 @@ class Policy(Protocol):
         """`[E]` int64 key, smaller = admitted first; None = by expert id."""
         ...
 
-    def victim_key(self, row_owner: torch.Tensor) -> torch.Tensor | None:
-        """`row_owner [R]` flat ids (-1 free) -> `[R]` int64 key, smaller = evicted first; None = by stamp."""
+    def victim_key(
+        self, row_owner: torch.Tensor, row_stamp: torch.Tensor, now: torch.Tensor
+    ) -> torch.Tensor | None:
+        """`row_owner [R]` flat ids (-1 free), `row_stamp [R]`, `now [1]` -> `[R]` int64 key, smaller =
+        evicted first (free rows always go first); None = by stamp only (LRU)."""
         ...
 
-    def accept(self, cand_flat: torch.Tensor, victim_flat: torch.Tensor) -> torch.Tensor | None:
-        """`[P]` flat ids of paired candidate and (non-free) victim owner -> `[P]` bool; None = always."""
+    def accept(self, cand_flat: torch.Tensor, victim_key: torch.Tensor) -> torch.Tensor | None:
+        """`[P]` flat ids of paired candidates and their (non-free) victims' keys -> `[P]` bool admit;
+        None = always."""
         ...
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -54,9 +61,9 @@ class Policy(Protocol):
 
     def host_candidate_key(self, layer: int, expert: int) -> int: ...
 
-    def host_victim_key(self, owner_flat: int) -> int: ...
+    def host_victim_key(self, owner_flat: int, stamp: int, now: int) -> int: ...
 
-    def host_accept(self, cand_flat: int, victim_flat: int) -> bool: ...
+    def host_accept(self, cand_flat: int, victim_key: int) -> bool: ...
 
     def host_state(self) -> dict[str, list[int]]: ...
 
@@ -75,10 +82,12 @@ class LRUPolicy:
     def candidate_key(self, layer: int, num_experts: int) -> torch.Tensor | None:
         return None
 
-    def victim_key(self, row_owner: torch.Tensor) -> torch.Tensor | None:
+    def victim_key(
+        self, row_owner: torch.Tensor, row_stamp: torch.Tensor, now: torch.Tensor
+    ) -> torch.Tensor | None:
         return None
 
-    def accept(self, cand_flat: torch.Tensor, victim_flat: torch.Tensor) -> torch.Tensor | None:
+    def accept(self, cand_flat: torch.Tensor, victim_key: torch.Tensor) -> torch.Tensor | None:
         return None
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -93,10 +102,10 @@ class LRUPolicy:
     def host_candidate_key(self, layer: int, expert: int) -> int:
         return 0
 
-    def host_victim_key(self, owner_flat: int) -> int:
+    def host_victim_key(self, owner_flat: int, stamp: int, now: int) -> int:
         return 0
 
-    def host_accept(self, cand_flat: int, victim_flat: int) -> bool:
+    def host_accept(self, cand_flat: int, victim_key: int) -> bool:
         return True
 
     def host_state(self) -> dict[str, list[int]]:
@@ -104,82 +113,120 @@ class LRUPolicy:
 
 
 class FreqDecayPolicy:
-    """Frequency with decay plus frequency admission (TinyLFU-like), LRU among equals.
+    """Frequency with decay (uncorrelated references only) plus a recency bonus, with value-based admission.
 
-    Every (layer, expert) has an integer counter: +1 for each planned step that routes it; every
-    `decay_period` planned steps (clock ticks, i.e. layer-steps) all counters are halved. Misses with the
-    highest counter are admitted first; the row with the lowest counter is evicted first (ties: least recently
-    used, then row index); a candidate displaces a victim only if its counter is >= the victim's +
-    `admit_margin` (so a one-off expert does not push out a hot one). Integer arithmetic only, so device and
-    host agree exactly.
+    Counted in decode steps (one step = one planned tick of every layer; ticks = steps x L, set at bind).
+    Every (layer, expert) has an integer counter: +1 for each planned tick that routes it, unless it was
+    already routed within the last `correlated_steps` (a reuse chain counts once: LRU-K's correlated
+    reference period, so bursts do not look like popularity); every `decay_steps` all counters are halved.
+    The value of a resident expert is `min(counter, cap) + recent_bonus * [routed within the last
+    recent_steps]`; the row of lowest value is evicted first (ties: least recently used, then row index). A
+    missed expert (routed now, so recent) is worth `min(counter, cap) + recent_bonus`; candidates of highest
+    value are admitted first, and one displaces its victim only if its value is >= the victim's +
+    `admit_margin`. Integer arithmetic only, so device and host agree exactly.
     """
 
     name = "freq"
 
-    def __init__(self, decay_period: int = 24 * 16, admit_margin: int = 0):
-        if decay_period < 1:
-            raise ValueError(f"decay_period={decay_period} must be >= 1")
-        self.decay_period = decay_period
-        self.admit_margin = admit_margin
+    def __init__(
+        self,
+        decay_steps: int = 128,
+        recent_steps: int = 1,
+        recent_bonus: int = 32,
+        correlated_steps: int = 1,
+        admit_margin: int = 0,
+        cap: int = 1 << 40,
+    ):
+        if decay_steps < 1 or cap < 1 or min(recent_steps, recent_bonus, correlated_steps) < 0:
+            raise ValueError(
+                f"decay_steps={decay_steps}, cap={cap} must be >= 1; recent_steps={recent_steps}, "
+                f"recent_bonus={recent_bonus}, correlated_steps={correlated_steps} must be >= 0"
+            )
+        self.decay_steps, self.recent_steps, self.recent_bonus = decay_steps, recent_steps, recent_bonus
+        self.correlated_steps, self.admit_margin, self.cap = correlated_steps, admit_margin, cap
         self.freq: torch.Tensor | None = None  # [L * E_max + 1] int64; last slot is a dummy
+        self.last_use: torch.Tensor | None = None  # [L * E_max] int64 tick of the last routing (-inf: never)
         self._max_experts = 0
+        self._ticks = (0, 0, 0)  # decay, recent, correlated in ticks
         self._freq_host: list[int] = []
+        self._last_host: list[int] = []
+
+    def _set_ticks(self, num_layers: int, max_experts: int) -> None:
+        self._max_experts = max_experts
+        L = num_layers
+        self._ticks = (self.decay_steps * L, self.recent_steps * L, self.correlated_steps * L)
 
     def bind(self, num_layers: int, max_experts: int, device: torch.device) -> None:
-        self._max_experts = max_experts
-        self.freq = torch.zeros(num_layers * max_experts + 1, dtype=torch.int64, device=device)
+        self._set_ticks(num_layers, max_experts)
+        size = num_layers * max_experts
+        self.freq = torch.zeros(size + 1, dtype=torch.int64, device=device)
+        self.last_use = torch.full((size,), NEVER, dtype=torch.int64, device=device)
 
-    def _require_freq(self) -> torch.Tensor:
-        if self.freq is None:
+    def _state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.freq is None or self.last_use is None:
             raise RuntimeError("FreqDecayPolicy used before bind()")
-        return self.freq
+        return self.freq, self.last_use
 
     def observe(self, layer: int, present: torch.Tensor, now: torch.Tensor) -> None:
-        freq = self._require_freq()
-        decay = torch.remainder(now, self.decay_period) == 0  # [1]
+        freq, last_use = self._state()
+        decay_ticks, _, correlated_ticks = self._ticks
+        decay = torch.remainder(now, decay_ticks) == 0  # [1]
         freq.copy_(torch.where(decay, freq >> 1, freq))
         base = layer * self._max_experts
-        freq[base : base + present.shape[0]] += present.to(torch.int64)
+        last = last_use[base : base + present.shape[0]]  # [E] view
+        fresh = present & (now - last >= correlated_ticks)
+        freq[base : base + present.shape[0]] += fresh.to(torch.int64)
+        last.copy_(torch.where(present, now, last))
 
     def candidate_key(self, layer: int, num_experts: int) -> torch.Tensor | None:
         base = layer * self._max_experts
-        return -self._require_freq()[base : base + num_experts]
+        return -self._state()[0][base : base + num_experts].clamp(max=self.cap)
 
-    def victim_key(self, row_owner: torch.Tensor) -> torch.Tensor | None:
-        freq = self._require_freq()
+    def victim_key(
+        self, row_owner: torch.Tensor, row_stamp: torch.Tensor, now: torch.Tensor
+    ) -> torch.Tensor | None:
+        freq = self._state()[0]
         dummy = freq.shape[0] - 1
-        return freq[torch.where(row_owner >= 0, row_owner, dummy)]
+        value = freq[torch.where(row_owner >= 0, row_owner, dummy)].clamp(max=self.cap)
+        recent = (now - row_stamp) < self._ticks[1]  # [R]
+        return value + self.recent_bonus * recent.to(torch.int64)
 
-    def accept(self, cand_flat: torch.Tensor, victim_flat: torch.Tensor) -> torch.Tensor | None:
-        freq = self._require_freq()
-        dummy = freq.shape[0] - 1
-        victim = freq[torch.where(victim_flat >= 0, victim_flat, dummy)]
-        return freq[cand_flat] >= victim + self.admit_margin
+    def accept(self, cand_flat: torch.Tensor, victim_key: torch.Tensor) -> torch.Tensor | None:
+        value = self._state()[0][cand_flat].clamp(max=self.cap) + self.recent_bonus
+        return value >= victim_key + self.admit_margin
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {"freq": self._require_freq()[:-1]}
+        freq, last_use = self._state()
+        return {"freq": freq[:-1], "last_use": last_use}
 
     def host_reset(self, num_layers: int, max_experts: int) -> None:
-        self._max_experts = max_experts
+        self._set_ticks(num_layers, max_experts)
         self._freq_host = [0] * (num_layers * max_experts)
+        self._last_host = [NEVER] * (num_layers * max_experts)
 
     def host_observe(self, layer: int, present: list[int], now: int) -> None:
-        if now % self.decay_period == 0:
+        decay_ticks, _, correlated_ticks = self._ticks
+        if now % decay_ticks == 0:
             self._freq_host = [f >> 1 for f in self._freq_host]
         for e in present:
-            self._freq_host[layer * self._max_experts + e] += 1
+            flat = layer * self._max_experts + e
+            if now - self._last_host[flat] >= correlated_ticks:
+                self._freq_host[flat] += 1
+            self._last_host[flat] = now
 
     def host_candidate_key(self, layer: int, expert: int) -> int:
-        return -self._freq_host[layer * self._max_experts + expert]
+        return -min(self._freq_host[layer * self._max_experts + expert], self.cap)
 
-    def host_victim_key(self, owner_flat: int) -> int:
-        return self._freq_host[owner_flat]
+    def host_victim_key(self, owner_flat: int, stamp: int, now: int) -> int:
+        recent = now - stamp < self._ticks[1]
+        return min(self._freq_host[owner_flat], self.cap) + self.recent_bonus * recent
 
-    def host_accept(self, cand_flat: int, victim_flat: int) -> bool:
-        return self._freq_host[cand_flat] >= self._freq_host[victim_flat] + self.admit_margin
+    def host_accept(self, cand_flat: int, victim_key: int) -> bool:
+        value = min(self._freq_host[cand_flat], self.cap) + self.recent_bonus
+        return value >= victim_key + self.admit_margin
 
     def host_state(self) -> dict[str, list[int]]:
-        return {"freq": list(self._freq_host)}
+        return {"freq": list(self._freq_host), "last_use": list(self._last_host)}
 
 
 POLICIES = {"lru": LRUPolicy, "freq": FreqDecayPolicy}
