@@ -135,20 +135,30 @@ def _ticks(trace: Trace) -> list[list[int]]:
     return out
 
 
+def _neg(key: tuple[float, float]) -> tuple[float, float]:
+    return (-key[0], -key[1])
+
+
 def belady_hit_rate(trace: Trace, num_rows: int, warmup_steps: int = 0) -> float:
     """Offline MIN with bypass: on a miss with no free row, evict the row not used by this tick whose next
-    use is farthest, unless the missed expert's own next use is farther (then read it in place). Misses of a
-    tick are placed soonest-next-use first."""
+    use is farthest (ties: the use after that), unless the missed expert's own next use is farther (then read
+    it in place). Misses of a tick are placed soonest-next-use first.
+
+    In the sequential one-request-at-a-time setting this is Belady's optimum. Here a tick's experts arrive
+    together and cannot evict each other, so it is a near-optimal clairvoyant reference rather than a proof
+    of optimality (tests compare it with an exhaustive search on tiny traces)."""
     ticks = _ticks(trace)
     never = math.inf
-    next_use: list[dict[int, float]] = [{} for _ in ticks]
-    last: dict[int, float] = {}
+    # next use of each item after tick t, refined by the use after that (ties of the next use are common,
+    # and a tick's own experts cannot be swapped within the tick, so the tie matters).
+    next_use: list[dict[int, tuple[float, float]]] = [{} for _ in ticks]
+    last: dict[int, tuple[float, float]] = {}
     for t in range(len(ticks) - 1, -1, -1):
         for item in ticks[t]:
-            next_use[t][item] = last.get(item, never)
-            last[item] = t
-    cache: dict[int, float] = {}
-    heap: list[tuple[float, int]] = []  # (-next use, item), lazily invalidated
+            next_use[t][item] = last.get(item, (never, never))
+            last[item] = (t, next_use[t][item][0])
+    cache: dict[int, tuple[float, float]] = {}
+    heap: list[tuple[tuple[float, float], int]] = []  # ((-next, -next-next), item), lazily invalidated
     hits = misses = 0
     first_counted = warmup_steps * trace.num_layers
     for t, items in enumerate(ticks):
@@ -158,7 +168,7 @@ def belady_hit_rate(trace: Trace, num_rows: int, warmup_steps: int = 0) -> float
         for item in items:
             if item in cache:
                 cache[item] = nu[item]
-                heapq.heappush(heap, (-nu[item], item))
+                heapq.heappush(heap, (_neg(nu[item]), item))
                 hits += t >= first_counted
             else:
                 tick_misses.append(item)
@@ -166,12 +176,12 @@ def belady_hit_rate(trace: Trace, num_rows: int, warmup_steps: int = 0) -> float
         for item in sorted(tick_misses, key=lambda i: nu[i]):
             if len(cache) < num_rows:
                 cache[item] = nu[item]
-                heapq.heappush(heap, (-nu[item], item))
+                heapq.heappush(heap, (_neg(nu[item]), item))
                 continue
             victim, aside = None, []
             while heap:
                 neg, cand = heapq.heappop(heap)
-                if cache.get(cand) != -neg:
+                if cache.get(cand) != _neg(neg):
                     continue  # stale entry
                 if cand in protected:
                     aside.append((neg, cand))
@@ -182,10 +192,10 @@ def belady_hit_rate(trace: Trace, num_rows: int, warmup_steps: int = 0) -> float
                 heapq.heappush(heap, entry)
             if victim is None:
                 break  # every row is used by this tick: the rest read in place
-            if -victim[0] > nu[item]:
+            if _neg(victim[0]) > nu[item]:
                 del cache[victim[1]]
                 cache[item] = nu[item]
-                heapq.heappush(heap, (-nu[item], item))
+                heapq.heappush(heap, (_neg(nu[item]), item))
             else:
                 heapq.heappush(heap, victim)
                 break  # later misses are used even later: bypass them too
