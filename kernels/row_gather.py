@@ -124,12 +124,14 @@ def gather_rows(
     num_rows: int,
     host_offset: int,
     force_triton: bool = False,
+    check_pinned: bool = True,
 ) -> None:
     """Copy rows (see module docstring). `dst`, `src_dev` `[R?, n]` on the device, `src_host` `[N, n]` (pinned
     on CUDA); `dst_index`, `src_code`, `valid` `[P]` integer tensors on dst's device. P may be 0.
 
     CUDA (or `force_triton`, for the Triton interpreter on CPU) launches the Triton kernel; otherwise the torch
-    reference runs.
+    reference runs. `check_pinned=False` skips the page-lock query (a CUDA API call) for callers that checked
+    once before capture.
     """
     _check_args(dst, dst_index, src_dev, src_host, src_code, valid, num_rows, host_offset)
     if not (dst.is_cuda or force_triton):
@@ -137,7 +139,7 @@ def gather_rows(
         return
     if triton is None:  # pragma: no cover
         raise RuntimeError("gather_rows on CUDA needs Triton")
-    if dst.is_cuda and src_host.device.type == "cpu" and not src_host.is_pinned():
+    if check_pinned and dst.is_cuda and src_host.device.type == "cpu" and not src_host.is_pinned():
         raise ValueError("src_host is pageable: a kernel can only read page-locked host memory")
     num_pairs, row_numel = dst_index.shape[0], dst.shape[1]
     if num_pairs == 0 or row_numel == 0:

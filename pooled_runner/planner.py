@@ -85,6 +85,12 @@ class DevicePlanner:
             if pool.bank is not None
             else None
         )
+        if dev.type == "cuda" and self._bank_flat is not None:
+            for name, t in self._bank_flat.items():
+                if not t.is_pinned():
+                    raise ValueError(
+                        f"bank operand {name!r} is not page-locked: the row gather cannot read it"
+                    )
         self.policy.bind(L, EM, dev)
         self.load_from_pool()
 
@@ -95,7 +101,7 @@ class DevicePlanner:
         owner, stamp = residency_from_pool(self.pool)
         self.row_owner[: self.num_rows].copy_(torch.tensor(owner, dtype=torch.int64))
         self.row_stamp[: self.num_rows].copy_(torch.tensor(stamp, dtype=torch.int64))
-        self.clock.fill_(max(stamp + [0]))
+        self.clock.fill_(max([*stamp, 0]))
 
     def store_to_pool(self) -> None:
         """Push the device tables into the pool's host bookkeeping (syncs); LRU order = (stamp, row)."""
@@ -165,9 +171,7 @@ class DevicePlanner:
         cand = miss & (reads >= self.min_reads_to_admit)
         experts, victims, ok, victim_owner = self._pair(layer, E, cand, now, num_pairs)
         self._apply(layer, experts, victims, ok, victim_owner, now)
-        self.counters += torch.stack(
-            [hit.sum(), miss.sum(), ok.sum(), miss.sum() - ok.sum()]
-        )
+        self.counters += torch.stack([hit.sum(), miss.sum(), ok.sum(), miss.sum() - ok.sum()])
         if self.debug_checks:
             self.check_invariants()
 
@@ -228,8 +232,11 @@ class DevicePlanner:
         if self._bank_flat is None:
             return  # every expert resident: nothing is ever a miss
         offset = self.pool.bank.layer_offsets[layer]  # type: ignore[union-attr]
+        valid = ok.to(torch.int32)
         for name, dst in self._rows_flat.items():
-            gather_rows(dst, victims, dst, self._bank_flat[name], R + experts, ok, R, offset)
+            gather_rows(
+                dst, victims, dst, self._bank_flat[name], R + experts, valid, R, offset, check_pinned=False
+            )
 
     # ----------------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -330,9 +337,7 @@ class HostTwin:
             else:
                 self.misses += 1
         cands = [
-            e
-            for e in present
-            if codes[e] >= R and -(-tokens[e] // self.block_m) >= self.min_reads_to_admit
+            e for e in present if codes[e] >= R and -(-tokens[e] // self.block_m) >= self.min_reads_to_admit
         ]
         cands.sort(key=lambda e: self.policy.host_candidate_key(layer, e))  # stable: ties by expert id
         victims = [r for r in range(R) if self.row_stamp[r] != now]

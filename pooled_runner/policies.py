@@ -19,7 +19,6 @@ from typing import Protocol
 
 import torch
 
-
 NEVER = -(1 << 40)  # "never routed" tick: far enough back that every age test passes
 
 

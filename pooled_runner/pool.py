@@ -366,7 +366,9 @@ class ExpertPool:
             layer, expert = row_owner[row]  # type: ignore[misc]
             self._check_expert(layer, expert)
             if l2p[layer, expert] < self.num_rows:
-                raise ValueError(f"(layer {layer}, expert {expert}) owns rows {int(l2p[layer, expert])} and {row}")
+                raise ValueError(
+                    f"(layer {layer}, expert {expert}) owns rows {int(l2p[layer, expert])} and {row}"
+                )
             l2p[layer, expert] = row
         self.row_owner = list(row_owner)
         self._lru = OrderedDict((r, None) for r in lru_rows)

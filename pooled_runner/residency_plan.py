@@ -45,7 +45,7 @@ def plan_from_snapshot(snapshot: TelemetrySnapshot, max_pinned: int) -> Residenc
         return None
     if max_pinned < 0:
         raise ValueError(f"max_pinned={max_pinned} must be >= 0")
-    L, EM = snapshot.counts.shape
+    EM = snapshot.counts.shape[1]
     flat = snapshot.counts.reshape(-1)
     order = sorted(range(flat.numel()), key=lambda i: (-int(flat[i]), i))
     pinned = tuple(divmod(i, EM) for i in order[:max_pinned] if int(flat[i]) > 0)
@@ -114,7 +114,9 @@ def apply_plan(
     pool.stats_counters.bytes_copied_to_rows += len(assignment) * pool.row_bytes
     if planner is not None:
         planner.load_from_pool()
-    logger.info("residency plan of epoch %d: %d pinned, %d rows copied", plan.epoch, len(pinned), len(assignment))
+    logger.info(
+        "residency plan of epoch %d: %d pinned, %d rows copied", plan.epoch, len(pinned), len(assignment)
+    )
     return len(assignment)
 
 

@@ -19,7 +19,7 @@ OPERANDS = (OperandSpec("w13", (3, 2), torch.float32), OperandSpec("w2", (5,), t
 def make_pool(layers: list[int], rows: int, seed: int = 0) -> ExpertPool:
     g = torch.Generator().manual_seed(seed)
     bank = ExpertBank(OPERANDS, layers, pin=False)
-    for name, t in bank.tensors_host.items():
+    for t in bank.tensors_host.values():
         t.copy_(torch.randn(t.shape, generator=g))
     return ExpertPool(OPERANDS, layers, rows, torch.device("cpu"), bank)
 
@@ -181,7 +181,9 @@ def test_debug_checks_catch_an_inconsistent_table():
     pool = make_pool([6], rows=3)
     pool.fill()
     planner = DevicePlanner(pool, _TableWritingPolicy(pool.l2p_gpu), max_routed=4, debug_checks=True)
-    with pytest.raises(RuntimeError, match=r"planner tables inconsistent.*layer 0 expert 3 -> row 0 owned by 0"):
+    with pytest.raises(
+        RuntimeError, match=r"planner tables inconsistent.*layer 0 expert 3 -> row 0 owned by 0"
+    ):
         planner.plan(0, torch.tensor([[1]]))
 
 
@@ -209,7 +211,13 @@ def test_policy_keys_cannot_break_the_tables():
 def test_state_tensors_keep_their_addresses():
     pool = make_pool([5, 5], rows=3)
     planner = DevicePlanner(pool, FreqDecayPolicy(), max_routed=4)
-    tensors = [planner.row_owner, planner.row_stamp, planner.clock, pool.l2p_gpu, *planner.policy.state_tensors().values()]
+    tensors = [
+        planner.row_owner,
+        planner.row_stamp,
+        planner.clock,
+        pool.l2p_gpu,
+        *planner.policy.state_tensors().values(),
+    ]
     ptrs = [t.data_ptr() for t in tensors]
     g = torch.Generator().manual_seed(1)
     for step in range(20):

@@ -25,7 +25,10 @@ def full_state(pool, planner):
 
 def assert_same(a, b):
     for name in a["rows"]:
-        assert torch.equal(a["rows"][name], b["rows"][name]), f"rows of {name} changed"
+        # bitwise: free rows hold uninitialized memory, possibly NaN patterns
+        assert torch.equal(a["rows"][name].view(torch.int32), b["rows"][name].view(torch.int32)), (
+            f"rows of {name} changed"
+        )
     assert torch.equal(a["l2p_host"], b["l2p_host"]) and torch.equal(a["l2p_gpu"], b["l2p_gpu"])
     assert a["owner"] == b["owner"] and a["lru"] == b["lru"]
     for k in a["planner"]:

@@ -30,7 +30,7 @@ def test_counts_and_bitmap_match_an_independent_count(layers):
         steps.append((layer, ids))
     snap = tel.snapshot()
     expected = python_counts(steps, layers)
-    for layer, E in enumerate(layers):
+    for layer in range(len(layers)):
         for e in range(max(layers)):
             want = expected.get((layer, e), 0)
             assert int(snap.counts[layer, e]) == want, f"layer {layer} expert {e}"

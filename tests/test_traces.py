@@ -24,7 +24,7 @@ def exhaustive_best_hit_rate(trace: Trace, rows: int) -> float:
     """Best hit rate over every admission/eviction choice (tiny traces only)."""
     ticks = _ticks(trace)
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(t: int, cache: frozenset[int]) -> int:
         if t == len(ticks):
             return 0
