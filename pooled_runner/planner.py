@@ -97,8 +97,11 @@ class DevicePlanner:
     # ----------------------------------------------------------------------------------------------
     # Boundaries (outside capture): exchange state with the pool's host bookkeeping.
     def load_from_pool(self) -> None:
-        """Device state from the pool: owners, stamps 1..n in the pool's LRU order, clock n."""
+        """Device state from the pool's host bookkeeping (the truth at a boundary): owners, stamps 1..n in the
+        pool's LRU order, clock n, and `l2p_gpu` = `l2p_host`. A planner that changed the tables must
+        `store_to_pool()` first."""
         owner, stamp = residency_from_pool(self.pool)
+        self.pool.l2p_gpu.copy_(self.pool.l2p_host)
         self.row_owner[: self.num_rows].copy_(torch.tensor(owner, dtype=torch.int64))
         self.row_stamp[: self.num_rows].copy_(torch.tensor(stamp, dtype=torch.int64))
         self.clock.fill_(max([*stamp, 0]))
@@ -174,7 +177,7 @@ class DevicePlanner:
         if victim_key is not None:
             self.policy.evicted(victim_key, ok & (victim_owner >= 0))
         self.counters += torch.stack([hit.sum(), miss.sum(), ok.sum(), miss.sum() - ok.sum()])
-        if self.debug_checks:
+        if self.debug_checks and not _capturing():  # the check syncs; under capture it waits for replay
             self.check_invariants()
 
     def _pair(
@@ -254,6 +257,10 @@ class DevicePlanner:
         )
         if problems:
             raise RuntimeError("planner tables inconsistent (a policy bug?): " + "; ".join(problems[:5]))
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def residency_from_pool(pool: ExpertPool) -> tuple[list[int], list[int]]:
