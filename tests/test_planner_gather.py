@@ -46,6 +46,52 @@ def test_gather_rows_kernel_under_the_interpreter():
     assert proc.returncode == 0 and "gather ok" in proc.stdout, proc.stdout + proc.stderr
 
 
+PLANNER_SCRIPT = textwrap.dedent(
+    """
+    import functools
+    import torch
+    import pooled_runner.planner as planner_mod
+    from pooled_runner.kernels.row_gather import gather_rows
+    from pooled_runner.bank import ExpertBank
+    from pooled_runner.formats.base import OperandSpec
+    from pooled_runner.pool import ExpertPool
+    from pooled_runner.policies import FreqDecayPolicy
+
+    # the planner's admission copies through the Triton kernel (interpreted) instead of the torch reference
+    planner_mod.gather_rows = functools.partial(gather_rows, force_triton=True)
+    ops = (OperandSpec("w13", (6, 5), torch.bfloat16), OperandSpec("w2", (7,), torch.bfloat16))
+    layers = [9, 4, 7]
+    bank = ExpertBank(ops, layers, pin=False)
+    g = torch.Generator().manual_seed(0)
+    for t in bank.tensors_host.values():
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    pool = ExpertPool(ops, layers, 5, torch.device("cpu"), bank)
+    pool.fill()
+    planner = planner_mod.DevicePlanner(pool, FreqDecayPolicy(decay_steps=2), max_routed=6)
+    for step in range(30):
+        layer = step % 3
+        ids = torch.randint(-1, layers[layer], (3, 2), generator=g)
+        planner.plan(layer, ids)
+    owners = planner.row_owner[:5].tolist()
+    for row, flat in enumerate(owners):
+        layer, expert = divmod(flat, 9)
+        for name, t in pool.rows_gpu.items():
+            assert torch.equal(t[row], bank.row(layer, expert)[name]), (row, flat)
+    planner.check_invariants()
+    assert planner.counter_values()["admissions"] > 5
+    print("planner gather ok")
+    """
+)
+
+
+def test_planner_admissions_through_the_interpreted_kernel():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", PLANNER_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and "planner gather ok" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_gather_rows_reference_and_argument_checks():
     from pooled_runner.kernels.row_gather import gather_rows
 
