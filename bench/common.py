@@ -1,14 +1,23 @@
-"""Benchmark helpers shared by bench/*.py (the kernel bench's read_bandwidth / random_rows / time_graph live in
-bench/kernels.py): event timing, the H2D copy bandwidth, the bound, commit id, markdown output."""
+"""Benchmark helpers shared by bench/*.py: seeding, CUDA-event and graph-replay timing, the three bandwidths the
+bound uses (measured in the same run), the bound, commit id, markdown output."""
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import subprocess
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+
+GB = 1e9
+
+
+def seed_all(seed: int) -> torch.Generator:
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
 
 
 def time_cuda(fn: Callable[[], object], warmup: int = 2, iters: int = 5) -> float:
@@ -35,9 +44,74 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return nbytes / (ms * 1e-3) / 1e9
 
 
-def bound_ms(miss_bytes: float, hit_bytes: float, pcie_gbs: float, hbm_gbs: float) -> float:
+def time_graph(fn: Callable[[], object], warmup: int = 3, iters: int = 20, per_replay: int = 1) -> float:
+    """Median milliseconds of one call of `fn`, captured in a CUDA graph `per_replay` times and replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_replay):
+            fn()
+    return time_cuda(graph.replay, warmup=2, iters=iters) / per_replay
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """Bytes per second measured in this run."""
+
+    hbm_read: float  # device memory, streaming read
+    host_zero_copy: float  # a kernel reading pinned host memory through its device address
+    host_to_device_copy: float  # copy engine, pinned host -> device
+
+    def describe(self) -> str:
+        return (
+            f"HBM read {self.hbm_read / GB:.0f} GB/s, zero-copy host read {self.host_zero_copy / GB:.1f} GB/s, "
+            f"H2D copy {self.host_to_device_copy / GB:.1f} GB/s"
+        )
+
+
+def measure_bandwidths(nbytes: int = 1 << 30) -> Bandwidths:
+    """Measure the three bandwidths the bound uses, on the current GPU."""
+    dev = torch.randint(0, 1 << 30, (nbytes // 4,), dtype=torch.int32, device="cuda")
+    host = torch.randint(0, 1 << 30, (nbytes // 4,), dtype=torch.int32).pin_memory()
+    hbm_ms = time_cuda(lambda: _read_kernel_sum(dev))
+    zc_ms = time_cuda(lambda: _read_kernel_sum(host))
+    return Bandwidths(nbytes / (hbm_ms / 1e3), nbytes / (zc_ms / 1e3), copy_bandwidth(nbytes) * GB)
+
+
+def _read_kernel_sum(x: torch.Tensor) -> torch.Tensor:
+    """Stream `x` (device, or pinned host read in place through UVA) through a Triton reduction."""
+    programs, block = 132 * 8, 1024
+    out = torch.empty(programs * block, dtype=torch.int32, device="cuda")
+    _read_kernel()[(programs,)](x, out, x.numel(), BLOCK=block)
+    return out
+
+
+@functools.cache
+def _read_kernel():  # type: ignore[no-untyped-def]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _read(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        acc = tl.zeros((BLOCK,), dtype=tl.int32)
+        for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+            offs = start.to(tl.int64) + tl.arange(0, BLOCK)
+            acc += tl.load(x_ptr + offs, mask=offs < n, other=0)
+        tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), acc)
+
+    return _read
+
+
+def bound_ms(miss_bytes: float, hit_bytes: float, bw: Bandwidths, host_path: str = "zero_copy") -> float:
     """DESIGN.md's bound for one step: miss bytes over PCIe plus hit bytes over HBM."""
-    return 1e3 * (miss_bytes / (pcie_gbs * 1e9) + hit_bytes / (hbm_gbs * 1e9))
+    pcie = bw.host_zero_copy if host_path == "zero_copy" else bw.host_to_device_copy
+    return 1e3 * (miss_bytes / pcie + hit_bytes / bw.hbm_read)
 
 
 def distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:

@@ -28,8 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.tp_stack (the two-process stack shared with tests/test_tp_gpu.py)
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import measure_bandwidths  # noqa: E402
-
+from bench.common import measure_bandwidths  # noqa: E402
 from tests.tp_stack import StackSpec, launch  # noqa: E402
 
 GB = 1e9

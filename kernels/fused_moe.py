@@ -117,7 +117,7 @@ def gemm1_ref(
     x: torch.Tensor, align: AlignOutput, w13: Projection, fmt: KernelFormat, top_k: int, config: GemmConfig
 ) -> torch.Tensor:
     """Reference of `gemm1`: only the slots of routed pairs are defined (others 0)."""
-    from pooled_runner.moe import batch_invariant_linear
+    from pooled_runner.torch_path import batch_invariant_linear
 
     I = w13.weight.shape[1] // 2
     act = torch.zeros((align.max_blocks * align.block_m, I), dtype=x.dtype)
@@ -146,7 +146,7 @@ def gemm2_ref(
     config: GemmConfig,
 ) -> torch.Tensor:
     """Reference of `gemm2`: rows of pairs not computed are 0."""
-    from pooled_runner.moe import batch_invariant_linear
+    from pooled_runner.torch_path import batch_invariant_linear
 
     H = w2.weight.shape[1]
     y = torch.zeros((max(num_pairs, 1), H), dtype=act.dtype)
@@ -176,8 +176,8 @@ def pooled_fused_moe_ref(
     decode: bool | None = None,
 ) -> torch.Tensor:
     """Reference of `pooled_fused_moe`: per distinct expert, the torch path's `expert_mlp` and `combine`."""
-    from pooled_runner.moe import combine as torch_combine
-    from pooled_runner.moe import expert_mlp
+    from pooled_runner.torch_path import combine as torch_combine
+    from pooled_runner.torch_path import expert_mlp
 
     T, K = topk_ids.shape
     H = hidden.shape[1]

@@ -8,8 +8,9 @@ Core API (imports without SGLang and without a GPU):
 
 from pooled_runner.bank import ExpertBank
 from pooled_runner.config import PoolConfig
-from pooled_runner.moe import PooledMoE, expert_mlp
+from pooled_runner.moe import PooledMoE
 from pooled_runner.pool import ExpertPool, PoolStats
+from pooled_runner.torch_path import expert_mlp
 
 __version__ = "0.1.0"
 

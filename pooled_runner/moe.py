@@ -1,14 +1,9 @@
 """The pooled experts: installation of a model's experts, and the forward route -> locate -> compute -> combine.
 
-`PooledMoE` owns the bank (host rows), the pool (device rows + location tables) and the forward of every
-pooled layer. The forward here is the plain torch path (used on the CPU, and as the reference the GPU kernels
-are tested against): it plans on the host (copy-then-compute LRU with host-view fallback, `ExpertPool.plan_step`)
-and computes each distinct expert once over the tokens routed to it.
-
-The torch path is batch-invariant: a token's output does not depend on which other tokens share its step,
-because every dot product is one fp32 reduction over the same elements in the same order (a dense GEMM's
-blocking depends on M and would change the last bits). So a pool holding every expert and one holding only
-top_k rows give bit-identical outputs, and so does a per-token dense loop using `expert_mlp`.
+`PooledMoE` owns the bank (host rows), the pool (device rows + location tables), the prefill stager and the
+forward of every pooled layer. On CUDA (bf16/fp16) the forward runs on the Triton kernels, decode steps planned
+on the device without a host sync (`gpu_path.GpuPath`); elsewhere it runs the batch-invariant torch path
+(`torch_path`), planned on the host (copy-then-compute LRU with host-view fallback, `ExpertPool.plan_step`).
 """
 
 from __future__ import annotations
@@ -16,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,50 +23,15 @@ from pooled_runner.guard import TORCH, KernelBackend, check_tensors
 from pooled_runner.lanes import takes_decode_path
 from pooled_runner.pool import ExpertPool, PoolStats
 from pooled_runner.staging import LayerStager, check_fits
+from pooled_runner.torch_path import combine, expert_mlp
+
+if TYPE_CHECKING:
+    from pooled_runner.gpu_path import GpuPath
 
 logger = logging.getLogger("pooled_runner")
 
 # loader(layer, expert) -> {operand name: row tensor}, in the weight format's operand layout.
 ExpertLoader = Callable[[int, int], dict[str, torch.Tensor]]
-
-# Elements of the largest temporary product in `batch_invariant_linear` (bounds its memory).
-_MAX_PRODUCT_NUMEL = 1 << 22
-
-
-def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x [M, K] @ weight[N, K].T -> [M, N]` in fp32, each output one fp32 sum over K, independent of M."""
-    x32, w32 = x.float(), weight.float()
-    M, N = x32.shape[0], w32.shape[0]
-    out = torch.empty((M, N), dtype=torch.float32, device=x.device)
-    rows_per_chunk = max(1, _MAX_PRODUCT_NUMEL // max(1, N * w32.shape[1]))
-    for start in range(0, M, rows_per_chunk):
-        chunk = x32[start : start + rows_per_chunk]
-        out[start : start + chunk.shape[0]] = (chunk[:, None, :] * w32[None, :, :]).sum(-1)
-    return out
-
-
-def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """One expert's SiLU-gated MLP: `x [M, H]`, `w13 [2I, H]` (gate rows then up rows), `w2 [H, I]` -> [M, H].
-
-    fp32 accumulation; the gate/up output and the activation are rounded to x's dtype, as a GEMM storing
-    its output in that dtype would.
-    """
-    intermediate = w13.shape[0] // 2
-    gate_up = batch_invariant_linear(x, w13).to(x.dtype)
-    gate, up = gate_up[:, :intermediate].float(), gate_up[:, intermediate:].float()
-    act = (torch.nn.functional.silu(gate) * up).to(x.dtype)
-    return batch_invariant_linear(act, w2).to(x.dtype)
-
-
-def combine(expert_out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """`expert_out [T, K, H]`, ids/weights `[T, K]` -> `[T, H]`: fp32 sum over k in order; padding adds 0."""
-    T, K, H = expert_out.shape
-    acc = torch.zeros((T, H), dtype=torch.float32, device=expert_out.device)
-    for k in range(K):
-        routed = (topk_ids[:, k] >= 0)[:, None]  # [T, 1]
-        term = topk_weights[:, k, None].float() * expert_out[:, k].float()  # [T, H]
-        acc += torch.where(routed, term, torch.zeros_like(term))
-    return acc.to(expert_out.dtype)
 
 
 def _check_routing(
@@ -80,6 +41,7 @@ def _check_routing(
     H: int,
     dtype: torch.dtype,
     num_experts: int,
+    check_values: bool = True,
 ) -> None:
     if hidden.dim() != 2 or hidden.shape[1] != H:
         raise ValueError(f"hidden has shape {tuple(hidden.shape)}, expected [T, {H}]")
@@ -101,7 +63,7 @@ def _check_routing(
         )
     if not topk_weights.is_floating_point():
         raise ValueError(f"topk_weights has dtype {topk_weights.dtype}, expected a floating dtype")
-    if topk_ids.numel():
+    if check_values and topk_ids.numel():
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < -1 or hi >= num_experts:
             raise ValueError(f"topk_ids values in [{lo}, {hi}], expected -1 (padding) or [0, {num_experts})")
@@ -151,7 +113,7 @@ class PooledMoE:
         self.decode_lanes: int | None = None
         # Steps seen per path ("decode" / "prefill"), keyed by step width in tokens.
         self.step_widths: dict[str, Counter[int]] = {"decode": Counter(), "prefill": Counter()}
-        self._kernel_path: object | None = None  # pooled_runner.kernel_path.KernelPath, built on first use
+        self._gpu_path: GpuPath | None = None  # kernels + device planner on CUDA, built on first use
 
     def register_layer(self, num_experts: int) -> int:
         """Register one MoE layer with `num_experts` routed experts; returns its pooled-layer index."""
@@ -327,7 +289,12 @@ class PooledMoE:
         return self.pool
 
     def stats(self) -> PoolStats:
-        return self._require_pool().stats()
+        """Pool counters since installation (a boundary operation: syncs, never during a capture)."""
+        pool = self._require_pool()
+        if self._gpu_path is None:
+            return pool.stats()
+        self._gpu_path.sync_tables_to_host()
+        return self._gpu_path.add_device_counters(pool.stats())
 
     def forward(
         self,
@@ -351,18 +318,27 @@ class PooledMoE:
         pool = self._require_pool()
         if not 0 <= layer < len(self.num_experts_per_layer):
             raise ValueError(f"layer {layer} out of range [0, {len(self.num_experts_per_layer)})")
+        kernels = self._use_kernels(pool)
+        # The kernel path checks shapes only: reading id values back would sync (and break capture); the planner
+        # and the kernels treat ids outside [0, E) as not routed.
         _check_routing(
-            hidden, topk_ids, topk_weights, self.hidden_size, self.dtype, self.num_experts_per_layer[layer]
+            hidden,
+            topk_ids,
+            topk_weights,
+            self.hidden_size,
+            self.dtype,
+            self.num_experts_per_layer[layer],
+            check_values=not kernels,
         )
-        if self._use_kernels(pool):
-            return self._forward_kernels(pool, layer, hidden, topk_ids, topk_weights, admit_misses)
+        staged = self._staged_source(layer, hidden.shape[0])
+        if kernels:
+            return self._gpu().forward(layer, hidden, topk_ids, topk_weights, staged, admit_misses)
         T, K = topk_ids.shape
         expert_out = torch.zeros(
             (T, K, self.hidden_size), dtype=self.dtype, device=hidden.device
         )  # [T, K, H]
         ids = topk_ids.long()  # [T, K]
         experts = torch.unique(ids[ids >= 0]).tolist()
-        staged = self._staged_source(layer, T)
         codes = pool.plan_step(layer, experts, admit_misses=admit_misses, staged=staged is not None)
         for expert, code in zip(experts, codes):
             token_idx, slot_idx = (ids == expert).nonzero(as_tuple=True)
@@ -381,25 +357,9 @@ class PooledMoE:
 
         return kernels_supported(pool.device, self.dtype) and not envs.force_torch_path()
 
-    def _forward_kernels(
-        self,
-        pool: ExpertPool,
-        layer: int,
-        hidden: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        admit_misses: bool,
-    ) -> torch.Tensor:
-        from pooled_runner.kernel_path import KernelPath
+    def _gpu(self) -> GpuPath:
+        from pooled_runner.gpu_path import GpuPath
 
-        if self._kernel_path is None:
-            self._kernel_path = KernelPath(
-                self.format, pool, self.bank, self.hidden_size, self.intermediate_size
-            )
-        ids = topk_ids.long()  # [T, K]
-        staged = self._staged_source(layer, hidden.shape[0])
-        # Host-side plan (a host sync) until the device planner lands; the kernels read l2p_gpu afterwards.
-        experts = torch.unique(ids[ids >= 0]).tolist()
-        pool.plan_step(layer, experts, admit_misses=admit_misses, staged=staged is not None)
-        assert isinstance(self._kernel_path, KernelPath)
-        return self._kernel_path.forward(layer, hidden, topk_ids, topk_weights, host_view=staged)
+        if self._gpu_path is None:
+            self._gpu_path = GpuPath(self)
+        return self._gpu_path

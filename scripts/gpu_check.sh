@@ -30,6 +30,7 @@ else
   step gpu_tests "${GPU_TESTS_CAP:-240}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests
   step bench_kernels "${BENCH_KERNELS_CAP:-200}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_prefill "${BENCH_PREFILL_CAP:-150}" "$PY" -m bench.prefill --quick --out "$OUT/bench_prefill.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  step bench_planner "${BENCH_PLANNER_CAP:-120}" "$PY" -m bench.planner --quick --out "$OUT/bench_planner.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     step bench_tp "${BENCH_TP_CAP:-300}" "$PY" -m bench.tp --out "$OUT/bench_tp.md"
   fi

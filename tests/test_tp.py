@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pooled_runner.formats.base import OperandSpec
-from pooled_runner.moe import expert_mlp
 from pooled_runner.pool import ExpertPool
+from pooled_runner.torch_path import expert_mlp
 from pooled_runner.tp import (
     TablesDisagree,
     check_agreement,

@@ -1,0 +1,120 @@
+"""The pooled forward on CUDA: device-planned decode steps (graph-safe) and host-planned wider steps.
+
+Decode steps (at most `max_decode_tokens` tokens, not staged, admitting misses) are planned by the
+`DevicePlanner` on the device and run on the kernels with no host sync, so they can be captured in a CUDA
+graph and replayed with other routing. Wider steps (prefill, or host-view-only reads) are planned on the host
+(`ExpertPool.plan_step`, one sync) and may read a staging buffer. The two planners never both own the tables:
+the first step of the other kind hands the state over (`store_to_pool` / `load_from_pool`, one sync, never
+inside a capture).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from pooled_runner.kernel_path import KernelPath
+from pooled_runner.planner import DevicePlanner
+from pooled_runner.pool import PoolStats
+from pooled_runner.telemetry import RouteTelemetry
+
+if TYPE_CHECKING:
+    from pooled_runner.moe import PooledMoE
+
+logger = logging.getLogger("pooled_runner")
+
+# Decode tokens per step served by the device planner when the engine has not set decode lanes.
+DEFAULT_DECODE_TOKENS = 64
+
+
+class GpuPath:
+    """Kernels + device planner (+ route telemetry when configured) of one installed `PooledMoE` on CUDA."""
+
+    def __init__(self, moe: PooledMoE):
+        pool = moe.pool
+        assert pool is not None, "GpuPath needs an installed PooledMoE"
+        self.moe = moe
+        self.pool = pool
+        self.kernels = KernelPath(moe.format, pool, moe.bank, moe.hidden_size, moe.intermediate_size)
+        self.max_decode_tokens = moe.decode_lanes or DEFAULT_DECODE_TOKENS
+        # Every expert resident: nothing to plan, every code is a row.
+        self.planner = (
+            DevicePlanner(pool, max_routed=self.max_decode_tokens * moe.top_k)
+            if pool.bank is not None
+            else None
+        )
+        self.telemetry = (
+            RouteTelemetry(pool.num_experts_per_layer, pool.device) if moe.config.telemetry else None
+        )
+        self._device_owns = False
+        logger.info(
+            "GPU path: device planner for steps of <= %d tokens%s",
+            self.max_decode_tokens,
+            "" if self.planner is not None else " (not needed: every expert resident)",
+        )
+
+    def forward(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        staged: dict[str, torch.Tensor] | None,
+        admit_misses: bool,
+    ) -> torch.Tensor:
+        """`[T, H]` output of `layer`; see the module docstring for which planner runs."""
+        T = hidden.shape[0]
+        capturing = torch.cuda.is_current_stream_capturing()
+        if self.telemetry is not None:
+            self.telemetry.record(layer, topk_ids)
+        if self.planner is not None:
+            device_step = staged is None and admit_misses and T <= self.max_decode_tokens
+            if device_step:
+                self._take_tables_to_device(capturing)
+                self.planner.plan(layer, topk_ids)
+            else:
+                if capturing:
+                    raise RuntimeError(
+                        f"a step of {T} tokens (staged={staged is not None}, admit_misses={admit_misses}) cannot "
+                        f"be captured: only decode steps of <= {self.max_decode_tokens} tokens are device-planned"
+                    )
+                self.sync_tables_to_host()
+                ids = topk_ids.long()  # [T, K]
+                experts = torch.unique(
+                    ids[(ids >= 0) & (ids < self.pool.num_experts_per_layer[layer])]
+                ).tolist()
+                self.pool.plan_step(layer, experts, admit_misses=admit_misses, staged=staged is not None)
+        return self.kernels.forward(layer, hidden, topk_ids, topk_weights, host_view=staged)
+
+    def _take_tables_to_device(self, capturing: bool) -> None:
+        assert self.planner is not None
+        if self._device_owns:
+            return
+        if capturing:
+            raise RuntimeError(
+                "the first device-planned step must run eagerly before capture (the planner loads the pool's "
+                "tables then, which syncs)"
+            )
+        self.planner.load_from_pool()
+        self._device_owns = True
+
+    def sync_tables_to_host(self) -> None:
+        """Make the pool's host bookkeeping current (after device-planned steps). Syncs; not during capture."""
+        if self.planner is not None and self._device_owns:
+            self.planner.store_to_pool()
+            self._device_owns = False
+
+    def add_device_counters(self, stats: PoolStats) -> PoolStats:
+        """`stats` plus the device planner's counters (hits, misses, admissions, host-view reads)."""
+        if self.planner is None:
+            return stats
+        c = self.planner.counter_values()
+        row_bytes = self.pool.row_bytes
+        stats.hits += c["hits"]
+        stats.misses += c["misses"]
+        stats.admissions += c["admissions"]
+        stats.bytes_copied_to_rows += c["admissions"] * row_bytes
+        stats.bytes_read_host_view += c["host_reads"] * row_bytes
+        return stats

@@ -1,0 +1,83 @@
+"""PooledMoE on CUDA: decode steps captured in a CUDA graph (device planner + kernels) replay with new routing
+and equal the all-resident pool bit for bit; prefill steps in between hand the tables over and back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pooled_runner import PoolConfig, PooledMoE
+from tests.reference import random_expert_weights
+
+pytestmark = pytest.mark.gpu
+
+H, I, E, K, L = 512, 256, 24, 4, 3
+
+
+def _build(rows: int, staging: bool) -> PooledMoE:
+    weights = random_expert_weights(L, E, H, I, torch.bfloat16, seed=41)
+    cfg = PoolConfig(pool_rows=rows, device="cuda", prefill_staging=staging, staging_min_tokens=256)
+    moe = PooledMoE(cfg, H, I, top_k=K, dtype=torch.bfloat16)
+    for _ in range(L):
+        moe.register_layer(E)
+    moe.install(lambda layer, e: weights[(layer, e)])
+    return moe
+
+
+def _route(T: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.randn(L, T, E, generator=g, device="cuda")
+    w, ids = torch.softmax(logits, -1).topk(K, dim=-1)  # [L, T, K]
+    return ids, w
+
+
+@pytest.mark.parametrize("M", [1, 4, 12])
+def test_captured_decode_equals_resident_and_replays_with_new_routing(M):
+    pooled, resident = _build(rows=L * E // 4, staging=True), _build(rows=L * E, staging=False)
+    g = torch.Generator(device="cuda").manual_seed(M)
+    x = torch.randn(L, M, H, generator=g, device="cuda").bfloat16()
+    ids, w = _route(M, g)
+
+    def step(moe: PooledMoE) -> torch.Tensor:
+        return torch.stack([moe.forward(layer, x[layer], ids[layer], w[layer]) for layer in range(L)])
+
+    step(pooled)  # eager first: compiles, and hands the tables to the device planner
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            out = step(pooled)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for _ in range(6):
+        new_ids, new_w = _route(M, g)
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        x.copy_(torch.randn(L, M, H, generator=g, device="cuda").bfloat16())
+        graph.replay()
+        assert torch.equal(out, step(resident)), "replayed pooled step differs from the all-resident pool"
+    # A prefill-sized step (host plan + staging) in between, then the graph again.
+    xp = torch.randn(300, H, generator=g, device="cuda").bfloat16()
+    pid, pw = _route(300, g)
+    for layer in range(L):
+        assert torch.equal(
+            pooled.forward(layer, xp, pid[layer], pw[layer]),
+            resident.forward(layer, xp, pid[layer], pw[layer]),
+        )
+    assert pooled.stager.stats.steps_staged == 1
+    graph.replay()
+    assert torch.equal(out, step(resident))
+    stats = pooled.stats()
+    assert stats.misses > 0 and stats.admissions > 0
+    pooled.pool.check_invariants()
+
+
+def test_wide_step_under_capture_is_refused():
+    pooled = _build(rows=L * E // 2, staging=False)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(100, H, generator=g, device="cuda").bfloat16()
+    ids, w = _route(100, g)
+    pooled.forward(0, x[:2], ids[0, :2], w[0, :2])
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="cannot be captured"), torch.cuda.graph(graph):
+        pooled.forward(0, x, ids[0], w[0])
