@@ -22,7 +22,7 @@ step() {  # step NAME CAP_SECONDS COMMAND...
   SUMMARY+=("| $name | $rc | $((SECONDS - t0)) s | $OUT/$name.log |")
 }
 
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1 || true
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || true
 if [ "${QUICK:-0}" = 1 ]; then
   step gpu_tests "${GPU_TESTS_CAP:-100}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests/test_kernels_gpu.py
   step bench_kernels "${BENCH_KERNELS_CAP:-170}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
