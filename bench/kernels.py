@@ -186,16 +186,18 @@ def main() -> None:
                         l2p += E
                     num_host = int((l2p[distinct] >= E).sum())
                     hit, miss = (distinct.numel() - num_host) * row_bytes, num_host * row_bytes
-                    if M * K <= DECODE_MAX_PAIRS and frac == "0":  # the align path too, for comparison
+                    if (
+                        M * K <= DECODE_MAX_PAIRS and frac == "0"
+                    ):  # the two-launch decode path too, for comparison
                         try:
                             fn = functools.partial(
-                                pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, decode=False
+                                pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, decode=True
                             )
                             row = (
-                                f"| {shape} | {name} (align path) | {M} | 0 | {time_graph(fn):.1f} | | | | |"
+                                f"| {shape} | {name} (decode path) | {M} | 0 | {time_graph(fn):.1f} | | | | |"
                             )
                         except Exception as exc:
-                            row = f"| {shape} | {name} (align path) | {M} | 0 | error: {type(exc).__name__} | | | | |"
+                            row = f"| {shape} | {name} (decode path) | {M} | 0 | error: {type(exc).__name__} | | | | |"
                         print(row, flush=True)
                         lines.append(row)
                     try:

@@ -16,6 +16,11 @@ from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4
 from .moe_gemm import GemmConfig, gemm1, gemm2, interpreting
 from .operands import KernelFormat, Projection, make_projection
 
+# Off: on the H200 (2026-11-30, commit 216b10f) the two-launch decode path was slower than align + gemm1 +
+# gemm2 + combine at every decode shape measured (Qwen3-like bf16 M=1: 59.0 vs 41.2 µs; DeepSeek-like bf16
+# M=1: 239 vs 184 µs). It stays available (decode=True) and tested.
+AUTO_DECODE_PATH = False
+
 
 def make_projections(
     fmt: KernelFormat,
@@ -73,7 +78,8 @@ def pooled_fused_moe(
       l2p: `[E_max]` int32 location codes of the layer (row, R + e host row, -1 not here).
       w13, w2: projections from `make_projections`. fmt: their kernel format.
       configs: (gemm1, gemm2) tiles; default `pick_configs` (or `decode_configs`).
-      decode: the two-launch decode path (`kernels/decode.py`); None: when T*K <= DECODE_MAX_PAIRS.
+      decode: the two-launch decode path (`kernels/decode.py`); None: only when AUTO_DECODE_PATH and
+        T*K <= DECODE_MAX_PAIRS.
     """
     T, K = topk_ids.shape
     H = hidden.shape[1]
@@ -82,7 +88,7 @@ def pooled_fused_moe(
         raise ValueError(f"hidden: shape {tuple(hidden.shape)}, expected [{T}, H]")
     if T == 0:
         return torch.empty((0, H), dtype=hidden.dtype, device=hidden.device)
-    if decode if decode is not None else T * K <= DECODE_MAX_PAIRS:
+    if decode if decode is not None else (AUTO_DECODE_PATH and T * K <= DECODE_MAX_PAIRS):
         return decode_moe(hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt, configs)
     cfg1, cfg2 = configs or pick_configs(T, K, num_experts, H, I, fmt.fmt)
     if cfg1.block_m != cfg2.block_m:

@@ -26,6 +26,15 @@ logger = logging.getLogger("pooled_runner")
 NOT_ROUTED = -1
 
 
+def _same_device(t: torch.Tensor, device: torch.device) -> bool:
+    """`t` is on `device`; a device without an index ("cuda") means the current one of its type."""
+    if t.device.type != device.type:
+        return False
+    if device.index is None:
+        return device.type != "cuda" or t.device.index == torch.cuda.current_device()
+    return t.device.index == device.index
+
+
 @dataclass
 class PoolStats:
     """Counters since the pool was built (or since `reset_stats`)."""
@@ -106,7 +115,11 @@ class ExpertPool:
         pool = cls(operands, num_experts_per_layer, total, device, bank=None, allocate_rows=False)
         for spec in operands:
             t = rows_gpu[spec.name]
-            if tuple(t.shape) != (total, *spec.row_shape) or t.dtype != spec.dtype or t.device != device:
+            if (
+                tuple(t.shape) != (total, *spec.row_shape)
+                or t.dtype != spec.dtype
+                or not _same_device(t, device)
+            ):
                 raise ValueError(
                     f"rows {spec.name}: {tuple(t.shape)} {t.dtype} on {t.device}, expected "
                     f"{(total, *spec.row_shape)} {spec.dtype} on {device}"

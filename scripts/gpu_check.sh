@@ -12,9 +12,10 @@ export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 SUMMARY=()
 
-step() {  # step NAME CAP_SECONDS COMMAND...
+step() {  # step NAME CAP_SECONDS COMMAND...   (SKIP="name ..." leaves steps out)
   local name="$1" cap="$2"
   shift 2
+  case " ${SKIP:-} " in *" $name "*) echo "=== $name skipped ==="; return ;; esac
   local t0=$SECONDS
   echo "=== $name (cap ${cap}s) ==="
   timeout "$cap" "$@" 2>&1 | tee "$OUT/$name.log"
