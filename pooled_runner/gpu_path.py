@@ -3,9 +3,10 @@
 Decode steps (at most `max_decode_tokens` tokens, not staged, admitting misses) are planned by the
 `DevicePlanner` on the device and run on the kernels with no host sync, so they can be captured in a CUDA
 graph and replayed with other routing. Wider steps (prefill, or host-view-only reads) are planned on the host
-(`ExpertPool.plan_step`, one sync) and may read a staging buffer. The two planners never both own the tables:
-the first step of the other kind hands the state over (`store_to_pool` / `load_from_pool`, one sync, never
-inside a capture).
+(`ExpertPool.plan_step`, one sync) and may read a staging buffer. The device planner's state is the truth
+between steps (a replayed graph plans without Python knowing): a host-planned step first copies it into the
+pool's host bookkeeping (`store_to_pool`), plans, then loads the result back (`load_from_pool`), so a graph
+replayed afterwards plans from current tables.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ class GpuPath:
         self.telemetry = (
             RouteTelemetry(pool.num_experts_per_layer, pool.device) if moe.config.telemetry else None
         )
-        self._device_owns = False
         logger.info(
             "GPU path: device planner for steps of <= %d tokens%s",
             self.max_decode_tokens,
@@ -70,9 +70,7 @@ class GpuPath:
         if self.telemetry is not None:
             self.telemetry.record(layer, topk_ids)
         if self.planner is not None:
-            device_step = staged is None and admit_misses and T <= self.max_decode_tokens
-            if device_step:
-                self._take_tables_to_device(capturing)
+            if staged is None and admit_misses and T <= self.max_decode_tokens:
                 self.planner.plan(layer, topk_ids)
             else:
                 if capturing:
@@ -80,31 +78,19 @@ class GpuPath:
                         f"a step of {T} tokens (staged={staged is not None}, admit_misses={admit_misses}) cannot "
                         f"be captured: only decode steps of <= {self.max_decode_tokens} tokens are device-planned"
                     )
-                self.sync_tables_to_host()
+                self.planner.store_to_pool()
                 ids = topk_ids.long()  # [T, K]
                 experts = torch.unique(
                     ids[(ids >= 0) & (ids < self.pool.num_experts_per_layer[layer])]
                 ).tolist()
                 self.pool.plan_step(layer, experts, admit_misses=admit_misses, staged=staged is not None)
+                self.planner.load_from_pool()
         return self.kernels.forward(layer, hidden, topk_ids, topk_weights, host_view=staged)
-
-    def _take_tables_to_device(self, capturing: bool) -> None:
-        assert self.planner is not None
-        if self._device_owns:
-            return
-        if capturing:
-            raise RuntimeError(
-                "the first device-planned step must run eagerly before capture (the planner loads the pool's "
-                "tables then, which syncs)"
-            )
-        self.planner.load_from_pool()
-        self._device_owns = True
 
     def sync_tables_to_host(self) -> None:
         """Make the pool's host bookkeeping current (after device-planned steps). Syncs; not during capture."""
-        if self.planner is not None and self._device_owns:
+        if self.planner is not None:
             self.planner.store_to_pool()
-            self._device_owns = False
 
     def add_device_counters(self, stats: PoolStats) -> PoolStats:
         """`stats` plus the device planner's counters (hits, misses, admissions, host-view reads)."""
