@@ -93,7 +93,7 @@ class GpuPath:
             self.planner.store_to_pool()
 
     def add_device_counters(self, stats: PoolStats) -> PoolStats:
-        """`stats` plus the device planner's counters (hits, misses, admissions, host-view reads)."""
+        """`stats` plus the device planner's counters (hits, misses, admissions, evictions, host-view reads)."""
         if self.planner is None:
             return stats
         c = self.planner.counter_values()
@@ -101,6 +101,7 @@ class GpuPath:
         stats.hits += c["hits"]
         stats.misses += c["misses"]
         stats.admissions += c["admissions"]
+        stats.evictions += c["evictions"]
         stats.bytes_copied_to_rows += c["admissions"] * row_bytes
         stats.bytes_read_host_view += c["host_reads"] * row_bytes
         return stats

@@ -2,7 +2,7 @@
 
 State at stable addresses (allocated once, updated in place, so one captured decode step replays with any
 routing): `row_owner [R + 1]` flat id `l * E_max + e` of the row's expert (-1 free), `row_stamp [R + 1]`
-last-use clock value (-1 free), `clock [1]`, `counters [4]` (hits, misses, admissions, host-view reads), the
+last-use clock value (-1 free), `clock [1]`, `counters [5]` (hits, misses, admissions, host-view reads, evictions), the
 pool's `l2p_gpu [L, E_max]`, and the policy's state. Slot R of the row tensors is a dummy that masked writes go
 to, so every update is a fixed-size `index_put_` with no compaction.
 
@@ -74,7 +74,8 @@ class DevicePlanner:
         self.row_owner = torch.full((R + 1,), FREE, dtype=torch.int64, device=dev)
         self.row_stamp = torch.full((R + 1,), FREE, dtype=torch.int64, device=dev)
         self.clock = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.counters = torch.zeros(4, dtype=torch.int64, device=dev)  # hits, misses, admissions, host reads
+        # hits, misses, admissions, host reads, evictions (admissions into a row that had an owner)
+        self.counters = torch.zeros(5, dtype=torch.int64, device=dev)
         self._l2p_scratch = torch.empty(L * EM + 1, dtype=torch.int32, device=dev)
         self._counts = torch.zeros(EM + 1, dtype=torch.int64, device=dev)
         self._ones = torch.ones(max_routed, dtype=torch.int64, device=dev)
@@ -127,8 +128,14 @@ class DevicePlanner:
         return out
 
     def counter_values(self) -> dict[str, int]:
-        hits, misses, admissions, host_reads = self.counters.tolist()
-        return {"hits": hits, "misses": misses, "admissions": admissions, "host_reads": host_reads}
+        hits, misses, admissions, host_reads, evictions = self.counters.tolist()
+        return {
+            "hits": hits,
+            "misses": misses,
+            "admissions": admissions,
+            "host_reads": host_reads,
+            "evictions": evictions,
+        }
 
     # ----------------------------------------------------------------------------------------------
     def plan(self, layer: int, topk_ids: torch.Tensor) -> None:
@@ -175,8 +182,9 @@ class DevicePlanner:
         experts, victims, ok, victim_owner, victim_key = self._pair(layer, E, cand, now, num_pairs)
         self._apply(layer, experts, victims, ok, victim_owner, now)
         if victim_key is not None:
-            self.policy.evicted(victim_key, ok & (victim_owner >= 0))
-        self.counters += torch.stack([hit.sum(), miss.sum(), ok.sum(), miss.sum() - ok.sum()])
+            self.policy.evicted(victim_key, ok & (victim_owner >= 0))  # [P]
+        evicted = ok & (victim_owner >= 0)  # [P]
+        self.counters += torch.stack([hit.sum(), miss.sum(), ok.sum(), miss.sum() - ok.sum(), evicted.sum()])
         if self.debug_checks and not _capturing():  # the check syncs; under capture it waits for replay
             self.check_invariants()
 

@@ -105,6 +105,7 @@ def test_single_expert_steps_match_pool_lru():
         assert torch.equal(pool_a.l2p_gpu, pool_b.l2p_host)
     planner.store_to_pool()
     assert pool_a.lru_rows() == pool_b.lru_rows()
+    assert planner.counter_values()["evictions"] == pool_b.stats().evictions > 0
     pool_a.check_invariants()
 
 
@@ -115,7 +116,13 @@ def test_more_distinct_experts_than_rows_read_the_rest_in_place():
     codes = pool.l2p_gpu[0].tolist()
     assert [codes[e] for e in (0, 1, 2)] == [0, 1, 2]  # lowest expert ids take the free rows, by row
     assert all(codes[e] == 3 + e for e in (4, 5, 7, 9))  # the rest through the host view
-    assert planner.counter_values() == {"hits": 0, "misses": 7, "admissions": 3, "host_reads": 4}
+    assert planner.counter_values() == {
+        "hits": 0,
+        "misses": 7,
+        "admissions": 3,
+        "host_reads": 4,
+        "evictions": 0,
+    }
     planner.plan(0, torch.tensor([[0, 1, 2, 9]]))  # every row used by this step: 9 stays on the host
     assert int(pool.l2p_gpu[0, 9]) == 3 + 9
     assert_rows_hold_owners(pool, planner)
