@@ -217,8 +217,8 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
         raise ValueError("cannot launch:\n  - " + "\n  - ".join(problems))
     cpu = not cuda_available
     if pool is not None and not cpu and not _has_flag(argv, "--disable-cuda-graph"):
-        # The pooled forward plans on the host for now (it syncs), which a CUDA graph cannot capture; the
-        # device planner lifts this. Said in the log by main().
+        # PooledMoE's decode steps are capturable (device planner; tested with torch CUDA graphs on an H200),
+        # but SGLang's graph runner over pooled layers has not run on a GPU yet. Said in the log by main().
         argv += ["--disable-cuda-graph"]
     if cpu:
         if not _has_flag(argv, "--device"):
@@ -322,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     if plan.rank_memory is not None:
         logger.info("pooled_runner: expert memory %s", plan.rank_memory.describe())
     if "--disable-cuda-graph" in plan.sglang_argv and "--disable-cuda-graph" not in rest:
-        logger.warning("pooled_runner: CUDA graphs disabled: the pooled forward plans on the host for now")
+        logger.warning(
+            "pooled_runner: CUDA graphs disabled: SGLang's graph runner over pooled layers is not yet verified "
+            "on a GPU (pass --disable-cuda-graph yourself to silence this)"
+        )
     try:
         server_args = prepare_sglang(plan)
     except ValueError as exc:

@@ -292,9 +292,13 @@ class PooledMoE:
         """Pool counters since installation (a boundary operation: syncs, never during a capture)."""
         pool = self._require_pool()
         if self._gpu_path is None:
-            return pool.stats()
-        self._gpu_path.sync_tables_to_host()
-        return self._gpu_path.add_device_counters(pool.stats())
+            stats = pool.stats()
+        else:
+            self._gpu_path.sync_tables_to_host()
+            stats = self._gpu_path.add_device_counters(pool.stats())
+        if self.stager is not None:
+            stats.rows_staged = self.stager.stats.rows_staged
+        return stats
 
     def forward(
         self,

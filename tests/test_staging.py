@@ -69,6 +69,7 @@ def test_staged_steps_equal_host_view_and_leave_rows_alone():
     s = staged.stager.stats
     assert s.steps_staged == 2 and s.layers_staged == 6
     assert s.rows_staged == 2 * (3 * 11 - 7) and s.bytes_staged == s.rows_staged * staged.pool.row_bytes
+    assert staged.stats().rows_staged == s.rows_staged and plain.stats().rows_staged == 0
     # The staged steps read nothing through the host view; the decode-sized step did.
     assert staged.stats().bytes_read_host_view < plain.stats().bytes_read_host_view
 

@@ -45,7 +45,7 @@ class PoolMetrics:
         self.evictions.set(stats.evictions)
         moved = stats.bytes_copied_to_rows + stats.bytes_read_host_view
         self.bytes_per_token.set(moved / num_tokens if num_tokens else 0.0)
-        self.staged_rows.set(0)
+        self.staged_rows.set(stats.rows_staged)
         self.steps.set(num_steps)
         for name, rows in zip(self.layer_names, stats.rows_in_use_per_layer):
             self.rows.labels(layer=name).set(rows)
