@@ -19,7 +19,6 @@ import torch
 from pooled_runner.kernel_path import KernelPath
 from pooled_runner.planner import DevicePlanner
 from pooled_runner.pool import PoolStats
-from pooled_runner.telemetry import RouteTelemetry
 
 if TYPE_CHECKING:
     from pooled_runner.moe import PooledMoE
@@ -31,7 +30,7 @@ DEFAULT_DECODE_TOKENS = 64
 
 
 class GpuPath:
-    """Kernels + device planner (+ route telemetry when configured) of one installed `PooledMoE` on CUDA."""
+    """Kernels + device planner of one installed `PooledMoE` on CUDA."""
 
     def __init__(self, moe: PooledMoE):
         pool = moe.pool
@@ -45,9 +44,6 @@ class GpuPath:
             DevicePlanner(pool, max_routed=self.max_decode_tokens * moe.top_k)
             if pool.bank is not None
             else None
-        )
-        self.telemetry = (
-            RouteTelemetry(pool.num_experts_per_layer, pool.device) if moe.config.telemetry else None
         )
         logger.info(
             "GPU path: device planner for steps of <= %d tokens%s",
@@ -67,8 +63,6 @@ class GpuPath:
         """`[T, H]` output of `layer`; see the module docstring for which planner runs."""
         T = hidden.shape[0]
         capturing = torch.cuda.is_current_stream_capturing()
-        if self.telemetry is not None:
-            self.telemetry.record(layer, topk_ids)
         if self.planner is not None:
             if staged is None and admit_misses and T <= self.max_decode_tokens:
                 self.planner.plan(layer, topk_ids)

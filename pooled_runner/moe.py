@@ -23,6 +23,7 @@ from pooled_runner.guard import TORCH, KernelBackend, check_tensors
 from pooled_runner.lanes import takes_decode_path
 from pooled_runner.pool import ExpertPool, PoolStats
 from pooled_runner.staging import LayerStager, check_fits
+from pooled_runner.telemetry import RouteTelemetry
 from pooled_runner.torch_path import combine, expert_mlp
 
 if TYPE_CHECKING:
@@ -113,6 +114,7 @@ class PooledMoE:
         self.decode_lanes: int | None = None
         # Steps seen per path ("decode" / "prefill"), keyed by step width in tokens.
         self.step_widths: dict[str, Counter[int]] = {"decode": Counter(), "prefill": Counter()}
+        self.telemetry: RouteTelemetry | None = None  # route counters, when config.telemetry
         self._gpu_path: GpuPath | None = None  # kernels + device planner on CUDA, built on first use
 
     def register_layer(self, num_experts: int) -> int:
@@ -216,6 +218,8 @@ class PooledMoE:
             raise RuntimeError("finalize() called twice")
         device = self.config.torch_device
         total = self.num_total_experts
+        if self.config.telemetry:
+            self.telemetry = RouteTelemetry(self.num_experts_per_layer, device)
         if self.all_resident:
             self.pool = ExpertPool.all_resident(
                 self.operands, self.num_experts_per_layer, device, self._storage
@@ -288,6 +292,31 @@ class PooledMoE:
             raise RuntimeError("PooledMoE used before install()")
         return self.pool
 
+    def telemetry_boundary(self, max_pinned: int | None = None) -> int | None:
+        """At a coarse boundary, outside any capture: close the route telemetry window and pin its hottest
+        experts into rows (all or nothing, `residency_plan.apply_plan`), then start the next window.
+
+        `max_pinned` defaults to half the rows (the rest stay under the LRU). Returns the rows copied, or None
+        when telemetry is off, every expert is resident, or the window was discarded (poison / overflow).
+        """
+        from pooled_runner.residency_plan import apply_plan, plan_from_snapshot
+
+        pool = self._require_pool()
+        if self.telemetry is None:
+            return None
+        snapshot = self.telemetry.snapshot()
+        self.telemetry.reset()
+        if pool.bank is None:
+            return None
+        plan = plan_from_snapshot(snapshot, pool.num_rows // 2 if max_pinned is None else max_pinned)
+        if plan is None:
+            return None
+        planner = None
+        if self._gpu_path is not None:
+            self._gpu_path.sync_tables_to_host()
+            planner = self._gpu_path.planner
+        return apply_plan(pool, plan, planner)
+
     def stats(self) -> PoolStats:
         """Pool counters since installation (a boundary operation: syncs, never during a capture)."""
         pool = self._require_pool()
@@ -334,6 +363,8 @@ class PooledMoE:
             self.num_experts_per_layer[layer],
             check_values=not kernels,
         )
+        if self.telemetry is not None:
+            self.telemetry.record(layer, topk_ids)
         staged = self._staged_source(layer, hidden.shape[0])
         if kernels:
             return self._gpu().forward(layer, hidden, topk_ids, topk_weights, staged, admit_misses)

@@ -130,8 +130,9 @@ class RouteTelemetry:
         flags = self.flags.tolist()
         snap = TelemetrySnapshot(
             epoch=self.epoch,
-            counts=self.counts[:-1].view(L, EM).cpu(),
-            routed=self.routed[:-1].view(L, EM).cpu(),
+            # copy=True: on a CPU device .cpu() would alias the live counters, which reset() then zeroes.
+            counts=self.counts[:-1].view(L, EM).to("cpu", copy=True),
+            routed=self.routed[:-1].view(L, EM).to("cpu", copy=True),
             poisoned=bool(flags[POISON]),
             overflowed=bool(flags[OVERFLOW]),
         )

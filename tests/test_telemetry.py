@@ -93,3 +93,11 @@ def test_bad_arguments():
     tel = RouteTelemetry([2], torch.device("cpu"))
     with pytest.raises(ValueError, match=r"layer 1 out of range \[0, 1\)"):
         tel.record(1, torch.tensor([[0]]))
+
+
+def test_snapshot_survives_reset_on_a_cpu_device():
+    tel = RouteTelemetry([4, 3], torch.device("cpu"))
+    tel.record(1, torch.tensor([[2, 0], [2, -1]]))
+    snap = tel.snapshot()
+    tel.reset()
+    assert snap.counts.tolist() == [[0, 0, 0, 0], [1, 0, 2, 0]]  # not aliased to the zeroed counters

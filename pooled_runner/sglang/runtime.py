@@ -230,6 +230,17 @@ class PoolRuntime:
             dict(sorted(moe.step_widths["prefill"].items())),
             moe.decode_lanes,
         )
+        if moe.telemetry is not None and not (moe.stager is not None and moe.stager.active):
+            # The route telemetry window closes here: its hottest experts are pinned (all or nothing). Not in the
+            # middle of a staged step, whose runs were read from the tables at its first layer.
+            copied = moe.telemetry_boundary()
+            logger.info(
+                "%sroute telemetry window closed: %s",
+                self.rank_prefix,
+                "discarded or nothing to pin"
+                if copied is None
+                else f"hottest experts pinned, {copied} rows copied",
+            )
         if envs.debug_checks():
             self.check_tables_agree()
         if self.serve.metrics:
