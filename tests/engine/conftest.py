@@ -17,7 +17,15 @@ from tests.engine.server import Server, launched
 
 # Pool rows far below the embedded model's 4 x 16 = 64 experts, so the pool misses and evicts.
 POOL_ROWS = 12
-SERVER_ARGS = ["--dtype", "float32", "--enable-metrics", "--moe-expert-pool-stats-interval", "4"]
+# Telemetry on: every stats boundary closes a route window and pins its hottest experts (tokens must not change).
+SERVER_ARGS = [
+    "--dtype",
+    "float32",
+    "--enable-metrics",
+    "--moe-expert-pool-stats-interval",
+    "4",
+    "--moe-expert-pool-telemetry",
+]
 PROMPTS = ["The capital of France is", "Hello, how can I help you? Please write", "def main():\n    print("]
 NEW_TOKENS = 24
 
