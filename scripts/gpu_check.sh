@@ -32,6 +32,9 @@ else
   step bench_kernels "${BENCH_KERNELS_CAP:-200}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_prefill "${BENCH_PREFILL_CAP:-150}" "$PY" -m bench.prefill --quick --out "$OUT/bench_prefill.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_planner "${BENCH_PLANNER_CAP:-120}" "$PY" -m bench.planner --quick --out "$OUT/bench_planner.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  step bench_decode "${BENCH_DECODE_CAP:-180}" "$PY" -m bench.decode --quick --out "$OUT/bench_decode.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  # PNGs from the decode JSON and the prefill table (needs matplotlib; the step fails alone without it)
+  step bench_plot "${BENCH_PLOT_CAP:-60}" "$PY" -m bench.plot --decode "$OUT/bench_decode.json" --prefill "$OUT/bench_prefill.md" --out-dir "$OUT"
   if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     step bench_tp "${BENCH_TP_CAP:-300}" "$PY" -m bench.tp --out "$OUT/bench_tp.md"
   fi

@@ -1,0 +1,130 @@
+"""PNG plots of benchmark results (matplotlib): decode tokens/s and hit rate vs pool fraction per system (from
+bench/decode.py's JSON), prefill step time vs prompt tokens per mode (from bench/prefill.py's markdown table).
+
+Usage: python -m bench.plot [--decode results.json] [--prefill prefill.md] --out-dir DIR
+Writes DIR/decode.png and/or DIR/prefill.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+PREFILL_MODES = ("resident", "host view", "stage sync", "stage")
+
+
+def markdown_rows(text: str) -> list[dict[str, str]]:
+    """Rows of the first markdown table in `text`, keyed by its header cells."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("|")]
+    if len(lines) < 2:
+        return []
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[2:]]
+
+
+def _float(v: object) -> float:
+    try:
+        return float(str(v).rstrip("x%"))
+    except ValueError:
+        return math.nan
+
+
+def plot_decode(results: list[dict], path: Path) -> None:
+    """tokens/s (top row) and hit rate (bottom row) vs pool fraction, one column per batch size; per-layer-skew
+    traces solid, same-skew traces dashed; systems that do not depend on the pool are flat lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({int(r["bs"]) for r in results})
+    traces = sorted({r["trace"] for r in results})
+    systems = list(dict.fromkeys(r["system"] for r in results))
+    fig, axes = plt.subplots(2, len(batches), figsize=(4.5 * len(batches), 7), squeeze=False)
+    colors = {s: f"C{i}" for i, s in enumerate(systems)}
+    for col, bs in enumerate(batches):
+        for trace in traces:
+            style = "-" if "per-layer" in trace else "--"
+            for system in systems:
+                pts = sorted(
+                    (float(r["pool"]), _float(r["tok_s"]), _float(r["hit_rate"]))
+                    for r in results
+                    if int(r["bs"]) == bs and r["trace"] == trace and r["system"] == system
+                )
+                if not pts:
+                    continue
+                xs = [p[0] for p in pts]
+                for row, idx in ((0, 1), (1, 2)):
+                    axes[row][col].plot(
+                        xs,
+                        [p[idx] for p in pts],
+                        style,
+                        marker="o",
+                        color=colors[system],
+                        label=f"{system}, {trace}",
+                    )
+        axes[0][col].set_title(f"decode bs {bs}")
+        axes[0][col].set_ylabel("tokens/s (MoE layers)")
+        axes[0][col].set_yscale("log")
+        axes[1][col].set_ylabel("hit rate")
+        axes[1][col].set_xlabel("pool / all experts")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_prefill(rows: list[dict[str, str]], path: Path) -> None:
+    """Prefill step ms vs tokens per mode, one panel per (shape, format, pool)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys((r["shape"], r["format"], r["pool"]) for r in rows if _float(r["tokens"]) > 0))
+    fig, axes = plt.subplots(1, max(1, len(cases)), figsize=(4.5 * max(1, len(cases)), 4), squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        sel = sorted(
+            (r for r in rows if (r["shape"], r["format"], r["pool"]) == case and _float(r["tokens"]) > 0),
+            key=lambda r: _float(r["tokens"]),
+        )
+        for mode in PREFILL_MODES:
+            ax.plot(
+                [_float(r["tokens"]) for r in sel], [_float(r[mode]) for r in sel], marker="o", label=mode
+            )
+        ax.set_title(" ".join(case))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("step ms")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--decode", help="bench/decode.py JSON results")
+    ap.add_argument("--prefill", help="bench/prefill.py markdown results")
+    ap.add_argument("--out-dir", required=True)
+    args = ap.parse_args(argv)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    if args.decode:
+        results = json.loads(Path(args.decode).read_text())["results"]
+        plot_decode([r for r in results if not r.get("error")], out / "decode.png")
+        written.append(out / "decode.png")
+    if args.prefill:
+        plot_prefill(markdown_rows(Path(args.prefill).read_text()), out / "prefill.png")
+        written.append(out / "prefill.png")
+    for p in written:
+        print(f"wrote {p}")
+    return written
+
+
+if __name__ == "__main__":
+    main()

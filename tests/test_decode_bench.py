@@ -1,0 +1,74 @@
+"""bench/decode.py's whole pipeline on the CPU at a tiny shape (every system, traces, traffic, bound, speedups,
+table, JSON), and bench/plot.py on its output and on a prefill table."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from bench import decode, plot
+from bench.common import Bandwidths
+
+SHAPE = decode.Shape(H=16, I=8, E=12, K=3, L=2)
+BATCHES, POOLS = (1, 3), (0.25, 0.5)
+
+
+@pytest.fixture(scope="module")
+def results():
+    bw = Bandwidths(hbm_read=4e12, host_zero_copy=5e10, host_to_device_copy=5.5e10)
+    return decode.run(SHAPE, 5, 2, torch.device("cpu"), "test", bw, BATCHES, POOLS)
+
+
+def test_every_system_on_every_case(results):
+    header, rows = results
+    assert len(rows) == len(decode.TRACES) * len(BATCHES) * len(POOLS) * 4
+    assert all(not r.error for r in rows), [r.error for r in rows if r.error]
+    for r in rows:
+        assert r.ms > 0 and math.isfinite(r.tok_s) and 0 <= r.hit_rate <= 1, r
+        assert math.isclose(r.tok_s, r.bs / (r.ms * 1e-3))
+    by = {(r.trace, r.bs, r.pool, r.system): r for r in rows}
+    for trace in decode.TRACES:
+        for bs in BATCHES:
+            for pool in POOLS:
+                ours = by[(trace, bs, pool, "pooled (ours)")]
+                assert ours.ours_speedup == 1.0
+                res, host = by[(trace, bs, pool, "all resident")], by[(trace, bs, pool, "all host view")]
+                assert (res.hit_rate, res.pcie_mb) == (1.0, 0.0)
+                assert host.hit_rate == 0.0 and host.pcie_mb > 0
+                slots = by[(trace, bs, pool, "per-layer slots")]
+                cap = int(pool * SHAPE.L * SHAPE.E) // SHAPE.L // SHAPE.K
+                assert ("SGLang graph yes" in slots.graph) == (bs <= cap), slots.graph
+                assert math.isclose(slots.ours_speedup, slots.ms / ours.ms)
+                # host view reads every distinct expert: the most PCIe bytes of all
+                assert host.pcie_mb >= max(slots.pcie_mb, ours.pcie_mb)
+                assert res.bound_ms <= host.bound_ms
+    assert "CPU" in header[0]
+
+
+def test_table_and_plots(results, tmp_path):
+    header, rows = results
+    text = decode.table(rows)
+    parsed = plot.markdown_rows(text)
+    assert len(parsed) == len(rows) and parsed[0]["system"] == rows[0].system
+    pytest.importorskip("matplotlib")
+    data = tmp_path / "decode.json"
+    data.write_text(json.dumps({"header": header, "results": [asdict(r) for r in rows]}))
+    prefill = tmp_path / "prefill.md"
+    prefill.write_text(
+        "### Prefill step, whole stack (ms)\n\n"
+        "| shape | format | pool | tokens | non-res GB | resident | host view | stage sync | stage | x | y | z |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| qwen3 | bf16 | 25% | 512 | 1.0 | 1.0 | 9.0 | 5.0 | 4.0 | 2x | 1x | 1x |\n"
+        "| qwen3 | bf16 | 25% | 4096 | 1.0 | 4.0 | 60.0 | 20.0 | 18.0 | 3x | 1x | 1x |\n"
+        "| qwen3 | bf16 | 50% | - | error: OOM |\n"
+    )
+    written = plot.main(
+        ["--decode", str(data), "--prefill", str(prefill), "--out-dir", str(tmp_path / "png")]
+    )
+    assert [p.name for p in written] == ["decode.png", "prefill.png"]
+    for p in written:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
