@@ -172,11 +172,30 @@ class _BankSystem:
         return Traffic(*(getattr(self.counters, f.name) for f in fields(Traffic)))
 
 
-class AllResident(_BankSystem):
+class _StaticTableSystem(_BankSystem):
+    """A system whose location table never changes: expert e of layer l always at code `first[l] + e`."""
+
+    capturable = True
+
+    def _set_table(self, first_code: list[int], device: torch.device) -> None:
+        E_max = max(self.num_experts_per_layer)
+        l2p = torch.full((len(first_code), E_max), -1, dtype=torch.int32)
+        for layer, num_experts in enumerate(self.num_experts_per_layer):
+            l2p[layer, :num_experts] = first_code[layer] + torch.arange(num_experts)
+        self.l2p = l2p.to(device)
+
+    def forward(
+        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return self.compute(
+            layer, hidden, topk_ids, topk_weights, self.l2p[layer], self.num_experts_per_layer[layer]
+        )
+
+
+class AllResident(_StaticTableSystem):
     """Every expert in device memory: rows `[total experts]` layer-major, codes `offset(layer) + e`."""
 
     name = "all resident"
-    capturable = True
 
     def __init__(
         self,
@@ -193,19 +212,8 @@ class AllResident(_BankSystem):
         rows = _empty_like_bank(bank, bank.num_total_experts, dev)
         for name, t in rows.items():
             t.copy_(bank.tensors_host[name])
-        E_max = max(self.num_experts_per_layer)
-        self.l2p = torch.full((bank.num_layers, E_max), -1, dtype=torch.int32)
-        for layer, num_experts in enumerate(self.num_experts_per_layer):
-            self.l2p[layer, :num_experts] = bank.layer_offsets[layer] + torch.arange(num_experts)
-        self.l2p = self.l2p.to(dev)
+        self._set_table(bank.layer_offsets[:-1], dev)
         self.compute = ExpertCompute(weight_format, dtype, H, I, rows, None, use_kernels)
-
-    def forward(
-        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> torch.Tensor:
-        return self.compute(
-            layer, hidden, topk_ids, topk_weights, self.l2p[layer], self.num_experts_per_layer[layer]
-        )
 
     def account(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Count one layer step's traffic (outside timing: forward itself never syncs)."""
@@ -213,11 +221,10 @@ class AllResident(_BankSystem):
         self.counters.layer_steps += 1
 
 
-class AllHostView(_BankSystem):
+class AllHostView(_StaticTableSystem):
     """Every expert read in place from the pinned bank (codes `1 + e`; one unused device row)."""
 
     name = "all host view"
-    capturable = True
 
     def __init__(
         self,
@@ -232,19 +239,8 @@ class AllHostView(_BankSystem):
         super().__init__(bank)
         dev = torch.device(device)
         rows = {name: t.zero_() for name, t in _empty_like_bank(bank, 1, dev).items()}  # never read
-        E_max = max(self.num_experts_per_layer)
-        self.l2p = torch.full((bank.num_layers, E_max), -1, dtype=torch.int32)
-        for layer, num_experts in enumerate(self.num_experts_per_layer):
-            self.l2p[layer, :num_experts] = 1 + torch.arange(num_experts)
-        self.l2p = self.l2p.to(dev)
+        self._set_table([1] * bank.num_layers, dev)
         self.compute = ExpertCompute(weight_format, dtype, H, I, rows, bank, use_kernels)
-
-    def forward(
-        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> torch.Tensor:
-        return self.compute(
-            layer, hidden, topk_ids, topk_weights, self.l2p[layer], self.num_experts_per_layer[layer]
-        )
 
     def account(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Count one layer step's traffic (outside timing): every distinct expert read once over PCIe."""

@@ -83,6 +83,13 @@ def measure_bandwidths(nbytes: int = 1 << 30) -> Bandwidths:
     return Bandwidths(nbytes / (hbm_ms / 1e3), nbytes / (zc_ms / 1e3), copy_bandwidth(nbytes) * GB)
 
 
+def read_bandwidth(t: torch.Tensor, reps: int = 5) -> float:
+    """GB/s of a Triton streaming read of `t` (device, or pinned host read in place) into the GPU."""
+    x = t.view(torch.int32).reshape(-1)
+    ms = time_cuda(lambda: _read_kernel_sum(x), warmup=1, iters=reps)
+    return x.numel() * 4 / (ms * 1e-3) / GB
+
+
 def _read_kernel_sum(x: torch.Tensor) -> torch.Tensor:
     """Stream `x` (device, or pinned host read in place through UVA) through a Triton reduction."""
     programs, block = 132 * 8, 1024

@@ -20,41 +20,15 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 from pooled_runner.kernels.decode import DECODE_MAX_PAIRS
 from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe
 from pooled_runner.kernels.operands import kernel_format
 
+from bench.common import read_bandwidth
 from pooled_runner.formats import make_format
 
 SHAPES = {"deepseek": (7168, 2048, 256, 8), "qwen3": (2048, 768, 128, 8)}
 STOCK_SGLANG_US = {("qwen3", 1): 31.7, ("qwen3", 4): 76.0, ("qwen3", 16): 197.0, ("qwen3", 4096): 880.0}
-
-
-@triton.jit
-def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    acc = tl.zeros((BLOCK,), dtype=tl.int32)
-    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        acc += tl.load(x_ptr + offs, mask=offs < n, other=0)
-    tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), acc)
-
-
-def read_bandwidth(t: torch.Tensor, reps: int = 5) -> float:
-    """GB/s of a Triton streaming read of `t` (device or pinned host) into the GPU."""
-    x = t.view(torch.int32).reshape(-1)
-    programs, block = 132 * 8, 1024
-    out = torch.empty(programs * block, dtype=torch.int32, device="cuda")
-    _read_kernel[(programs,)](x, out, x.numel(), BLOCK=block)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        _read_kernel[(programs,)](x, out, x.numel(), BLOCK=block)
-    end.record()
-    torch.cuda.synchronize()
-    return x.numel() * 4 * reps / (start.elapsed_time(end) * 1e-3) / 1e9
 
 
 def random_rows(

@@ -20,8 +20,8 @@ import statistics
 
 import torch
 
-from bench.common import commit_id, copy_bandwidth, print_table, write
-from bench.kernels import random_rows, read_bandwidth
+from bench.common import commit_id, copy_bandwidth, print_table, read_bandwidth, write
+from bench.kernels import random_rows
 from pooled_runner import PoolConfig, PooledMoE
 from pooled_runner.staging import LayerStager
 
