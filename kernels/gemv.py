@@ -48,7 +48,7 @@ from .operands import KernelFormat, Projection
 
 GEMV_MAX_PAIRS = 64  # T*K up to this (the schedule sorts P_POW2 keys in every program)
 SYNC_WORDS = 2 + 2 * 2 * GEMV_MAX_PAIRS  # `_fused_kernel`'s words before the combine counters
-SPIN_LIMIT = 1 << 24  # polls before a waiting down tile of `_fused_kernel` gives up (seconds, not a hang)
+SPIN_LIMIT = 1 << 22  # polls before a waiting down tile of `_fused_kernel` gives up (~1 s, not a hang)
 
 # Bit constants passed as kernel arguments rather than literals: with both masks in registers ptxas emits one
 # three-input LOP3 per value for `(t & mask) | bits` (with two immediates it needs two).

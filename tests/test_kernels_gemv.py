@@ -94,8 +94,15 @@ def test_gemv_stages_match_references(name, H, I, dtype, cfg):
     assert_close(out, gemv_down_combine_ref(act_ref, ids, w, l2p, E, w2, fmt, cfg), f"{name} down_combine")
 
 
-@pytest.mark.parametrize(("name", "H", "I", "dtype"), FORMATS)
-@pytest.mark.parametrize(("T", "K", "E", "R"), [(1, 1, 1, 1), (1, 8, 9, 4), (5, 4, 9, 9), (8, 8, 20, 6)])
+ROUTINGS = [(1, 1, 1, 1), (1, 8, 9, 4), (5, 4, 9, 9)]
+WIDE = (8, 8, 20, 6)  # 64 pairs, the decode limit
+
+
+@pytest.mark.parametrize(
+    ("name", "H", "I", "dtype", "T", "K", "E", "R"),
+    [(*f, *r) for f in FORMATS for r in ROUTINGS]
+    + [(*f, *WIDE) for f in (FORMATS[0], FORMATS[2], FORMATS[7])],
+)
 def test_gemv_path_matches_fused_reference(name, H, I, dtype, T, K, E, R):
     """Through `pooled_fused_moe(variant="gemv")`: the path's own reference and the align path's."""
     g = torch.Generator().manual_seed(T * 7 + E + H)
