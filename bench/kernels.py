@@ -334,22 +334,21 @@ def _with_phased_align(fn):
 
 
 def sweep_configs(base: GemvConfig) -> list[GemvConfig]:
-    """GEMV tiles around the default: N blocks halved/doubled, K tiles of 128/512, 8 warps, no prefetch."""
+    """GEMV tiles around the default: without prefetch, N blocks halved, doubled (with 8 warps, and with 4 warps
+    and no prefetch: twice the rows per thread), K tiles of 128/512, 2 warps, one launch."""
     r = dataclasses.replace
+    half = {"block_n1": max(4, base.block_n1 // 2), "block_n2": max(8, base.block_n2 // 2)}
+    double = {"block_n1": base.block_n1 * 2, "block_n2": base.block_n2 * 2}
     return [
         base,
         r(base, prefetch=False),
-        r(base, block_n1=max(4, base.block_n1 // 2), block_n2=max(8, base.block_n2 // 2)),
-        r(base, block_n1=base.block_n1 * 2, block_n2=base.block_n2 * 2, num_warps=8),
+        r(base, **half),
+        r(base, **double, num_warps=8),
+        r(base, **double, prefetch=False),
         r(base, block_k1=128, block_k2=128),
-        r(
-            base,
-            block_k1=512,
-            block_k2=512,
-            block_n1=max(4, base.block_n1 // 2),
-            block_n2=max(8, base.block_n2 // 2),
-        ),
-        r(base, num_warps=2, block_n1=max(4, base.block_n1 // 2), block_n2=max(8, base.block_n2 // 2)),
+        r(base, block_k1=512, block_k2=512, **half),
+        r(base, num_warps=2, **half),
+        r(base, one_launch=True, **half),
     ]
 
 
@@ -509,8 +508,8 @@ def sweep_gemv(g, hbm: float, cases, t_start: float, budget: float) -> list[str]
         "",
         "GEMV tile sweep (M = 1, resident; µs per layer, % of HBM read):",
         "",
-        "| shape | format | BN1 | BK1 | BN2 | BK2 | warps | prefetch | µs | % HBM |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | format | BN1 | BK1 | BN2 | BK2 | warps | prefetch | launches | µs | % HBM |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(out), flush=True)
     for shape, name in cases:
@@ -527,7 +526,7 @@ def sweep_gemv(g, hbm: float, cases, t_start: float, budget: float) -> list[str]
         nbytes = torch.unique(ids).numel() * row_bytes
         for cfg in sweep_configs(gemv_configs(H, I, fmt.fmt, K)):
             if time.perf_counter() - t_start > budget:
-                out.append(f"| {shape} | {name} | (budget of {budget:.0f} s reached) | | | | | | | |")
+                out.append(f"| {shape} | {name} | (budget of {budget:.0f} s reached) | | | | | | | | |")
                 break
             fn = functools.partial(
                 pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=cfg
@@ -536,7 +535,7 @@ def sweep_gemv(g, hbm: float, cases, t_start: float, budget: float) -> list[str]
             res = f"{us:.1f} | {100 * nbytes / (hbm * 1e9) / (us * 1e-6):.0f}%" if us else f"error: {err} |"
             out.append(
                 f"| {shape} | {name} | {cfg.block_n1} | {cfg.block_k1} | {cfg.block_n2} | {cfg.block_k2} | "
-                f"{cfg.num_warps} | {cfg.prefetch} | {res} |"
+                f"{cfg.num_warps} | {cfg.prefetch} | {1 if cfg.one_launch else 2} | {res} |"
             )
             print(out[-1], flush=True)
         del pool, p13, p2

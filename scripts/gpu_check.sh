@@ -2,7 +2,8 @@
 # Every GPU check in one call: the GPU tests (pytest -m gpu) and every benchmark. Logs under $OUT
 # (default ./gpu_out); a short table last. Usage: bash scripts/gpu_check.sh
 # GIT_COMMIT names the commit in the bench header where the copy has no .git.
-# QUICK=1: only the kernel GPU tests and the quick benchmark (decode rows, a prefill row, the decode sweep).
+# QUICK=1: only the kernel GPU tests and the quick benchmark (decode rows, a prefill row, the decode sweep),
+# then the decode kernel variants side by side (bench_variants, ~150 s).
 # Each step has a time cap so one slow step cannot eat the others' time; add new steps with `step`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,11 +26,13 @@ step() {  # step NAME CAP_SECONDS COMMAND...   (SKIP="name ..." leaves steps out
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || true
 if [ "${QUICK:-0}" = 1 ]; then
-  step gpu_tests "${GPU_TESTS_CAP:-100}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests/test_kernels_gpu.py
+  step gpu_tests "${GPU_TESTS_CAP:-220}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests/test_kernels_gpu.py
   step bench_kernels "${BENCH_KERNELS_CAP:-170}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  step bench_variants "${BENCH_VARIANTS_CAP:-200}" "$PY" -m bench.kernels --variants --budget 150 --out "$OUT/bench_variants.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
 else
-  step gpu_tests "${GPU_TESTS_CAP:-240}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests
+  step gpu_tests "${GPU_TESTS_CAP:-330}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests
   step bench_kernels "${BENCH_KERNELS_CAP:-200}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  step bench_variants "${BENCH_VARIANTS_CAP:-200}" "$PY" -m bench.kernels --variants --budget 150 --out "$OUT/bench_variants.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_prefill "${BENCH_PREFILL_CAP:-150}" "$PY" -m bench.prefill --quick --out "$OUT/bench_prefill.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_planner "${BENCH_PLANNER_CAP:-120}" "$PY" -m bench.planner --quick --out "$OUT/bench_planner.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_decode "${BENCH_DECODE_CAP:-180}" "$PY" -m bench.decode --quick --out "$OUT/bench_decode.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}

@@ -237,8 +237,9 @@ def test_gemv_bf16_resident_real_shapes(resident_layers, shape, M):
     assert_close(out, ref, f"gemv {shape} M={M}")
 
 
-@pytest.mark.parametrize("M", [1, 8])
-@pytest.mark.parametrize("name", QUANT_FORMATS)
+@pytest.mark.parametrize(
+    ("name", "M"), [(n, 1) for n in QUANT_FORMATS] + [(n, 8) for n in ("bf16", "int4-g128", "nvfp4")]
+)
 def test_gemv_formats_mixed_rows(name, M):
     """Every format at the Qwen3-like shape, pool rows and pinned host rows and an expert not here."""
     from pooled_runner.kernels.fused_moe import dense_row
