@@ -1,4 +1,4 @@
-"""GEMV decode path (few routed pairs): two launches on CUDA cores, no align, no tensor cores.
+"""GEMV decode path (few routed pairs): two launches (or one) on CUDA cores, no align, no tensor cores.
 
   gate_up:      one program per (routed pair, N block of I): `act[pair, n] = silu(x[t] . gate[n]) * (x[t] . up[n])`
                 with the gate/up sums and the activation rounded to the compute dtype, as `gemm1` stores them.
@@ -6,6 +6,8 @@
                 the token's K programs of an N block (a self-resetting arrival counter per (token, N block))
                 sums `w[t, k] * y[t*K + k]` in k order in fp32, exactly as `combine` does; no float atomics, so
                 the output does not depend on scheduling. `fuse_combine=False` leaves the sum to `combine`.
+  one_launch:   both in one grid (`_fused_kernel`): gate_up tiles first, a down tile waits for its pair's
+                act (see the kernel for why this cannot deadlock and what happens if a wait gives up).
 
 Why (decode, M <= 8 tokens): with one token per routed pair the MMA path pads M to 16 rows and passes every
 dequantized B tile through shared memory to reach the MMA layout; here a program streams `[BLOCK_N, BLOCK_K]`
@@ -29,7 +31,9 @@ Numerics differ from the MMA path only in rounding: dequantized weights are not 
 Host rows work as in the other paths (the program picks the pool or host-view base by the pair's location
 code); host pairs are scheduled first (they are the stragglers), pool pairs sorted by expert so that pairs
 sharing an expert run side by side (L2 serves the repeat). Graph-safe: buffers sized from T, K, H, I; the
-arrival counters are a per-device workspace zeroed once and reset by the kernel itself (one stream at a time).
+arrival counters are a per-device workspace zeroed once and reset by the kernels themselves (one stream at a
+time). As for every kernel here, make the first call of a shape before graph capture: it compiles (no
+autotuning: tiles come from `gemv_configs`) and allocates the workspace.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ _VALUES_PER_WORD = {FMT_DENSE: 2, FMT_INT4: 8, FMT_NVFP4: 8, FMT_FP8_CHANNEL: 4,
 @dataclass(frozen=True)
 class GemvConfig:
     block_n1: int = 32  # rows of gate (and as many of up) per gate_up program
-    block_k1: int = 256  # K values per tile (a multiple of 8 words' values)
+    block_k1: int = 256  # K values per gate_up tile (a power of two, at least one word's values)
     block_n2: int = 64  # rows of w2 per down program
     block_k2: int = 256
     num_warps: int = 4
