@@ -98,7 +98,7 @@ ROWS = 384
 RESIDENT_PER_LAYER = ROWS // L
 
 
-def build(policy: Policy):  # type: ignore[no-untyped-def]
+def build(policy: Policy, fused: bool | None = None):  # type: ignore[no-untyped-def]
     from pooled_runner import PoolConfig, PooledMoE
     from pooled_runner.kernel_path import KernelPath
 
@@ -116,8 +116,8 @@ def build(policy: Policy):  # type: ignore[no-untyped-def]
         moe.register_layer(E)
     priority = [(layer, e) for e in range(E) for layer in range(L)]  # experts 0..63 of every layer resident
     moe.install(lambda layer, e: distinct[(layer * E + e) % len(distinct)], priority)
-    planner = DevicePlanner(moe.pool, policy, max_routed=8 * K, debug_checks=False)
-    tel = RouteTelemetry([E] * L, moe.pool.device)
+    planner = DevicePlanner(moe.pool, policy, max_routed=8 * K, debug_checks=False, fused=fused)
+    tel = RouteTelemetry([E] * L, moe.pool.device, fused=fused)
     return moe, planner, tel, KernelPath(moe.format, moe.pool, moe.bank, H, I)
 
 
@@ -128,16 +128,31 @@ def graph_ms(fn, iters: int = 50) -> float:  # type: ignore[no-untyped-def]
 
 
 def overhead(lines: list[str], args: argparse.Namespace) -> None:
-    _moe, planner, tel, kpath = build(LRUPolicy())
-    g = torch.Generator(device="cuda").manual_seed(1)
     lines += [
         "",
         "### Overhead per decode step (6 layers, routing that only hits; graph replay)",
         "",
-        "| M | MoE µs | planner µs | planner+MoE µs | planner / MoE | telemetry µs | tel+planner+MoE µs | "
-        "telemetry / MoE layer |",
-        "|---|---|---|---|---|---|---|---|",
+        "| planner | M | MoE µs | planner µs | planner+MoE µs | planner / MoE | telemetry µs | "
+        "tel+planner+MoE µs | telemetry / MoE layer |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    for fused in (True, False):
+        _overhead_rows(lines, args, fused)
+        torch.cuda.empty_cache()
+    lines += [
+        "",
+        "planner / MoE = (planner+MoE - MoE) / MoE (targets: <= 5% of the step at M=1); telemetry / MoE layer = "
+        "added time of telemetry on / MoE time (target < 2%). 'planner µs' and 'telemetry µs' alone are the "
+        "launch-bound cost of their small kernels in isolation. planner 'fused': one plan_lru launch + one row "
+        "gather per operand per layer, telemetry one route-count launch (the defaults on CUDA); 'torch ops': "
+        "the policy-generic planner and telemetry (POOLED_RUNNER_TORCH_PLANNER=1).",
+    ]
+    write(args.out, lines)
+
+
+def _overhead_rows(lines: list[str], args: argparse.Namespace, fused: bool) -> None:
+    _moe, planner, tel, kpath = build(LRUPolicy(), fused=fused)
+    g = torch.Generator(device="cuda").manual_seed(1)
     for M in (1, 4, 8):
         x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
         ids = torch.stack(
@@ -171,20 +186,13 @@ def overhead(lines: list[str], args: argparse.Namespace) -> None:
         t_both = graph_ms(planned)
         t_all = graph_ms(lambda: planned(telemetry=True))
         lines.append(
-            f"| {M} | {1e3 * t_moe:.1f} | {1e3 * t_plan:.1f} | {1e3 * t_both:.1f} | "
+            f"| {'fused' if fused else 'torch ops'} | {M} | {1e3 * t_moe:.1f} | {1e3 * t_plan:.1f} | {1e3 * t_both:.1f} | "
             f"{(t_both - t_moe) / t_moe:.1%} | {1e3 * t_tel:.1f} | {1e3 * t_all:.1f} | "
             f"{(t_all - t_both) / t_moe:.1%} |"
         )
         write(args.out, lines)
     counters = planner.counter_values()
     assert counters["misses"] == 0, f"overhead routing missed: {counters}"
-    lines += [
-        "",
-        "planner / MoE = (planner+MoE - MoE) / MoE (targets: <= 5% of the step at M=1); telemetry / MoE layer = "
-        "added time of telemetry on / MoE time (target < 2%). 'planner µs' and 'telemetry µs' alone are the "
-        "launch-bound cost of their small kernels in isolation.",
-    ]
-    write(args.out, lines)
 
 
 def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
@@ -206,8 +214,14 @@ def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
     ]
     write(args.out, lines)
     best = belady_hit_rate(trace, ROWS, warm)
-    for name, policy in (("lru", LRUPolicy()), ("freq", FreqDecayPolicy()), ("aging", AgingFreqPolicy())):
-        hits, misses, ms, row_bytes = _replay(trace, policy, warm)
+    policies: list[tuple[str, Policy, bool | None]] = [
+        ("lru (fused)", LRUPolicy(), True),
+        ("lru (torch ops)", LRUPolicy(), False),
+        ("freq", FreqDecayPolicy(), None),
+        ("aging", AgingFreqPolicy(), None),
+    ]
+    for name, policy, fused in policies:
+        hits, misses, ms, row_bytes = _replay(trace, policy, warm, fused)
         bound = 1e3 * (hits * row_bytes / bw.hbm_read + misses * row_bytes / bw.host_zero_copy)
         bound /= trace.num_steps - warm
         lines.append(
@@ -224,9 +238,9 @@ def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
     write(args.out, lines)
 
 
-def _replay(trace: Trace, policy: Policy, warm: int) -> tuple[int, int, float, int]:
+def _replay(trace: Trace, policy: Policy, warm: int, fused: bool | None) -> tuple[int, int, float, int]:
     """Replay `trace` through one captured decode step: (hits, misses, ms per step, row bytes) after `warm`."""
-    moe, planner, _, kpath = build(policy)
+    moe, planner, _, kpath = build(policy, fused)
     steps = trace.num_steps
     ids_host = trace.ids.to(torch.int64).pin_memory()  # [S, L, 1, K]
     ids = torch.zeros(L, 1, K, dtype=torch.int64, device="cuda")

@@ -19,7 +19,7 @@ One planned step of layer l (`plan(l, topk_ids)`), see `policies.py` for the ord
 Deterministic: sort keys are total orders (ties by expert id / stamp / row), masked writes go to the dummy slot,
 and integer counters only.
 
-`HostTwin` is an independent plain-Python implementation of the same rule, for tests and for uncaptured steps.
+`HostTwin` (`planner_twin.py`) is an independent plain-Python implementation of the same rule, for tests.
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ from __future__ import annotations
 import torch
 
 from pooled_runner import envs
+from pooled_runner.kernels.plan_lru import plan_lru
 from pooled_runner.kernels.row_gather import gather_rows
+from pooled_runner.planner_twin import FREE, residency_from_pool, table_problems
 from pooled_runner.policies import LRUPolicy, Policy
 from pooled_runner.pool import ExpertPool
 
 INT64_MAX = torch.iinfo(torch.int64).max
 INT64_MIN = torch.iinfo(torch.int64).min
-FREE = -1
 
 
 class DevicePlanner:
@@ -46,6 +47,9 @@ class DevicePlanner:
       block_m: M-block of the MoE kernel (for the byte-cost rule).
       min_reads_to_admit: byte-cost threshold (see module docstring).
       debug_checks: verify the tables after every step (host sync; default from POOLED_RUNNER_DEBUG_CHECKS).
+      fused: plan with the single-launch kernel (`kernels/plan_lru.py`); only for the LRU policy. None = on
+        CUDA with LRU unless POOLED_RUNNER_TORCH_PLANNER is set; True on the CPU runs it under the Triton
+        interpreter (tests).
     """
 
     def __init__(
@@ -56,6 +60,7 @@ class DevicePlanner:
         block_m: int = 16,
         min_reads_to_admit: int = 1,
         debug_checks: bool | None = None,
+        fused: bool | None = None,
     ):
         if max_routed < 1 or block_m < 1 or min_reads_to_admit < 1:
             raise ValueError(
@@ -93,6 +98,16 @@ class DevicePlanner:
                         f"bank operand {name!r} is not page-locked: the row gather cannot read it"
                     )
         self.policy.bind(L, EM, dev)
+        is_lru = type(self.policy) is LRUPolicy
+        if fused and not is_lru:
+            raise ValueError(f"the fused planner implements LRU only, not policy {self.policy.name!r}")
+        self.fused = (dev.type == "cuda" and is_lru and not envs.torch_planner()) if fused is None else fused
+        # Fused-plan workspace: token counts per expert and the admitted pairs for the row gather.
+        max_pairs = max(1, min(EM, R, max_routed))
+        self._counts32 = torch.zeros(EM, dtype=torch.int32, device=dev)
+        self._victims32 = torch.zeros(max_pairs, dtype=torch.int32, device=dev)
+        self._codes32 = torch.zeros(max_pairs, dtype=torch.int32, device=dev)
+        self._valid32 = torch.zeros(max_pairs, dtype=torch.int32, device=dev)
         self.load_from_pool()
 
     # ----------------------------------------------------------------------------------------------
@@ -158,9 +173,71 @@ class DevicePlanner:
             )
         if topk_ids.device != self.clock.device:
             raise ValueError(f"topk_ids is on {topk_ids.device}, expected {self.clock.device}")
-        R, EM = self.num_rows, self.max_experts
+        R = self.num_rows
         E = self.pool.num_experts_per_layer[layer]
         num_pairs = min(E, R, max(num_routed, 1))
+        if self.fused:
+            self._plan_fused(layer, topk_ids, E, num_pairs)
+        else:
+            self._plan_ops(layer, topk_ids, E, num_pairs)
+        if self.debug_checks and not _capturing():  # the check syncs; under capture it waits for replay
+            self.check_invariants()
+
+    def _plan_fused(self, layer: int, topk_ids: torch.Tensor, E: int, num_pairs: int) -> None:
+        """LRU in one launch (`plan_lru`), then the admitted rows' gather (one launch per operand)."""
+        ids = topk_ids.reshape(-1)  # [T*K]
+        if ids.dtype not in (torch.int32, torch.int64):
+            ids = ids.to(torch.int64)
+        victims, codes, valid = (
+            self._victims32[:num_pairs],
+            self._codes32[:num_pairs],
+            self._valid32[:num_pairs],
+        )
+        R, EM = self.num_rows, self.max_experts
+        plan_lru(
+            ids.contiguous(),
+            self.pool.l2p_gpu.view(-1),
+            self.row_owner,
+            self.row_stamp,
+            self.clock,
+            self.counters,
+            self._counts32,
+            victims,
+            codes,
+            valid,
+            layer,
+            E,
+            EM,
+            R,
+            self.block_m,
+            self.min_reads_to_admit,
+        )
+        self._gather(layer, victims, codes, valid)
+
+    def _gather(self, layer: int, victims: torch.Tensor, codes: torch.Tensor, valid: torch.Tensor) -> None:
+        """Copy the admitted experts (`codes` = R + expert, where `valid`) from the bank into their rows."""
+        if self._bank_flat is None:
+            return  # every expert resident: nothing is ever a miss
+        offset = self.pool.bank.layer_offsets[layer]  # type: ignore[union-attr]
+        force = self.fused and not self.clock.is_cuda  # the interpreter runs the gather kernel too
+        for name, dst in self._rows_flat.items():
+            gather_rows(
+                dst,
+                victims,
+                dst,
+                self._bank_flat[name],
+                codes,
+                valid,
+                self.num_rows,
+                offset,
+                force_triton=force,
+                check_pinned=False,
+            )
+
+    def _plan_ops(self, layer: int, topk_ids: torch.Tensor, E: int, num_pairs: int) -> None:
+        """Any policy, with torch ops (a few dozen small kernels)."""
+        R, EM = self.num_rows, self.max_experts
+        num_routed = topk_ids.numel()
         ids = topk_ids.reshape(-1).to(torch.int64)  # [T*K]
         routed = (ids >= 0) & (ids < E)
         counts = self._counts
@@ -185,8 +262,6 @@ class DevicePlanner:
             self.policy.evicted(victim_key, ok & (victim_owner >= 0))  # [P]
         evicted = ok & (victim_owner >= 0)  # [P]
         self.counters += torch.stack([hit.sum(), miss.sum(), ok.sum(), miss.sum() - ok.sum(), evicted.sum()])
-        if self.debug_checks and not _capturing():  # the check syncs; under capture it waits for replay
-            self.check_invariants()
 
     def _pair(
         self, layer: int, E: int, cand: torch.Tensor, now: torch.Tensor, num_pairs: int
@@ -244,14 +319,7 @@ class DevicePlanner:
         rows = torch.where(ok, victims, R)
         self.row_owner.index_put_((rows,), cand_flat)
         self.row_stamp.index_put_((rows,), now.expand(rows.shape[0]))
-        if self._bank_flat is None:
-            return  # every expert resident: nothing is ever a miss
-        offset = self.pool.bank.layer_offsets[layer]  # type: ignore[union-attr]
-        valid = ok.to(torch.int32)
-        for name, dst in self._rows_flat.items():
-            gather_rows(
-                dst, victims, dst, self._bank_flat[name], R + experts, valid, R, offset, check_pinned=False
-            )
+        self._gather(layer, victims, R + experts, ok.to(torch.int32))
 
     # ----------------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -269,122 +337,3 @@ class DevicePlanner:
 
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def residency_from_pool(pool: ExpertPool) -> tuple[list[int], list[int]]:
-    """Flat owners and stamps (1..n in LRU order, -1 free) of the pool's rows."""
-    EM = pool.max_experts
-    owner = [FREE if o is None else o[0] * EM + o[1] for o in pool.row_owner]
-    stamp = [FREE] * pool.num_rows
-    for i, row in enumerate(pool.lru_rows()):
-        stamp[row] = i + 1
-    return owner, stamp
-
-
-def table_problems(
-    l2p: torch.Tensor, owner: list[int], stamp: list[int], num_experts_per_layer: list[int], R: int
-) -> list[str]:
-    """Inconsistencies between a location table `[L, E_max]`, flat row owners and stamps (empty if none)."""
-    EM = l2p.shape[1]
-    out = []
-    seen: dict[int, int] = {}
-    for row, o in enumerate(owner):
-        if o < 0:
-            if stamp[row] != FREE:
-                out.append(f"free row {row} has stamp {stamp[row]}")
-            continue
-        if o in seen:
-            out.append(f"expert {divmod(o, EM)} owns rows {seen[o]} and {row}")
-        seen[o] = row
-        layer, expert = divmod(o, EM)
-        if layer >= len(num_experts_per_layer) or expert >= num_experts_per_layer[layer]:
-            out.append(f"row {row} owner {(layer, expert)} is not an expert")
-        elif int(l2p[layer, expert]) != row:
-            out.append(f"row {row} owner {(layer, expert)} maps to {int(l2p[layer, expert])}")
-    for layer, n in enumerate(num_experts_per_layer):
-        for expert in range(EM):
-            code = int(l2p[layer, expert])
-            if expert >= n:
-                if code != -1:
-                    out.append(f"layer {layer} padding expert {expert} has code {code}")
-            elif code < R:
-                if owner[code] != layer * EM + expert:
-                    out.append(f"layer {layer} expert {expert} -> row {code} owned by {owner[code]}")
-            elif code != R + expert:
-                out.append(f"layer {layer} expert {expert}: host code {code} != {R + expert}")
-    return out
-
-
-class HostTwin:
-    """Plain-Python twin of `DevicePlanner` (same decision rule, own state, no tensors in the loop).
-
-    Tracks tables only (it copies no weights). Start it from the same pool state as the planner
-    (`HostTwin(pool, policy)` reads the pool's residency), feed it the same `plan` calls, and `state()`
-    equals the planner's.
-    """
-
-    def __init__(self, pool: ExpertPool, policy: Policy, block_m: int = 16, min_reads_to_admit: int = 1):
-        self.num_rows, self.max_experts = pool.num_rows, pool.max_experts
-        self.num_experts_per_layer = list(pool.num_experts_per_layer)
-        self.block_m, self.min_reads_to_admit = block_m, min_reads_to_admit
-        self.policy = policy
-        policy.host_reset(pool.num_layers, pool.max_experts)
-        self.row_owner, self.row_stamp = residency_from_pool(pool)
-        self.clock = max([*self.row_stamp, 0])
-        self.l2p = pool.l2p_host.tolist()
-        self.hits = self.misses = self.admissions = 0
-
-    def plan(self, layer: int, topk_ids: list[list[int]] | torch.Tensor) -> list[int]:
-        """Plan one step; returns the codes of the routed experts in expert-id order."""
-        R, EM = self.num_rows, self.max_experts
-        E = self.num_experts_per_layer[layer]
-        rows_of_ids = topk_ids.tolist() if isinstance(topk_ids, torch.Tensor) else topk_ids
-        tokens: dict[int, int] = {}
-        for token in rows_of_ids:
-            for e in token:
-                if 0 <= e < E:
-                    tokens[e] = tokens.get(e, 0) + 1
-        present = sorted(tokens)
-        self.clock += 1
-        now = self.clock
-        self.policy.host_observe(layer, present, now)
-        codes = self.l2p[layer]
-        for e in present:
-            if codes[e] < R:
-                self.row_stamp[codes[e]] = now
-                self.hits += 1
-            else:
-                self.misses += 1
-        cands = [
-            e for e in present if codes[e] >= R and -(-tokens[e] // self.block_m) >= self.min_reads_to_admit
-        ]
-        cands.sort(key=lambda e: self.policy.host_candidate_key(layer, e))  # stable: ties by expert id
-        victims = [r for r in range(R) if self.row_stamp[r] != now]
-        victims.sort(key=self._victim_order)
-        for e, r in zip(cands, victims):
-            old = self.row_owner[r]
-            if old >= 0 and not self.policy.host_accept(layer * EM + e, self._victim_order(r)[0]):
-                continue
-            if old >= 0:
-                self.l2p[old // EM][old % EM] = R + old % EM
-                self.policy.host_evicted(self._victim_order(r)[0])
-            self.l2p[layer][e] = r
-            self.row_owner[r] = layer * EM + e
-            self.row_stamp[r] = now
-            self.admissions += 1
-        return [self.l2p[layer][e] for e in present]
-
-    def _victim_order(self, row: int) -> tuple[int, int, int]:
-        owner = self.row_owner[row]
-        key = INT64_MIN if owner < 0 else self.policy.host_victim_key(owner, self.row_stamp[row], self.clock)
-        return (key, self.row_stamp[row], row)
-
-    def state(self) -> dict[str, torch.Tensor]:
-        out = {
-            "l2p": torch.tensor(self.l2p, dtype=torch.int32),
-            "row_owner": torch.tensor(self.row_owner, dtype=torch.int64),
-            "row_stamp": torch.tensor(self.row_stamp, dtype=torch.int64),
-            "clock": torch.tensor([self.clock], dtype=torch.int64),
-        }
-        out.update({k: torch.tensor(v, dtype=torch.int64) for k, v in self.policy.host_state().items()})
-        return out

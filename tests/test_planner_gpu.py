@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from pooled_runner import PoolConfig, PooledMoE
-from pooled_runner.planner import DevicePlanner, HostTwin
+from pooled_runner.planner import DevicePlanner
+from pooled_runner.planner_twin import HostTwin
 from pooled_runner.policies import AgingFreqPolicy, FreqDecayPolicy, LRUPolicy
 from pooled_runner.telemetry import RouteTelemetry
 
@@ -37,11 +38,15 @@ WIDTHS["mtp_bs3_ns3"] = 12
 def make_policy(name: str):
     if name == "aging":
         return AgingFreqPolicy(decay_steps=3)
-    return LRUPolicy() if name == "lru" else FreqDecayPolicy(decay_steps=4, recent_bonus=2, cap=6)
+    return (
+        LRUPolicy() if name in ("lru", "lru-ops") else FreqDecayPolicy(decay_steps=4, recent_bonus=2, cap=6)
+    )
 
 
 # Every width with LRU; the other policies (their state updates under capture) at a few widths.
 CASES = [(w, "lru") for w in WIDTHS] + [
+    ("M1", "lru-ops"),  # the torch-ops planner and telemetry (the fused kernels are the CUDA default)
+    ("mtp_bs3_ns3", "lru-ops"),
     ("M1", "freq"),
     ("mtp_bs3_ns3", "freq"),
     ("M2", "aging"),
@@ -80,8 +85,11 @@ class Stack:
         self.moe = build_moe(weights, ROWS)
         pool = self.moe.pool
         self.twin = HostTwin(pool, make_policy(policy))
-        self.planner = DevicePlanner(pool, make_policy(policy), max_routed=max_routed, debug_checks=False)
-        self.tel = RouteTelemetry(LAYERS, pool.device)
+        fused = False if policy == "lru-ops" else None
+        self.planner = DevicePlanner(
+            pool, make_policy(policy), max_routed=max_routed, debug_checks=False, fused=fused
+        )
+        self.tel = RouteTelemetry(LAYERS, pool.device, fused=fused)
         self.kpath = KernelPath(self.moe.format, pool, self.moe.bank, H, I)
         g = torch.Generator(device="cuda").manual_seed(1234)
         self.router = torch.randn(len(LAYERS), H, EM, generator=g, device="cuda") / H**0.5
