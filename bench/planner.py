@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.traces import Trace, belady_hit_rate, policy_hit_rate, synthetic_trace
+from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.planner import DevicePlanner
 from pooled_runner.policies import AgingFreqPolicy, FreqDecayPolicy, LRUPolicy, Policy
 from pooled_runner.telemetry import RouteTelemetry
@@ -59,31 +60,38 @@ def quality(args: argparse.Namespace) -> None:
     steps, warmup = (120, 30) if args.quick else (300, 80)
     lines = [
         f"date {datetime.date.today()}, CPU simulation (the shipped DevicePlanner on CPU tensors), "
-        f"commit {args.commit or commit_of_checkout()}; {steps} decode steps of 1 token, first {warmup} not counted",
+        f"commit {args.commit or commit_of_checkout()}; {steps} decode steps of {args.tokens} token(s), "
+        f"first {warmup} not counted",
         "",
-        "| trace | rows | Belady | LRU | freq | aging | LRU / Belady | freq / Belady | aging / Belady | "
-        "freq miss / LRU miss | aging miss / LRU miss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| trace | rows | Belady | LRU | lru-cycle | freq | aging | LRU / Belady | lru-cycle / Belady | "
+        "freq / Belady | aging / Belady | lru-cycle miss / LRU miss | freq miss / LRU miss | aging miss / LRU miss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     write(args.out, lines)
     for i, (name, spec) in enumerate(TRACES.items()):
-        trace = synthetic_trace(steps, seed=100 + i, **spec)  # type: ignore[arg-type]
+        trace = synthetic_trace(steps, tokens_per_step=args.tokens, seed=100 + i, **spec)  # type: ignore[arg-type]
         total = sum(trace.num_experts_per_layer)
         for frac in (0.25, 0.5):
             rows = int(frac * total)
             best = belady_hit_rate(trace, rows, warmup)
             lru = policy_hit_rate(trace, rows, LRUPolicy(), warmup)
+            cyc = policy_hit_rate(trace, rows, CycleLRUPolicy(), warmup)
             freq = policy_hit_rate(trace, rows, FreqDecayPolicy(), warmup)
             aging = policy_hit_rate(trace, rows, AgingFreqPolicy(), warmup)
+
+            def miss_ratio(rate: float, lru: float = lru) -> str:
+                return f"{(1 - rate) / (1 - lru):.2f}" if lru < 1 else "n/a"
+
             lines.append(
-                f"| {name} | {frac:.0%} | {best:.3f} | {lru:.3f} | {freq:.3f} | {aging:.3f} | {lru / best:.2f} | "
-                f"{freq / best:.2f} | {aging / best:.2f} | {(1 - freq) / (1 - lru):.2f} | "
-                f"{(1 - aging) / (1 - lru):.2f} |"
+                f"| {name} | {frac:.0%} | {best:.3f} | {lru:.3f} | {cyc:.3f} | {freq:.3f} | {aging:.3f} | "
+                f"{lru / best:.2f} | {cyc / best:.2f} | {freq / best:.2f} | {aging / best:.2f} | "
+                f"{miss_ratio(cyc)} | {miss_ratio(freq)} | {miss_ratio(aging)} |"
             )
             write(args.out, lines)
     lines += [
         "",
-        "freq = `FreqDecayPolicy()` defaults (counters of uncorrelated routings halved every 128 steps, +32 for "
+        "lru-cycle = cycle-protected LRU (the default; a row used by another layer within the last decode cycle "
+        "is not evicted); freq = `FreqDecayPolicy()` defaults (counters of uncorrelated routings halved every 128 steps, +32 for "
         "experts routed in the last step, value admission); aging = `AgingFreqPolicy()` defaults (LFU with "
         "dynamic aging: key = inflation + count, inflation = largest evicted key). Belady = offline MIN with "
         "bypass per tick.",
@@ -151,7 +159,7 @@ def overhead(lines: list[str], args: argparse.Namespace) -> None:
 
 
 def _overhead_rows(lines: list[str], args: argparse.Namespace, fused: bool) -> None:
-    _moe, planner, tel, kpath = build(LRUPolicy(), fused=fused)
+    _moe, planner, tel, kpath = build(CycleLRUPolicy(), fused=fused)
     g = torch.Generator(device="cuda").manual_seed(1)
     for M in (1, 4, 8):
         x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
@@ -215,6 +223,7 @@ def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
     write(args.out, lines)
     best = belady_hit_rate(trace, ROWS, warm)
     policies: list[tuple[str, Policy, bool | None]] = [
+        ("lru-cycle (fused; the default)", CycleLRUPolicy(), True),
         ("lru (fused)", LRUPolicy(), True),
         ("lru (torch ops)", LRUPolicy(), False),
         ("freq", FreqDecayPolicy(), None),
@@ -278,6 +287,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="write the markdown results here as they come")
     ap.add_argument("--quick", action="store_true", help="shorter traces")
+    ap.add_argument("--tokens", type=int, default=1, help="tokens per decode step in --quality (batch size)")
     ap.add_argument(
         "--quality", action="store_true", help="CPU policy-quality simulation instead of GPU timing"
     )

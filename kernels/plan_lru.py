@@ -6,7 +6,8 @@ launch time in a replayed graph) with one program that does, in order (the decis
   2. `clock += 1`; hit rows get the new stamp (so this step cannot evict them);
   3. candidates = misses with `ceil(tokens / block_m) >= min_reads`, in expert-id order;
   4. candidate i takes the i-th least recently used row not used by this step, free rows first, ties by row
-     index (the key `(stamp + 1) * R + row`, searched in increasing order);
+     index (the key `(stamp + 1) * R + row`, searched in increasing order); with `cycle` given, only rows that
+     are free, owned by this layer, or idle for a full cycle qualify (`pooled_runner/cycle_lru.py`);
   5. the victim's old owner goes back to its host code, the candidate takes the row;
   6. the counters (hits, misses, admissions, host reads, evictions) are incremented and the admitted pairs are
      written for the row-gather kernel (`victims`, `codes` = R + expert, `valid`).
@@ -50,7 +51,14 @@ def _check(
     num_rows: int,
     block_m: int,
     min_reads: int,
+    cycle: torch.Tensor | None = None,
 ) -> None:
+    if cycle is not None and (
+        cycle.shape != (3,) or cycle.dtype != torch.int64 or cycle.device != ids.device
+    ):
+        raise ValueError(
+            f"cycle: shape {tuple(cycle.shape)} dtype {cycle.dtype}; expected [3] int64 on {ids.device}"
+        )
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or not ids.is_contiguous():
         raise ValueError(
             f"ids: shape {tuple(ids.shape)} dtype {ids.dtype}; expected contiguous 1-d int32/int64"
@@ -114,10 +122,11 @@ def plan_lru_reference(
     num_rows: int,
     block_m: int,
     min_reads: int,
+    cycle: torch.Tensor | None = None,
 ) -> None:
     """Plain-Python reference of `plan_lru` (same arguments, same in-place results; host-synchronizing)."""
     args = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
-    _check(*args, layer, num_experts, max_experts, num_rows, block_m, min_reads)
+    _check(*args, layer, num_experts, max_experts, num_rows, block_m, min_reads, cycle)
     R, EM, E = num_rows, max_experts, num_experts
     tokens = [0] * E
     for e in ids.tolist():
@@ -127,6 +136,11 @@ def plan_lru_reference(
     now = int(clock[0]) + 1
     clock[0] = now
     base = layer * EM
+    if cycle is not None:  # cycle protection: a new cycle starts at a layer not above the previous one
+        last, cur, prev = cycle.tolist()
+        if last >= layer:
+            prev, cur = cur, now
+        cycle.copy_(torch.tensor([layer, cur, prev]))
     table = l2p[base : base + E].tolist()
     present = [e for e in range(E) if tokens[e] > 0]
     hits = [e for e in present if table[e] < R]
@@ -135,6 +149,9 @@ def plan_lru_reference(
     cands = [e for e in present if table[e] >= R and -(-tokens[e] // block_m) >= min_reads]
     stamps, owners = row_stamp[:R].tolist(), row_owner[:R].tolist()
     free_able = sorted((r for r in range(R) if stamps[r] != now), key=lambda r: (stamps[r], r))
+    if cycle is not None:  # free, own layer's, or idle since before the previous cycle began
+        prev = int(cycle[2])
+        free_able = [r for r in free_able if owners[r] < 0 or owners[r] // EM == layer or stamps[r] < prev]
     valid.zero_()
     victims.zero_()
     codes.fill_(R)
@@ -168,6 +185,8 @@ if triton is not None:
         victims_ptr,
         codes_ptr,
         valid_ptr,
+        cycle_ptr,
+        layer,
         base,
         E,
         EM,
@@ -178,6 +197,7 @@ if triton is not None:
         BLOCK_TK: tl.constexpr,
         BLOCK_E: tl.constexpr,
         BLOCK_R: tl.constexpr,
+        PROTECT: tl.constexpr,
     ):
         INT64_MAX: tl.constexpr = 0x7FFFFFFFFFFFFFFF
         e_offs = tl.arange(0, BLOCK_E)
@@ -200,6 +220,17 @@ if triton is not None:
         present = tokens > 0
         now = tl.load(clock_ptr) + 1
         tl.store(clock_ptr, now)
+        prev_start = now  # unused without PROTECT
+        if PROTECT:  # a new cycle starts at a layer not above the previous one
+            last_layer = tl.load(cycle_ptr + 0)
+            cur_start = tl.load(cycle_ptr + 1)
+            prev_start = tl.load(cycle_ptr + 2)
+            new_cycle = last_layer >= layer
+            prev_start = tl.where(new_cycle, cur_start, prev_start)
+            cur_start = tl.where(new_cycle, now, cur_start)
+            tl.store(cycle_ptr + 0, last_layer * 0 + layer)
+            tl.store(cycle_ptr + 1, cur_start)
+            tl.store(cycle_ptr + 2, prev_start)
         code = tl.load(l2p_ptr + base + e_offs, mask=e_in, other=0).to(tl.int64)
         hit = present & (code < R)
         miss = present & (code >= R)
@@ -224,6 +255,10 @@ if triton is not None:
                 stamp = tl.load(stamp_ptr + rows, mask=r_in, other=0)
                 key = (stamp + 1) * R + rows
                 ok = r_in & (stamp != now) & (key > prev_key)
+                if PROTECT:  # free, own layer's, or idle since before the previous cycle began
+                    owner = tl.load(owner_ptr + rows, mask=r_in, other=-1)
+                    own = (owner >= base) & (owner < base + EM)
+                    ok = ok & ((owner < 0) | own | (stamp < prev_start))
                 best = tl.minimum(best, tl.min(tl.where(ok, key, INT64_MAX), 0))
             found = best != INT64_MAX
             row = best % R
@@ -269,14 +304,16 @@ def plan_lru(
     num_rows: int,
     block_m: int,
     min_reads: int,
+    cycle: torch.Tensor | None = None,
 ) -> None:
     """Plan one step of `layer` in place (see module docstring). One launch, graph-safe (no host sync, no
     allocation). `P = victims.shape[0]` must be at least the number of admissions wanted (the planner passes
-    `min(E, R, T*K)`); P and T*K may be 0 (then only the clock moves)."""
+    `min(E, R, T*K)`); P and T*K may be 0 (then only the clock moves). `cycle [3]` int64 (last layer, clock at
+    the current and at the previous cycle start) turns on cycle protection (`pooled_runner/cycle_lru.py`)."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("plan_lru needs Triton")
     args = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
-    _check(*args, layer, num_experts, max_experts, num_rows, block_m, min_reads)
+    _check(*args, layer, num_experts, max_experts, num_rows, block_m, min_reads, cycle)
     num_routed, num_pairs = ids.shape[0], victims.shape[0]
     if num_pairs > max_experts:
         raise ValueError(
@@ -297,6 +334,8 @@ def plan_lru(
         victims,
         codes,
         valid,
+        cycle if cycle is not None else clock,  # an unread placeholder without protection
+        layer,
         layer * max_experts,
         num_experts,
         max_experts,
@@ -307,5 +346,6 @@ def plan_lru(
         BLOCK_TK=block_tk,
         BLOCK_E=block_e,
         BLOCK_R=block_r,
+        PROTECT=cycle is not None,
         num_warps=4,
     )

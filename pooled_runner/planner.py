@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from pooled_runner import envs
+from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.kernels.plan_lru import plan_lru
 from pooled_runner.kernels.row_gather import gather_rows
 from pooled_runner.planner_twin import FREE, residency_from_pool, table_problems
@@ -42,13 +43,13 @@ class DevicePlanner:
 
     Args:
       pool: the expert pool (its `l2p_gpu` and rows are updated in place).
-      policy: residency policy (default LRU); bound to the pool device here.
+      policy: residency policy (default cycle-protected LRU, `cycle_lru.py`); bound to the pool device here.
       max_routed: the largest `T * K` of a planned step (the workspace bound; a larger step raises).
       block_m: M-block of the MoE kernel (for the byte-cost rule).
       min_reads_to_admit: byte-cost threshold (see module docstring).
       debug_checks: verify the tables after every step (host sync; default from POOLED_RUNNER_DEBUG_CHECKS).
-      fused: plan with the single-launch kernel (`kernels/plan_lru.py`); only for the LRU policy. None = on
-        CUDA with LRU unless POOLED_RUNNER_TORCH_PLANNER is set; True on the CPU runs it under the Triton
+      fused: plan with the single-launch kernel (`kernels/plan_lru.py`); only for LRU and lru-cycle. None = on
+        CUDA with those unless POOLED_RUNNER_TORCH_PLANNER is set; True on the CPU runs it under the Triton
         interpreter (tests).
     """
 
@@ -68,7 +69,7 @@ class DevicePlanner:
                 "must all be >= 1"
             )
         self.pool = pool
-        self.policy: Policy = policy if policy is not None else LRUPolicy()
+        self.policy: Policy = policy if policy is not None else CycleLRUPolicy()
         self.max_routed = max_routed
         self.block_m = block_m
         self.min_reads_to_admit = min_reads_to_admit
@@ -98,9 +99,11 @@ class DevicePlanner:
                         f"bank operand {name!r} is not page-locked: the row gather cannot read it"
                     )
         self.policy.bind(L, EM, dev)
-        is_lru = type(self.policy) is LRUPolicy
+        is_lru = type(self.policy) in (LRUPolicy, CycleLRUPolicy)
         if fused and not is_lru:
-            raise ValueError(f"the fused planner implements LRU only, not policy {self.policy.name!r}")
+            raise ValueError(
+                f"the fused planner implements LRU and lru-cycle, not policy {self.policy.name!r}"
+            )
         self.fused = (dev.type == "cuda" and is_lru and not envs.torch_planner()) if fused is None else fused
         # Fused-plan workspace: token counts per expert and the admitted pairs for the row gather.
         max_pairs = max(1, min(EM, R, max_routed))
@@ -121,6 +124,8 @@ class DevicePlanner:
         self.row_owner[: self.num_rows].copy_(torch.tensor(owner, dtype=torch.int64))
         self.row_stamp[: self.num_rows].copy_(torch.tensor(stamp, dtype=torch.int64))
         self.clock.fill_(max([*stamp, 0]))
+        if isinstance(self.policy, CycleLRUPolicy):  # its cycle starts are clock values, now renumbered
+            self.policy.clock_reset()
 
     def store_to_pool(self) -> None:
         """Push the device tables into the pool's host bookkeeping (syncs); LRU order = (stamp, row)."""
@@ -211,6 +216,7 @@ class DevicePlanner:
             R,
             self.block_m,
             self.min_reads_to_admit,
+            self.policy.cycle if isinstance(self.policy, CycleLRUPolicy) else None,
         )
         self._gather(layer, victims, codes, valid)
 

@@ -43,6 +43,7 @@ def run(
 ):
     out = [torch.full((P,), 99, dtype=torch.int32) for _ in range(3)]
     counts = torch.full((EM,), 7, dtype=torch.int32)
+    cycle = st.get("cycle")
     fn(
         ids,
         st["l2p"],
@@ -58,6 +59,7 @@ def run(
         R,
         bm,
         1 if bm == 16 else 2,
+        cycle,
     )
     return out
 
@@ -70,10 +72,14 @@ def test_plan_lru_equals_reference(trial: int) -> None:
     T, K = rnd.choice([0, 1, 2, 7]), rnd.randint(1, min(4, E))
     bm = rnd.choice([16, 2])
     a = random_state(L, EM, E, R, trial)
+    if trial % 2:  # cycle protection, from a state where the previous cycle began mid-history
+        a["cycle"] = torch.tensor(
+            [L - 1, int(a["clock"][0]) // 2 + 1, int(a["clock"][0]) // 3], dtype=torch.int64
+        )
     b = {k: v.clone() for k, v in a.items()}
     g = torch.Generator().manual_seed(trial)
-    for step in range(5):
-        layer = rnd.randrange(L)
+    for step in range(6):
+        layer = rnd.randrange(L) if step % 3 else step // 3 % L
         ids = torch.randint(-2, E + 2, (T * K,), generator=g).to(rnd.choice([torch.int32, torch.int64]))
         P = min(E, R, max(T * K, 1))
         got = run(plan_lru, a, ids, layer, E, EM, R, P, bm)

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pooled_runner.bank import ExpertBank
+from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.formats.base import OperandSpec
 from pooled_runner.planner import DevicePlanner
 from pooled_runner.planner_twin import HostTwin
@@ -28,6 +29,8 @@ def make_pool(layers: list[int], rows: int, seed: int = 0) -> ExpertPool:
 def policy_pair(name: str) -> tuple:
     if name in ("lru", "lru-fused"):
         return LRUPolicy(), LRUPolicy()
+    if name in ("lru-cycle", "lru-cycle-fused"):
+        return CycleLRUPolicy(), CycleLRUPolicy()
     if name == "aging":
         kw = dict(decay_steps=3, correlated_steps=1, recent_steps=1, recent_bonus=2)
         return AgingFreqPolicy(**kw), AgingFreqPolicy(**kw)
@@ -62,7 +65,7 @@ def random_ids(T: int, K: int, E: int, g: torch.Generator) -> torch.Tensor:
     return ids
 
 
-@pytest.mark.parametrize("policy", ["lru", "lru-fused", "freq", "aging"])
+@pytest.mark.parametrize("policy", ["lru", "lru-fused", "lru-cycle", "lru-cycle-fused", "freq", "aging"])
 @pytest.mark.parametrize(
     ("layers", "rows", "K", "max_T"),
     [([5, 7, 3], 6, 2, 3), ([1], 1, 1, 2), ([9, 9], 17, 3, 4), ([13, 4, 6, 11], 9, 4, 5), ([8], 3, 3, 1)],
@@ -71,7 +74,7 @@ def test_device_planner_equals_twin(policy, layers, rows, K, max_T):
     pool = make_pool(layers, rows, seed=rows)
     pool.fill([(len(layers) - 1, 0), (0, layers[0] - 1)])
     dev_policy, host_policy = policy_pair(policy)
-    fused = policy == "lru-fused"  # the single-launch kernel, under the Triton interpreter on the CPU
+    fused = policy.endswith("-fused")  # the single-launch kernel, under the Triton interpreter on the CPU
     planner = DevicePlanner(pool, dev_policy, max_routed=max_T * K, debug_checks=True, fused=fused)
     twin = HostTwin(pool, host_policy)
     assert_same_state(planner, twin, "start")
@@ -250,14 +253,14 @@ def test_state_tensors_keep_their_addresses():
 @given(
     layers=st.lists(st.integers(1, 9), min_size=1, max_size=3),
     rows=st.integers(1, 12),
-    policy=st.sampled_from(["lru", "lru-fused", "freq", "aging"]),
+    policy=st.sampled_from(["lru", "lru-fused", "lru-cycle", "lru-cycle-fused", "freq", "aging"]),
     steps=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 10**6)), min_size=1, max_size=40),
 )
 def test_planner_twin_and_invariants_property(layers, rows, policy, steps):
     pool = make_pool(layers, rows)
     pool.fill()
     dev_policy, host_policy = policy_pair(policy)
-    planner = DevicePlanner(pool, dev_policy, max_routed=6, fused=policy == "lru-fused")
+    planner = DevicePlanner(pool, dev_policy, max_routed=6, fused=policy.endswith("-fused"))
     twin = HostTwin(pool, host_policy)
     for layer_pick, seed in steps:
         layer = layer_pick % len(layers)
@@ -270,3 +273,32 @@ def test_planner_twin_and_invariants_property(layers, rows, policy, steps):
     assert_rows_hold_owners(pool, planner)
     planner.store_to_pool()
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_cycle_protection_keeps_hits_where_lru_thrashes(fused):
+    """Every layer routes the same 3 experts each step; 4 layers need 12 rows but there are 8. Global LRU
+    evicts exactly the rows the next layers need (hit rate 0); cycle-protected LRU lets each layer recycle
+    only its own rows or idle ones, so the layers that kept rows keep hitting. The twin agrees throughout."""
+    layers, rows = [5, 5, 5, 5], 8
+    results = {}
+    for name in ("lru", "lru-cycle"):
+        pool = make_pool(layers, rows)
+        dev_policy, host_policy = policy_pair(name)
+        planner = DevicePlanner(pool, dev_policy, max_routed=3, fused=fused)
+        twin = HostTwin(pool, host_policy)
+        for step in range(12):
+            if step == 4:
+                start = planner.counter_values()
+            for layer in range(len(layers)):
+                ids = torch.tensor([[0, 1, 2]])
+                planner.plan(layer, ids)
+                twin.plan(layer, ids)
+        assert_same_state(planner, twin, name)
+        assert_rows_hold_owners(pool, planner)
+        end = planner.counter_values()
+        results[name] = (end["hits"] - start["hits"]) / (
+            end["hits"] + end["misses"] - start["hits"] - start["misses"]
+        )
+    assert results["lru"] == 0.0
+    assert results["lru-cycle"] >= 0.5, results
