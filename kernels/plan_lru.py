@@ -216,7 +216,8 @@ if triton is not None:
             ones = tl.full([BLOCK_TK], 1, tl.int32)
             tl.atomic_add(counts_ptr + tl.where(routed, ids, 0), ones, mask=routed)
         tl.debug_barrier()
-        tokens = tl.load(counts_ptr + e_offs, mask=e_in, other=0)
+        # volatile (no L1): these words were written in this launch by other threads (atomics, stores)
+        tokens = tl.load(counts_ptr + e_offs, mask=e_in, other=0, volatile=True)
         present = tokens > 0
         now = tl.load(clock_ptr) + 1
         tl.store(clock_ptr, now)
@@ -252,18 +253,18 @@ if triton is not None:
             for r_start in range(0, R, BLOCK_R):
                 rows = r_start + tl.arange(0, BLOCK_R)
                 r_in = rows < R
-                stamp = tl.load(stamp_ptr + rows, mask=r_in, other=0)
+                stamp = tl.load(stamp_ptr + rows, mask=r_in, other=0, volatile=True)
                 key = (stamp + 1) * R + rows
                 ok = r_in & (stamp != now) & (key > prev_key)
                 if PROTECT:  # free, own layer's, or idle since before the previous cycle began
-                    owner = tl.load(owner_ptr + rows, mask=r_in, other=-1)
+                    owner = tl.load(owner_ptr + rows, mask=r_in, other=-1, volatile=True)
                     own = (owner >= base) & (owner < base + EM)
                     ok = ok & ((owner < 0) | own | (stamp < prev_start))
                 best = tl.minimum(best, tl.min(tl.where(ok, key, INT64_MAX), 0))
             found = best != INT64_MAX
             row = best % R
             expert = tl.sum(tl.where(cand & (cand_rank == i), e_offs, 0), 0).to(tl.int64)
-            old = tl.load(owner_ptr + row, mask=found, other=-1)
+            old = tl.load(owner_ptr + row, mask=found, other=-1, volatile=True)
             tl.store(
                 l2p_ptr + tl.where(old >= 0, old, 0), (R + old % EM).to(tl.int32), mask=found & (old >= 0)
             )
