@@ -152,7 +152,8 @@ def overhead(lines: list[str], args: argparse.Namespace) -> None:
         "planner / MoE = (planner+MoE - MoE) / MoE (targets: <= 5% of the step at M=1); telemetry / MoE layer = "
         "added time of telemetry on / MoE time (target < 2%). 'planner µs' and 'telemetry µs' alone are the "
         "launch-bound cost of their small kernels in isolation. planner 'fused': one plan_lru launch + one row "
-        "gather per operand per layer, telemetry one route-count launch (the defaults on CUDA); 'torch ops': "
+        "gather per operand per layer, telemetry recorded inside plan_lru (the defaults on CUDA; 'telemetry µs' "
+        "alone is the standalone route-count launch of host-planned steps); 'torch ops': "
         "the policy-generic planner and telemetry (POOLED_RUNNER_TORCH_PLANNER=1).",
     ]
     write(args.out, lines)
@@ -184,10 +185,8 @@ def _overhead_rows(lines: list[str], args: argparse.Namespace, fused: bool) -> N
                 tel.record(layer, ids[layer])
 
         def planned(x=x, ids=ids, w=w, telemetry: bool = False) -> None:
-            for layer in range(L):
-                if telemetry:
-                    tel.record(layer, ids[layer])
-                planner.plan(layer, ids[layer])
+            for layer in range(L):  # as PooledMoE on CUDA: the planner records telemetry (fused: in-kernel)
+                planner.plan(layer, ids[layer], tel if telemetry else None)
                 kpath.forward(layer, x, ids[layer], w[layer])
 
         t_moe, t_plan, t_tel = graph_ms(moe_only), graph_ms(plan_only), graph_ms(tel_only)

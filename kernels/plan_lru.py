@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import torch
 
+from .route_count import count_routes_check, count_routes_reference
+
 try:  # Triton is optional for the CPU core
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None  # type: ignore[assignment]
+
+Telemetry = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]  # counts, routed, flags, max_count
 
 MAX_ROWS = 1 << 22  # keeps (stamp + 1) * R + row inside int64 for 2^40 clock ticks
 ROW_BLOCK = 1024
@@ -52,7 +56,11 @@ def _check(
     block_m: int,
     min_reads: int,
     cycle: torch.Tensor | None = None,
+    telemetry: Telemetry | None = None,
 ) -> None:
+    if telemetry is not None:
+        tel_counts, tel_routed, tel_flags, tel_max = telemetry
+        count_routes_check(ids, tel_counts, tel_routed, tel_flags, layer * max_experts, num_experts, tel_max)
     if cycle is not None and (
         cycle.shape != (3,) or cycle.dtype != torch.int64 or cycle.device != ids.device
     ):
@@ -123,10 +131,13 @@ def plan_lru_reference(
     block_m: int,
     min_reads: int,
     cycle: torch.Tensor | None = None,
+    telemetry: Telemetry | None = None,
 ) -> None:
     """Plain-Python reference of `plan_lru` (same arguments, same in-place results; host-synchronizing)."""
     args = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
-    _check(*args, layer, num_experts, max_experts, num_rows, block_m, min_reads, cycle)
+    _check(*args, layer, num_experts, max_experts, num_rows, block_m, min_reads, cycle, telemetry)
+    if telemetry is not None:
+        count_routes_reference(ids, *telemetry[:3], layer * max_experts, num_experts, telemetry[3])
     R, EM, E = num_rows, max_experts, num_experts
     tokens = [0] * E
     for e in ids.tolist():
@@ -186,6 +197,10 @@ if triton is not None:
         codes_ptr,
         valid_ptr,
         cycle_ptr,
+        tel_counts_ptr,
+        tel_routed_ptr,
+        tel_flags_ptr,
+        tel_max,
         layer,
         base,
         E,
@@ -198,6 +213,7 @@ if triton is not None:
         BLOCK_E: tl.constexpr,
         BLOCK_R: tl.constexpr,
         PROTECT: tl.constexpr,
+        TELEMETRY: tl.constexpr,
     ):
         INT64_MAX: tl.constexpr = 0x7FFFFFFFFFFFFFFF
         e_offs = tl.arange(0, BLOCK_E)
@@ -209,16 +225,28 @@ if triton is not None:
         tl.store(victims_ptr + e_offs, tl.zeros([BLOCK_E], dtype=tl.int32), mask=p_in)
         tl.store(codes_ptr + e_offs, tl.zeros([BLOCK_E], dtype=tl.int32) + R, mask=p_in)
         tl.debug_barrier()
+        num_bad = 0
         for start in range(0, num_routed, BLOCK_TK):
             t_offs = start + tl.arange(0, BLOCK_TK)
             ids = tl.load(ids_ptr + t_offs, mask=t_offs < num_routed, other=-1).to(tl.int64)
             routed = (ids >= 0) & (ids < E)
             ones = tl.full([BLOCK_TK], 1, tl.int32)
             tl.atomic_add(counts_ptr + tl.where(routed, ids, 0), ones, mask=routed)
+            num_bad += tl.sum(((ids < -1) | (ids >= E)).to(tl.int32), 0)
         tl.debug_barrier()
         # volatile (no L1): these words were written in this launch by other threads (atomics, stores)
         tokens = tl.load(counts_ptr + e_offs, mask=e_in, other=0, volatile=True)
         present = tokens > 0
+        if (
+            TELEMETRY
+        ):  # saturating counts, bitmap, sticky poison / overflow bits (this program alone writes them)
+            tel = tl.load(tel_counts_ptr + base + e_offs, mask=present, other=0)
+            tel_new = tel + tokens
+            tel_over = present & (tel_new >= tel_max)
+            tl.store(tel_counts_ptr + base + e_offs, tl.minimum(tel_new, tel_max), mask=present)
+            tl.store(tel_routed_ptr + base + e_offs, tl.full([BLOCK_E], 1, tl.int8), mask=present)
+            tl.store(tel_flags_ptr + 0, 1, mask=num_bad > 0)
+            tl.store(tel_flags_ptr + 1, 1, mask=tl.sum(tel_over.to(tl.int32), 0) > 0)
         now = tl.load(clock_ptr) + 1
         tl.store(clock_ptr, now)
         prev_start = now  # unused without PROTECT
@@ -306,15 +334,18 @@ def plan_lru(
     block_m: int,
     min_reads: int,
     cycle: torch.Tensor | None = None,
+    telemetry: Telemetry | None = None,
 ) -> None:
     """Plan one step of `layer` in place (see module docstring). One launch, graph-safe (no host sync, no
     allocation). `P = victims.shape[0]` must be at least the number of admissions wanted (the planner passes
     `min(E, R, T*K)`); P and T*K may be 0 (then only the clock moves). `cycle [3]` int64 (last layer, clock at
-    the current and at the previous cycle start) turns on cycle protection (`pooled_runner/cycle_lru.py`)."""
+    the current and at the previous cycle start) turns on cycle protection (`pooled_runner/cycle_lru.py`).
+    `telemetry = (counts, routed, flags, max_count)` also records the step's route telemetry (the
+    `count_routes` contract, from the counts this kernel computes anyway: no launch of its own)."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("plan_lru needs Triton")
     args = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
-    _check(*args, layer, num_experts, max_experts, num_rows, block_m, min_reads, cycle)
+    _check(*args, layer, num_experts, max_experts, num_rows, block_m, min_reads, cycle, telemetry)
     num_routed, num_pairs = ids.shape[0], victims.shape[0]
     if num_pairs > max_experts:
         raise ValueError(
@@ -323,6 +354,7 @@ def plan_lru(
     block_e = triton.next_power_of_2(max_experts)
     block_tk = min(1024, triton.next_power_of_2(max(num_routed, 1)))
     block_r = min(ROW_BLOCK, triton.next_power_of_2(num_rows))
+    tel_ptrs = (telemetry[0], telemetry[1].view(torch.int8), telemetry[2]) if telemetry is not None else ()
     _plan_lru_kernel[(1,)](
         ids,
         num_routed,
@@ -336,6 +368,8 @@ def plan_lru(
         codes,
         valid,
         cycle if cycle is not None else clock,  # an unread placeholder without protection
+        *(tel_ptrs if telemetry is not None else (clock, clock, clock)),  # (placeholders: unread)
+        telemetry[3] if telemetry is not None else 1,
         layer,
         layer * max_experts,
         num_experts,
@@ -348,5 +382,6 @@ def plan_lru(
         BLOCK_E=block_e,
         BLOCK_R=block_r,
         PROTECT=cycle is not None,
+        TELEMETRY=telemetry is not None,
         num_warps=4,
     )

@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover
 BLOCK = 1024
 
 
-def _check(
+def count_routes_check(
     ids: torch.Tensor,
     counts: torch.Tensor,
     routed: torch.Tensor,
@@ -32,6 +32,7 @@ def _check(
     num_experts: int,
     max_count: int,
 ) -> None:
+    """ValueError naming the argument unless the shapes, dtypes, range and devices fit (before any launch)."""
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or not ids.is_contiguous():
         raise ValueError(
             f"ids: shape {tuple(ids.shape)} dtype {ids.dtype}; expected contiguous 1-d int32/int64"
@@ -67,7 +68,7 @@ def count_routes_reference(
     max_count: int,
 ) -> None:
     """Torch reference of `count_routes` (same arguments, same in-place result)."""
-    _check(ids, counts, routed, flags, base, num_experts, max_count)
+    count_routes_check(ids, counts, routed, flags, base, num_experts, max_count)
     E = num_experts
     ids = ids.to(torch.int64)
     ok = (ids >= 0) & (ids < E)
@@ -118,7 +119,7 @@ def count_routes(
     Graph-safe: no host sync, no allocation."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("count_routes needs Triton")
-    _check(ids, counts, routed, flags, base, num_experts, max_count)
+    count_routes_check(ids, counts, routed, flags, base, num_experts, max_count)
     n = ids.shape[0]
     if n == 0:
         return

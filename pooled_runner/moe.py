@@ -363,11 +363,13 @@ class PooledMoE:
             self.num_experts_per_layer[layer],
             check_values=not kernels,
         )
+        staged = self._staged_source(layer, hidden.shape[0])
+        if kernels:  # the GPU path records telemetry (inside the fused planner where it can)
+            return self._gpu().forward(
+                layer, hidden, topk_ids, topk_weights, staged, admit_misses, self.telemetry
+            )
         if self.telemetry is not None:
             self.telemetry.record(layer, topk_ids)
-        staged = self._staged_source(layer, hidden.shape[0])
-        if kernels:
-            return self._gpu().forward(layer, hidden, topk_ids, topk_weights, staged, admit_misses)
         T, K = topk_ids.shape
         expert_out = torch.zeros(
             (T, K, self.hidden_size), dtype=self.dtype, device=hidden.device

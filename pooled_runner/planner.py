@@ -33,6 +33,7 @@ from pooled_runner.kernels.row_gather import gather_rows
 from pooled_runner.planner_twin import FREE, residency_from_pool, table_problems
 from pooled_runner.policies import LRUPolicy, Policy
 from pooled_runner.pool import ExpertPool
+from pooled_runner.telemetry import RouteTelemetry
 
 INT64_MAX = torch.iinfo(torch.int64).max
 INT64_MIN = torch.iinfo(torch.int64).min
@@ -158,13 +159,14 @@ class DevicePlanner:
         }
 
     # ----------------------------------------------------------------------------------------------
-    def plan(self, layer: int, topk_ids: torch.Tensor) -> None:
+    def plan(self, layer: int, topk_ids: torch.Tensor, telemetry: RouteTelemetry | None = None) -> None:
         """Plan one step of `layer` from `topk_ids [T, K]` (any integer dtype, on the pool device).
 
         Graph-safe: no host sync, fixed shapes for a given (layer, T, K). After it, `pool.l2p_gpu[layer]`
         holds a row or host code for every routed expert, and admitted rows hold their weights (copies
         enqueued on the current stream). Raises ValueError (at capture time, before any change) when
-        `T * K > max_routed`.
+        `T * K > max_routed`. `telemetry` (enabled) also records the step's routes: inside the fused plan
+        kernel when it runs (no launch of its own), else by `telemetry.record`.
         """
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
@@ -181,14 +183,24 @@ class DevicePlanner:
         R = self.num_rows
         E = self.pool.num_experts_per_layer[layer]
         num_pairs = min(E, R, max(num_routed, 1))
+        if telemetry is not None and not telemetry.enabled:
+            telemetry = None
+        if telemetry is not None and telemetry.max_experts != self.max_experts:
+            raise ValueError(
+                f"telemetry counts {telemetry.max_experts} experts per layer, the pool {self.max_experts}"
+            )
         if self.fused:
-            self._plan_fused(layer, topk_ids, E, num_pairs)
+            self._plan_fused(layer, topk_ids, E, num_pairs, telemetry)
         else:
+            if telemetry is not None:
+                telemetry.record(layer, topk_ids)
             self._plan_ops(layer, topk_ids, E, num_pairs)
         if self.debug_checks and not _capturing():  # the check syncs; under capture it waits for replay
             self.check_invariants()
 
-    def _plan_fused(self, layer: int, topk_ids: torch.Tensor, E: int, num_pairs: int) -> None:
+    def _plan_fused(
+        self, layer: int, topk_ids: torch.Tensor, E: int, num_pairs: int, telemetry: RouteTelemetry | None
+    ) -> None:
         """LRU in one launch (`plan_lru`), then the admitted rows' gather (one launch per operand)."""
         ids = topk_ids.reshape(-1)  # [T*K]
         if ids.dtype not in (torch.int32, torch.int64):
@@ -217,6 +229,7 @@ class DevicePlanner:
             self.block_m,
             self.min_reads_to_admit,
             self.policy.cycle if isinstance(self.policy, CycleLRUPolicy) else None,
+            telemetry.fused_target(layer) if telemetry is not None else None,
         )
         self._gather(layer, victims, codes, valid)
 

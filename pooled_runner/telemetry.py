@@ -131,6 +131,13 @@ class RouteTelemetry:
         sticky = torch.stack([bad.any(), over]).to(torch.int32)
         torch.maximum(self.flags, sticky, out=self.flags)
 
+    def fused_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(counts, routed, flags, max_count) for a kernel that records `layer` itself (the fused planner);
+        the layer's counters start at `layer * max_experts`. Same contract as `record`."""
+        if not 0 <= layer < len(self.num_experts_per_layer):
+            raise ValueError(f"layer {layer} out of range [0, {len(self.num_experts_per_layer)})")
+        return self.counts, self.routed, self.flags, self.max_count
+
     def _refuse_in_graph(self, what: str) -> None:
         if capturing() or self._graph_depth:
             raise RuntimeError(

@@ -44,6 +44,7 @@ def run(
     out = [torch.full((P,), 99, dtype=torch.int32) for _ in range(3)]
     counts = torch.full((EM,), 7, dtype=torch.int32)
     cycle = st.get("cycle")
+    telemetry = (st["tel_counts"], st["tel_routed"], st["tel_flags"], 9) if "tel_counts" in st else None
     fn(
         ids,
         st["l2p"],
@@ -60,6 +61,7 @@ def run(
         bm,
         1 if bm == 16 else 2,
         cycle,
+        telemetry,
     )
     return out
 
@@ -76,6 +78,10 @@ def test_plan_lru_equals_reference(trial: int) -> None:
         a["cycle"] = torch.tensor(
             [L - 1, int(a["clock"][0]) // 2 + 1, int(a["clock"][0]) // 3], dtype=torch.int64
         )
+    if trial % 3:  # route telemetry recorded by the plan kernel, saturating at 9
+        a["tel_counts"] = torch.randint(0, 9, (L * EM + 1,), generator=torch.Generator().manual_seed(trial))
+        a["tel_routed"] = a["tel_counts"] > 4
+        a["tel_flags"] = torch.zeros(2, dtype=torch.int32)
     b = {k: v.clone() for k, v in a.items()}
     g = torch.Generator().manual_seed(trial)
     for step in range(6):

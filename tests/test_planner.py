@@ -14,6 +14,7 @@ from pooled_runner.planner import DevicePlanner
 from pooled_runner.planner_twin import HostTwin
 from pooled_runner.policies import AgingFreqPolicy, FreqDecayPolicy, LRUPolicy, make_policy
 from pooled_runner.pool import ExpertPool
+from pooled_runner.telemetry import RouteTelemetry
 
 OPERANDS = (OperandSpec("w13", (3, 2), torch.float32), OperandSpec("w2", (5,), torch.float32))
 
@@ -302,3 +303,25 @@ def test_cycle_protection_keeps_hits_where_lru_thrashes(fused):
         )
     assert results["lru"] == 0.0
     assert results["lru-cycle"] >= 0.5, results
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_planner_records_telemetry_like_record(fused):
+    """`plan(layer, ids, telemetry)` (inside the fused kernel, or by `record` on the ops path) leaves the
+    telemetry exactly as `RouteTelemetry.record` on its own: counts, bitmap, poison from out-of-range ids."""
+    layers = [5, 7, 3]
+    pool = make_pool(layers, rows=4)
+    planner = DevicePlanner(pool, LRUPolicy(), max_routed=12, fused=fused)
+    recorded = RouteTelemetry(layers, torch.device("cpu"), fused=False)
+    planned = RouteTelemetry(layers, torch.device("cpu"), fused=False)
+    g = torch.Generator().manual_seed(3)
+    for step in range(30):
+        layer = step % len(layers)
+        ids = random_ids(step % 4, min(3, layers[layer]), layers[layer], g)
+        recorded.record(layer, ids)
+        planner.plan(layer, ids, planned)
+    a, b = recorded.snapshot(), planned.snapshot()
+    assert torch.equal(a.counts, b.counts) and torch.equal(a.routed, b.routed)
+    assert (a.poisoned, a.overflowed) == (b.poisoned, b.overflowed) == (True, False)
+    with pytest.raises(ValueError, match="telemetry counts"):
+        planner.plan(0, torch.tensor([[1]]), RouteTelemetry([9], torch.device("cpu")))
