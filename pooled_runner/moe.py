@@ -22,6 +22,7 @@ from pooled_runner.formats import make_format
 from pooled_runner.guard import TORCH, KernelBackend, check_tensors
 from pooled_runner.lanes import takes_decode_path
 from pooled_runner.pool import ExpertPool, PoolStats
+from pooled_runner.routing import check_routing
 from pooled_runner.staging import LayerStager, check_fits
 from pooled_runner.telemetry import RouteTelemetry, capturing
 from pooled_runner.torch_path import combine, expert_mlp
@@ -33,41 +34,6 @@ logger = logging.getLogger("pooled_runner")
 
 # loader(layer, expert) -> {operand name: row tensor}, in the weight format's operand layout.
 ExpertLoader = Callable[[int, int], dict[str, torch.Tensor]]
-
-
-def _check_routing(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    H: int,
-    dtype: torch.dtype,
-    num_experts: int,
-    check_values: bool = True,
-) -> None:
-    if hidden.dim() != 2 or hidden.shape[1] != H:
-        raise ValueError(f"hidden has shape {tuple(hidden.shape)}, expected [T, {H}]")
-    if hidden.dtype != dtype:
-        raise ValueError(f"hidden has dtype {hidden.dtype}, expected {dtype}")
-    T = hidden.shape[0]
-    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-        if t.device != hidden.device:
-            raise ValueError(
-                f"{name} is on {t.device} but hidden is on {hidden.device}; put them on one device"
-            )
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
-        raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}, expected [{T}, K]")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_ids has dtype {topk_ids.dtype}, expected torch.int32 or torch.int64")
-    if topk_weights.shape != topk_ids.shape:
-        raise ValueError(
-            f"topk_weights has shape {tuple(topk_weights.shape)}, expected {tuple(topk_ids.shape)}"
-        )
-    if not topk_weights.is_floating_point():
-        raise ValueError(f"topk_weights has dtype {topk_weights.dtype}, expected a floating dtype")
-    if check_values and topk_ids.numel():
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < -1 or hi >= num_experts:
-            raise ValueError(f"topk_ids values in [{lo}, {hi}], expected -1 (padding) or [0, {num_experts})")
 
 
 class PooledMoE:
@@ -391,7 +357,7 @@ class PooledMoE:
         kernels = self._use_kernels(pool)
         # The kernel path checks shapes only: reading id values back would sync (and break capture); the planner
         # and the kernels treat ids outside [0, E) as not routed.
-        _check_routing(
+        check_routing(
             hidden,
             topk_ids,
             topk_weights,
