@@ -266,8 +266,8 @@ def verify_tables_agree(
     `TablesDisagree` on a mismatch.
 
     A collective and a boundary operation: every rank of `group` must call it at the same step, outside any
-    capture. `device` is where the gathered
-    tensor lives (a CUDA device for NCCL). Returns the combined digest (the same on every rank).
+    capture. `device` is where the gathered tensor lives (a CUDA device for NCCL). Returns the combined digest
+    (the same on every rank).
     """
     names, digests = table_digests(source, layer_names, telemetry)
     gathered = all_gather_digests(digests.to(device or torch.device("cpu")), group)
