@@ -2,7 +2,8 @@
 bench/decode.py's JSON), prefill step time vs prompt tokens per mode (from bench/prefill.py's markdown table).
 
 Usage: python -m bench.plot [--decode results.json] [--prefill prefill.md] --out-dir DIR
-Writes DIR/decode.png and/or DIR/prefill.png.
+Writes DIR/decode.png and/or DIR/prefill.png. A plot whose input file does not exist is left out with a note
+(its bench step was skipped); a malformed input is an error.
 """
 
 from __future__ import annotations
@@ -105,21 +106,62 @@ def plot_prefill(rows: list[dict[str, str]], path: Path) -> None:
     plt.close(fig)
 
 
+def _input(option: str, path: str | None) -> str | None:
+    """The text of one plot's input file, or None (the plot is left out, with a note) when it does not exist:
+    the step that writes it was skipped or failed."""
+    if path is None:
+        return None
+    if not Path(path).is_file():
+        print(
+            f"note: {option} {path} does not exist (its bench step skipped or failed?); that plot is left out"
+        )
+        return None
+    return Path(path).read_text()
+
+
+def load_decode(text: str, path: str) -> list[dict]:
+    """bench/decode.py's results without the errored cases; ValueError naming `path` when malformed."""
+    try:
+        results = json.loads(text)["results"]
+        if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
+            raise TypeError("results is not a list of objects")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not bench/decode.py JSON results ({type(exc).__name__}: {exc})") from exc
+    return [r for r in results if not r.get("error")]
+
+
+def load_prefill(text: str, path: str) -> list[dict[str, str]]:
+    """bench/prefill.py's table rows; ValueError naming `path` when it has no such table."""
+    rows = markdown_rows(text)
+    needed = {"shape", "format", "pool", "tokens", *PREFILL_MODES}
+    if not rows or not needed <= rows[0].keys():
+        raise ValueError(
+            f"{path}: no bench/prefill.py table (a markdown table with columns {sorted(needed)})"
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--decode", help="bench/decode.py JSON results")
-    ap.add_argument("--prefill", help="bench/prefill.py markdown results")
+    ap.add_argument("--decode", help="bench/decode.py JSON results (left out with a note if missing)")
+    ap.add_argument("--prefill", help="bench/prefill.py markdown results (left out with a note if missing)")
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    if args.decode:
-        results = json.loads(Path(args.decode).read_text())["results"]
-        plot_decode([r for r in results if not r.get("error")], out / "decode.png")
+    decode = _input("--decode", args.decode)
+    prefill = _input("--prefill", args.prefill)
+    # Parse both before drawing either: a malformed input fails the step before any PNG is written.
+    decode_results = load_decode(decode, args.decode) if decode is not None else None
+    prefill_rows = load_prefill(prefill, args.prefill) if prefill is not None else None
+    if decode_results == []:
+        print(f"note: {args.decode} has no successful case; decode.png is left out")
+    elif decode_results is not None:
+        plot_decode(decode_results, out / "decode.png")
         written.append(out / "decode.png")
-    if args.prefill:
-        plot_prefill(markdown_rows(Path(args.prefill).read_text()), out / "prefill.png")
+    if prefill_rows is not None:
+        plot_prefill(prefill_rows, out / "prefill.png")
         written.append(out / "prefill.png")
     for p in written:
         print(f"wrote {p}")

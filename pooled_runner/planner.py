@@ -70,6 +70,7 @@ class DevicePlanner:
                 "must all be >= 1"
             )
         self.pool = pool
+        pool.device_planned = True  # its host bookkeeping is stale until store_to_pool()
         self.policy: Policy = policy if policy is not None else CycleLRUPolicy()
         self.max_routed = max_routed
         self.block_m = block_m

@@ -72,3 +72,29 @@ def test_table_and_plots(results, tmp_path):
     assert [p.name for p in written] == ["decode.png", "prefill.png"]
     for p in written:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
+
+
+def test_plot_leaves_out_missing_inputs_and_refuses_malformed_ones(results, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    header, rows = results
+    data = tmp_path / "decode.json"
+    data.write_text(json.dumps({"header": header, "results": [asdict(r) for r in rows]}))
+    missing = tmp_path / "bench_prefill.md"  # the prefill step was skipped
+    written = plot.main(["--decode", str(data), "--prefill", str(missing), "--out-dir", str(tmp_path / "a")])
+    assert [p.name for p in written] == ["decode.png"]
+    assert f"--prefill {missing} does not exist" in capsys.readouterr().out
+    assert plot.main(["--decode", str(tmp_path / "none.json"), "--out-dir", str(tmp_path / "b")]) == []
+    errored = tmp_path / "errored.json"
+    errored.write_text(json.dumps({"results": [{"error": "OOM"}]}))
+    assert plot.main(["--decode", str(errored), "--out-dir", str(tmp_path / "b")]) == []
+    assert "no successful case" in capsys.readouterr().out
+    bad_json, no_table = tmp_path / "bad.json", tmp_path / "no_table.md"
+    bad_json.write_text('{"results": [')
+    no_table.write_text("### Prefill step\n\nerror: CUDA out of memory\n")
+    for argv, match in (
+        (["--decode", str(bad_json)], "bad.json: not bench/decode.py JSON results"),
+        (["--decode", str(data), "--prefill", str(no_table)], "no_table.md: no bench/prefill.py table"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            plot.main([*argv, "--out-dir", str(tmp_path / "c")])
+    assert not list((tmp_path / "b").iterdir()) and not list((tmp_path / "c").iterdir())
