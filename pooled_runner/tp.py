@@ -185,13 +185,20 @@ def _synced(source: PooledMoE | ExpertPool) -> tuple[ExpertPool, PoolStats]:
     return pool, stats
 
 
+def _policy_state(source: PooledMoE | ExpertPool) -> dict[str, torch.Tensor]:
+    """The device planner policy's state tensors of a `PooledMoE` on the GPU path (empty otherwise)."""
+    planner = getattr(getattr(source, "_gpu_path", None), "planner", None)
+    return dict(planner.policy.state_tensors()) if planner is not None else {}
+
+
 def table_digests(
     source: PooledMoE | ExpertPool,
     layer_names: list[str] | None = None,
     telemetry: dict[str, torch.Tensor] | None = None,
 ) -> tuple[list[str], torch.Tensor]:
     """Names and int64 hashes `[N]` of everything ranks must agree on: each layer's location table, the LRU
-    order (it decides future evictions), the plan counters and each telemetry tensor.
+    order (it decides future evictions), the plan counters, the device planner policy's state and each
+    telemetry tensor.
 
     `source` is the rank's `PooledMoE` (on CUDA its device planner's state is synced to the host first, a
     boundary operation, and the counters include the device-planned steps), or a bare host-planned
@@ -214,6 +221,8 @@ def table_digests(
         ("LRU order of the pool rows", repr([(r, pool.row_owner[r]) for r in pool.lru_rows()]).encode())
     )
     entries.append(("plan counters", repr((s.hits, s.misses, s.admissions, s.evictions)).encode()))
+    for key, t in sorted(_policy_state(source).items()):  # e.g. lru-cycle's cycle starts decide evictions
+        entries.append((f"planner policy state {key}", t.detach().cpu().contiguous().numpy().tobytes()))
     for key, t in sorted((telemetry or {}).items()):
         entries.append((f"telemetry {key}", t.detach().cpu().contiguous().numpy().tobytes()))
     return [n for n, _ in entries], torch.tensor([_digest(b) for _, b in entries], dtype=torch.int64)
