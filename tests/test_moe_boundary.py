@@ -9,6 +9,8 @@ import torch
 
 from pooled_runner import PoolConfig, PooledMoE
 from pooled_runner.gpu_path import GpuPath
+from pooled_runner.planner import DevicePlanner
+from pooled_runner.policies import LRUPolicy
 from pooled_runner.tp import TablesDisagree, check_agreement, table_digests
 from tests.reference import dense_reference, random_expert_weights
 
@@ -28,9 +30,11 @@ def build(rows: int = ROWS, staging: bool = False, seed: int = 3) -> tuple[Poole
 
 
 def device_planned(moe: PooledMoE) -> GpuPath:
-    """Attach the GPU path (its device planner, on CPU tensors); steps are then planned by `planner.plan`."""
+    """Attach the GPU path (its device planner, on CPU tensors); steps are then planned by `planner.plan`.
+    Its policy is plain LRU here, so the tables must equal the pool's own host LRU (`plan_step`)."""
     gpu = moe._gpu()
     assert gpu.planner is not None
+    gpu.planner = DevicePlanner(gpu.pool, LRUPolicy(), max_routed=gpu.planner.max_routed)
     return gpu
 
 
