@@ -29,7 +29,7 @@ import torch
 from pooled_runner import envs
 from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.kernels.plan_lru import plan_lru
-from pooled_runner.kernels.row_gather import gather_rows
+from pooled_runner.kernels.row_gather import MAX_MULTI_OPERANDS, MULTI_CHUNK_PROGRAMS, gather_rows_multi
 from pooled_runner.planner_twin import FREE, residency_from_pool, table_problems
 from pooled_runner.policies import LRUPolicy, Policy
 from pooled_runner.pool import ExpertPool
@@ -52,6 +52,8 @@ class DevicePlanner:
       fused: plan with the single-launch kernel (`kernels/plan_lru.py`); only for LRU and lru-cycle. None = on
         CUDA with those unless POOLED_RUNNER_TORCH_PLANNER is set; True on the CPU runs it under the Triton
         interpreter (tests).
+      gather_chunks: programs per admitted expert and operand in the admission copy (more stream the pinned
+        bank at a higher PCIe rate; unused ones exit at once).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class DevicePlanner:
         min_reads_to_admit: int = 1,
         debug_checks: bool | None = None,
         fused: bool | None = None,
+        gather_chunks: int = MULTI_CHUNK_PROGRAMS,
     ):
         if max_routed < 1 or block_m < 1 or min_reads_to_admit < 1:
             raise ValueError(
@@ -76,6 +79,7 @@ class DevicePlanner:
         self.block_m = block_m
         self.min_reads_to_admit = min_reads_to_admit
         self.debug_checks = envs.debug_checks() if debug_checks is None else debug_checks
+        self.gather_chunks = gather_chunks
         R, L, EM = pool.num_rows, pool.num_layers, pool.max_experts
         self.num_rows, self.num_layers, self.max_experts = R, L, EM
         dev = pool.device
@@ -235,23 +239,25 @@ class DevicePlanner:
         self._gather(layer, victims, codes, valid)
 
     def _gather(self, layer: int, victims: torch.Tensor, codes: torch.Tensor, valid: torch.Tensor) -> None:
-        """Copy the admitted experts (`codes` = R + expert, where `valid`) from the bank into their rows."""
+        """Copy the admitted experts (`codes` = R + expert, where `valid`) from the bank into their rows: one
+        launch for up to four operands (`gather_rows_multi`)."""
         if self._bank_flat is None:
             return  # every expert resident: nothing is ever a miss
         offset = self.pool.bank.layer_offsets[layer]  # type: ignore[union-attr]
         force = self.fused and not self.clock.is_cuda  # the interpreter runs the gather kernel too
-        for name, dst in self._rows_flat.items():
-            gather_rows(
-                dst,
+        names = list(self._rows_flat)
+        for i in range(0, len(names), MAX_MULTI_OPERANDS):
+            group = names[i : i + MAX_MULTI_OPERANDS]
+            gather_rows_multi(
+                [self._rows_flat[n] for n in group],
+                [self._bank_flat[n] for n in group],
                 victims,
-                dst,
-                self._bank_flat[name],
                 codes,
                 valid,
                 self.num_rows,
                 offset,
                 force_triton=force,
-                check_pinned=False,
+                chunk_programs=self.gather_chunks,
             )
 
     def _plan_ops(self, layer: int, topk_ids: torch.Tensor, E: int, num_pairs: int) -> None:
