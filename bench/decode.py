@@ -24,34 +24,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import time
 import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from bench.baselines import AllHostView, AllResident, Ours, PerLayerSlots, Traffic
+from bench.baselines import AllHostView, AllResident, Ours, PerLayerSlots
 from bench.common import Bandwidths, bound_ms, commit_id, measure_bandwidths, print_table, write
-from bench.kernels import random_rows
+from bench.decode_steps import FMT, Shape, empty_cache, make_bank, make_ours, time_steps
 from bench.traces import synthetic_trace
-from pooled_runner import PoolConfig, PooledMoE
-from pooled_runner.bank import ExpertBank
-from pooled_runner.formats import make_format
 
-FMT = "bf16"
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The stack: H, I, E experts per layer, top-k, L layers."""
-
-    H: int = 2048
-    I: int = 768
-    E: int = 128
-    K: int = 8
-    L: int = 12
-
+__all__ = ["BATCHES", "POOLS", "QWEN3", "TRACES", "Result", "Shape", "run", "table"]
 
 QWEN3 = Shape()
 TRACES = {  # name: synthetic_trace arguments
@@ -77,119 +61,6 @@ class Result:
     ours_speedup: float  # this system's ms / ours' ms at the same (trace, bs, pool)
     graph: str
     error: str = ""
-
-
-def make_bank(shape: Shape, device: torch.device, g: torch.Generator) -> ExpertBank:
-    """Bank of L layers of random bf16 experts (pinned on CUDA), generated on `device` layer by layer."""
-    H, I, E = shape.H, shape.I, shape.E
-    bank = ExpertBank(
-        make_format(FMT, torch.bfloat16).operands(H, I), [E] * shape.L, pin=device.type == "cuda"
-    )
-    for layer in range(shape.L):
-        rows = random_rows(FMT, H, I, E, device.type, g)
-        lo, hi = bank.layer_offsets[layer], bank.layer_offsets[layer + 1]
-        for name, t in rows.items():
-            bank.tensors_host[name][lo:hi].copy_(t)
-    _sync(device)
-    return bank
-
-
-def make_ours(bank: ExpertBank, shape: Shape, rows: int, max_bs: int, device: torch.device) -> Ours:
-    """PooledMoE over a copy of `bank`; rows start with experts 0.. of every layer (as the slots do)."""
-    L, E = shape.L, shape.E
-    moe = PooledMoE(
-        PoolConfig(pool_rows=rows, weight_format=FMT, device=device.type, prefill_staging=False),
-        shape.H,
-        shape.I,
-        top_k=shape.K,
-        dtype=torch.bfloat16,
-    )
-    for _ in range(L):
-        moe.register_layer(E)
-    moe.set_decode_lanes(max_bs)
-    moe.allocate()
-    assert moe.bank is not None, f"pool_rows={rows} holds every expert: no bank"
-    for name, t in moe.bank.tensors_host.items():
-        t.copy_(bank.tensors_host[name])
-    moe.finalize(priority=[(layer, e) for e in range(E) for layer in range(L)])
-    return Ours(moe)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-class StepTimer:
-    """Milliseconds between `start()` and `stop()`: CUDA events on a GPU, the host clock elsewhere (CPU tests)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def start(self) -> None:
-        if self.cuda:
-            self._start, self._end = (
-                torch.cuda.Event(enable_timing=True),
-                torch.cuda.Event(enable_timing=True),
-            )
-            self._start.record()
-        else:
-            self._t0 = time.perf_counter()
-
-    def stop(self) -> float:
-        if self.cuda:
-            self._end.record()
-            self._end.synchronize()
-            return self._start.elapsed_time(self._end)
-        return (time.perf_counter() - self._t0) * 1e3
-
-
-def time_steps(
-    system, ids: torch.Tensor, x: torch.Tensor, w: torch.Tensor, warm: int
-) -> tuple[float, Traffic]:  # type: ignore[no-untyped-def]
-    """Mean ms per step of the trace `ids [S, L, T, K]` after `warm` steps, and the timed steps' traffic.
-
-    A capturable system on CUDA runs one step captured in a CUDA graph, replayed with each step's routing copied
-    into its static ids; the others (and every system off CUDA) run eagerly.
-    """
-    S, L = ids.shape[:2]
-    capture = system.capturable and ids.is_cuda
-    static_ids = ids[0].clone()  # [L, T, K]
-
-    def eager(step_ids: torch.Tensor) -> None:
-        for layer in range(L):
-            system.forward(layer, x[layer], step_ids[layer], w[layer])
-
-    graph = None
-    if capture:
-        eager(static_ids)  # compiles the kernels; ours hands its tables to the device planner (trace step 0)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            eager(static_ids)
-
-    def step(s: int) -> None:
-        if graph is None:
-            eager(ids[s])
-        else:
-            static_ids.copy_(ids[s])
-            graph.replay()
-
-    for s in range(1 if capture else 0, warm):
-        step(s)
-    _sync(ids.device)
-    before = system.traffic()  # ours: a boundary read of the planner's counters (syncs)
-    timer = StepTimer(ids.device)
-    timer.start()
-    for s in range(warm, S):
-        step(s)
-    ms = timer.stop() / (S - warm)
-    if hasattr(system, "account"):  # forward never syncs: count the timed steps' traffic from the trace
-        ids_cpu = ids[warm:].cpu()
-        for s in range(ids_cpu.shape[0]):
-            for layer in range(L):
-                system.account(layer, ids_cpu[s, layer])
-    return ms, system.traffic() - before
 
 
 def measure(system, ids, x, w, warm, bw: Bandwidths, key: tuple[str, int, float]) -> Result:  # type: ignore[no-untyped-def]
@@ -252,7 +123,7 @@ def run(
             r = measure(system, ids, x[bs], w[bs], warm, bw, (name, bs, 0.0))
             fixed.setdefault((name, bs), []).append(r)
         del system
-        _empty_cache(device)
+        empty_cache(device)
     results: list[Result] = []
     for frac in pools:
         rows = int(frac * L * E)
@@ -277,14 +148,9 @@ def run(
             if isinstance(s, Ours) and s.moe.bank is not None:
                 s.moe.bank.close()
         del systems
-        _empty_cache(device)
+        empty_cache(device)
     bank.close()
     return header, results
-
-
-def _empty_cache(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def table(results: list[Result]) -> str:
