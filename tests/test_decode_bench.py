@@ -12,7 +12,9 @@ import torch
 
 from bench import decode, plot
 from bench.common import Bandwidths
-from bench.decode_traces import FAMILIES, RECORDED
+from bench.decode_steps import make_bank, make_ours
+from bench.decode_traces import FAMILIES, RECORDED, TraceKey, verify_steps
+from bench.traces import synthetic_trace
 
 SHAPE = decode.Shape(H=16, I=8, E=12, K=3, L=2)
 BATCHES, POOLS = (1, 3), (0.25, 0.5)
@@ -133,3 +135,22 @@ def test_plot_leaves_out_missing_inputs_and_refuses_malformed_ones(results, tmp_
         with pytest.raises(ValueError, match=match):
             plot.main([*argv, "--out-dir", str(tmp_path / "c")])
     assert not list((tmp_path / "b").iterdir()) and not list((tmp_path / "c").iterdir())
+
+
+def test_verify_steps_wider_than_the_lanes_fail_their_row():
+    """A verify step that would leave the decode path (lanes sized for plain decode) is an error row, not a
+    quietly host-planned measurement; lanes of bs x (1 + num_spec) keep every step on the decode path."""
+    bw = Bandwidths(hbm_read=4e12, host_zero_copy=5e10, host_to_device_copy=5.5e10)
+    tiny, cpu = decode.Shape(H=8, I=4, E=8, K=2, L=2), torch.device("cpu")
+    bank = make_bank(tiny, cpu, torch.Generator().manual_seed(0))
+    key = TraceKey("t", 2, 3)
+    ids = verify_steps(synthetic_trace(4 * 4, 2, 8, 2, 2, seed=1).ids.long(), 3)  # [4, L, 8, K]
+    x = torch.randn(2, 8, 8).bfloat16()
+    w = torch.softmax(torch.randn(2, 8, 2), -1)
+    narrow = make_ours(bank, tiny, 6, 2, cpu)
+    bad = decode.measure(narrow, key, 0.5, ids, x, w, 1, bw, 2.0)
+    assert "left the decode path" in bad.error and math.isnan(bad.ms)
+    wide = make_ours(bank, tiny, 6, 8, cpu)
+    good = decode.measure(wide, key, 0.5, ids, x, w, 1, bw, 2.0)
+    assert not good.error and good.tokens == 8 and "lanes 8" in good.graph
+    assert dict(wide.moe.step_widths["decode"]) == {8: 4} and not wide.moe.step_widths["prefill"]
