@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-PREFILL_MODES = ("resident", "host view", "stage sync", "stage")
+PREFILL_MODES = ("resident", "host view", "page-in waves", "stage sync", "stage")
 
 
 def markdown_rows(text: str) -> list[dict[str, str]]:
@@ -108,7 +108,7 @@ def plot_prefill(rows: list[dict[str, str]], path: Path) -> None:
             (r for r in rows if (r["shape"], r["format"], r["pool"]) == case and _float(r["tokens"]) > 0),
             key=lambda r: _float(r["tokens"]),
         )
-        for mode in PREFILL_MODES:
+        for mode in (m for m in PREFILL_MODES if sel and m in sel[0]):  # older tables lack page-in waves
             ax.plot(
                 [_float(r["tokens"]) for r in sel], [_float(r[mode]) for r in sel], marker="o", label=mode
             )
