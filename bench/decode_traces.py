@@ -83,7 +83,10 @@ def build_traces(
             recorded = record_trace(RecordedModel(L, E, K), tokens, lanes, seed=29).ids.long()
             seconds = time.perf_counter() - t0
             per_bs = {bs: recorded[:, :, :bs].contiguous() for bs in batches}
-            how = f"recorded in {seconds:.1f} s on the CPU ({lanes} sequences x {tokens} tokens)"
+            how = (
+                f"recorded in {seconds:.1f} s on the CPU ({lanes} sequences x {tokens} tokens; model layer l = "
+                "bench layer l)"
+            )
         else:
             spec = SYNTHETIC[family]
             per_bs = {
