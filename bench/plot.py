@@ -1,5 +1,6 @@
-"""PNG plots of benchmark results (matplotlib): decode tokens/s and hit rate vs pool fraction per system (from
-bench/decode.py's JSON), prefill step time vs prompt tokens per mode (from bench/prefill.py's markdown table).
+"""PNG plots of benchmark results (matplotlib): decode tokens/s per request and hit rate vs pool fraction per
+system, plain and MTP (from bench/decode.py's JSON), prefill step time vs prompt tokens per mode (from
+bench/prefill.py's markdown table).
 
 Usage: python -m bench.plot [--decode results.json] [--prefill prefill.md] --out-dir DIR
 Writes DIR/decode.png and/or DIR/prefill.png. A plot whose input file does not exist is left out with a note
@@ -14,6 +15,7 @@ import math
 from pathlib import Path
 
 PREFILL_MODES = ("resident", "host view", "page-in waves", "stage sync", "stage")
+OPTIONAL_PREFILL_MODES = {"page-in waves"}  # tables written before that mode existed lack it
 
 
 def markdown_rows(text: str) -> list[dict[str, str]]:
@@ -108,7 +110,7 @@ def plot_prefill(rows: list[dict[str, str]], path: Path) -> None:
             (r for r in rows if (r["shape"], r["format"], r["pool"]) == case and _float(r["tokens"]) > 0),
             key=lambda r: _float(r["tokens"]),
         )
-        for mode in (m for m in PREFILL_MODES if sel and m in sel[0]):  # older tables lack page-in waves
+        for mode in (m for m in PREFILL_MODES if m in sel[0]):  # older tables lack the optional modes
             ax.plot(
                 [_float(r["tokens"]) for r in sel], [_float(r[mode]) for r in sel], marker="o", label=mode
             )
@@ -150,7 +152,7 @@ def load_decode(text: str, path: str) -> list[dict]:
 def load_prefill(text: str, path: str) -> list[dict[str, str]]:
     """bench/prefill.py's table rows; ValueError naming `path` when it has no such table."""
     rows = markdown_rows(text)
-    needed = {"shape", "format", "pool", "tokens", *PREFILL_MODES}
+    needed = {"shape", "format", "pool", "tokens", *PREFILL_MODES} - OPTIONAL_PREFILL_MODES
     if not rows or not needed <= rows[0].keys():
         raise ValueError(
             f"{path}: no bench/prefill.py table (a markdown table with columns {sorted(needed)})"
