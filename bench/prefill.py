@@ -23,6 +23,7 @@ import argparse
 import datetime
 import gc
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -170,13 +171,19 @@ def measure_case(
         moe = build(dims, fmt, frac, mode, g, device, staging_min_tokens)
         if mode == "stage":
             miss_gb = nonresident_bytes(moe) / 1e9
+        t0 = time.perf_counter()
         t[mode] = {T: step_ms(pooled_forward(moe), make_routes(dims, T, g, device), dev) for T in tokens}
+        print(f"  {fmt} {frac:.0%} {mode}: {t[mode]} ({time.perf_counter() - t0:.0f} s)", flush=True)
         if mode == "host_view":
             slots = build_page_in(moe, fmt, page_in_slots(dims, frac))
             del moe  # its rows; the bank lives on in `slots`
             empty_cache(dev)
             before = slots.traffic()
+            t0 = time.perf_counter()
             t["page_in"] = {T: step_ms(slots.forward, make_routes(dims, T, g, device), dev) for T in tokens}
+            print(
+                f"  {fmt} {frac:.0%} page_in: {t['page_in']} ({time.perf_counter() - t0:.0f} s)", flush=True
+            )
             d = slots.traffic() - before
             waves = d.waves / max(1, d.layer_steps)
             del slots
@@ -224,6 +231,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default="")
+    ap.add_argument("--shapes", default="", help="comma-separated subset of " + ",".join(SHAPES))
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -240,7 +248,14 @@ def main() -> None:
         else [("qwen3", "bf16"), ("qwen3", "int4-g128"), ("deepseek", "bf16"), ("deepseek", "int4-g128")]
     )
     rows_out: list[list[object]] = []
+    note = (
+        "page-in waves: SGLang paged experts' per-layer slots at stage's VRAM (pool rows + two full-layer "
+        "staging buffers, split evenly over the layers, at most E per layer: with few layers it can hold every "
+        "expert); ratios > 1: stage is that many times faster."
+    )
     for shape, fmt in cases:
+        if args.shapes and shape not in args.shapes.split(","):
+            continue
         for frac in (0.25, 0.5):
             try:
                 t, miss_gb, waves = measure_case(SHAPES[shape], fmt, frac, tokens, g)
@@ -249,16 +264,19 @@ def main() -> None:
                 continue
             slots = page_in_slots(SHAPES[shape], frac)
             rows_out += table_rows((shape, fmt, frac), slots, t, miss_gb, waves, copy_bw)
-    table = print_table("Prefill step, whole stack (ms)", HEADER, rows_out)
-    note = (
-        "page-in waves: SGLang paged experts' per-layer slots at stage's VRAM (pool rows + two full-layer "
-        "staging buffers, split evenly over the layers, at most E per layer: with few layers it can hold every "
-        "expert); ratios > 1: stage is that many times faster."
-    )
-    write(
-        args.out,
-        [header, f"measured: H2D copy {copy_bw:.1f} GB/s, HBM read {hbm:.0f} GB/s", "", table, "", note],
-    )
+            # the table so far, after every case: a run cut short by its time cap keeps what it measured
+            table = print_table("Prefill step, whole stack (ms)", HEADER, rows_out)
+            write(
+                args.out,
+                [
+                    header,
+                    f"measured: H2D copy {copy_bw:.1f} GB/s, HBM read {hbm:.0f} GB/s",
+                    "",
+                    table,
+                    "",
+                    note,
+                ],
+            )
 
 
 if __name__ == "__main__":
