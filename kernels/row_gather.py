@@ -163,7 +163,8 @@ def gather_rows(
 # --------------------------------------------------------------------------------------------------
 # Several operands in one launch (the planner's admission copy: one launch per layer step, not per operand).
 MAX_MULTI_OPERANDS = 4
-MULTI_CHUNK_PROGRAMS = 32  # per pair and operand (128 measured no faster on the H200 trace and slower at M=4-8)
+# per pair and operand (128 measured no faster on the H200 trace and slower at M=4-8)
+MULTI_CHUNK_PROGRAMS = 32
 
 
 def _check_multi(
