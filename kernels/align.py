@@ -14,8 +14,10 @@ Padding ids (-1) and ids >= num_experts are not placed: their pairs contribute n
 Upper bound of used blocks: each expert with c pairs uses ceil(c / block_m) blocks, so
 `max_blocks = min(N, ceil(N / block_m) + E)` with N = T*K.
 
-Two device paths with identical results: one program (decode: N <= SMALL_MAX_PAIRS, one launch), and three
-launches (count per chunk, scan, scatter) for wide steps.
+Three device paths with identical results: for decode steps (N <= TINY_MAX_PAIRS) one program computing
+everything in registers from one load of the ids and one gather of their codes; one program with phases
+through global memory (N <= SMALL_MAX_PAIRS, one launch); and three launches (count per chunk, scan, scatter)
+for wide steps.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import triton.language as tl
 CHUNK = 128  # pairs per rank computation ([CHUNK, CHUNK] compare)
 BLOCK_CHUNK = 64  # blocks per step of the block-table pass
 SMALL_MAX_PAIRS = 1024  # up to this many pairs, the one-program path
+TINY_MAX_PAIRS = 64  # up to this many pairs, the register-only one-program path (`_align_tiny_kernel`)
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,67 @@ def _align_small_kernel(
 
 
 @triton.jit
+def _align_tiny_kernel(
+    ids_ptr,
+    l2p_ptr,
+    sorted_ptr,
+    block_experts_ptr,
+    block_codes_ptr,
+    block_order_ptr,
+    num_post_ptr,
+    num_pairs,
+    num_experts,
+    num_rows,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    P_POW2: tl.constexpr,
+    S_CHUNK: tl.constexpr,
+):
+    """`_align_small_kernel` for N <= P_POW2 pairs with no global round trip between phases: counts, ranks,
+    segment starts and the block table come from [P, P] compares of the ids in registers; the only dependent
+    loads are ids -> l2p codes (per pair, then selected per block), and one barrier orders the padding fill
+    of `sorted_pairs` before the scatter of the pairs into it."""
+    i = tl.arange(0, P_POW2)
+    e = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1).to(tl.int32)
+    valid = (i < num_pairs) & (e >= 0) & (e < num_experts)
+    code = tl.load(l2p_ptr + e, mask=valid, other=-1)
+    same = (e[:, None] == e[None, :]) & valid[:, None] & valid[None, :]  # [i, j]
+    before = (i[None, :] < i[:, None]).to(tl.int32)
+    rank = tl.sum(same.to(tl.int32) * before, axis=1)  # earlier pairs of my expert
+    count = tl.sum(same.to(tl.int32), axis=1)
+    first = valid & (rank == 0)  # one representative per expert
+    padded = tl.where(first, tl.cdiv(count, BLOCK_M) * BLOCK_M, 0)
+    smaller = first[None, :] & (e[None, :] < e[:, None])  # [i, j]: j is the first pair of a smaller expert
+    start = tl.sum(tl.where(smaller, padded[None, :], 0), axis=1)  # my expert's first slot
+    total = tl.sum(padded, axis=0)
+    tl.store(num_post_ptr, total)
+    # sorted_pairs: padding everywhere, then (after the barrier) each pair at its slot
+    for s0 in range(0, max_blocks * BLOCK_M, S_CHUNK):
+        sl = s0 + tl.arange(0, S_CHUNK)
+        tl.store(sorted_ptr + sl, num_pairs, mask=sl < max_blocks * BLOCK_M)
+    tl.debug_barrier()
+    tl.store(sorted_ptr + start + rank, i, mask=valid)
+    # blocks: block b belongs to the expert whose segment [start, start + padded) holds slot b * BLOCK_M
+    b = tl.arange(0, P_POW2)
+    pos = b * BLOCK_M
+    used = pos < total
+    owner = first[None, :] & (start[None, :] <= pos[:, None]) & (pos[:, None] < (start + padded)[None, :])
+    expert = tl.where(used, tl.sum(tl.where(owner, e[None, :], 0), axis=1), -1)
+    bcode = tl.where(used, tl.sum(tl.where(owner, code[None, :], 0), axis=1), -1)
+    in_table = b < max_blocks
+    tl.store(block_experts_ptr + b, expert, mask=in_table)
+    tl.store(block_codes_ptr + b, bcode, mask=in_table)
+    # order: host-row blocks first, then the others, each in block order; -1 past the used blocks
+    is_host = used & (bcode >= num_rows)
+    is_other = used & (bcode < num_rows)
+    num_host = tl.sum(is_host.to(tl.int32), axis=0)
+    host_pos = tl.cumsum(is_host.to(tl.int32), axis=0) - 1
+    other_pos = num_host + tl.cumsum(is_other.to(tl.int32), axis=0) - 1
+    order_pos = tl.where(is_host, host_pos, tl.where(is_other, other_pos, b))
+    tl.store(block_order_ptr + order_pos, tl.where(used, b, -1), mask=in_table)
+
+
+@triton.jit
 def _align_count_kernel(
     ids_ptr, counts_ptr, num_pairs, num_experts, E_POW2: tl.constexpr, CHUNK: tl.constexpr
 ):
@@ -305,7 +369,13 @@ def align_blocks(
     num_post = torch.empty(1, dtype=torch.int32, device=device)
     ids = topk_ids.reshape(-1)
     common = (num_experts, num_rows, max_blocks)
-    if num_pairs <= SMALL_MAX_PAIRS:
+    if num_pairs <= TINY_MAX_PAIRS:
+        _align_tiny_kernel[(1,)](
+            ids, l2p, sorted_pairs, block_experts, block_codes, block_order, num_post,
+            num_pairs, *common,
+            BLOCK_M=block_m, P_POW2=max(16, triton.next_power_of_2(num_pairs)), S_CHUNK=1024, num_warps=4,
+        )  # fmt: skip
+    elif num_pairs <= SMALL_MAX_PAIRS:
         scratch = torch.empty(2 * e_pow2, dtype=torch.int32, device=device)
         _align_small_kernel[(1,)](
             ids, l2p, scratch, sorted_pairs, block_experts, block_codes, block_order, num_post,

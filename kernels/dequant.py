@@ -67,10 +67,19 @@ def _int4_tile(w_base, s_base, z_base, offs_n, mask_n, k0, K, w_sn, s_sn, z_sn,
     wmask = mask_n[:, None] & (kw < K // 8)[None, :]
     words = tl.load(w_base + offs_n[:, None] * w_sn + kw[None, :], mask=wmask, other=0)
     kg = (kw * 8) // GROUP
-    s = tl.load(s_base + offs_n[:, None] * s_sn + kg[None, :], mask=wmask, other=0.0).to(tl.float32)
+    if GROUP % BLOCK_K == 0:
+        # the tile lies in one group (K is a multiple of GROUP, so of BLOCK_K: no partial tile): one scale
+        # (and zero point) per row instead of one load per word
+        g1 = k0 // GROUP
+        s = tl.load(s_base + offs_n * s_sn + g1, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    else:
+        s = tl.load(s_base + offs_n[:, None] * s_sn + kg[None, :], mask=wmask, other=0.0).to(tl.float32)
     # value = (2^23 + q) - (2^23 + zero point), exact in fp32, with no int -> float convert
     if HAS_ZERO:
-        z = tl.load(z_base + offs_n[:, None] * z_sn + kg[None, :], mask=wmask, other=0).to(tl.float32)
+        if GROUP % BLOCK_K == 0:
+            z = tl.load(z_base + offs_n * z_sn + g1, mask=mask_n, other=0).to(tl.float32)[:, None]
+        else:
+            z = tl.load(z_base + offs_n[:, None] * z_sn + kg[None, :], mask=wmask, other=0).to(tl.float32)
         zf = z + 8388608.0
     else:
         zf = 8388616.0
@@ -107,8 +116,12 @@ def _nvfp4_tile(w_base, s_base, g_base, offs_n, mask_n, k0, K, w_sn, s_sn,
     kw = k0 // 8 + tl.arange(0, KW)
     wmask = mask_n[:, None] & (kw < K // 8)[None, :]
     words = tl.load(w_base + offs_n[:, None] * w_sn + kw[None, :], mask=wmask, other=0)
-    raw_s = tl.load(s_base + offs_n[:, None] * s_sn + (kw // 2)[None, :], mask=wmask)
-    s = tl.where(wmask, e4m3_to_f32(raw_s, NATIVE_FP8) * 16384.0, 0.0)  # exact (a power of two)
+    # one scale per two words, loaded once and repeated in registers (join: a new in-thread axis)
+    kg = k0 // 16 + tl.arange(0, KW // 2)
+    gmask = mask_n[:, None] & (kg < K // 16)[None, :]
+    raw_s = tl.load(s_base + offs_n[:, None] * s_sn + kg[None, :], mask=gmask)
+    s2 = tl.where(gmask, e4m3_to_f32(raw_s, NATIVE_FP8) * 16384.0, 0.0)  # exact (a power of two)
+    s = tl.reshape(tl.join(s2, s2), (s2.shape[0], KW))
     g = tl.load(g_base)
     # e2m1 * scale is exact; then one rounding by the global, as the reference
     return _interleave8(

@@ -1,5 +1,6 @@
 """The pooled MoE forward on the kernels: align+locate -> gemm1 (+SiLU*mul) -> gemm2 -> weighted combine, or for
-a few routed pairs the two-launch decode path (`decode.py`).
+a few routed pairs one of two two-launch decode paths: on tensor cores (`decode.py`) or on CUDA cores
+(`gemv.py`).
 
 Graph-safe: every buffer is sized from host-known shapes (T, K, E, block sizes), routing stays on the device,
 nothing is read back. Torch references with the same signatures sit beside each stage.
@@ -9,10 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from pooled_runner import envs
+
 from .align import AlignOutput, align_blocks
 from .combine import combine
 from .decode import DECODE_MAX_PAIRS, decode_moe
 from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4
+from .gemv import GEMV_MAX_PAIRS, GemvConfig, gemv_moe, gemv_supported
 from .moe_gemm import GemmConfig, gemm1, gemm2, interpreting
 from .operands import KernelFormat, Projection, make_projection
 
@@ -20,6 +24,12 @@ from .operands import KernelFormat, Projection, make_projection
 # gemm2 + combine at every decode shape measured (Qwen3-like bf16 M=1: 59.0 vs 41.2 µs; DeepSeek-like bf16
 # M=1: 239 vs 184 µs). It stays available (decode=True) and tested.
 AUTO_DECODE_PATH = False
+
+# Kernels of decode steps (T*K <= GEMV_MAX_PAIRS routed pairs), when the caller names none: "align" (as wider
+# steps), "gemv" (gemv.py) or "mma" (decode.py). POOLED_RUNNER_MOE_DECODE, read once here; the GEMV path is
+# opt-in until it is measured on the GPU against the align path (bench/kernels.py --variants).
+VARIANTS = ("align", "gemv", "mma")
+DECODE_VARIANT = envs.moe_decode_kernel()
 
 
 def make_projections(
@@ -70,6 +80,8 @@ def pooled_fused_moe(
     fmt: KernelFormat,
     configs: tuple[GemmConfig, GemmConfig] | None = None,
     decode: bool | None = None,
+    variant: str | None = None,
+    gemv_config: GemvConfig | None = None,
 ) -> torch.Tensor:
     """Routed-experts output `[T, H]` of one pooled layer.
 
@@ -80,6 +92,9 @@ def pooled_fused_moe(
       configs: (gemm1, gemm2) tiles; default `pick_configs` (or `decode_configs`).
       decode: the two-launch decode path (`kernels/decode.py`); None: only when AUTO_DECODE_PATH and
         T*K <= DECODE_MAX_PAIRS.
+      variant: kernels of a decode step (T*K <= GEMV_MAX_PAIRS): "align", "gemv" (`kernels/gemv.py`, where
+        `gemv_supported`) or "mma" (as decode=True); None: DECODE_VARIANT. Wider steps take the align path.
+        `decode` given wins over `variant`. gemv_config: the GEMV path's tiles (default `gemv_configs`).
     """
     T, K = topk_ids.shape
     H = hidden.shape[1]
@@ -88,6 +103,14 @@ def pooled_fused_moe(
         raise ValueError(f"hidden: shape {tuple(hidden.shape)}, expected [{T}, H]")
     if T == 0:
         return torch.empty((0, H), dtype=hidden.dtype, device=hidden.device)
+    variant = variant or DECODE_VARIANT
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
+    if decode is None and T * K <= GEMV_MAX_PAIRS:
+        if variant == "gemv" and gemv_supported(fmt, H, I):
+            return gemv_moe(hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt, gemv_config)
+        if variant == "mma" and T * K <= DECODE_MAX_PAIRS:
+            decode = True
     if decode if decode is not None else (AUTO_DECODE_PATH and T * K <= DECODE_MAX_PAIRS):
         return decode_moe(hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt, configs)
     cfg1, cfg2 = configs or pick_configs(T, K, num_experts, H, I, fmt.fmt)
@@ -180,6 +203,8 @@ def pooled_fused_moe_ref(
     fmt: KernelFormat,
     configs: tuple[GemmConfig, GemmConfig] | None = None,
     decode: bool | None = None,
+    variant: str | None = None,
+    gemv_config: GemvConfig | None = None,
 ) -> torch.Tensor:
     """Reference of `pooled_fused_moe`: per distinct expert, the torch path's `expert_mlp` and `combine`."""
     from pooled_runner.torch_path import combine as torch_combine

@@ -55,6 +55,18 @@ def cache_dir() -> str:
     return _get_str("CACHE_DIR", "~/.cache/pooled_runner")
 
 
+def moe_decode_kernel() -> str:
+    """POOLED_RUNNER_MOE_DECODE: kernels of decode steps (T*K <= 64 routed pairs) on the CUDA kernel path.
+
+    `align` (default): align + gemm1 + gemm2 + combine, as wider steps. `gemv`: two launches on CUDA cores
+    (kernels/gemv.py). `mma`: the two-launch MMA decode path (kernels/decode.py). Read once, at import.
+    """
+    value = _get_str("MOE_DECODE", "align").strip().lower()
+    if value not in ("align", "gemv", "mma"):
+        raise ValueError(f"{PREFIX}MOE_DECODE={value!r}: expected align, gemv or mma")
+    return value
+
+
 def serve_config() -> str:
     """POOLED_RUNNER_SERVE_CONFIG: JSON of the resolved serving config, set by the launcher for its children."""
     return _get_str("SERVE_CONFIG", "")

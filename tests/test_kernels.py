@@ -94,6 +94,28 @@ def test_align_wide_path_used_and_exact():
     assert torch.equal(is_host, is_host.sort(descending=True, stable=True).values)
 
 
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_align_tiny_path_exact(block_m, monkeypatch):
+    """The register-only decode path (N <= TINY_MAX_PAIRS) equals the reference and the phased one-program
+    path at every N up to the limit: repeated experts, padding ids, ids >= E, host, pool and absent codes."""
+    from pooled_runner.kernels import align
+
+    g = torch.Generator().manual_seed(block_m)
+    for n in [*range(0, 18), 31, 32, 33, 47, 63, align.TINY_MAX_PAIRS]:
+        E = int(torch.randint(1, 40, (1,), generator=g))
+        R = int(torch.randint(1, E + 1, (1,), generator=g))
+        ids = torch.randint(-1, E + 2, (n, 1), generator=g)
+        l2p = torch.randint(-1, R + E, (E + 2,), generator=g).int()
+        ref = align_blocks_ref(ids, l2p, E, R, block_m)
+        got = align_blocks(ids, l2p, E, R, block_m)
+        monkeypatch.setattr(align, "TINY_MAX_PAIRS", -1)
+        phased = align_blocks(ids, l2p, E, R, block_m)
+        monkeypatch.undo()
+        for f in ALIGN_FIELDS:
+            assert torch.equal(getattr(got, f), getattr(ref, f)), f"n={n} E={E} {f}"
+            assert torch.equal(getattr(phased, f), getattr(ref, f)), f"phased n={n} E={E} {f}"
+
+
 def test_align_bad_input():
     l2p = torch.zeros(4, dtype=torch.int32)
     with pytest.raises(ValueError, match="block_m"):

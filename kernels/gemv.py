@@ -1,0 +1,620 @@
+"""GEMV decode path (few routed pairs): two launches on CUDA cores, no align, no tensor cores.
+
+  gate_up:      one program per (routed pair, N block of I): `act[pair, n] = silu(x[t] . gate[n]) * (x[t] . up[n])`
+                with the gate/up sums and the activation rounded to the compute dtype, as `gemm1` stores them.
+  down_combine: one program per (routed pair, N block of H): `y[pair, n] = round(act[pair] . w2[n])`; the last of
+                the token's K programs of an N block (a self-resetting arrival counter per (token, N block))
+                sums `w[t, k] * y[t*K + k]` in k order in fp32, exactly as `combine` does; no float atomics, so
+                the output does not depend on scheduling. `fuse_combine=False` leaves the sum to `combine`.
+
+Why (decode, M <= 8 tokens): with one token per routed pair the MMA path pads M to 16 rows and passes every
+dequantized B tile through shared memory to reach the MMA layout; here a program streams `[BLOCK_N, BLOCK_K]`
+weight tiles as packed int32 words (16-byte loads), turns each word into fp32 values with two or three integer
+ops per value and FMAs them against x in the same register layout (x is loaded through a pointer broadcast over
+the rows, so no layout conversion), and sums over K once at the end. The grid is pairs x N blocks, so even one
+token's top-8 gives a few hundred programs. The next tile's words and scales are loaded before the current
+tile is used (`prefetch`), so each program keeps one tile in flight.
+
+Per format (one int32 word holds VPW values along K; value j of word w is element `VPW * w + j`):
+  dense bf16 (VPW 2): `w << 16` and `w & 0xFFFF0000` are the two values as fp32. fp16: converted halves.
+  int4 (VPW 8): nibble j moved to fp32 mantissa bits 19..22 over the exponent of 16.0 reads as `16 + q`
+      exactly; per word `P = sum_j (16 + q_j) x_j`, then `s * (P - (16 + z) * sum_j x_j)` = `s * sum (q - z) x`.
+  NVFP4 (VPW 8): e2m1 codes j and j + 4 become the two halves of an fp16x2 (`value / 2^14`, subnormal 0.5
+      exact); the e4m3 scale per 16 values multiplies each word's sum; `* 2^14 * global` at the end.
+  fp8 e4m3 (VPW 4): bytes j and j + 2 become an fp16x2 (`value / 2^8`, subnormals exact); block scales per
+      word, channel scales and `* 2^8` at the end.
+Numerics differ from the MMA path only in rounding: dequantized weights are not rounded to the compute dtype
+(the scale multiplies a word's fp32 sum), and the K sum is one fp32 sum per row in a different order.
+
+Host rows work as in the other paths (the program picks the pool or host-view base by the pair's location
+code); host pairs are scheduled first (they are the stragglers), pool pairs sorted by expert so that pairs
+sharing an expert run side by side (L2 serves the repeat). Graph-safe: buffers sized from T, K, H, I; the
+arrival counters are a per-device workspace zeroed once and reset by the kernel itself (one stream at a time).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .combine import combine
+from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NVFP4, e4m3_to_f32
+from .moe_gemm import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _row_bases, interpreting
+from .operands import KernelFormat, Projection
+
+GEMV_MAX_PAIRS = 64  # T*K up to this: the schedule is a [P, P] rank compare inside every program
+
+# Bit constants passed as kernel arguments rather than literals: with both masks in registers ptxas emits one
+# three-input LOP3 per value for `(t & mask) | bits` (with two immediates it needs two).
+_INT4_BITS = (0x00780000, 0x41800000)  # nibble field at mantissa bits 19..22; exponent of 16.0
+_NVFP4_BITS = (0x0E000E00, 0x80008000)  # e2m1 e/m bits -> fp16 bits 9..11; sign -> bit 15 (both halves)
+_FP8_BITS = (0x3F803F80, 0x80008000)  # e4m3 e/m bits -> fp16 bits 7..13; sign -> bit 15 (both halves)
+_VALUES_PER_WORD = {FMT_DENSE: 2, FMT_INT4: 8, FMT_NVFP4: 8, FMT_FP8_CHANNEL: 4, FMT_FP8_BLOCK: 4}
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n1: int = 32  # rows of gate (and as many of up) per gate_up program
+    block_k1: int = 256  # K values per tile (a multiple of 8 words' values)
+    block_n2: int = 64  # rows of w2 per down program
+    block_k2: int = 256
+    num_warps: int = 4
+    prefetch: bool = True  # load the next tile before using the current one
+    fuse_combine: bool = True  # last-arriver combine in the down kernel (else the `combine` kernel)
+
+
+def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8) -> GemvConfig:
+    """Default tiles: ~16 packed words per thread per tile (128 registers or fewer on sm_90), N blocks halved
+    (down to 8 rows) until pairs x N blocks gives at least two programs per SM."""
+    if interpreting():  # the interpreter's cost grows with tile size; correctness only
+        return GemvConfig(16, 32, 16, 32, num_warps=4)
+    vpw = _VALUES_PER_WORD.get(fmt, 2)
+    bk = 256
+    rows = {2: 32, 4: 32, 8: 64}[vpw]  # rows per tile: 32 x 128 words (dense), 32 x 64, 64 x 32
+    min_programs = 2 * _num_sms()
+    bn1, bn2 = rows // 2, rows
+    while bn1 > 8 and num_pairs * triton.cdiv(I, bn1) < min_programs:
+        bn1 //= 2
+    while bn2 > 8 and num_pairs * triton.cdiv(H, bn2) < min_programs:
+        bn2 //= 2
+    return GemvConfig(bn1, bk, bn2, bk, num_warps=4)
+
+
+def _num_sms() -> int:
+    return _sms_of(torch.cuda.current_device()) if torch.cuda.is_available() else 132
+
+
+@functools.cache
+def _sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# ---- jit helpers ----------------------------------------------------------------------------------------------
+@triton.jit
+def _sh(w, S: tl.constexpr):
+    """`w << S` for S >= 0, `w >> -S` otherwise (callers mask the bits they keep)."""
+    if S >= 0:
+        return w << S
+    else:
+        return w >> (-S)
+
+
+@triton.jit
+def _half_lo(bits):
+    """fp32 of the fp16 in the low half of each int32."""
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _half_hi(bits):
+    """fp32 of the fp16 in the high half of each int32."""
+    return (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _ldx(ptr, xm, EVEN_K: tl.constexpr):
+    """x values in fp32 (masked past K unless EVEN_K)."""
+    if EVEN_K:
+        return tl.load(ptr).to(tl.float32)
+    else:
+        return tl.load(ptr, mask=xm, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2: tl.constexpr):
+    """(pair, code) of schedule slot `slot`: host pairs first, then pool pairs, each by (expert, pair); pairs
+    not routed here (id -1, id >= E or code -1) last with code -1. A permutation of the pairs (a bitonic sort
+    of P_POW2 keys in registers, then the slot-th key)."""
+    p = tl.arange(0, P_POW2)
+    e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+    ok = (e >= 0) & (e < num_experts)
+    codes = tl.where(ok, tl.load(l2p_ptr + e, mask=ok, other=-1), -1)
+    cls = tl.where(codes >= num_rows, 0, tl.where(codes >= 0, 1, 2))
+    key = (cls * (num_experts + 1) + tl.where(cls == 2, 0, e)) * P_POW2 + p
+    key = tl.where(p < num_pairs, key, 2147483647)
+    mine = tl.sum(tl.where(p == slot, tl.sort(key), 0), axis=0)
+    pair = mine % P_POW2
+    e_mine = tl.load(ids_ptr + pair).to(tl.int32)
+    ok_mine = (e_mine >= 0) & (e_mine < num_experts)
+    code = tl.where(ok_mine, tl.load(l2p_ptr + e_mine, mask=ok_mine, other=-1), -1)
+    return pair, code
+
+
+@triton.jit
+def _load_words(w_base, s_base, z_base, n2, nmask2, kcol, K_WORDS, w_sn, s_sn, z_sn,
+                FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                EVEN_K: tl.constexpr):  # fmt: skip
+    """One tile: the packed words `[BN, KW]` at word columns `kcol` and, per word, its fp32 scale and zero
+    point (int4, NVFP4, fp8 blocks; a word never straddles a group). Masked past N (and past K unless
+    EVEN_K: a mask that varies along K would split the 16-byte loads and keep repeated loads apart)."""
+    if EVEN_K:  # noqa: SIM108 (constexpr branch)
+        m = tl.broadcast_to(nmask2, kcol.shape)
+    else:
+        m = nmask2 & (kcol < K_WORDS)
+    words = tl.load(w_base + n2 * w_sn + kcol, mask=m, other=0)
+    if FMT == 1:
+        g = (kcol * 8) // GROUP
+        s = tl.load(s_base + n2 * s_sn + g, mask=m, other=0.0).to(tl.float32)
+        if HAS_ZERO:  # noqa: SIM108 (constexpr branch)
+            z = tl.load(z_base + n2 * z_sn + g, mask=m, other=0).to(tl.float32) + 16.0
+        else:
+            z = s
+    elif FMT == 4:
+        # fp8 loads take no `other` (see dequant.py): zero after decoding
+        s = tl.where(m, e4m3_to_f32(tl.load(s_base + n2 * s_sn + kcol // 2, mask=m), NATIVE_FP8), 0.0)
+        z = s
+    elif FMT == 3:
+        s = tl.load(s_base + (n2 // GROUP) * s_sn + (kcol * 4) // GROUP, mask=m, other=0.0)
+        z = s
+    else:
+        s = words
+        z = words
+    return words, s, z
+
+
+@triton.jit
+def _word_dot(acc, words, s, z, x_row, kcol, K_WORDS, c0, c1, FMT: tl.constexpr, HAS_ZERO: tl.constexpr,
+              COMPUTE: tl.constexpr, VPW: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """`acc [BN, KW]` plus, per word, the sum over its VPW values of weight * x (times the word's scale where
+    the format has group scales; per-row and global factors are applied by `_row_scale` at the end). x is read
+    through `[BN, KW]` pointers equal along the rows: the same layout as the words, one load per thread and
+    value (repeats across a thread's rows are merged) and no layout conversion."""
+    if EVEN_K:  # noqa: SIM108 (constexpr branch)
+        xm = None
+    else:
+        xm = kcol < K_WORDS
+    xp = x_row + kcol * VPW
+    if FMT == 0:
+        x0 = _ldx(xp, xm, EVEN_K)
+        x1 = _ldx(xp + 1, xm, EVEN_K)
+        if COMPUTE == tl.bfloat16:
+            acc += (words << 16).to(tl.float32, bitcast=True) * x0
+            acc += (words & -65536).to(tl.float32, bitcast=True) * x1
+        else:
+            acc += _half_lo(words) * x0
+            acc += _half_hi(words) * x1
+    elif FMT == 1:
+        p = tl.zeros(words.shape, dtype=tl.float32)
+        xs = tl.zeros(words.shape, dtype=tl.float32)
+        for j in tl.static_range(8):
+            xj = _ldx(xp + j, xm, EVEN_K)
+            p += ((_sh(words, 19 - 4 * j) & c0) | c1).to(tl.float32, bitcast=True) * xj
+            xs += xj
+        if HAS_ZERO:
+            acc += s * (p - z * xs)
+        else:
+            acc += s * (p - 24.0 * xs)
+    elif FMT == 4:
+        p = tl.zeros(words.shape, dtype=tl.float32)
+        for j in tl.static_range(4):
+            bits = (_sh(words, 9 - 4 * j) & c0) | (_sh(words, 12 - 4 * j) & c1)
+            p += _half_lo(bits) * _ldx(xp + j, xm, EVEN_K)
+            p += _half_hi(bits) * _ldx(xp + j + 4, xm, EVEN_K)
+        acc += s * p
+    elif FMT == 3:
+        p = tl.zeros(words.shape, dtype=tl.float32)
+        for j in tl.static_range(2):
+            bits = (_sh(words, 7 - 8 * j) & c0) | (_sh(words, 8 - 8 * j) & c1)
+            p += _half_lo(bits) * _ldx(xp + j, xm, EVEN_K)
+            p += _half_hi(bits) * _ldx(xp + j + 2, xm, EVEN_K)
+        acc += s * p
+    else:
+        for j in tl.static_range(2):
+            bits = (_sh(words, 7 - 8 * j) & c0) | (_sh(words, 8 - 8 * j) & c1)
+            acc += _half_lo(bits) * _ldx(xp + j, xm, EVEN_K)
+            acc += _half_hi(bits) * _ldx(xp + j + 2, xm, EVEN_K)
+    return acc
+
+
+@triton.jit
+def _row_scale(total, s_base, g_base, offs_n, n_ok, FMT: tl.constexpr):
+    """Per-row and global factors of a row's fp32 sum: NVFP4 `2^14 * global`, fp8 `2^8` (and the channel scale)."""
+    if FMT == 4:
+        total = total * (tl.load(g_base) * 16384.0)
+    elif FMT == 3:
+        total = total * 256.0
+    elif FMT == 2:
+        total = total * (tl.load(s_base + offs_n, mask=n_ok, other=0.0) * 256.0)
+    return total
+
+
+@triton.jit
+def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, w_sn, s_sn, z_sn, c0, c1,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
+              HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, VPW: tl.constexpr,
+              PREFETCH: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """`[BLOCK_N]` fp32: rows `offs_n` of one projection row (weights at `w_base`) dotted with x over K."""
+    KW: tl.constexpr = BLOCK_K // VPW
+    K_WORDS = K // VPW
+    zero2 = (offs_n * 0)[:, None]
+    n2 = offs_n[:, None]
+    nmask2 = n_ok[:, None]
+    kw = tl.arange(0, KW)[None, :] + zero2
+    acc = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
+    if PREFETCH:
+        words, s, z = _load_words(w_base, s_base, z_base, n2, nmask2, kw, K_WORDS, w_sn, s_sn, z_sn,
+                                  FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
+        for k0 in range(0, K_WORDS, KW):
+            kcol = kw + k0
+            # with EVEN_K the last prefetch re-reads the last tile (cached) instead of masking
+            if EVEN_K:  # noqa: SIM108 (constexpr branch)
+                nxt = kw + tl.minimum(k0 + KW, K_WORDS - KW)
+            else:
+                nxt = kcol + KW
+            nw, ns, nz = _load_words(w_base, s_base, z_base, n2, nmask2, nxt, K_WORDS, w_sn, s_sn, z_sn,
+                                     FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
+            acc = _word_dot(
+                acc, words, s, z, x_row, kcol, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K
+            )
+            words, s, z = nw, ns, nz
+    else:
+        for k0 in range(0, K_WORDS, KW):
+            kcol = kw + k0
+            words, s, z = _load_words(w_base, s_base, z_base, n2, nmask2, kcol, K_WORDS, w_sn, s_sn, z_sn,
+                                      FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
+            acc = _word_dot(
+                acc, words, s, z, x_row, kcol, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K
+            )
+    return _row_scale(tl.sum(acc, axis=1), s_base, g_base, offs_n, n_ok, FMT)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, act_ptr, ids_ptr, l2p_ptr,
+    wp, sp, zp, gp, wb, sb, zb, gb,
+    w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
+    num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1,
+    TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
+    COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    num_nb = tl.cdiv(I, BLOCK_N)
+    slot = tl.program_id(0) // num_nb
+    nb = tl.program_id(0) % num_nb
+    pair, code = _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2)
+    if code < 0:
+        return
+    w_base, s_base, z_base, g_base = _row_bases(
+        code, num_rows, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se
+    )
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
+    # gate row i and up row i interleaved: one loop over K for both, each x value serving twice the rows
+    r = tl.arange(0, 2 * BLOCK_N)
+    n_local = nb * BLOCK_N + r // 2
+    gu = _rows_dot(w_base, s_base, z_base, g_base, x_row, n_local + (r % 2) * I, n_local < I, H, w_sn, s_sn,
+                   z_sn, c0, c1, 2 * BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW,
+                   PREFETCH, EVEN_K)  # fmt: skip
+    gate, up = tl.split(tl.reshape(gu, (BLOCK_N, 2)))
+    gate = gate.to(COMPUTE).to(tl.float32)
+    up = up.to(COMPUTE).to(tl.float32)
+    act = (gate * tl.sigmoid(gate) * up).to(COMPUTE)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_act + offs_n, act, mask=offs_n < I)
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, y_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
+    wp, sp, zp, gp, wb, sb, zb, gb,
+    w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
+    num_pairs, num_experts, num_rows, H, I, stride_act, stride_y, stride_out, c0, c1,
+    TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
+    COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, FUSE_COMBINE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):  # fmt: skip
+    num_nb = tl.cdiv(H, BLOCK_N)
+    slot = tl.program_id(0) // num_nb
+    nb = tl.program_id(0) % num_nb
+    pair, code = _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    if code >= 0:
+        w_base, s_base, z_base, g_base = _row_bases(
+            code, num_rows, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se
+        )
+        x_row = act_ptr + pair.to(tl.int64) * stride_act
+        y = _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, I, w_sn, s_sn, z_sn, c0, c1,
+                      BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH,
+                      EVEN_K)  # fmt: skip
+        tl.store(y_ptr + pair.to(tl.int64) * stride_y + offs_n, y.to(COMPUTE), mask=n_ok)
+    if FUSE_COMBINE:
+        t = pair // TOP_K
+        # every thread's y stores happen before the (one-thread, release) arrival; the last of the token's K
+        # arrivals (acquire) sums the K rows of y, read from L2
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + t * num_nb + nb, 1, sem="acq_rel", scope="gpu")
+        if arrived == TOP_K - 1:
+            tl.store(cnt_ptr + t * num_nb + nb, 0)  # ready for the next launch
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for k in tl.static_range(TOP_K):
+                pk = t * TOP_K + k
+                e = tl.load(ids_ptr + pk).to(tl.int32)
+                routed = (e >= 0) & (e < num_experts)
+                routed = routed & (tl.load(l2p_ptr + e, mask=routed, other=-1) >= 0)
+                wk = tl.load(tw_ptr + pk).to(tl.float32)
+                yk = tl.load(y_ptr + pk.to(tl.int64) * stride_y + offs_n, mask=n_ok & routed, other=0.0,
+                             cache_modifier=".cg").to(tl.float32)  # fmt: skip
+                acc += tl.where(routed, wk * yk, 0.0)
+            tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, acc.to(COMPUTE), mask=n_ok)
+
+
+# ---- launchers -----------------------------------------------------------------------------------------------
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Arrival counters, zero between launches (the kernel resets what it uses). Allocated on first use of a
+    size; make that first use happen before graph capture (warm-up), as for compilation."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def gemv_supported(fmt: KernelFormat, H: int, I: int) -> bool:
+    """Whether the GEMV path takes this format and shape (K of both projections a multiple of a word)."""
+    vpw = _VALUES_PER_WORD.get(fmt.fmt)
+    return vpw is not None and H % vpw == 0 and I % vpw == 0
+
+
+def _word_args(proj: Projection, fmt: KernelFormat) -> tuple[list[torch.Tensor], list[int], bool, int, int]:
+    """Kernel pointers with the weight (pool and host view) as int32 words, row/N strides in words, bit masks."""
+    native = not interpreting()
+    ptrs = list(proj.pointers())
+    strides = proj.row_strides()
+    vpe = fmt.values_per_element()  # weight values per stored element
+    per_word = _VALUES_PER_WORD[fmt.fmt] // vpe  # stored elements per word
+    for i in (0, 4):
+        w = ptrs[i]
+        if w.dtype == torch.float8_e4m3fn:
+            w = w.view(torch.uint8)
+        ptrs[i] = w.view(torch.int32) if w.dtype != torch.int32 else w
+    strides[0] //= per_word
+    strides[4] //= per_word
+    for i in (1, 5):  # scales
+        if ptrs[i].dtype == torch.float8_e4m3fn and not native:
+            ptrs[i] = ptrs[i].view(torch.uint8)
+    if fmt.fmt == FMT_INT4:
+        c0, c1 = _INT4_BITS
+    elif fmt.fmt == FMT_NVFP4:
+        c0, c1 = _NVFP4_BITS
+    elif fmt.fmt in (FMT_FP8_CHANNEL, FMT_FP8_BLOCK):
+        c0, c1 = _FP8_BITS
+    else:
+        c0, c1 = 0, 0
+    return (
+        ptrs,
+        strides,
+        native,
+        c0 - (1 << 32) if c0 >= 1 << 31 else c0,
+        c1 - (1 << 32) if c1 >= 1 << 31 else c1,
+    )
+
+
+def _check_gemv(fmt: KernelFormat, proj: Projection, k: int, block_k: int) -> None:
+    vpw = _VALUES_PER_WORD.get(fmt.fmt)
+    if vpw is None:
+        raise ValueError(f"GEMV path: no kernel for format {fmt.fmt}")
+    if k % vpw:
+        raise ValueError(f"GEMV path: K={k} is not a multiple of {vpw} values (one int32 word)")
+    if block_k < vpw or block_k & (block_k - 1):
+        raise ValueError(f"GEMV path: block_k={block_k} must be a power of two >= {vpw}")
+
+
+def _pairs_pow2(num_pairs: int) -> int:
+    """The schedule's width: one compile for every decode width up to GEMV_MAX_PAIRS pairs."""
+    if num_pairs > 2 * GEMV_MAX_PAIRS:
+        raise ValueError(f"GEMV path: {num_pairs} routed pairs > {2 * GEMV_MAX_PAIRS}")
+    return max(GEMV_MAX_PAIRS, triton.next_power_of_2(num_pairs))
+
+
+def gemv_gate_up(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    l2p: torch.Tensor,
+    num_experts: int,
+    w13: Projection,
+    fmt: KernelFormat,
+    config: GemvConfig,
+) -> torch.Tensor:
+    """`act [T*K, I]` (compute dtype): row `t*K + k` for each pair routed here; other rows are left unset.
+
+    hidden: `[T, H]` bf16/fp16 row-major. topk_ids: `[T, K]` contiguous. w13: the `[2I, H]` projection.
+    """
+    T, K = topk_ids.shape
+    H = hidden.shape[1]
+    I = w13.weight.shape[1] // 2
+    _check_act_inputs(hidden, hidden.dtype, "hidden", H)
+    _check_dense_dtype(fmt, w13, hidden.dtype)
+    _check_gemv(fmt, w13, H, config.block_k1)
+    if not topk_ids.is_contiguous() or hidden.shape[0] != T:
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} (contiguous) and hidden {tuple(hidden.shape)}: one T"
+        )
+    num_pairs = T * K
+    act = torch.empty((max(num_pairs, 1), I), dtype=hidden.dtype, device=hidden.device)
+    if num_pairs == 0:
+        return act
+    ptrs, strides, native, c0, c1 = _word_args(w13, fmt)
+    grid = (num_pairs * triton.cdiv(I, config.block_n1),)
+    _gate_up_kernel[grid](
+        hidden, act, topk_ids, l2p, *ptrs, *strides,
+        num_pairs, num_experts, w13.num_rows, I, H, hidden.stride(0), act.stride(0), c0, c1,
+        TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n1, BLOCK_K=config.block_k1,
+        FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
+        COMPUTE=_TL_DTYPES[hidden.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch,
+        EVEN_K=H % config.block_k1 == 0, num_warps=config.num_warps, num_stages=1,
+    )  # fmt: skip
+    return act
+
+
+def gemv_down_combine(
+    act: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    l2p: torch.Tensor,
+    num_experts: int,
+    w2: Projection,
+    fmt: KernelFormat,
+    config: GemvConfig,
+) -> torch.Tensor:
+    """`out [T, H]`: `sum_k w[t, k] * round(act[t*K + k] @ w2_e.T)` over the pairs routed here, in k order.
+
+    act: `[>= T*K, I]` from `gemv_gate_up`. Every element of `out` is written (0 for a token with no pair here).
+    """
+    T, K = topk_ids.shape
+    H = w2.weight.shape[1]
+    I = act.shape[1]
+    _check_act_inputs(act, act.dtype, "act", I)
+    _check_dense_dtype(fmt, w2, act.dtype)
+    _check_gemv(fmt, w2, I, config.block_k2)
+    tw = topk_weights.contiguous()
+    if tw.shape != (T, K) or not topk_ids.is_contiguous() or act.shape[0] < T * K:
+        raise ValueError(
+            f"topk_weights {tuple(tw.shape)}, topk_ids {tuple(topk_ids.shape)}, act {tuple(act.shape)}"
+        )
+    num_pairs = T * K
+    y = torch.empty((max(num_pairs, 1), H), dtype=act.dtype, device=act.device)
+    out = torch.empty((T, H), dtype=act.dtype, device=act.device)
+    if num_pairs == 0:
+        return out
+    num_nb = triton.cdiv(H, config.block_n2)
+    cnt = _counters(act.device, T * num_nb)
+    ptrs, strides, native, c0, c1 = _word_args(w2, fmt)
+    _down_kernel[(num_pairs * num_nb,)](
+        act, y, out, cnt, topk_ids, l2p, tw, *ptrs, *strides,
+        num_pairs, num_experts, w2.num_rows, H, I, act.stride(0), y.stride(0), out.stride(0), c0, c1,
+        TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n2, BLOCK_K=config.block_k2,
+        FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
+        COMPUTE=_TL_DTYPES[act.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch,
+        FUSE_COMBINE=config.fuse_combine, EVEN_K=I % config.block_k2 == 0,
+        num_warps=config.num_warps, num_stages=1,
+    )  # fmt: skip
+    if not config.fuse_combine:
+        return combine(y, topk_ids, tw, l2p, num_experts)
+    return out
+
+
+def gemv_moe(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    l2p: torch.Tensor,
+    num_experts: int,
+    w13: Projection,
+    w2: Projection,
+    fmt: KernelFormat,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """`pooled_fused_moe` on the GEMV path (same contract; rounding as described in the module docstring)."""
+    T, K = topk_ids.shape
+    H = hidden.shape[1]
+    I = w2.weight.shape[2] * fmt.values_per_element()
+    cfg = config or gemv_configs(H, I, fmt.fmt, T * K)
+    ids = topk_ids.contiguous()
+    act = gemv_gate_up(hidden, ids, l2p, num_experts, w13, fmt, cfg)
+    return gemv_down_combine(act, ids, topk_weights, l2p, num_experts, w2, fmt, cfg)
+
+
+# ---- references ----------------------------------------------------------------------------------------------
+def _dense_f32(proj: Projection, fmt: KernelFormat, code: int) -> torch.Tensor:
+    """The `[N, K]` weight at location `code` dequantized in fp32 (not rounded to the compute dtype)."""
+    from .fused_moe import dense_row
+
+    return dense_row(proj, fmt, code, torch.float32)
+
+
+def _pair_codes(topk_ids: torch.Tensor, l2p: torch.Tensor, num_experts: int) -> list[int]:
+    ids = topk_ids.reshape(-1).long().cpu()
+    l2p_cpu = l2p.cpu()
+    return [int(l2p_cpu[e]) if 0 <= e < num_experts else -1 for e in ids.tolist()]
+
+
+def gemv_gate_up_ref(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    l2p: torch.Tensor,
+    num_experts: int,
+    w13: Projection,
+    fmt: KernelFormat,
+    config: GemvConfig,
+) -> torch.Tensor:
+    """Reference of `gemv_gate_up` (rows of pairs not routed here are 0)."""
+    T, K = topk_ids.shape
+    I = w13.weight.shape[1] // 2
+    act = torch.zeros((max(T * K, 1), I), dtype=hidden.dtype)
+    x = hidden.cpu()
+    for pair, code in enumerate(_pair_codes(topk_ids, l2p, num_experts)):
+        if code < 0:
+            continue
+        gu = (x[pair // K].float() @ _dense_f32(w13, fmt, code).T).to(hidden.dtype).float()
+        act[pair] = (torch.nn.functional.silu(gu[:I]) * gu[I:]).to(hidden.dtype)
+    return act.to(hidden.device)
+
+
+def gemv_down_combine_ref(
+    act: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    l2p: torch.Tensor,
+    num_experts: int,
+    w2: Projection,
+    fmt: KernelFormat,
+    config: GemvConfig,
+) -> torch.Tensor:
+    """Reference of `gemv_down_combine`."""
+    T, K = topk_ids.shape
+    H = w2.weight.shape[1]
+    acc = torch.zeros((T, H), dtype=torch.float32)
+    a, w = act.cpu(), topk_weights.cpu().float()
+    for pair, code in enumerate(_pair_codes(topk_ids, l2p, num_experts)):
+        if code < 0:
+            continue
+        y = (a[pair].float() @ _dense_f32(w2, fmt, code).T).to(act.dtype).float()
+        acc[pair // K] += w[pair // K, pair % K] * y
+    return acc.to(act.dtype).to(act.device)
+
+
+def gemv_moe_ref(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    l2p: torch.Tensor,
+    num_experts: int,
+    w13: Projection,
+    w2: Projection,
+    fmt: KernelFormat,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """Reference of `gemv_moe`."""
+    H = hidden.shape[1]
+    I = w2.weight.shape[2] * fmt.values_per_element()
+    cfg = config or gemv_configs(H, I, fmt.fmt, topk_ids.numel())
+    act = gemv_gate_up_ref(hidden, topk_ids, l2p, num_experts, w13, fmt, cfg)
+    return gemv_down_combine_ref(act, topk_ids, topk_weights, l2p, num_experts, w2, fmt, cfg)

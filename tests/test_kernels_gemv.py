@@ -1,0 +1,162 @@
+"""The GEMV decode path (kernels/gemv.py) against its references on the CPU, under Triton's interpreter."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+_saved = os.environ.get("TRITON_INTERPRET")
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    import triton
+    import triton.language as tl
+    from pooled_runner.kernels import gemv
+    from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe, pooled_fused_moe_ref
+    from pooled_runner.kernels.gemv import (
+        GemvConfig,
+        gemv_down_combine,
+        gemv_down_combine_ref,
+        gemv_gate_up,
+        gemv_gate_up_ref,
+        gemv_moe,
+        gemv_moe_ref,
+    )
+    from pooled_runner.kernels.moe_gemm import interpreting
+    from pooled_runner.kernels.operands import kernel_format
+
+    @triton.jit
+    def _schedule_kernel(ids_ptr, l2p_ptr, out_ptr, num_pairs, num_experts, num_rows, P_POW2: tl.constexpr):
+        slot = tl.program_id(0)
+        pair, code = gemv._slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2)
+        tl.store(out_ptr + 2 * slot, pair)
+        tl.store(out_ptr + 2 * slot + 1, code)
+finally:
+    if _saved is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
+
+from tests.kernel_helpers import assert_close, build_layer, random_routing  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not interpreting(), reason="interpreter tests; the GPU runs test_kernels_gpu.py"
+)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+# (format, H, I, dtype): H and I both multiples of the 32-value test tiles (EVEN_K) or not
+FORMATS = [
+    ("bf16", 40, 24, torch.bfloat16),
+    ("bf16", 64, 32, torch.float16),
+    ("int4-g32", 64, 32, torch.bfloat16),
+    ("int4-g64-zp", 128, 64, torch.bfloat16),
+    ("int4-g32-zp", 96, 32, torch.float16),
+    ("fp8", 40, 28, torch.bfloat16),
+    ("fp8-b16", 48, 32, torch.bfloat16),
+    ("nvfp4", 48, 32, torch.bfloat16),
+    ("nvfp4", 64, 64, torch.bfloat16),
+]
+CONFIGS = [
+    GemvConfig(16, 32, 16, 32),
+    GemvConfig(8, 64, 32, 32, num_warps=2, prefetch=False, fuse_combine=False),
+]
+
+
+def _layer(name, H, I, dtype, E=7, R=3, seed=0):
+    g = torch.Generator().manual_seed(seed + H + I)
+    fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, R, g, dtype)
+    fmt = kernel_format(fmt_obj)
+    return g, fmt, *make_projections(fmt, pool, bank, H, I), l2p
+
+
+@pytest.mark.parametrize(("name", "H", "I", "dtype"), FORMATS)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "no-prefetch-sep-combine"])
+def test_gemv_stages_match_references(name, H, I, dtype, cfg):
+    E, T, K = 7, 3, 3
+    g, fmt, w13, w2, l2p = _layer(name, H, I, dtype, E)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids, w = random_routing(T, K, E, g)
+    ids[0, 0] = E + 1  # an id past E: not routed here (as -1 padding and the expert that is not here)
+    act = gemv_gate_up(x, ids, l2p, E, w13, fmt, cfg)
+    act_ref = gemv_gate_up_ref(x, ids, l2p, E, w13, fmt, cfg)
+    codes = torch.tensor(gemv._pair_codes(ids, l2p, E))
+    assert (codes < 0).any() and (codes >= 3).any() and ((codes >= 0) & (codes < 3)).any()
+    assert_close(act[codes >= 0], act_ref[codes >= 0], f"{name} gate_up")
+    out = gemv_down_combine(act_ref, ids, w, l2p, E, w2, fmt, cfg)
+    assert out.dtype == dtype
+    assert_close(out, gemv_down_combine_ref(act_ref, ids, w, l2p, E, w2, fmt, cfg), f"{name} down_combine")
+
+
+@pytest.mark.parametrize(("name", "H", "I", "dtype"), FORMATS)
+@pytest.mark.parametrize(("T", "K", "E", "R"), [(1, 1, 1, 1), (1, 8, 9, 4), (5, 4, 9, 9), (8, 8, 20, 6)])
+def test_gemv_path_matches_fused_reference(name, H, I, dtype, T, K, E, R):
+    """Through `pooled_fused_moe(variant="gemv")`: the path's own reference and the align path's."""
+    g = torch.Generator().manual_seed(T * 7 + E + H)
+    fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, R, g, dtype, num_not_here=int(E > 3))
+    fmt = kernel_format(fmt_obj)
+    w13, w2 = make_projections(fmt, pool, bank if R < E else None, H, I)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids, w = random_routing(T, K, E, g)
+    out = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, variant="gemv")
+    assert out.dtype == dtype
+    assert_close(out, gemv_moe_ref(x, ids, w, l2p, E, w13, w2, fmt), f"{name} T={T} K={K} E={E} R={R}")
+    assert_close(out, pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt), f"{name} vs align reference")
+
+
+def test_gemv_repeated_experts_and_counters_reset():
+    """Tokens sharing experts (pairs of one expert side by side), twice in a row: the arrival counters are
+    back at zero after each call and the second call equals the first."""
+    E, T, K, H, I = 4, 6, 3, 64, 32
+    g, fmt, w13, w2, l2p = _layer("int4-g32", H, I, torch.bfloat16, E, R=2)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.tensor([[0, 1, 2], [1, 0, 3], [2, 3, 0], [0, 1, 2], [3, 2, 1], [1, 2, 0]])
+    w = torch.rand(T, K, generator=g)
+    cfg = GemvConfig(16, 32, 16, 32)
+    first = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, cfg)
+    assert int(gemv._COUNTERS[x.device].abs().sum()) == 0
+    assert torch.equal(gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, cfg), first)
+    assert_close(first, gemv_moe_ref(x, ids, w, l2p, E, w13, w2, fmt, cfg), "repeated experts")
+
+
+@pytest.mark.parametrize("num_pairs", [1, 5, 16, 37])
+def test_gemv_schedule_is_host_first_permutation(num_pairs):
+    """Slot -> (pair, code): a permutation of the pairs; host codes first, then pool codes, then pairs not
+    routed here; inside a class by (expert, pair)."""
+    g = torch.Generator().manual_seed(num_pairs)
+    E, R = 9, 4
+    ids = torch.randint(-1, E + 1, (num_pairs,), generator=g)
+    l2p = torch.randint(-1, R + E, (E + 2,), generator=g).int()
+    p_pow2 = max(16, triton.next_power_of_2(num_pairs))
+    out = torch.full((num_pairs, 2), -7, dtype=torch.int32)
+    _schedule_kernel[(num_pairs,)](ids, l2p, out, num_pairs, E, R, P_POW2=p_pow2)
+    pairs, codes = out[:, 0].tolist(), out[:, 1].tolist()
+    assert sorted(pairs) == list(range(num_pairs))
+    expected = gemv._pair_codes(ids, l2p, E)
+    assert codes == [expected[p] for p in pairs]
+
+    def key(p):
+        c = expected[p]
+        cls = 0 if c >= R else 1 if c >= 0 else 2
+        return (cls, int(ids[p]) if cls < 2 else 0, p)
+
+    assert pairs == sorted(range(num_pairs), key=key)
+
+
+def test_gemv_rejects_bad_input():
+    g, fmt, w13, w2, l2p = _layer("bf16", 40, 24, torch.bfloat16)
+    x = torch.randn(2, 40, generator=g).bfloat16()
+    ids = torch.zeros(2, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="block_k"):
+        gemv_gate_up(x, ids, l2p, 7, w13, fmt, GemvConfig(16, 48, 16, 32))
+    with pytest.raises(ValueError, match="pairs"):
+        wide = torch.zeros(200, 40).bfloat16()
+        gemv_gate_up(wide, torch.zeros(200, 1, dtype=torch.int64), l2p, 7, w13, fmt, CONFIGS[0])
+    with pytest.raises(ValueError, match="variant"):
+        pooled_fused_moe(x, ids, torch.ones(2, 2), l2p, 7, w13, w2, fmt, variant="fast")
