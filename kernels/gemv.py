@@ -46,7 +46,9 @@ from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NV
 from .moe_gemm import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _row_bases, interpreting
 from .operands import KernelFormat, Projection
 
-GEMV_MAX_PAIRS = 64  # T*K up to this: the schedule is a [P, P] rank compare inside every program
+GEMV_MAX_PAIRS = 64  # T*K up to this (the schedule sorts P_POW2 keys in every program)
+SYNC_WORDS = 2 + 2 * 2 * GEMV_MAX_PAIRS  # `_fused_kernel`'s words before the combine counters
+SPIN_LIMIT = 1 << 24  # polls before a waiting down tile of `_fused_kernel` gives up (seconds, not a hang)
 
 # Bit constants passed as kernel arguments rather than literals: with both masks in registers ptxas emits one
 # three-input LOP3 per value for `(t & mask) | bits` (with two immediates it needs two).
@@ -65,6 +67,8 @@ class GemvConfig:
     num_warps: int = 4
     prefetch: bool = True  # load the next tile before using the current one
     fuse_combine: bool = True  # last-arriver combine in the down kernel (else the `combine` kernel)
+    one_launch: bool = False  # gate_up and down tiles in one grid (`_fused_kernel`); implies fuse_combine
+    tickets: bool = True  # one_launch: tiles taken in arrival order from a counter (else by program id)
 
 
 def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8) -> GemvConfig:
@@ -116,12 +120,18 @@ def _half_hi(bits):
 
 
 @triton.jit
-def _ldx(ptr, xm, EVEN_K: tl.constexpr):
-    """x values in fp32 (masked past K unless EVEN_K)."""
-    if EVEN_K:
-        return tl.load(ptr).to(tl.float32)
+def _ldx(ptr, xm, EVEN_K: tl.constexpr, X_CG: tl.constexpr):
+    """x values in fp32 (masked past K unless EVEN_K). X_CG: from L2 (x written by other CTAs of this launch)."""
+    if X_CG:
+        if EVEN_K:
+            return tl.load(ptr, cache_modifier=".cg").to(tl.float32)
+        else:
+            return tl.load(ptr, mask=xm, other=0.0, cache_modifier=".cg").to(tl.float32)
     else:
-        return tl.load(ptr, mask=xm, other=0.0).to(tl.float32)
+        if EVEN_K:
+            return tl.load(ptr).to(tl.float32)
+        else:
+            return tl.load(ptr, mask=xm, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -178,7 +188,7 @@ def _load_words(w_base, s_base, z_base, n2, nmask2, kcol, K_WORDS, w_sn, s_sn, z
 
 @triton.jit
 def _word_dot(acc, words, s, z, x_row, kcol, K_WORDS, c0, c1, FMT: tl.constexpr, HAS_ZERO: tl.constexpr,
-              COMPUTE: tl.constexpr, VPW: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+              COMPUTE: tl.constexpr, VPW: tl.constexpr, EVEN_K: tl.constexpr, X_CG: tl.constexpr):  # fmt: skip
     """`acc [BN, KW]` plus, per word, the sum over its VPW values of weight * x (times the word's scale where
     the format has group scales; per-row and global factors are applied by `_row_scale` at the end). x is read
     through `[BN, KW]` pointers equal along the rows: the same layout as the words, one load per thread and
@@ -189,8 +199,8 @@ def _word_dot(acc, words, s, z, x_row, kcol, K_WORDS, c0, c1, FMT: tl.constexpr,
         xm = kcol < K_WORDS
     xp = x_row + kcol * VPW
     if FMT == 0:
-        x0 = _ldx(xp, xm, EVEN_K)
-        x1 = _ldx(xp + 1, xm, EVEN_K)
+        x0 = _ldx(xp, xm, EVEN_K, X_CG)
+        x1 = _ldx(xp + 1, xm, EVEN_K, X_CG)
         if COMPUTE == tl.bfloat16:
             acc += (words << 16).to(tl.float32, bitcast=True) * x0
             acc += (words & -65536).to(tl.float32, bitcast=True) * x1
@@ -201,7 +211,7 @@ def _word_dot(acc, words, s, z, x_row, kcol, K_WORDS, c0, c1, FMT: tl.constexpr,
         p = tl.zeros(words.shape, dtype=tl.float32)
         xs = tl.zeros(words.shape, dtype=tl.float32)
         for j in tl.static_range(8):
-            xj = _ldx(xp + j, xm, EVEN_K)
+            xj = _ldx(xp + j, xm, EVEN_K, X_CG)
             p += ((_sh(words, 19 - 4 * j) & c0) | c1).to(tl.float32, bitcast=True) * xj
             xs += xj
         if HAS_ZERO:
@@ -212,21 +222,21 @@ def _word_dot(acc, words, s, z, x_row, kcol, K_WORDS, c0, c1, FMT: tl.constexpr,
         p = tl.zeros(words.shape, dtype=tl.float32)
         for j in tl.static_range(4):
             bits = (_sh(words, 9 - 4 * j) & c0) | (_sh(words, 12 - 4 * j) & c1)
-            p += _half_lo(bits) * _ldx(xp + j, xm, EVEN_K)
-            p += _half_hi(bits) * _ldx(xp + j + 4, xm, EVEN_K)
+            p += _half_lo(bits) * _ldx(xp + j, xm, EVEN_K, X_CG)
+            p += _half_hi(bits) * _ldx(xp + j + 4, xm, EVEN_K, X_CG)
         acc += s * p
     elif FMT == 3:
         p = tl.zeros(words.shape, dtype=tl.float32)
         for j in tl.static_range(2):
             bits = (_sh(words, 7 - 8 * j) & c0) | (_sh(words, 8 - 8 * j) & c1)
-            p += _half_lo(bits) * _ldx(xp + j, xm, EVEN_K)
-            p += _half_hi(bits) * _ldx(xp + j + 2, xm, EVEN_K)
+            p += _half_lo(bits) * _ldx(xp + j, xm, EVEN_K, X_CG)
+            p += _half_hi(bits) * _ldx(xp + j + 2, xm, EVEN_K, X_CG)
         acc += s * p
     else:
         for j in tl.static_range(2):
             bits = (_sh(words, 7 - 8 * j) & c0) | (_sh(words, 8 - 8 * j) & c1)
-            acc += _half_lo(bits) * _ldx(xp + j, xm, EVEN_K)
-            acc += _half_hi(bits) * _ldx(xp + j + 2, xm, EVEN_K)
+            acc += _half_lo(bits) * _ldx(xp + j, xm, EVEN_K, X_CG)
+            acc += _half_hi(bits) * _ldx(xp + j + 2, xm, EVEN_K, X_CG)
     return acc
 
 
@@ -246,7 +256,7 @@ def _row_scale(total, s_base, g_base, offs_n, n_ok, FMT: tl.constexpr):
 def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, w_sn, s_sn, z_sn, c0, c1,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
               HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, VPW: tl.constexpr,
-              PREFETCH: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+              PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, X_CG: tl.constexpr):  # fmt: skip
     """`[BLOCK_N]` fp32: rows `offs_n` of one projection row (weights at `w_base`) dotted with x over K."""
     KW: tl.constexpr = BLOCK_K // VPW
     K_WORDS = K // VPW
@@ -268,7 +278,7 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, w_sn, s_sn
             nw, ns, nz = _load_words(w_base, s_base, z_base, n2, nmask2, nxt, K_WORDS, w_sn, s_sn, z_sn,
                                      FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
             acc = _word_dot(
-                acc, words, s, z, x_row, kcol, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K
+                acc, words, s, z, x_row, kcol, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K, X_CG
             )
             words, s, z = nw, ns, nz
     else:
@@ -277,14 +287,14 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, w_sn, s_sn
             words, s, z = _load_words(w_base, s_base, z_base, n2, nmask2, kcol, K_WORDS, w_sn, s_sn, z_sn,
                                       FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
             acc = _word_dot(
-                acc, words, s, z, x_row, kcol, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K
+                acc, words, s, z, x_row, kcol, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K, X_CG
             )
     return _row_scale(tl.sum(acc, axis=1), s_base, g_base, offs_n, n_ok, FMT)
 
 
 @triton.jit
-def _gate_up_kernel(
-    x_ptr, act_ptr, ids_ptr, l2p_ptr,
+def _gate_up_tile(
+    slot, nb, x_ptr, act_ptr, ids_ptr, l2p_ptr,
     wp, sp, zp, gp, wb, sb, zb, gb,
     w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
     num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1,
@@ -292,45 +302,42 @@ def _gate_up_kernel(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    num_nb = tl.cdiv(I, BLOCK_N)
-    slot = tl.program_id(0) // num_nb
-    nb = tl.program_id(0) % num_nb
+    """`act[pair, nb block]` of schedule slot `slot` (nothing for a pair not routed here); returns the pair."""
     pair, code = _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2)
-    if code < 0:
-        return
-    w_base, s_base, z_base, g_base = _row_bases(
-        code, num_rows, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se
-    )
-    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
-    # gate row i and up row i interleaved: one loop over K for both, each x value serving twice the rows
-    r = tl.arange(0, 2 * BLOCK_N)
-    n_local = nb * BLOCK_N + r // 2
-    gu = _rows_dot(w_base, s_base, z_base, g_base, x_row, n_local + (r % 2) * I, n_local < I, H, w_sn, s_sn,
-                   z_sn, c0, c1, 2 * BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW,
-                   PREFETCH, EVEN_K)  # fmt: skip
-    gate, up = tl.split(tl.reshape(gu, (BLOCK_N, 2)))
-    gate = gate.to(COMPUTE).to(tl.float32)
-    up = up.to(COMPUTE).to(tl.float32)
-    act = (gate * tl.sigmoid(gate) * up).to(COMPUTE)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(act_ptr + pair.to(tl.int64) * stride_act + offs_n, act, mask=offs_n < I)
+    if code >= 0:
+        w_base, s_base, z_base, g_base = _row_bases(
+            code, num_rows, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se
+        )
+        x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
+        # gate row i and up row i interleaved: one loop over K for both, each x value serving twice the rows
+        r = tl.arange(0, 2 * BLOCK_N)
+        n_local = nb * BLOCK_N + r // 2
+        gu = _rows_dot(w_base, s_base, z_base, g_base, x_row, n_local + (r % 2) * I, n_local < I, H, w_sn,
+                       s_sn, z_sn, c0, c1, 2 * BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE,
+                       VPW, PREFETCH, EVEN_K, False)  # fmt: skip
+        gate, up = tl.split(tl.reshape(gu, (BLOCK_N, 2)))
+        gate = gate.to(COMPUTE).to(tl.float32)
+        up = up.to(COMPUTE).to(tl.float32)
+        act = (gate * tl.sigmoid(gate) * up).to(COMPUTE)
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(act_ptr + pair.to(tl.int64) * stride_act + offs_n, act, mask=offs_n < I)
+    return pair
 
 
 @triton.jit
-def _down_kernel(
-    act_ptr, y_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
+def _down_tile(
+    pair, code, nb, act_ptr, y_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
     wp, sp, zp, gp, wb, sb, zb, gb,
     w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
-    num_pairs, num_experts, num_rows, H, I, stride_act, stride_y, stride_out, c0, c1,
-    TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    num_experts, num_rows, H, I, stride_act, stride_y, stride_out, c0, c1,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, FUSE_COMBINE: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, X_CG: tl.constexpr,
 ):  # fmt: skip
+    """`y[pair, nb block]` (a pair routed here) and, with FUSE_COMBINE, the arrival of this (pair, block): the
+    last of the token's K arrivals sums `out[t, nb block]`."""
     num_nb = tl.cdiv(H, BLOCK_N)
-    slot = tl.program_id(0) // num_nb
-    nb = tl.program_id(0) % num_nb
-    pair, code = _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     if code >= 0:
@@ -340,7 +347,7 @@ def _down_kernel(
         x_row = act_ptr + pair.to(tl.int64) * stride_act
         y = _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, I, w_sn, s_sn, z_sn, c0, c1,
                       BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH,
-                      EVEN_K)  # fmt: skip
+                      EVEN_K, X_CG)  # fmt: skip
         tl.store(y_ptr + pair.to(tl.int64) * stride_y + offs_n, y.to(COMPUTE), mask=n_ok)
     if FUSE_COMBINE:
         t = pair // TOP_K
@@ -363,18 +370,134 @@ def _down_kernel(
             tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, acc.to(COMPUTE), mask=n_ok)
 
 
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, act_ptr, ids_ptr, l2p_ptr,
+    wp, sp, zp, gp, wb, sb, zb, gb,
+    w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
+    num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1,
+    TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
+    COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    num_nb = tl.cdiv(I, BLOCK_N)
+    _gate_up_tile(
+        tl.program_id(0) // num_nb, tl.program_id(0) % num_nb, x_ptr, act_ptr, ids_ptr, l2p_ptr,
+        wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
+        num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1,
+        TOP_K, P_POW2, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, EVEN_K,
+    )  # fmt: skip
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, y_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
+    wp, sp, zp, gp, wb, sb, zb, gb,
+    w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
+    num_pairs, num_experts, num_rows, H, I, stride_act, stride_y, stride_out, c0, c1,
+    TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
+    COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, FUSE_COMBINE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):  # fmt: skip
+    num_nb = tl.cdiv(H, BLOCK_N)
+    slot = tl.program_id(0) // num_nb
+    pair, code = _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2)
+    _down_tile(
+        pair, code, tl.program_id(0) % num_nb, act_ptr, y_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
+        wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
+        num_experts, num_rows, H, I, stride_act, stride_y, stride_out, c0, c1,
+        TOP_K, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, FUSE_COMBINE,
+        EVEN_K, False,
+    )  # fmt: skip
+
+
+@triton.jit
+def _fused_kernel(
+    x_ptr, act_ptr, y_ptr, out_ptr, sync_ptr, ids_ptr, l2p_ptr, tw_ptr,
+    wp1, sp1, zp1, gp1, wb1, sb1, zb1, gb1,
+    w_se1, s_se1, z_se1, g_se1, w_sn1, s_sn1, z_sn1,
+    wp2, sp2, zp2, gp2, wb2, sb2, zb2, gb2,
+    w_se2, s_se2, z_se2, g_se2, w_sn2, s_sn2, z_sn2,
+    num_pairs, num_experts, num_rows, H, I, stride_x, stride_act, stride_y, stride_out, c0, c1, spin_limit,
+    TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr,
+    BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, VPW: tl.constexpr,
+    PREFETCH: tl.constexpr, EVEN_K1: tl.constexpr, EVEN_K2: tl.constexpr, TICKETS: tl.constexpr,
+    SYNC: tl.constexpr,
+):  # fmt: skip
+    """gate_up tiles (work items [0, G1)) then down tiles (G1 on) in one launch. A down tile waits until its
+    pair's act is complete (a per-pair count of finished gate_up tiles); gate_up items never wait, and every
+    down item is taken after all gate_up items were taken (TICKETS: items in the order programs arrive; else
+    by program id, relying on blocks being dispatched in id order), so waiting cannot deadlock. The wait
+    gives up after `spin_limit` polls and raises the sticky error word (results are then wrong, not hung).
+    Counters are reset by their last user; `sync_ptr` words: [0] error, [1] ticket, [2, 2 + P) ready per pair,
+    [2 + P, 2 + 2P) down tiles past their wait per pair, then the combine arrival counters."""
+    nb1 = tl.cdiv(I, BLOCK_N1)
+    nb2 = tl.cdiv(H, BLOCK_N2)
+    g1 = num_pairs * nb1
+    total = g1 + num_pairs * nb2
+    ready_ptr = sync_ptr + 2
+    passed_ptr = sync_ptr + 2 + P_POW2
+    cnt_ptr = sync_ptr + SYNC
+    if TICKETS:
+        item = tl.atomic_add(sync_ptr + 1, 1, sem="relaxed")
+        if item == total - 1:  # every item is taken: reset for the next launch
+            tl.store(sync_ptr + 1, 0)
+    else:
+        item = tl.program_id(0)
+    if item < g1:
+        pair = _gate_up_tile(
+            item // nb1, item % nb1, x_ptr, act_ptr, ids_ptr, l2p_ptr,
+            wp1, sp1, zp1, gp1, wb1, sb1, zb1, gb1, w_se1, s_se1, z_se1, g_se1, w_sn1, s_sn1, z_sn1,
+            num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1,
+            TOP_K, P_POW2, BLOCK_N1, BLOCK_K1, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, EVEN_K1,
+        )  # fmt: skip
+        tl.debug_barrier()  # every thread's act stores before the (release) count
+        tl.atomic_add(ready_ptr + pair, 1, sem="release", scope="gpu")
+    else:
+        item2 = item - g1
+        pair, code = _slot_pair(ids_ptr, l2p_ptr, item2 // nb2, num_pairs, num_experts, num_rows, P_POW2)
+        polls = 0
+        while (tl.load(ready_ptr + pair, volatile=True) < nb1) & (polls < spin_limit):
+            polls += 1
+        if polls >= spin_limit:
+            tl.store(sync_ptr, 1)
+        tl.atomic_add(ready_ptr + pair, 0, sem="acquire", scope="gpu")  # order the act loads after the wait
+        if tl.atomic_add(passed_ptr + pair, 1, sem="relaxed") == nb2 - 1:
+            tl.store(ready_ptr + pair, 0)  # the pair's last waiter: reset for the next launch
+            tl.store(passed_ptr + pair, 0)
+        _down_tile(
+            pair, code, item2 % nb2, act_ptr, y_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
+            wp2, sp2, zp2, gp2, wb2, sb2, zb2, gb2, w_se2, s_se2, z_se2, g_se2, w_sn2, s_sn2, z_sn2,
+            num_experts, num_rows, H, I, stride_act, stride_y, stride_out, c0, c1,
+            TOP_K, BLOCK_N2, BLOCK_K2, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, True,
+            EVEN_K2, True,
+        )  # fmt: skip
+
+
 # ---- launchers -----------------------------------------------------------------------------------------------
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Arrival counters, zero between launches (the kernel resets what it uses). Allocated on first use of a
+    """The sync words (`_fused_kernel`) and `n` combine arrival counters from SYNC_WORDS on, all zero between
+    launches (each kernel resets what it uses) except the sticky error word 0. Allocated on first use of a
     size; make that first use happen before graph capture (warm-up), as for compilation."""
     buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    if buf is None or buf.numel() < SYNC_WORDS + n:
+        new = torch.zeros(max(SYNC_WORDS + n, 4096), dtype=torch.int32, device=device)
+        if buf is not None:
+            new[0] = buf[0]
+        buf = new
         _COUNTERS[device] = buf
     return buf
+
+
+def spin_timeouts(device: torch.device) -> int:
+    """Nonzero if a one-launch GEMV step on `device` gave up waiting (its output was wrong); host sync."""
+    buf = _COUNTERS.get(torch.device(device))
+    return 0 if buf is None else int(buf[0].item())
 
 
 def gemv_supported(fmt: KernelFormat, H: int, I: int) -> bool:
@@ -505,7 +628,7 @@ def gemv_down_combine(
     if num_pairs == 0:
         return out
     num_nb = triton.cdiv(H, config.block_n2)
-    cnt = _counters(act.device, T * num_nb)
+    cnt = _counters(act.device, T * num_nb)[SYNC_WORDS:]
     ptrs, strides, native, c0, c1 = _word_args(w2, fmt)
     _down_kernel[(num_pairs * num_nb,)](
         act, y, out, cnt, topk_ids, l2p, tw, *ptrs, *strides,
@@ -538,8 +661,59 @@ def gemv_moe(
     I = w2.weight.shape[2] * fmt.values_per_element()
     cfg = config or gemv_configs(H, I, fmt.fmt, T * K)
     ids = topk_ids.contiguous()
+    if cfg.one_launch:
+        return gemv_one_launch(hidden, ids, topk_weights, l2p, num_experts, w13, w2, fmt, cfg)
     act = gemv_gate_up(hidden, ids, l2p, num_experts, w13, fmt, cfg)
     return gemv_down_combine(act, ids, topk_weights, l2p, num_experts, w2, fmt, cfg)
+
+
+def gemv_one_launch(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    l2p: torch.Tensor,
+    num_experts: int,
+    w13: Projection,
+    w2: Projection,
+    fmt: KernelFormat,
+    config: GemvConfig,
+) -> torch.Tensor:
+    """`gemv_moe` in one launch (`_fused_kernel`): the same tiles and result as the two launches."""
+    T, K = topk_ids.shape
+    H = hidden.shape[1]
+    I = w2.weight.shape[2] * fmt.values_per_element()
+    _check_act_inputs(hidden, hidden.dtype, "hidden", H)
+    _check_dense_dtype(fmt, w13, hidden.dtype)
+    _check_gemv(fmt, w13, H, config.block_k1)
+    _check_gemv(fmt, w2, I, config.block_k2)
+    tw = topk_weights.contiguous()
+    if tw.shape != (T, K) or not topk_ids.is_contiguous() or hidden.shape[0] != T:
+        raise ValueError(
+            f"topk_weights {tuple(tw.shape)}, topk_ids {tuple(topk_ids.shape)}, T={hidden.shape[0]}"
+        )
+    num_pairs = T * K
+    act = torch.empty((max(num_pairs, 1), I), dtype=hidden.dtype, device=hidden.device)
+    y = torch.empty((max(num_pairs, 1), H), dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty((T, H), dtype=hidden.dtype, device=hidden.device)
+    if num_pairs == 0:
+        return out
+    nb1, nb2 = triton.cdiv(I, config.block_n1), triton.cdiv(H, config.block_n2)
+    sync = _counters(hidden.device, T * nb2)
+    if w13.num_rows != w2.num_rows:
+        raise ValueError(f"w13 has {w13.num_rows} pool rows, w2 {w2.num_rows}: expected one pool")
+    ptrs1, strides1, native, c0, c1 = _word_args(w13, fmt)
+    ptrs2, strides2, _, _, _ = _word_args(w2, fmt)
+    _fused_kernel[(num_pairs * (nb1 + nb2),)](
+        hidden, act, y, out, sync, topk_ids, l2p, tw, *ptrs1, *strides1, *ptrs2, *strides2,
+        num_pairs, num_experts, w13.num_rows, H, I, hidden.stride(0), act.stride(0), y.stride(0),
+        out.stride(0), c0, c1, SPIN_LIMIT,
+        TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N1=config.block_n1, BLOCK_K1=config.block_k1,
+        BLOCK_N2=config.block_n2, BLOCK_K2=config.block_k2, FMT=fmt.fmt, GROUP=fmt.group,
+        HAS_ZERO=fmt.has_zero, NATIVE_FP8=native, COMPUTE=_TL_DTYPES[hidden.dtype],
+        VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch, EVEN_K1=H % config.block_k1 == 0,
+        EVEN_K2=I % config.block_k2 == 0, TICKETS=config.tickets, SYNC=SYNC_WORDS, num_warps=config.num_warps, num_stages=1,
+    )  # fmt: skip
+    return out
 
 
 # ---- references ----------------------------------------------------------------------------------------------

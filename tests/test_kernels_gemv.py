@@ -125,6 +125,24 @@ def test_gemv_repeated_experts_and_counters_reset():
     assert_close(first, gemv_moe_ref(x, ids, w, l2p, E, w13, w2, fmt, cfg), "repeated experts")
 
 
+@pytest.mark.parametrize(("name", "H", "I", "dtype"), [FORMATS[0], FORMATS[4], FORMATS[5], FORMATS[7]])
+@pytest.mark.parametrize("tickets", [True, False])
+def test_gemv_one_launch_equals_two_launches(name, H, I, dtype, tickets):
+    """gate_up and down tiles in one grid (down tiles wait for their pair's act): bitwise the two-launch
+    result; every sync word is back at zero afterwards and no wait timed out."""
+    E, T, K = 7, 2, 3
+    g, fmt, w13, w2, l2p = _layer(name, H, I, dtype, E)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids, w = random_routing(T, K, E, g)
+    two = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, GemvConfig(16, 32, 16, 32))
+    one = gemv_moe(
+        x, ids, w, l2p, E, w13, w2, fmt, GemvConfig(16, 32, 16, 32, one_launch=True, tickets=tickets)
+    )
+    assert torch.equal(one, two)
+    assert int(gemv._COUNTERS[x.device].abs().sum()) == 0
+    assert gemv.spin_timeouts(x.device) == 0
+
+
 @pytest.mark.parametrize("num_pairs", [1, 5, 16, 37])
 def test_gemv_schedule_is_host_first_permutation(num_pairs):
     """Slot -> (pair, code): a permutation of the pairs; host codes first, then pool codes, then pairs not
