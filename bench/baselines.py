@@ -13,6 +13,7 @@ padding) and reports its traffic with `traffic()` (a `Traffic`, cumulative):
 The compute is `pooled_runner.kernels.fused_moe.pooled_fused_moe` on CUDA and the batch-invariant torch path
 (`pooled_runner.torch_path`) elsewhere; both read weights by location code (row < N, host row N + e, -1 not
 here), so every system computes exactly what the pooled runtime computes, only its residency differs.
+Used by bench/decode.py (all four) and bench/prefill.py (PerLayerSlots as 'page-in waves').
 """
 
 from __future__ import annotations

@@ -1,22 +1,33 @@
-"""Decode benchmark (GPU): a model-shaped stack of MoE layers, decode steps on synthetic routing traces, four
-systems side by side in one process (`bench/baselines.py`).
+"""Decode benchmark (GPU): a model-shaped stack of MoE layers, decode steps on routing traces, four systems side
+by side in one process (`bench/baselines.py`), plain decode and MTP verify steps.
 
 Shape: Qwen3-30B-like (H 2048, I 768, E 128, top-8, bf16), 8 layers (`--quick`) or 12. The bank is generated
 on the GPU and copied into a pinned `ExpertBank` (as bench/prefill.py does); every system reads that bank (ours
-copies it into its own). Traces (`bench/traces.py`): the same Zipf skew in every layer, or a per-layer skew
-drawn from a range (some layers hot, some flat), token-to-token reuse 0.3, at bs 1 / 4 / 16; pool 25/50/75% of
-all experts (`R` rows for ours, `R // L` slots per layer for the per-layer baseline: equal VRAM).
+copies it into its own). Traces (`bench/decode_traces.py`): the same Zipf skew in every layer, or a per-layer
+skew drawn from a range (some layers hot, some flat), token-to-token reuse 0.3, and one recorded from a real
+transformers `generate` run of a random-init Qwen3-MoE with the bench's E, top-k and layer count (near-uniform
+routing: random routers have no hot experts), at bs 1 / 4 / 16; pool 25/50/75% of all experts (`R` rows for
+ours, `R // L` slots per layer for the per-layer baseline: equal VRAM).
+
+MTP (`--mtp`): verify steps of bs x (1 + 3) tokens, each request's drafts the next tokens of its trace lane (so
+they overlap their neighbours' experts as adjacent tokens do), synthetic acceptance 0.6 per draft, chain drafts:
+1 + a + a^2 + a^3 = 2.18 tokens per request per verify step; tokens/s per request = that / step time, reported
+against ours at num_spec 0 on the same trace, bs and pool. Ours runs them with decode lanes bs_max x 4 (every
+verify step device-planned and captured; a step leaving the decode path fails its row). Rows for ours and
+all-resident; all-host-view and per-layer slots only at bs <= 4 (full run; their bs-16 verify steps read nearly
+every expert over PCIe). `--quick` runs MTP on the per-layer-skew family only.
 
 Timing: the first `warm` trace steps are not counted; then CUDA events around the remaining steps (all layers),
 mean ms per step. Ours, all-resident and all-host-view run a captured CUDA graph of one step, replayed with the
 step's routing copied into static buffers (their real counterparts capture decode); the per-layer slots
 baseline runs eager (host-planned residency, one sync per layer, as SGLang's eager executor), and the table says
-whether SGLang would have captured that batch size (bs <= S // top_k). Steps hold the MoE layers only.
+whether SGLang would have captured that step width (tokens <= S // top_k). Steps hold the MoE layers only.
 
 Bound (DESIGN.md §4, bandwidths measured in this run): misses' bytes / PCIe + hits' bytes / HBM, per system from
 its own traffic (PCIe = zero-copy read for ours and the host view, copy engine for the slots).
 
-Usage: python -m bench.decode [--quick] [--out results.md]   (also writes results.json beside --out)
+Usage: python -m bench.decode [--quick] [--mtp {none,per-layer,all}] [--out results.md]
+(also writes results.json beside --out)
 """
 
 from __future__ import annotations
@@ -24,42 +35,51 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import time
+import math
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
-from bench.baselines import AllHostView, AllResident, Ours, PerLayerSlots, Traffic
+from bench.baselines import AllHostView, AllResident, Ours, PerLayerSlots
 from bench.common import Bandwidths, bound_ms, commit_id, measure_bandwidths, print_table, write
-from bench.kernels import random_rows
-from bench.traces import synthetic_trace
-from pooled_runner import PoolConfig, PooledMoE
-from pooled_runner.bank import ExpertBank
-from pooled_runner.formats import make_format
+from bench.decode_steps import FMT, Shape, empty_cache, make_bank, make_ours, time_steps
+from bench.decode_traces import FAMILIES, PER_LAYER, TraceKey, build_traces
+from bench.spec import expected_tokens_per_step
+from pooled_runner.lanes import decode_lanes
 
-FMT = "bf16"
+__all__ = ["BATCHES", "FAMILIES", "POOLS", "QWEN3", "Mtp", "Result", "Shape", "run", "table"]
+
+QWEN3 = Shape()
+BATCHES = (1, 4, 16)
+POOLS = (0.25, 0.5, 0.75)
 
 
 @dataclass(frozen=True)
-class Shape:
-    """The stack: H, I, E experts per layer, top-k, L layers."""
+class Mtp:
+    """MTP rows: `num_spec` chain drafts accepted w.p. `accept` each, on `families`; all-host-view and per-layer
+    slots rows only at bs <= `reference_max_bs` (ours and all-resident at every bs)."""
 
-    H: int = 2048
-    I: int = 768
-    E: int = 128
-    K: int = 8
-    L: int = 12
+    num_spec: int = 3
+    accept: float = 0.6
+    families: tuple[str, ...] = FAMILIES
+    reference_max_bs: int = 4
+
+    @property
+    def tokens_per_step(self) -> float:
+        return expected_tokens_per_step(self.num_spec, self.accept)
+
+    def runs(self, system: str, key: TraceKey) -> bool:
+        """Whether `system` gets a row for trace `key`."""
+        if key.num_spec == 0 or system in (Ours.name, AllResident.name):
+            return True
+        return key.bs <= self.reference_max_bs
 
 
-QWEN3 = Shape()
-TRACES = {  # name: synthetic_trace arguments
-    "same skew (Zipf 1.0)": dict(skew=(1.0, 1.0), reuse=0.3),
-    "per-layer skew (Zipf 0.4-1.6)": dict(skew=(0.4, 1.6), reuse=0.3),
-}
-BATCHES = (1, 4, 16)
-POOLS = (0.25, 0.5, 0.75)
+NO_MTP = Mtp(num_spec=0, families=())
 
 
 @dataclass
@@ -68,151 +88,70 @@ class Result:
     bs: int
     pool: float
     system: str
-    ms: float
-    tok_s: float
+    ms: float  # per step (a verify step with MTP)
+    tok_s: float  # accepted tokens/s of the whole batch
     hit_rate: float
     pcie_mb: float  # per step
     bound_ms: float
     over_bound: float
-    ours_speedup: float  # this system's ms / ours' ms at the same (trace, bs, pool)
+    ours_speedup: float  # this system's ms / ours' ms at the same (trace, bs, pool, num_spec)
     graph: str
     error: str = ""
+    num_spec: int = 0
+    tokens: int = 0  # tokens per step: bs x (1 + num_spec)
+    tok_s_req: float = math.nan  # accepted tokens/s per request
+    vs_ours_spec0: float = math.nan  # tok_s_req / ours' tok_s_req at num_spec 0, same (trace, bs, pool)
 
 
-def make_bank(shape: Shape, device: torch.device, g: torch.Generator) -> ExpertBank:
-    """Bank of L layers of random bf16 experts (pinned on CUDA), generated on `device` layer by layer."""
-    H, I, E = shape.H, shape.I, shape.E
-    bank = ExpertBank(
-        make_format(FMT, torch.bfloat16).operands(H, I), [E] * shape.L, pin=device.type == "cuda"
-    )
-    for layer in range(shape.L):
-        rows = random_rows(FMT, H, I, E, device.type, g)
-        lo, hi = bank.layer_offsets[layer], bank.layer_offsets[layer + 1]
-        for name, t in rows.items():
-            bank.tensors_host[name][lo:hi].copy_(t)
-    _sync(device)
-    return bank
-
-
-def make_ours(bank: ExpertBank, shape: Shape, rows: int, max_bs: int, device: torch.device) -> Ours:
-    """PooledMoE over a copy of `bank`; rows start with experts 0.. of every layer (as the slots do)."""
-    L, E = shape.L, shape.E
-    moe = PooledMoE(
-        PoolConfig(pool_rows=rows, weight_format=FMT, device=device.type, prefill_staging=False),
-        shape.H,
-        shape.I,
-        top_k=shape.K,
-        dtype=torch.bfloat16,
-    )
-    for _ in range(L):
-        moe.register_layer(E)
-    moe.set_decode_lanes(max_bs)
-    moe.allocate()
-    assert moe.bank is not None, f"pool_rows={rows} holds every expert: no bank"
-    for name, t in moe.bank.tensors_host.items():
-        t.copy_(bank.tensors_host[name])
-    moe.finalize(priority=[(layer, e) for e in range(E) for layer in range(L)])
-    return Ours(moe)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-class StepTimer:
-    """Milliseconds between `start()` and `stop()`: CUDA events on a GPU, the host clock elsewhere (CPU tests)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def start(self) -> None:
-        if self.cuda:
-            self._start, self._end = (
-                torch.cuda.Event(enable_timing=True),
-                torch.cuda.Event(enable_timing=True),
-            )
-            self._start.record()
-        else:
-            self._t0 = time.perf_counter()
-
-    def stop(self) -> float:
-        if self.cuda:
-            self._end.record()
-            self._end.synchronize()
-            return self._start.elapsed_time(self._end)
-        return (time.perf_counter() - self._t0) * 1e3
-
-
-def time_steps(
-    system, ids: torch.Tensor, x: torch.Tensor, w: torch.Tensor, warm: int
-) -> tuple[float, Traffic]:  # type: ignore[no-untyped-def]
-    """Mean ms per step of the trace `ids [S, L, T, K]` after `warm` steps, and the timed steps' traffic.
-
-    A capturable system on CUDA runs one step captured in a CUDA graph, replayed with each step's routing copied
-    into its static ids; the others (and every system off CUDA) run eagerly.
-    """
-    S, L = ids.shape[:2]
-    capture = system.capturable and ids.is_cuda
-    static_ids = ids[0].clone()  # [L, T, K]
-
-    def eager(step_ids: torch.Tensor) -> None:
-        for layer in range(L):
-            system.forward(layer, x[layer], step_ids[layer], w[layer])
-
-    graph = None
-    if capture:
-        eager(static_ids)  # compiles the kernels; ours hands its tables to the device planner (trace step 0)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            eager(static_ids)
-
-    def step(s: int) -> None:
-        if graph is None:
-            eager(ids[s])
-        else:
-            static_ids.copy_(ids[s])
-            graph.replay()
-
-    for s in range(1 if capture else 0, warm):
-        step(s)
-    _sync(ids.device)
-    before = system.traffic()  # ours: a boundary read of the planner's counters (syncs)
-    timer = StepTimer(ids.device)
-    timer.start()
-    for s in range(warm, S):
-        step(s)
-    ms = timer.stop() / (S - warm)
-    if hasattr(system, "account"):  # forward never syncs: count the timed steps' traffic from the trace
-        ids_cpu = ids[warm:].cpu()
-        for s in range(ids_cpu.shape[0]):
-            for layer in range(L):
-                system.account(layer, ids_cpu[s, layer])
-    return ms, system.traffic() - before
-
-
-def measure(system, ids, x, w, warm, bw: Bandwidths, key: tuple[str, int, float]) -> Result:  # type: ignore[no-untyped-def]
-    trace, bs, pool = key
+def measure(system, key: TraceKey, pool: float, ids, x, w, warm, bw: Bandwidths, per_step: float) -> Result:  # type: ignore[no-untyped-def]
+    """One row: `system` on trace `ids [S, L, T, K]`; `per_step` accepted tokens per request per step."""
     steps = ids.shape[0] - warm
+    nan = math.nan
     try:
+        left = sum(system.moe.step_widths["prefill"].values()) if isinstance(system, Ours) else 0
         ms, t = time_steps(system, ids, x, w, warm)
+        if isinstance(system, Ours) and sum(system.moe.step_widths["prefill"].values()) > left:
+            widths = dict(system.moe.step_widths["prefill"])
+            raise RuntimeError(f"steps left the decode path: {widths} (lanes {system.moe.decode_lanes})")
     except Exception as exc:  # report and keep going: one failing system must not cost the others' rows
         traceback.print_exc()
-        nan = float("nan")
-        return Result(trace, bs, pool, system.name, nan, nan, nan, nan, nan, nan, nan, "-", repr(exc)[:200])
+        return Result(
+            key.family, key.bs, pool, system.name, nan, nan, nan, nan, nan, nan, nan, "-", repr(exc)[:200],
+            num_spec=key.num_spec, tokens=key.tokens,
+        )  # fmt: skip
     miss_bytes, hit_bytes = t.pcie_bytes / steps, t.hits * system.row_bytes / steps
     host_path = "copy" if isinstance(system, PerLayerSlots) else "zero_copy"
     bound = bound_ms(miss_bytes, hit_bytes, bw, host_path)
     if isinstance(system, PerLayerSlots):
         eligible = t.graph_eligible == t.layer_steps
-        graph = f"eager, {t.waves / t.layer_steps:.2f} waves/layer; SGLang graph {'yes' if eligible else 'no'} (bs <= {system.max_graph_bs})"
+        graph = f"eager, {t.waves / t.layer_steps:.2f} waves/layer; SGLang graph {'yes' if eligible else 'no'} (tokens <= {system.max_graph_bs})"
     else:
         graph = "captured" if ids.is_cuda else "eager (no CUDA)"
+        if isinstance(system, Ours):
+            graph += f", lanes {system.moe.decode_lanes}"
+    per_s = per_step / (ms * 1e-3)
     return Result(
-        trace, bs, pool, system.name, ms, bs / (ms * 1e-3), t.hit_rate, miss_bytes / 1e6, bound,
-        ms / bound if bound > 0 else float("nan"), float("nan"), graph,
+        key.family, key.bs, pool, system.name, ms, key.bs * per_s, t.hit_rate, miss_bytes / 1e6, bound,
+        ms / bound if bound > 0 else nan, nan, graph, tok_s_req=per_s,
+        num_spec=key.num_spec, tokens=key.tokens,
     )  # fmt: skip
+
+
+_T = TypeVar("_T")
+
+
+def _build(what: str, make: Callable[[], _T]) -> _T | None:
+    try:
+        return make()
+    except Exception as exc:  # report and keep going: the other systems still get their rows
+        traceback.print_exc()
+        print(f"{what}: build failed: {exc!r}", flush=True)
+        return None
+
+
+def _close(system: Ours | None) -> None:
+    if system is not None and system.moe.bank is not None:
+        system.moe.bank.close()
 
 
 def run(
@@ -224,78 +163,120 @@ def run(
     bw: Bandwidths | None = None,
     batches: tuple[int, ...] = BATCHES,
     pools: tuple[float, ...] = POOLS,
+    families: tuple[str, ...] = FAMILIES,
+    mtp: Mtp = Mtp(),
 ) -> tuple[list[str], list[Result]]:
-    """Every system on every (trace, bs, pool): header lines and one `Result` per row, in table order."""
+    """Every system on every (trace, bs, pool, num_spec): header lines and one `Result` per row, in table order."""
     H, I, E, K, L = shape.H, shape.I, shape.E, shape.K, shape.L
     g = torch.Generator(device=device).manual_seed(0)
     bw = bw or measure_bandwidths()
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    traces_cpu, trace_lines = build_traces(
+        L, E, K, steps, batches, families, mtp.num_spec, mtp.families if mtp.num_spec else ()
+    )
     header = [
         f"date {datetime.date.today()}, GPU {where}, torch {torch.__version__}, commit {commit_id(commit)}",
         f"measured: {bw.describe()}",
         f"shape: H {H}, I {I}, E {E}, top-{K}, {FMT}, {L} MoE layers; {steps} decode steps per trace, first "
         f"{warm} not counted",
+        *trace_lines,
     ]
+    if mtp.num_spec:
+        header.append(
+            f"MTP: num_spec {mtp.num_spec}, acceptance {mtp.accept} per draft (chain): "
+            f"{mtp.tokens_per_step:.3f} tokens per request per verify step; on {', '.join(mtp.families)}"
+        )
     print("\n".join(header), flush=True)
     bank = make_bank(shape, device, g)
-    x = {bs: torch.randn(L, bs, H, generator=g, device=device).bfloat16() for bs in batches}
-    w = {bs: torch.softmax(torch.randn(L, bs, K, generator=g, device=device), -1) for bs in batches}
-    traces = {
-        (name, bs): synthetic_trace(steps, L, E, K, bs, seed=17 + bs, **spec).ids.to(device, torch.int64)  # type: ignore[arg-type]
-        for name, spec in TRACES.items()
-        for bs in batches
-    }
-    fixed: dict[tuple[str, int], list[Result]] = {}
+    widths = sorted({key.tokens for key in traces_cpu})
+    x = {n: torch.randn(L, n, H, generator=g, device=device).bfloat16() for n in widths}
+    w = {n: torch.softmax(torch.randn(L, n, K, generator=g, device=device), -1) for n in widths}
+    traces = {key: ids.to(device) for key, ids in traces_cpu.items()}
+
+    def row(system, key: TraceKey, pool: float) -> Result:  # type: ignore[no-untyped-def]
+        per_step = mtp.tokens_per_step if key.num_spec else 1.0
+        ids = traces[key]
+        return measure(system, key, pool, ids, x[key.tokens], w[key.tokens], warm, bw, per_step)
+
+    fixed: dict[TraceKey, list[Result]] = {}
     for cls in (AllResident, AllHostView):
-        system = cls(bank, FMT, torch.bfloat16, H, I, device.type)
-        for (name, bs), ids in traces.items():
-            r = measure(system, ids, x[bs], w[bs], warm, bw, (name, bs, 0.0))
-            fixed.setdefault((name, bs), []).append(r)
-        del system
-        _empty_cache(device)
+        static = cls(bank, FMT, torch.bfloat16, H, I, device.type)
+        for key in traces:
+            if mtp.runs(cls.name, key):
+                fixed.setdefault(key, []).append(row(static, key, 0.0))
+        del static
+        empty_cache(device)
     results: list[Result] = []
+    plain = [key for key in traces if key.num_spec == 0]
+    verify = [key for key in traces if key.num_spec > 0]
     for frac in pools:
         rows = int(frac * L * E)
-        systems: list[PerLayerSlots | Ours] = []
-        try:
-            systems = [
-                PerLayerSlots(bank, FMT, torch.bfloat16, H, I, device.type, num_slots=rows // L, top_k=K),
-                make_ours(bank, shape, rows, max(batches), device),
-            ]
-        except Exception as exc:
-            traceback.print_exc()
-            print(f"pool {frac:.0%}: build failed: {exc!r}", flush=True)
-        for (name, bs), ids in traces.items():
-            block = [measure(s, ids, x[bs], w[bs], warm, bw, (name, bs, frac)) for s in systems]
-            block += [replace(r, pool=frac) for r in fixed[(name, bs)]]
-            ours_ms = next((r.ms for r in block if r.system == Ours.name), float("nan"))
-            for r in block:
-                r.ours_speedup = r.ms / ours_ms
-            results += block
-            print(f"done: {name}, bs {bs}, pool {frac:.0%}", flush=True)
-        for s in systems:
-            if isinstance(s, Ours) and s.moe.bank is not None:
-                s.moe.bank.close()
-        del systems
-        _empty_cache(device)
+        measured: dict[TraceKey, list[Result]] = {key: [] for key in traces}
+        slots = _build(
+            f"pool {frac:.0%} per-layer slots",
+            lambda: PerLayerSlots(bank, FMT, torch.bfloat16, H, I, device.type, num_slots=rows // L, top_k=K),  # noqa: B023
+        )
+        for lanes, keys in ((max(batches), plain), (decode_lanes(max(batches), mtp.num_spec), verify)):
+            if not keys:
+                continue
+            ours = _build(f"pool {frac:.0%} ours", lambda: make_ours(bank, shape, rows, lanes, device))  # noqa: B023
+            for key in keys:
+                for system in (slots, ours):
+                    if system is not None and mtp.runs(system.name, key):
+                        measured[key].append(row(system, key, frac))
+                print(
+                    f"done: {key.family}, bs {key.bs}, num_spec {key.num_spec}, pool {frac:.0%}", flush=True
+                )
+            _close(ours)
+            del ours
+            empty_cache(device)
+        for key in traces:
+            results += measured[key] + [replace(r, pool=frac) for r in fixed.get(key, [])]
+        del slots
+        empty_cache(device)
     bank.close()
+    relate(results)
     return header, results
 
 
-def _empty_cache(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+def relate(results: list[Result]) -> None:
+    """Fill each row's `ours_speedup` and `vs_ours_spec0` from ours' rows."""
+    ours = {(r.trace, r.bs, r.pool, r.num_spec): r for r in results if r.system == Ours.name}
+    for r in results:
+        same, spec0 = ours.get((r.trace, r.bs, r.pool, r.num_spec)), ours.get((r.trace, r.bs, r.pool, 0))
+        r.ours_speedup = r.ms / same.ms if same is not None else math.nan
+        r.vs_ours_spec0 = r.tok_s_req / spec0.tok_s_req if spec0 is not None else math.nan
+
+
+def mtp_summary(results: list[Result]) -> str:
+    """One line: ours with MTP against ours at num_spec 0, over every (trace, bs, pool) that has both."""
+    gains = [
+        (r.vs_ours_spec0, r)
+        for r in results
+        if r.system == Ours.name and r.num_spec and math.isfinite(r.vs_ours_spec0)
+    ]
+    if not gains:
+        return "MTP: no rows"
+    lo, worst = min(gains, key=lambda p: p[0])
+    hi = max(g for g, _ in gains)
+    below = sum(g < 1 for g, _ in gains)
+    return (
+        f"MTP: ours' tokens/s per request with num_spec {worst.num_spec} / ours at num_spec 0: {lo:.2f}x to "
+        f"{hi:.2f}x over {len(gains)} (trace, bs, pool) cases; below 1 in {below} (lowest: {worst.trace}, bs "
+        f"{worst.bs}, pool {worst.pool:.0%})"
+    )
 
 
 def table(results: list[Result]) -> str:
     header = [
-        "trace", "bs", "pool", "system", "ms/step", "tok/s", "hit rate", "PCIe MB/step", "bound ms",
-        "time/bound", "its ms / ours", "graph",
+        "trace", "bs", "spec", "pool", "system", "tokens/step", "ms/step", "tok/s", "tok/s/req",
+        "vs ours spec 0", "hit rate", "PCIe MB/step", "bound ms", "time/bound", "its ms / ours", "graph",
     ]  # fmt: skip
     rows = [
         [
-            r.trace, r.bs, f"{r.pool:.0%}", r.system, r.ms, f"{r.tok_s:.0f}", r.hit_rate, r.pcie_mb, r.bound_ms,
-            r.over_bound, r.ours_speedup, r.graph + (f" ERROR {r.error}" if r.error else ""),
+            r.trace, r.bs, r.num_spec, f"{r.pool:.0%}", r.system, r.tokens, r.ms, f"{r.tok_s:.0f}",
+            f"{r.tok_s_req:.1f}", r.vs_ours_spec0, r.hit_rate, r.pcie_mb, r.bound_ms, r.over_bound,
+            r.ours_speedup, r.graph + (f" ERROR {r.error}" if r.error else ""),
         ]
         for r in results
     ]  # fmt: skip
@@ -304,17 +285,29 @@ def table(results: list[Result]) -> str:
 
 NOTES = [
     "",
-    "its ms / ours > 1: ours is that many times faster. Pool = R / all experts (the slots get R // L per layer). "
-    "All-resident and all-host-view do not depend on the pool (measured once per trace and bs). Traffic: "
-    "distinct (layer, expert) per step; the host view reads each routed expert once per layer step at decode "
-    "widths. Per-layer slots run eager here; at batch sizes marked 'SGLang graph yes' SGLang would capture them "
-    "(device decide + gather), so their time there includes host planning it would not pay.",
+    "its ms / ours > 1: ours is that many times faster (same num_spec). Pool = R / all experts (the slots get "
+    "R // L per layer). All-resident and all-host-view do not depend on the pool (measured once per trace, bs "
+    "and num_spec). Traffic: distinct (layer, expert) per step; the host view reads each routed expert once per "
+    "layer step at decode widths. Per-layer slots run eager here; at widths marked 'SGLang graph yes' SGLang "
+    "would capture them (device decide + gather), so their time there includes host planning it would not pay.",
+    "spec > 0: MTP verify steps (tokens/step = bs x (1 + spec)); tok/s/req = accepted tokens per request per "
+    "verify step (synthetic acceptance, see the header) / step time; 'vs ours spec 0' = tok/s/req / ours' at "
+    "spec 0 on the same trace, bs and pool (for ours' MTP rows: the gain from MTP).",
+    "The recorded trace comes from a random-init model: its routers spread tokens near-uniformly over the "
+    "experts (no hot experts, unlike a trained model), so it shows how a pool does without skew; its adjacent-"
+    "token overlap is the model's own (header).",
 ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="8 layers, 24 steps per trace")
+    ap.add_argument("--quick", action="store_true", help="8 layers, 24 steps per trace, MTP on one family")
+    ap.add_argument(
+        "--mtp",
+        choices=("none", "per-layer", "all"),
+        default=None,
+        help="MTP rows: none, the per-layer-skew family (the --quick default), every family (the default)",
+    )
     ap.add_argument("--out", default=None, help="markdown results; the JSON goes beside it (.json)")
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
@@ -322,9 +315,13 @@ def main() -> None:
         raise SystemExit("bench.decode needs a CUDA GPU")
     shape = replace(QWEN3, L=8) if args.quick else QWEN3
     steps, warm = (24, 6) if args.quick else (100, 25)
-    header, results = run(shape, steps, warm, torch.device("cuda"), args.commit)
+    choice = args.mtp or ("per-layer" if args.quick else "all")
+    mtp_families = {"none": (), "per-layer": (PER_LAYER,), "all": FAMILIES}[choice]
+    # --quick: MTP rows for ours and all-resident only (the reference systems' verify steps are the slow rows)
+    mtp = Mtp(families=mtp_families, reference_max_bs=0 if args.quick else 4) if mtp_families else NO_MTP
+    header, results = run(shape, steps, warm, torch.device("cuda"), args.commit, mtp=mtp)
     text = table(results)
-    write(args.out, [*header, "", text, *NOTES])
+    write(args.out, [*header, "", text, *NOTES, "", mtp_summary(results)])
     if args.out:
         meta = {"header": header, "results": [asdict(r) for r in results]}
         Path(args.out).with_suffix(".json").write_text(json.dumps(meta, indent=1, default=str) + "\n")

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.traces import Trace, belady_hit_rate, policy_hit_rate, synthetic_trace
+from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.planner import DevicePlanner
 from pooled_runner.policies import AgingFreqPolicy, FreqDecayPolicy, LRUPolicy, Policy
 from pooled_runner.telemetry import RouteTelemetry
@@ -59,31 +60,38 @@ def quality(args: argparse.Namespace) -> None:
     steps, warmup = (120, 30) if args.quick else (300, 80)
     lines = [
         f"date {datetime.date.today()}, CPU simulation (the shipped DevicePlanner on CPU tensors), "
-        f"commit {args.commit or commit_of_checkout()}; {steps} decode steps of 1 token, first {warmup} not counted",
+        f"commit {args.commit or commit_of_checkout()}; {steps} decode steps of {args.tokens} token(s), "
+        f"first {warmup} not counted",
         "",
-        "| trace | rows | Belady | LRU | freq | aging | LRU / Belady | freq / Belady | aging / Belady | "
-        "freq miss / LRU miss | aging miss / LRU miss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| trace | rows | Belady | LRU | lru-cycle | freq | aging | LRU / Belady | lru-cycle / Belady | "
+        "freq / Belady | aging / Belady | lru-cycle miss / LRU miss | freq miss / LRU miss | aging miss / LRU miss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     write(args.out, lines)
     for i, (name, spec) in enumerate(TRACES.items()):
-        trace = synthetic_trace(steps, seed=100 + i, **spec)  # type: ignore[arg-type]
+        trace = synthetic_trace(steps, tokens_per_step=args.tokens, seed=100 + i, **spec)  # type: ignore[arg-type]
         total = sum(trace.num_experts_per_layer)
         for frac in (0.25, 0.5):
             rows = int(frac * total)
             best = belady_hit_rate(trace, rows, warmup)
             lru = policy_hit_rate(trace, rows, LRUPolicy(), warmup)
+            cyc = policy_hit_rate(trace, rows, CycleLRUPolicy(), warmup)
             freq = policy_hit_rate(trace, rows, FreqDecayPolicy(), warmup)
             aging = policy_hit_rate(trace, rows, AgingFreqPolicy(), warmup)
+
+            def miss_ratio(rate: float, lru: float = lru) -> str:
+                return f"{(1 - rate) / (1 - lru):.2f}" if lru < 1 else "n/a"
+
             lines.append(
-                f"| {name} | {frac:.0%} | {best:.3f} | {lru:.3f} | {freq:.3f} | {aging:.3f} | {lru / best:.2f} | "
-                f"{freq / best:.2f} | {aging / best:.2f} | {(1 - freq) / (1 - lru):.2f} | "
-                f"{(1 - aging) / (1 - lru):.2f} |"
+                f"| {name} | {frac:.0%} | {best:.3f} | {lru:.3f} | {cyc:.3f} | {freq:.3f} | {aging:.3f} | "
+                f"{lru / best:.2f} | {cyc / best:.2f} | {freq / best:.2f} | {aging / best:.2f} | "
+                f"{miss_ratio(cyc)} | {miss_ratio(freq)} | {miss_ratio(aging)} |"
             )
             write(args.out, lines)
     lines += [
         "",
-        "freq = `FreqDecayPolicy()` defaults (counters of uncorrelated routings halved every 128 steps, +32 for "
+        "lru-cycle = cycle-protected LRU (the default; a row used by another layer within the last decode cycle "
+        "is not evicted); freq = `FreqDecayPolicy()` defaults (counters of uncorrelated routings halved every 128 steps, +32 for "
         "experts routed in the last step, value admission); aging = `AgingFreqPolicy()` defaults (LFU with "
         "dynamic aging: key = inflation + count, inflation = largest evicted key). Belady = offline MIN with "
         "bypass per tick.",
@@ -98,7 +106,7 @@ ROWS = 384
 RESIDENT_PER_LAYER = ROWS // L
 
 
-def build(policy: Policy):  # type: ignore[no-untyped-def]
+def build(policy: Policy, fused: bool | None = None):  # type: ignore[no-untyped-def]
     from pooled_runner import PoolConfig, PooledMoE
     from pooled_runner.kernel_path import KernelPath
 
@@ -116,8 +124,8 @@ def build(policy: Policy):  # type: ignore[no-untyped-def]
         moe.register_layer(E)
     priority = [(layer, e) for e in range(E) for layer in range(L)]  # experts 0..63 of every layer resident
     moe.install(lambda layer, e: distinct[(layer * E + e) % len(distinct)], priority)
-    planner = DevicePlanner(moe.pool, policy, max_routed=8 * K, debug_checks=False)
-    tel = RouteTelemetry([E] * L, moe.pool.device)
+    planner = DevicePlanner(moe.pool, policy, max_routed=8 * K, debug_checks=False, fused=fused)
+    tel = RouteTelemetry([E] * L, moe.pool.device, fused=fused)
     return moe, planner, tel, KernelPath(moe.format, moe.pool, moe.bank, H, I)
 
 
@@ -128,16 +136,32 @@ def graph_ms(fn, iters: int = 50) -> float:  # type: ignore[no-untyped-def]
 
 
 def overhead(lines: list[str], args: argparse.Namespace) -> None:
-    _moe, planner, tel, kpath = build(LRUPolicy())
-    g = torch.Generator(device="cuda").manual_seed(1)
     lines += [
         "",
         "### Overhead per decode step (6 layers, routing that only hits; graph replay)",
         "",
-        "| M | MoE µs | planner µs | planner+MoE µs | planner / MoE | telemetry µs | tel+planner+MoE µs | "
-        "telemetry / MoE layer |",
-        "|---|---|---|---|---|---|---|---|",
+        "| planner | M | MoE µs | planner µs | planner+MoE µs | planner / MoE | telemetry µs | "
+        "tel+planner+MoE µs | telemetry / MoE layer |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    for fused in (True, False):
+        _overhead_rows(lines, args, fused)
+        torch.cuda.empty_cache()
+    lines += [
+        "",
+        "planner / MoE = (planner+MoE - MoE) / MoE (targets: <= 5% of the step at M=1); telemetry / MoE layer = "
+        "added time of telemetry on / MoE time (target < 2%). 'planner µs' and 'telemetry µs' alone are the "
+        "launch-bound cost of their small kernels in isolation. planner 'fused': one plan_lru launch + one row "
+        "gather per operand per layer, telemetry recorded inside plan_lru (the defaults on CUDA; 'telemetry µs' "
+        "alone is the standalone route-count launch of host-planned steps); 'torch ops': "
+        "the policy-generic planner and telemetry (POOLED_RUNNER_TORCH_PLANNER=1).",
+    ]
+    write(args.out, lines)
+
+
+def _overhead_rows(lines: list[str], args: argparse.Namespace, fused: bool) -> None:
+    _moe, planner, tel, kpath = build(CycleLRUPolicy(), fused=fused)
+    g = torch.Generator(device="cuda").manual_seed(1)
     for M in (1, 4, 8):
         x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
         ids = torch.stack(
@@ -161,30 +185,21 @@ def overhead(lines: list[str], args: argparse.Namespace) -> None:
                 tel.record(layer, ids[layer])
 
         def planned(x=x, ids=ids, w=w, telemetry: bool = False) -> None:
-            for layer in range(L):
-                if telemetry:
-                    tel.record(layer, ids[layer])
-                planner.plan(layer, ids[layer])
+            for layer in range(L):  # as PooledMoE on CUDA: the planner records telemetry (fused: in-kernel)
+                planner.plan(layer, ids[layer], tel if telemetry else None)
                 kpath.forward(layer, x, ids[layer], w[layer])
 
         t_moe, t_plan, t_tel = graph_ms(moe_only), graph_ms(plan_only), graph_ms(tel_only)
         t_both = graph_ms(planned)
         t_all = graph_ms(lambda: planned(telemetry=True))
         lines.append(
-            f"| {M} | {1e3 * t_moe:.1f} | {1e3 * t_plan:.1f} | {1e3 * t_both:.1f} | "
+            f"| {'fused' if fused else 'torch ops'} | {M} | {1e3 * t_moe:.1f} | {1e3 * t_plan:.1f} | {1e3 * t_both:.1f} | "
             f"{(t_both - t_moe) / t_moe:.1%} | {1e3 * t_tel:.1f} | {1e3 * t_all:.1f} | "
             f"{(t_all - t_both) / t_moe:.1%} |"
         )
         write(args.out, lines)
     counters = planner.counter_values()
     assert counters["misses"] == 0, f"overhead routing missed: {counters}"
-    lines += [
-        "",
-        "planner / MoE = (planner+MoE - MoE) / MoE (targets: <= 5% of the step at M=1); telemetry / MoE layer = "
-        "added time of telemetry on / MoE time (target < 2%). 'planner µs' and 'telemetry µs' alone are the "
-        "launch-bound cost of their small kernels in isolation.",
-    ]
-    write(args.out, lines)
 
 
 def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
@@ -206,8 +221,15 @@ def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
     ]
     write(args.out, lines)
     best = belady_hit_rate(trace, ROWS, warm)
-    for name, policy in (("lru", LRUPolicy()), ("freq", FreqDecayPolicy()), ("aging", AgingFreqPolicy())):
-        hits, misses, ms, row_bytes = _replay(trace, policy, warm)
+    policies: list[tuple[str, Policy, bool | None]] = [
+        ("lru-cycle (fused; the default)", CycleLRUPolicy(), True),
+        ("lru (fused)", LRUPolicy(), True),
+        ("lru (torch ops)", LRUPolicy(), False),
+        ("freq", FreqDecayPolicy(), None),
+        ("aging", AgingFreqPolicy(), None),
+    ]
+    for name, policy, fused in policies:
+        hits, misses, ms, row_bytes = _replay(trace, policy, warm, fused)
         bound = 1e3 * (hits * row_bytes / bw.hbm_read + misses * row_bytes / bw.host_zero_copy)
         bound /= trace.num_steps - warm
         lines.append(
@@ -224,9 +246,9 @@ def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
     write(args.out, lines)
 
 
-def _replay(trace: Trace, policy: Policy, warm: int) -> tuple[int, int, float, int]:
+def _replay(trace: Trace, policy: Policy, warm: int, fused: bool | None) -> tuple[int, int, float, int]:
     """Replay `trace` through one captured decode step: (hits, misses, ms per step, row bytes) after `warm`."""
-    moe, planner, _, kpath = build(policy)
+    moe, planner, _, kpath = build(policy, fused)
     steps = trace.num_steps
     ids_host = trace.ids.to(torch.int64).pin_memory()  # [S, L, 1, K]
     ids = torch.zeros(L, 1, K, dtype=torch.int64, device="cuda")
@@ -264,6 +286,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="write the markdown results here as they come")
     ap.add_argument("--quick", action="store_true", help="shorter traces")
+    ap.add_argument("--tokens", type=int, default=1, help="tokens per decode step in --quality (batch size)")
     ap.add_argument(
         "--quality", action="store_true", help="CPU policy-quality simulation instead of GPU timing"
     )

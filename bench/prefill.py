@@ -1,13 +1,18 @@
-"""Prefill benchmark (GPU): a model-shaped stack of pooled MoE layers, one prefill step, four ways.
+"""Prefill benchmark (GPU): a model-shaped stack of pooled MoE layers, one prefill step, five ways.
 
 Modes per (shape, format, pool fraction, step tokens):
   resident   every expert in VRAM (the compute floor of the step)
   host_view  non-resident experts read in place from the pinned bank by the kernel (once per M-block)
+  page_in    SGLang paged experts' per-layer slots (`bench/baselines.py` `PerLayerSlots`): copy-then-compute in
+             host-planned waves of at most S experts per layer (resident experts first), LRU per layer, at equal
+             VRAM: S = (R + the stager's two full-layer buffers) // L slots per layer, at most E (table column
+             'slots/layer'; the same bank as host_view)
   stage_sync prefill staging, each layer copied on the compute stream when needed (no prefetch)
   stage      prefill staging with next-layer prefetch on a side stream (the default)
 Bound = max(resident time, non-resident bytes / measured H2D copy bandwidth), both measured in this run.
 Pool rows are spread evenly over the layers (expert-major fill), routing is softmax top-k of random logits,
-the step is timed with CUDA events around all layers (the host-side plan included), median of a few runs.
+the step is timed with CUDA events around all layers (host-side plans included), median of a few runs.
+`tests/test_prefill_bench.py` runs every mode on the CPU at a tiny shape (outputs against the resident stack).
 
 Usage: python -m bench.prefill [--quick] [--out results.md]
 """
@@ -16,71 +21,125 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import statistics
+import time
+from collections.abc import Callable
 
 import torch
 
+from bench.baselines import PerLayerSlots
 from bench.common import commit_id, copy_bandwidth, print_table, read_bandwidth, write
+from bench.decode_steps import StepTimer, empty_cache, sync
 from bench.kernels import random_rows
 from pooled_runner import PoolConfig, PooledMoE
 from pooled_runner.staging import LayerStager
 
-SHAPES = {  # name: (H, I, E, top_k, layers); DeepSeek-like dims with fewer experts to keep the bank small
+Dims = tuple[int, int, int, int, int]  # H, I, E, top_k, layers
+SHAPES: dict[str, Dims] = {  # DeepSeek-like dims with fewer experts to keep the bank small
     "qwen3": (2048, 768, 128, 8, 8),
     "deepseek": (7168, 2048, 64, 8, 3),
 }
+MODES = ("resident", "host_view", "page_in", "stage_sync", "stage")
+# layer, hidden [T, H], topk_ids [T, K], topk_weights [T, K] -> [T, H]
+Forward = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Routes = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per layer: hidden, ids, weights
 
 
-def build(shape: str, fmt: str, rows_frac: float, mode: str, g: torch.Generator) -> PooledMoE:
-    H, I, E, K, L = SHAPES[shape]
-    total = E * L
-    rows = total if mode == "resident" else max(K, int(rows_frac * total))
+def pool_rows(dims: Dims, rows_frac: float) -> int:
+    E, K, L = dims[2], dims[3], dims[4]
+    return max(K, int(rows_frac * E * L))
+
+
+def page_in_slots(dims: Dims, rows_frac: float) -> int:
+    """Slots per layer of the page-in baseline at the VRAM of `stage`: pool rows + two full-layer buffers."""
+    E, K, L = dims[2], dims[3], dims[4]
+    return max(K, min(E, (pool_rows(dims, rows_frac) + LayerStager.NUM_BUFFERS * E) // L))
+
+
+def build(
+    dims: Dims,
+    fmt: str,
+    rows_frac: float,
+    mode: str,
+    g: torch.Generator,
+    device: str = "cuda",
+    staging_min_tokens: int = 256,
+) -> PooledMoE:
+    """The pooled stack for `mode` (not page_in: see `build_page_in`), random rows made on `device`."""
+    H, I, E, K, L = dims
+    rows = E * L if mode == "resident" else pool_rows(dims, rows_frac)
     staging = mode in ("stage", "stage_sync")
     cfg = PoolConfig(
-        pool_rows=rows, weight_format=fmt, device="cuda", prefill_staging=staging, staging_min_tokens=256
+        pool_rows=rows,
+        weight_format=fmt,
+        device=device,
+        prefill_staging=staging,
+        staging_min_tokens=staging_min_tokens,
     )
     moe = PooledMoE(cfg, H, I, top_k=K, dtype=torch.bfloat16)
     for _ in range(L):
         moe.register_layer(E)
     moe.allocate()
     assert moe._storage is not None
-    for layer in range(L):  # random rows made on the GPU, copied into the bank (or rows) layer by layer
-        layer_rows = random_rows(fmt, H, I, E, "cuda", g)
+    for layer in range(L):  # random rows made on the device, copied into the bank (or rows) layer by layer
+        layer_rows = random_rows(fmt, H, I, E, device, g)
         for name, t in layer_rows.items():
             moe._storage[name][layer * E : (layer + 1) * E].copy_(t)
     moe.finalize(priority=[(layer, e) for e in range(E) for layer in range(L)])
     if mode == "stage_sync":
         assert moe.stager is not None and moe.bank is not None and moe.pool is not None
         moe.stager = LayerStager(
-            moe.operands, moe.bank, moe.pool.num_rows, torch.device("cuda"), 256, prefetch=False
+            moe.operands,
+            moe.bank,
+            moe.pool.num_rows,
+            torch.device(device),
+            staging_min_tokens,
+            prefetch=False,
         )
     return moe
 
 
-def step_ms(moe: PooledMoE, T: int, g: torch.Generator, repeats: int = 3) -> float:
-    H, K, L = moe.hidden_size, moe.top_k, len(moe.num_experts_per_layer)
-    E = moe.num_experts_per_layer[0]
-    xs = [torch.randn(T, H, generator=g, device="cuda").bfloat16() for _ in range(L)]
+def build_page_in(host_view: PooledMoE, fmt: str, num_slots: int) -> PerLayerSlots:
+    """The page-in baseline over the bank of a host_view stack (so both read the same experts)."""
+    assert host_view.bank is not None, "the host_view stack has no bank (every expert resident)"
+    device = host_view.config.torch_device.type
+    H, I, K = host_view.hidden_size, host_view.intermediate_size, host_view.top_k
+    return PerLayerSlots(host_view.bank, fmt, torch.bfloat16, H, I, device, num_slots=num_slots, top_k=K)
+
+
+def pooled_forward(moe: PooledMoE) -> Forward:
+    """A prefill step's layer call: misses read in place or from the staging buffer, never admitted."""
+    return lambda layer, x, ids, w: moe.forward(layer, x, ids, w, admit_misses=False)
+
+
+def make_routes(dims: Dims, T: int, g: torch.Generator, device: str) -> Routes:
+    """Per layer: hidden [T, H] bf16, softmax top-k ids and weights [T, K] of random logits."""
+    H, _, E, K, L = dims
     routes = []
     for _ in range(L):
-        logits = torch.randn(T, E, generator=g, device="cuda")
+        x = torch.randn(T, H, generator=g, device=device).bfloat16()
+        logits = torch.randn(T, E, generator=g, device=device)
         w, ids = torch.softmax(logits, -1).topk(K, dim=-1)
-        routes.append((ids, w))
+        routes.append((x, ids, w))
+    return routes
 
-    def run() -> None:
-        for layer in range(L):
-            moe.forward(layer, xs[layer], routes[layer][0], routes[layer][1], admit_misses=False)
 
-    run()  # compile and warm up
+def run_stack(forward: Forward, routes: Routes) -> list[torch.Tensor]:
+    """One prefill step through every layer; each layer's output."""
+    return [forward(layer, x, ids, w) for layer, (x, ids, w) in enumerate(routes)]
+
+
+def step_ms(forward: Forward, routes: Routes, device: torch.device, repeats: int = 3) -> float:
+    """Median ms of one step over `repeats` runs, after one untimed run (compiles, warms up)."""
+    run_stack(forward, routes)
     times = []
+    timer = StepTimer(device)
     for _ in range(repeats):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        sync(device)
+        timer.start()
+        run_stack(forward, routes)
+        times.append(timer.stop())
     return statistics.median(times)
 
 
@@ -90,11 +149,89 @@ def nonresident_bytes(moe: PooledMoE) -> int:
     return host * moe.pool.row_bytes
 
 
+def measure_case(
+    dims: Dims,
+    fmt: str,
+    frac: float,
+    tokens: list[int],
+    g: torch.Generator,
+    device: str = "cuda",
+    staging_min_tokens: int = 256,
+) -> tuple[dict[str, dict[int, float]], float, float]:
+    """Every mode's step ms per token count, the non-resident GB, and the page-in waves per layer step.
+
+    One system at a time (each holds its own bank), except page_in, which runs over host_view's bank.
+    """
+    dev = torch.device(device)
+    t: dict[str, dict[int, float]] = {}
+    miss_gb, waves = 0.0, float("nan")
+    for mode in MODES:
+        if mode == "page_in":
+            continue  # measured right after host_view, over its bank
+        moe = build(dims, fmt, frac, mode, g, device, staging_min_tokens)
+        if mode == "stage":
+            miss_gb = nonresident_bytes(moe) / 1e9
+        t0 = time.perf_counter()
+        t[mode] = {T: step_ms(pooled_forward(moe), make_routes(dims, T, g, device), dev) for T in tokens}
+        print(f"  {fmt} {frac:.0%} {mode}: {t[mode]} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        if mode == "host_view":
+            slots = build_page_in(moe, fmt, page_in_slots(dims, frac))
+            del moe  # its rows; the bank lives on in `slots`
+            empty_cache(dev)
+            before = slots.traffic()
+            t0 = time.perf_counter()
+            t["page_in"] = {T: step_ms(slots.forward, make_routes(dims, T, g, device), dev) for T in tokens}
+            print(
+                f"  {fmt} {frac:.0%} page_in: {t['page_in']} ({time.perf_counter() - t0:.0f} s)", flush=True
+            )
+            d = slots.traffic() - before
+            waves = d.waves / max(1, d.layer_steps)
+            del slots
+        else:
+            del moe
+        gc.collect()  # a stack on CUDA holds a reference cycle (its GPU path): free its rows before the next
+        empty_cache(dev)
+    return t, miss_gb, waves
+
+
+HEADER = [
+    "shape", "format", "pool", "tokens", "non-res GB", "slots/layer", "resident", "host view",
+    "page-in waves", "stage sync", "stage", "stage vs host", "stage vs page-in waves", "stage / bound",
+    "prefetch gain", "waves/layer",
+]  # fmt: skip
+
+
+def table_rows(
+    case: tuple[str, str, float],
+    num_slots: int,
+    t: dict[str, dict[int, float]],
+    miss_gb: float,
+    waves: float,
+    copy_bw: float,
+) -> list[list[object]]:
+    """One table row per token count of `case` (shape, format, pool fraction); ratios > 1: stage is faster."""
+    shape, fmt, frac = case
+    rows: list[list[object]] = []
+    for T in sorted(t["stage"]):
+        r = {m: t[m][T] for m in MODES}
+        bound = max(r["resident"], miss_gb / copy_bw * 1e3)
+        rows.append(
+            [
+                shape, fmt, f"{frac:.0%}", T, f"{miss_gb:.2f}", num_slots, f"{r['resident']:.1f}",
+                f"{r['host_view']:.1f}", f"{r['page_in']:.1f}", f"{r['stage_sync']:.1f}", f"{r['stage']:.1f}",
+                f"{r['host_view'] / r['stage']:.2f}x", f"{r['page_in'] / r['stage']:.2f}x",
+                f"{r['stage'] / bound:.2f}x", f"{r['stage_sync'] / r['stage']:.2f}x", f"{waves:.2f}",
+            ]
+        )  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default="")
+    ap.add_argument("--shapes", default="", help="comma-separated subset of " + ",".join(SHAPES))
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -110,61 +247,36 @@ def main() -> None:
         if args.quick
         else [("qwen3", "bf16"), ("qwen3", "int4-g128"), ("deepseek", "bf16"), ("deepseek", "int4-g128")]
     )
-    rows_out = []
-    modes = ("resident", "host_view", "stage_sync", "stage")
+    rows_out: list[list[object]] = []
+    note = (
+        "page-in waves: SGLang paged experts' per-layer slots at stage's VRAM (pool rows + two full-layer "
+        "staging buffers, split evenly over the layers, at most E per layer: with few layers it can hold every "
+        "expert); ratios > 1: stage is that many times faster."
+    )
     for shape, fmt in cases:
+        if args.shapes and shape not in args.shapes.split(","):
+            continue
         for frac in (0.25, 0.5):
-            t: dict[str, dict[int, float]] = {}
-            miss_gb = 0.0
             try:
-                for mode in modes:  # one system at a time: each holds its own bank
-                    moe = build(shape, fmt, frac, mode, g)
-                    if mode == "stage":
-                        miss_gb = nonresident_bytes(moe) / 1e9
-                    t[mode] = {T: step_ms(moe, T, g) for T in tokens}
-                    del moe
-                    torch.cuda.empty_cache()
+                t, miss_gb, waves = measure_case(SHAPES[shape], fmt, frac, tokens, g)
             except Exception as exc:  # report and keep going
                 rows_out.append([shape, fmt, f"{frac:.0%}", "-", f"error: {type(exc).__name__}: {exc}"[:120]])
                 continue
-            for T in tokens:
-                r = {m: t[m][T] for m in modes}
-                bound = max(r["resident"], miss_gb / copy_bw * 1e3)
-                rows_out.append(
-                    [
-                        shape,
-                        fmt,
-                        f"{frac:.0%}",
-                        T,
-                        f"{miss_gb:.2f}",
-                        f"{r['resident']:.1f}",
-                        f"{r['host_view']:.1f}",
-                        f"{r['stage_sync']:.1f}",
-                        f"{r['stage']:.1f}",
-                        f"{r['host_view'] / r['stage']:.2f}x",
-                        f"{r['stage'] / bound:.2f}x",
-                        f"{r['stage_sync'] / r['stage']:.2f}x",
-                    ]
-                )
-    table = print_table(
-        "Prefill step, whole stack (ms)",
-        [
-            "shape",
-            "format",
-            "pool",
-            "tokens",
-            "non-res GB",
-            "resident",
-            "host view",
-            "stage sync",
-            "stage",
-            "stage vs host",
-            "stage / bound",
-            "prefetch gain",
-        ],
-        rows_out,
-    )
-    write(args.out, [header, f"measured: H2D copy {copy_bw:.1f} GB/s, HBM read {hbm:.0f} GB/s", "", table])
+            slots = page_in_slots(SHAPES[shape], frac)
+            rows_out += table_rows((shape, fmt, frac), slots, t, miss_gb, waves, copy_bw)
+            # the table so far, after every case: a run cut short by its time cap keeps what it measured
+            table = print_table("Prefill step, whole stack (ms)", HEADER, rows_out)
+            write(
+                args.out,
+                [
+                    header,
+                    f"measured: H2D copy {copy_bw:.1f} GB/s, HBM read {hbm:.0f} GB/s",
+                    "",
+                    table,
+                    "",
+                    note,
+                ],
+            )
 
 
 if __name__ == "__main__":

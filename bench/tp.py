@@ -6,7 +6,9 @@ bank and `--rows-frac` x (its experts) rows. Per decode step of M tokens: the po
 plus its all-reduce, synchronized and timed per layer (routing is replicated and left out); the median over
 the steps after warm-up. The location tables are compared across ranks every 8 steps (they must agree).
 Bound per step and rank = hit bytes / B_hbm + host-view bytes / B_zero-copy + bytes copied into rows / B_copy,
-averaged over the run, with the bandwidths measured here (bench/common.py). Seeded.
+averaged over the run, with the bandwidths measured here (bench/common.py); the hit rate and the bound use
+each rank's `PooledMoE.stats()` (the device planner's tables synced and its counters included: the pool's
+own host counters see no device-planned step). Seeded.
 
 Usage: python bench/tp.py [--layers 8] [--tokens 1 4 16] [--rows-frac 0.5] [--out results.md]
 """
@@ -50,7 +52,8 @@ def commit() -> str:
 
 
 def bound_ms(result: dict, bw: object) -> float:
-    """Average per-step bound of one rank from its counters (all steps, checks excluded)."""
+    """Average per-step bound of one rank from its synced counters (tests/tp_stack.py's `moe.stats()`; all
+    steps, warm-up included, checks excluded)."""
     steps = result["spec"]["steps"]
     hit_bytes = result["hits"] * result["row_bytes"]
     seconds = (
@@ -118,6 +121,9 @@ def main() -> int:
                 if world == 1:
                     tp1_ms = ms
                 hits, misses = r["hits"], r["misses"]
+                assert hits + misses > 0, (
+                    f"rank {r['rank']}: no planned expert counted (counters not synced?)"
+                )
                 b = bound_ms(r, bw)
                 vs = f"{tp1_ms / ms:.2f}x" if tp1_ms and world > 1 else ""
                 lines.append(

@@ -158,3 +158,198 @@ def gather_rows(
         row_numel,
         BLOCK=GATHER_BLOCK,
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Several operands in one launch (the planner's admission copy: one launch per layer step, not per operand).
+MAX_MULTI_OPERANDS = 4
+# per pair and operand (128 measured no faster on the H200 trace and slower at M=4-8)
+MULTI_CHUNK_PROGRAMS = 32
+
+
+def _check_multi(
+    rows: list[torch.Tensor],
+    hosts: list[torch.Tensor],
+    dst_index: torch.Tensor,
+    src_code: torch.Tensor,
+    valid: torch.Tensor,
+    num_rows: int,
+    host_offset: int,
+) -> None:
+    if not 1 <= len(rows) <= MAX_MULTI_OPERANDS or len(hosts) != len(rows):
+        raise ValueError(
+            f"{len(rows)} row operands and {len(hosts)} host operands: expected 1..{MAX_MULTI_OPERANDS}, equal"
+        )
+    for dst, host in zip(rows, hosts):
+        _check_args(dst, dst_index, dst, host, src_code, valid, num_rows, host_offset)
+
+
+def gather_rows_multi_reference(
+    rows: list[torch.Tensor],
+    hosts: list[torch.Tensor],
+    dst_index: torch.Tensor,
+    src_code: torch.Tensor,
+    valid: torch.Tensor,
+    num_rows: int,
+    host_offset: int,
+) -> None:
+    """Torch reference of `gather_rows_multi`: `gather_rows_reference` for each operand, rows as the device
+    source (host-synchronizing)."""
+    _check_multi(rows, hosts, dst_index, src_code, valid, num_rows, host_offset)
+    for dst, host in zip(rows, hosts):
+        gather_rows_reference(dst, dst_index, dst, host, src_code, valid, num_rows, host_offset)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_row(
+        dst_ptr,
+        src_dev_ptr,
+        src_host_ptr,
+        code,
+        dst_row,
+        num_rows,
+        host_offset,
+        row_numel,
+        chunk,
+        num_chunks,
+        BLOCK: tl.constexpr,
+    ):
+        offs = tl.arange(0, BLOCK)
+        dst_base = dst_ptr + dst_row * row_numel
+        if code < num_rows:
+            src_base = src_dev_ptr + code * row_numel
+        else:
+            src_base = src_host_ptr + (code - num_rows + host_offset) * row_numel
+        for start in range(chunk * BLOCK, row_numel, num_chunks * BLOCK):
+            idx = start + offs
+            mask = idx < row_numel
+            tl.store(dst_base + idx, tl.load(src_base + idx, mask=mask), mask=mask)
+
+    @triton.jit
+    def _gather_rows_multi_kernel(
+        dst_index_ptr,
+        src_code_ptr,
+        valid_ptr,
+        num_rows,
+        host_offset,
+        rows0,
+        host0,
+        numel0,
+        rows1,
+        host1,
+        numel1,
+        rows2,
+        host2,
+        numel2,
+        rows3,
+        host3,
+        numel3,
+        NUM_OPS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        pair = tl.program_id(0)
+        chunk = tl.program_id(1)
+        op = tl.program_id(2)
+        num_chunks = tl.num_programs(1)
+        if tl.load(valid_ptr + pair) != 0:
+            code = tl.load(src_code_ptr + pair).to(tl.int64)
+            dst_row = tl.load(dst_index_ptr + pair).to(tl.int64)
+            if op == 0:
+                _copy_row(
+                    rows0,
+                    rows0,
+                    host0,
+                    code,
+                    dst_row,
+                    num_rows,
+                    host_offset,
+                    numel0,
+                    chunk,
+                    num_chunks,
+                    BLOCK,
+                )
+            if NUM_OPS > 1:  # noqa: SIM102 (constexpr prune; Triton has no `and` on tensors)
+                if op == 1:
+                    _copy_row(
+                        rows1,
+                        rows1,
+                        host1,
+                        code,
+                        dst_row,
+                        num_rows,
+                        host_offset,
+                        numel1,
+                        chunk,
+                        num_chunks,
+                        BLOCK,
+                    )
+            if NUM_OPS > 2:  # noqa: SIM102 (constexpr prune; Triton has no `and` on tensors)
+                if op == 2:
+                    _copy_row(
+                        rows2,
+                        rows2,
+                        host2,
+                        code,
+                        dst_row,
+                        num_rows,
+                        host_offset,
+                        numel2,
+                        chunk,
+                        num_chunks,
+                        BLOCK,
+                    )
+            if NUM_OPS > 3:  # noqa: SIM102 (constexpr prune; Triton has no `and` on tensors)
+                if op == 3:
+                    _copy_row(
+                        rows3,
+                        rows3,
+                        host3,
+                        code,
+                        dst_row,
+                        num_rows,
+                        host_offset,
+                        numel3,
+                        chunk,
+                        num_chunks,
+                        BLOCK,
+                    )
+
+
+def gather_rows_multi(
+    rows: list[torch.Tensor],
+    hosts: list[torch.Tensor],
+    dst_index: torch.Tensor,
+    src_code: torch.Tensor,
+    valid: torch.Tensor,
+    num_rows: int,
+    host_offset: int,
+    force_triton: bool = False,
+    chunk_programs: int = MULTI_CHUNK_PROGRAMS,
+) -> None:
+    """`gather_rows(rows[i], dst_index, rows[i], hosts[i], src_code, valid, ...)` for up to 4 operands in one
+    launch: operand i's `[R, n_i]` pool rows (also the device source) and `[N, n_i]` bank rows (pinned on CUDA;
+    not checked here: the caller checks once before capture). Same pair contract; P may be 0. Graph-safe.
+    Pairs run in parallel: a pool row that is a source must not also be a destination of the same call (the
+    planner's admissions only read the bank).
+    CUDA (or `force_triton`, the interpreter) launches the kernel; otherwise the torch reference runs."""
+    _check_multi(rows, hosts, dst_index, src_code, valid, num_rows, host_offset)
+    if chunk_programs < 1:
+        raise ValueError(f"chunk_programs={chunk_programs} must be >= 1")
+    if not (rows[0].is_cuda or force_triton):
+        gather_rows_multi_reference(rows, hosts, dst_index, src_code, valid, num_rows, host_offset)
+        return
+    if triton is None:  # pragma: no cover
+        raise RuntimeError("gather_rows_multi on CUDA needs Triton")
+    num_pairs, max_numel = dst_index.shape[0], max(r.shape[1] for r in rows)
+    if num_pairs == 0 or max_numel == 0:
+        return
+    chunks = max(1, min(chunk_programs, triton.cdiv(max_numel, GATHER_BLOCK)))
+    ops: list[object] = []
+    for i in range(MAX_MULTI_OPERANDS):
+        j = min(i, len(rows) - 1)  # unused slots repeat the last operand (never read: NUM_OPS masks them)
+        ops += [rows[j], hosts[j], rows[j].shape[1]]
+    _gather_rows_multi_kernel[(num_pairs, chunks, len(rows))](
+        dst_index, src_code, valid, num_rows, host_offset, *ops, NUM_OPS=len(rows), BLOCK=GATHER_BLOCK
+    )

@@ -45,6 +45,11 @@ def debug_checks() -> bool:
     return _get_bool("DEBUG_CHECKS", False)
 
 
+def torch_planner() -> bool:
+    """POOLED_RUNNER_TORCH_PLANNER: plan decode steps with torch ops instead of the fused LRU kernel (A/B)."""
+    return _get_bool("TORCH_PLANNER", False)
+
+
 def cache_dir() -> str:
     """POOLED_RUNNER_CACHE_DIR: where generated checkpoints (the embedded model) are kept."""
     return _get_str("CACHE_DIR", "~/.cache/pooled_runner")

@@ -19,6 +19,7 @@ import torch
 from pooled_runner.kernel_path import KernelPath
 from pooled_runner.planner import DevicePlanner
 from pooled_runner.pool import PoolStats
+from pooled_runner.telemetry import RouteTelemetry
 
 if TYPE_CHECKING:
     from pooled_runner.moe import PooledMoE
@@ -59,13 +60,19 @@ class GpuPath:
         topk_weights: torch.Tensor,
         staged: dict[str, torch.Tensor] | None,
         admit_misses: bool,
+        telemetry: RouteTelemetry | None = None,
     ) -> torch.Tensor:
-        """`[T, H]` output of `layer`; see the module docstring for which planner runs."""
+        """`[T, H]` output of `layer`; see the module docstring for which planner runs. `telemetry` records
+        the step's routes (inside the fused plan kernel on device-planned steps)."""
         T = hidden.shape[0]
         capturing = torch.cuda.is_current_stream_capturing()
+        device_planned = self.planner is not None and staged is None and admit_misses
+        device_planned = device_planned and T <= self.max_decode_tokens
+        if telemetry is not None and not device_planned:
+            telemetry.record(layer, topk_ids)
         if self.planner is not None:
-            if staged is None and admit_misses and T <= self.max_decode_tokens:
-                self.planner.plan(layer, topk_ids)
+            if device_planned:
+                self.planner.plan(layer, topk_ids, telemetry)
             else:
                 if capturing:
                     raise RuntimeError(

@@ -22,8 +22,9 @@ from pooled_runner.formats import make_format
 from pooled_runner.guard import TORCH, KernelBackend, check_tensors
 from pooled_runner.lanes import takes_decode_path
 from pooled_runner.pool import ExpertPool, PoolStats
+from pooled_runner.routing import check_routing
 from pooled_runner.staging import LayerStager, check_fits
-from pooled_runner.telemetry import RouteTelemetry
+from pooled_runner.telemetry import RouteTelemetry, capturing
 from pooled_runner.torch_path import combine, expert_mlp
 
 if TYPE_CHECKING:
@@ -33,41 +34,6 @@ logger = logging.getLogger("pooled_runner")
 
 # loader(layer, expert) -> {operand name: row tensor}, in the weight format's operand layout.
 ExpertLoader = Callable[[int, int], dict[str, torch.Tensor]]
-
-
-def _check_routing(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    H: int,
-    dtype: torch.dtype,
-    num_experts: int,
-    check_values: bool = True,
-) -> None:
-    if hidden.dim() != 2 or hidden.shape[1] != H:
-        raise ValueError(f"hidden has shape {tuple(hidden.shape)}, expected [T, {H}]")
-    if hidden.dtype != dtype:
-        raise ValueError(f"hidden has dtype {hidden.dtype}, expected {dtype}")
-    T = hidden.shape[0]
-    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-        if t.device != hidden.device:
-            raise ValueError(
-                f"{name} is on {t.device} but hidden is on {hidden.device}; put them on one device"
-            )
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
-        raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}, expected [{T}, K]")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_ids has dtype {topk_ids.dtype}, expected torch.int32 or torch.int64")
-    if topk_weights.shape != topk_ids.shape:
-        raise ValueError(
-            f"topk_weights has shape {tuple(topk_weights.shape)}, expected {tuple(topk_ids.shape)}"
-        )
-    if not topk_weights.is_floating_point():
-        raise ValueError(f"topk_weights has dtype {topk_weights.dtype}, expected a floating dtype")
-    if check_values and topk_ids.numel():
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < -1 or hi >= num_experts:
-            raise ValueError(f"topk_ids values in [{lo}, {hi}], expected -1 (padding) or [0, {num_experts})")
 
 
 class PooledMoE:
@@ -317,14 +283,51 @@ class PooledMoE:
             planner = self._gpu_path.planner
         return apply_plan(pool, plan, planner)
 
-    def stats(self) -> PoolStats:
-        """Pool counters since installation (a boundary operation: syncs, never during a capture)."""
+    def sync_tables(self) -> ExpertPool:
+        """The pool, its host bookkeeping (location tables, row owners, LRU order) made current.
+
+        On CUDA the device planner's state is the truth between boundaries (replayed graphs plan without
+        Python knowing): it is copied into the pool first (syncs; RuntimeError during a CUDA graph capture).
+        Elsewhere, or with every expert resident, the host bookkeeping already is the truth.
+        """
         pool = self._require_pool()
-        if self._gpu_path is None:
-            stats = pool.stats()
-        else:
+        if self._gpu_path is not None and self._gpu_path.planner is not None:
+            if capturing():
+                raise RuntimeError(
+                    "syncing the tables during a CUDA graph capture is refused: use a boundary"
+                )
             self._gpu_path.sync_tables_to_host()
-            stats = self._gpu_path.add_device_counters(pool.stats())
+        return pool
+
+    def evict_expert(self, layer: int, expert: int) -> int | None:
+        """Give back the row holding (layer, expert): it is read through the host view until readmitted.
+
+        Returns the row, or None when the expert was not in a row (nothing changes). A boundary operation, like
+        `stats()`: on CUDA the device planner's state is synced to the host, changed there and loaded back, so
+        the next device-planned (or replayed) step plans from it. A staged step in progress stops staging (its
+        remaining layers read the bank's host view, which the staging buffers no longer match). ValueError for
+        an unknown expert or when every expert is resident (no bank); RuntimeError during a CUDA graph capture.
+        """
+        if capturing():
+            raise RuntimeError("evict_expert() during a CUDA graph capture is refused: call it at a boundary")
+        pool = self.sync_tables()
+        row = pool.lookup(layer, expert)
+        if row >= pool.num_rows:
+            return None
+        pool.evict(row)
+        if self.stager is not None:
+            self.stager.end_step()
+        if self._gpu_path is not None and self._gpu_path.planner is not None:
+            self._gpu_path.planner.load_from_pool()
+        return row
+
+    def stats(self) -> PoolStats:
+        """Pool counters since installation, device-planned steps included (a boundary operation: syncs the
+        tables into the pool's host bookkeeping, `sync_tables()`)."""
+        pool = self.sync_tables()
+        stats = pool.stats()
+        if self._gpu_path is not None:
+            stats = self._gpu_path.add_device_counters(stats)
         if self.stager is not None:
             stats.rows_staged = self.stager.stats.rows_staged
         return stats
@@ -354,7 +357,7 @@ class PooledMoE:
         kernels = self._use_kernels(pool)
         # The kernel path checks shapes only: reading id values back would sync (and break capture); the planner
         # and the kernels treat ids outside [0, E) as not routed.
-        _check_routing(
+        check_routing(
             hidden,
             topk_ids,
             topk_weights,
@@ -363,11 +366,13 @@ class PooledMoE:
             self.num_experts_per_layer[layer],
             check_values=not kernels,
         )
+        staged = self._staged_source(layer, hidden.shape[0])
+        if kernels:  # the GPU path records telemetry (inside the fused planner where it can)
+            return self._gpu().forward(
+                layer, hidden, topk_ids, topk_weights, staged, admit_misses, self.telemetry
+            )
         if self.telemetry is not None:
             self.telemetry.record(layer, topk_ids)
-        staged = self._staged_source(layer, hidden.shape[0])
-        if kernels:
-            return self._gpu().forward(layer, hidden, topk_ids, topk_weights, staged, admit_misses)
         T, K = topk_ids.shape
         expert_out = torch.zeros(
             (T, K, self.hidden_size), dtype=self.dtype, device=hidden.device

@@ -19,7 +19,7 @@ One planned step of layer l (`plan(l, topk_ids)`), see `policies.py` for the ord
 Deterministic: sort keys are total orders (ties by expert id / stamp / row), masked writes go to the dummy slot,
 and integer counters only.
 
-`HostTwin` is an independent plain-Python implementation of the same rule, for tests and for uncaptured steps.
+`HostTwin` (`planner_twin.py`) is an independent plain-Python implementation of the same rule, for tests.
 """
 
 from __future__ import annotations
@@ -27,13 +27,16 @@ from __future__ import annotations
 import torch
 
 from pooled_runner import envs
-from pooled_runner.kernels.row_gather import gather_rows
+from pooled_runner.cycle_lru import CycleLRUPolicy
+from pooled_runner.kernels.plan_lru import plan_lru
+from pooled_runner.kernels.row_gather import MAX_MULTI_OPERANDS, MULTI_CHUNK_PROGRAMS, gather_rows_multi
+from pooled_runner.planner_twin import FREE, residency_from_pool, table_problems
 from pooled_runner.policies import LRUPolicy, Policy
 from pooled_runner.pool import ExpertPool
+from pooled_runner.telemetry import RouteTelemetry
 
 INT64_MAX = torch.iinfo(torch.int64).max
 INT64_MIN = torch.iinfo(torch.int64).min
-FREE = -1
 
 
 class DevicePlanner:
@@ -41,11 +44,16 @@ class DevicePlanner:
 
     Args:
       pool: the expert pool (its `l2p_gpu` and rows are updated in place).
-      policy: residency policy (default LRU); bound to the pool device here.
+      policy: residency policy (default cycle-protected LRU, `cycle_lru.py`); bound to the pool device here.
       max_routed: the largest `T * K` of a planned step (the workspace bound; a larger step raises).
       block_m: M-block of the MoE kernel (for the byte-cost rule).
       min_reads_to_admit: byte-cost threshold (see module docstring).
       debug_checks: verify the tables after every step (host sync; default from POOLED_RUNNER_DEBUG_CHECKS).
+      fused: plan with the single-launch kernel (`kernels/plan_lru.py`); only for LRU and lru-cycle. None = on
+        CUDA with those unless POOLED_RUNNER_TORCH_PLANNER is set; True on the CPU runs it under the Triton
+        interpreter (tests).
+      gather_chunks: programs per admitted expert and operand in the admission copy (more stream the pinned
+        bank at a higher PCIe rate; unused ones exit at once).
     """
 
     def __init__(
@@ -56,6 +64,8 @@ class DevicePlanner:
         block_m: int = 16,
         min_reads_to_admit: int = 1,
         debug_checks: bool | None = None,
+        fused: bool | None = None,
+        gather_chunks: int = MULTI_CHUNK_PROGRAMS,
     ):
         if max_routed < 1 or block_m < 1 or min_reads_to_admit < 1:
             raise ValueError(
@@ -63,11 +73,13 @@ class DevicePlanner:
                 "must all be >= 1"
             )
         self.pool = pool
-        self.policy: Policy = policy if policy is not None else LRUPolicy()
+        pool.device_planned = True  # its host bookkeeping is stale until store_to_pool()
+        self.policy: Policy = policy if policy is not None else CycleLRUPolicy()
         self.max_routed = max_routed
         self.block_m = block_m
         self.min_reads_to_admit = min_reads_to_admit
         self.debug_checks = envs.debug_checks() if debug_checks is None else debug_checks
+        self.gather_chunks = gather_chunks
         R, L, EM = pool.num_rows, pool.num_layers, pool.max_experts
         self.num_rows, self.num_layers, self.max_experts = R, L, EM
         dev = pool.device
@@ -93,6 +105,18 @@ class DevicePlanner:
                         f"bank operand {name!r} is not page-locked: the row gather cannot read it"
                     )
         self.policy.bind(L, EM, dev)
+        is_lru = type(self.policy) in (LRUPolicy, CycleLRUPolicy)
+        if fused and not is_lru:
+            raise ValueError(
+                f"the fused planner implements LRU and lru-cycle, not policy {self.policy.name!r}"
+            )
+        self.fused = (dev.type == "cuda" and is_lru and not envs.torch_planner()) if fused is None else fused
+        # Fused-plan workspace: token counts per expert and the admitted pairs for the row gather.
+        max_pairs = max(1, min(EM, R, max_routed))
+        self._counts32 = torch.zeros(EM, dtype=torch.int32, device=dev)
+        self._victims32 = torch.zeros(max_pairs, dtype=torch.int32, device=dev)
+        self._codes32 = torch.zeros(max_pairs, dtype=torch.int32, device=dev)
+        self._valid32 = torch.zeros(max_pairs, dtype=torch.int32, device=dev)
         self.load_from_pool()
 
     # ----------------------------------------------------------------------------------------------
@@ -106,6 +130,8 @@ class DevicePlanner:
         self.row_owner[: self.num_rows].copy_(torch.tensor(owner, dtype=torch.int64))
         self.row_stamp[: self.num_rows].copy_(torch.tensor(stamp, dtype=torch.int64))
         self.clock.fill_(max([*stamp, 0]))
+        if isinstance(self.policy, CycleLRUPolicy):  # its cycle starts are clock values, now renumbered
+            self.policy.clock_reset()
 
     def store_to_pool(self) -> None:
         """Push the device tables into the pool's host bookkeeping (syncs); LRU order = (stamp, row)."""
@@ -138,13 +164,14 @@ class DevicePlanner:
         }
 
     # ----------------------------------------------------------------------------------------------
-    def plan(self, layer: int, topk_ids: torch.Tensor) -> None:
+    def plan(self, layer: int, topk_ids: torch.Tensor, telemetry: RouteTelemetry | None = None) -> None:
         """Plan one step of `layer` from `topk_ids [T, K]` (any integer dtype, on the pool device).
 
         Graph-safe: no host sync, fixed shapes for a given (layer, T, K). After it, `pool.l2p_gpu[layer]`
         holds a row or host code for every routed expert, and admitted rows hold their weights (copies
         enqueued on the current stream). Raises ValueError (at capture time, before any change) when
-        `T * K > max_routed`.
+        `T * K > max_routed`. `telemetry` (enabled) also records the step's routes: inside the fused plan
+        kernel when it runs (no launch of its own), else by `telemetry.record`.
         """
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
@@ -158,9 +185,85 @@ class DevicePlanner:
             )
         if topk_ids.device != self.clock.device:
             raise ValueError(f"topk_ids is on {topk_ids.device}, expected {self.clock.device}")
-        R, EM = self.num_rows, self.max_experts
+        R = self.num_rows
         E = self.pool.num_experts_per_layer[layer]
         num_pairs = min(E, R, max(num_routed, 1))
+        if telemetry is not None and not telemetry.enabled:
+            telemetry = None
+        if telemetry is not None and telemetry.max_experts != self.max_experts:
+            raise ValueError(
+                f"telemetry counts {telemetry.max_experts} experts per layer, the pool {self.max_experts}"
+            )
+        if self.fused:
+            self._plan_fused(layer, topk_ids, E, num_pairs, telemetry)
+        else:
+            if telemetry is not None:
+                telemetry.record(layer, topk_ids)
+            self._plan_ops(layer, topk_ids, E, num_pairs)
+        if self.debug_checks and not _capturing():  # the check syncs; under capture it waits for replay
+            self.check_invariants()
+
+    def _plan_fused(
+        self, layer: int, topk_ids: torch.Tensor, E: int, num_pairs: int, telemetry: RouteTelemetry | None
+    ) -> None:
+        """LRU in one launch (`plan_lru`), then the admitted rows' gather (one launch per operand)."""
+        ids = topk_ids.reshape(-1)  # [T*K]
+        if ids.dtype not in (torch.int32, torch.int64):
+            ids = ids.to(torch.int64)
+        victims, codes, valid = (
+            self._victims32[:num_pairs],
+            self._codes32[:num_pairs],
+            self._valid32[:num_pairs],
+        )
+        R, EM = self.num_rows, self.max_experts
+        plan_lru(
+            ids.contiguous(),
+            self.pool.l2p_gpu.view(-1),
+            self.row_owner,
+            self.row_stamp,
+            self.clock,
+            self.counters,
+            self._counts32,
+            victims,
+            codes,
+            valid,
+            layer,
+            E,
+            EM,
+            R,
+            self.block_m,
+            self.min_reads_to_admit,
+            self.policy.cycle if isinstance(self.policy, CycleLRUPolicy) else None,
+            telemetry.fused_target(layer) if telemetry is not None else None,
+        )
+        self._gather(layer, victims, codes, valid)
+
+    def _gather(self, layer: int, victims: torch.Tensor, codes: torch.Tensor, valid: torch.Tensor) -> None:
+        """Copy the admitted experts (`codes` = R + expert, where `valid`) from the bank into their rows: one
+        launch for up to four operands (`gather_rows_multi`)."""
+        if self._bank_flat is None:
+            return  # every expert resident: nothing is ever a miss
+        offset = self.pool.bank.layer_offsets[layer]  # type: ignore[union-attr]
+        force = self.fused and not self.clock.is_cuda  # the interpreter runs the gather kernel too
+        names = list(self._rows_flat)
+        for i in range(0, len(names), MAX_MULTI_OPERANDS):
+            group = names[i : i + MAX_MULTI_OPERANDS]
+            gather_rows_multi(
+                [self._rows_flat[n] for n in group],
+                [self._bank_flat[n] for n in group],
+                victims,
+                codes,
+                valid,
+                self.num_rows,
+                offset,
+                force_triton=force,
+                chunk_programs=self.gather_chunks,
+            )
+
+    def _plan_ops(self, layer: int, topk_ids: torch.Tensor, E: int, num_pairs: int) -> None:
+        """Any policy, with torch ops (a few dozen small kernels)."""
+        R, EM = self.num_rows, self.max_experts
+        num_routed = topk_ids.numel()
         ids = topk_ids.reshape(-1).to(torch.int64)  # [T*K]
         routed = (ids >= 0) & (ids < E)
         counts = self._counts
@@ -185,8 +288,6 @@ class DevicePlanner:
             self.policy.evicted(victim_key, ok & (victim_owner >= 0))  # [P]
         evicted = ok & (victim_owner >= 0)  # [P]
         self.counters += torch.stack([hit.sum(), miss.sum(), ok.sum(), miss.sum() - ok.sum(), evicted.sum()])
-        if self.debug_checks and not _capturing():  # the check syncs; under capture it waits for replay
-            self.check_invariants()
 
     def _pair(
         self, layer: int, E: int, cand: torch.Tensor, now: torch.Tensor, num_pairs: int
@@ -244,14 +345,7 @@ class DevicePlanner:
         rows = torch.where(ok, victims, R)
         self.row_owner.index_put_((rows,), cand_flat)
         self.row_stamp.index_put_((rows,), now.expand(rows.shape[0]))
-        if self._bank_flat is None:
-            return  # every expert resident: nothing is ever a miss
-        offset = self.pool.bank.layer_offsets[layer]  # type: ignore[union-attr]
-        valid = ok.to(torch.int32)
-        for name, dst in self._rows_flat.items():
-            gather_rows(
-                dst, victims, dst, self._bank_flat[name], R + experts, valid, R, offset, check_pinned=False
-            )
+        self._gather(layer, victims, R + experts, ok.to(torch.int32))
 
     # ----------------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -269,122 +363,3 @@ class DevicePlanner:
 
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def residency_from_pool(pool: ExpertPool) -> tuple[list[int], list[int]]:
-    """Flat owners and stamps (1..n in LRU order, -1 free) of the pool's rows."""
-    EM = pool.max_experts
-    owner = [FREE if o is None else o[0] * EM + o[1] for o in pool.row_owner]
-    stamp = [FREE] * pool.num_rows
-    for i, row in enumerate(pool.lru_rows()):
-        stamp[row] = i + 1
-    return owner, stamp
-
-
-def table_problems(
-    l2p: torch.Tensor, owner: list[int], stamp: list[int], num_experts_per_layer: list[int], R: int
-) -> list[str]:
-    """Inconsistencies between a location table `[L, E_max]`, flat row owners and stamps (empty if none)."""
-    EM = l2p.shape[1]
-    out = []
-    seen: dict[int, int] = {}
-    for row, o in enumerate(owner):
-        if o < 0:
-            if stamp[row] != FREE:
-                out.append(f"free row {row} has stamp {stamp[row]}")
-            continue
-        if o in seen:
-            out.append(f"expert {divmod(o, EM)} owns rows {seen[o]} and {row}")
-        seen[o] = row
-        layer, expert = divmod(o, EM)
-        if layer >= len(num_experts_per_layer) or expert >= num_experts_per_layer[layer]:
-            out.append(f"row {row} owner {(layer, expert)} is not an expert")
-        elif int(l2p[layer, expert]) != row:
-            out.append(f"row {row} owner {(layer, expert)} maps to {int(l2p[layer, expert])}")
-    for layer, n in enumerate(num_experts_per_layer):
-        for expert in range(EM):
-            code = int(l2p[layer, expert])
-            if expert >= n:
-                if code != -1:
-                    out.append(f"layer {layer} padding expert {expert} has code {code}")
-            elif code < R:
-                if owner[code] != layer * EM + expert:
-                    out.append(f"layer {layer} expert {expert} -> row {code} owned by {owner[code]}")
-            elif code != R + expert:
-                out.append(f"layer {layer} expert {expert}: host code {code} != {R + expert}")
-    return out
-
-
-class HostTwin:
-    """Plain-Python twin of `DevicePlanner` (same decision rule, own state, no tensors in the loop).
-
-    Tracks tables only (it copies no weights). Start it from the same pool state as the planner
-    (`HostTwin(pool, policy)` reads the pool's residency), feed it the same `plan` calls, and `state()`
-    equals the planner's.
-    """
-
-    def __init__(self, pool: ExpertPool, policy: Policy, block_m: int = 16, min_reads_to_admit: int = 1):
-        self.num_rows, self.max_experts = pool.num_rows, pool.max_experts
-        self.num_experts_per_layer = list(pool.num_experts_per_layer)
-        self.block_m, self.min_reads_to_admit = block_m, min_reads_to_admit
-        self.policy = policy
-        policy.host_reset(pool.num_layers, pool.max_experts)
-        self.row_owner, self.row_stamp = residency_from_pool(pool)
-        self.clock = max([*self.row_stamp, 0])
-        self.l2p = pool.l2p_host.tolist()
-        self.hits = self.misses = self.admissions = 0
-
-    def plan(self, layer: int, topk_ids: list[list[int]] | torch.Tensor) -> list[int]:
-        """Plan one step; returns the codes of the routed experts in expert-id order."""
-        R, EM = self.num_rows, self.max_experts
-        E = self.num_experts_per_layer[layer]
-        rows_of_ids = topk_ids.tolist() if isinstance(topk_ids, torch.Tensor) else topk_ids
-        tokens: dict[int, int] = {}
-        for token in rows_of_ids:
-            for e in token:
-                if 0 <= e < E:
-                    tokens[e] = tokens.get(e, 0) + 1
-        present = sorted(tokens)
-        self.clock += 1
-        now = self.clock
-        self.policy.host_observe(layer, present, now)
-        codes = self.l2p[layer]
-        for e in present:
-            if codes[e] < R:
-                self.row_stamp[codes[e]] = now
-                self.hits += 1
-            else:
-                self.misses += 1
-        cands = [
-            e for e in present if codes[e] >= R and -(-tokens[e] // self.block_m) >= self.min_reads_to_admit
-        ]
-        cands.sort(key=lambda e: self.policy.host_candidate_key(layer, e))  # stable: ties by expert id
-        victims = [r for r in range(R) if self.row_stamp[r] != now]
-        victims.sort(key=self._victim_order)
-        for e, r in zip(cands, victims):
-            old = self.row_owner[r]
-            if old >= 0 and not self.policy.host_accept(layer * EM + e, self._victim_order(r)[0]):
-                continue
-            if old >= 0:
-                self.l2p[old // EM][old % EM] = R + old % EM
-                self.policy.host_evicted(self._victim_order(r)[0])
-            self.l2p[layer][e] = r
-            self.row_owner[r] = layer * EM + e
-            self.row_stamp[r] = now
-            self.admissions += 1
-        return [self.l2p[layer][e] for e in present]
-
-    def _victim_order(self, row: int) -> tuple[int, int, int]:
-        owner = self.row_owner[row]
-        key = INT64_MIN if owner < 0 else self.policy.host_victim_key(owner, self.row_stamp[row], self.clock)
-        return (key, self.row_stamp[row], row)
-
-    def state(self) -> dict[str, torch.Tensor]:
-        out = {
-            "l2p": torch.tensor(self.l2p, dtype=torch.int32),
-            "row_owner": torch.tensor(self.row_owner, dtype=torch.int64),
-            "row_stamp": torch.tensor(self.row_stamp, dtype=torch.int64),
-            "clock": torch.tensor([self.clock], dtype=torch.int64),
-        }
-        out.update({k: torch.tensor(v, dtype=torch.int64) for k, v in self.policy.host_state().items()})
-        return out

@@ -19,6 +19,8 @@ from typing import Protocol
 
 import torch
 
+from pooled_runner.cycle_lru import CycleLRUPolicy
+
 NEVER = -(1 << 40)  # "never routed" tick: far enough back that every age test passes
 
 
@@ -375,11 +377,16 @@ class AgingFreqPolicy:
         }
 
 
-POLICIES = {"lru": LRUPolicy, "freq": FreqDecayPolicy, "aging": AgingFreqPolicy}
+POLICIES: dict[str, type] = {
+    "lru": LRUPolicy,
+    "lru-cycle": CycleLRUPolicy,
+    "freq": FreqDecayPolicy,
+    "aging": AgingFreqPolicy,
+}
 
 
 def make_policy(name: str, **kwargs: int) -> Policy:
-    """A fresh policy by name ("lru" or "freq")."""
+    """A fresh policy by name (a key of `POLICIES`)."""
     if name not in POLICIES:
         raise ValueError(f"policy {name!r} is not one of {sorted(POLICIES)}")
     return POLICIES[name](**kwargs)  # type: ignore[no-any-return]

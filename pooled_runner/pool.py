@@ -102,6 +102,9 @@ class ExpertPool:
         self._lru: OrderedDict[int, None] = OrderedDict()  # rows in use, least recently used first
         self._free_rows: list[int] = list(range(num_rows - 1, -1, -1))  # pop() yields the lowest row
         self.stats_counters = PoolStats()
+        # Set by a DevicePlanner bound to this pool: the host bookkeeping (tables, owners, LRU order, counters)
+        # is then stale between boundaries; read it through `PooledMoE.sync_tables()` / `PooledMoE.stats()`.
+        self.device_planned = False
 
     @classmethod
     def all_resident(

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pooled_runner.kernels.route_count import count_routes
+
 logger = logging.getLogger("pooled_runner")
 
 POISON, OVERFLOW = 0, 1
@@ -64,6 +66,8 @@ class RouteTelemetry:
       device: where the counters live (the pool device).
       enabled: False makes `record` a no-op (no tensors are touched).
       max_count: counters saturate here and set the overflow bit.
+      fused: record with the one-launch kernel (`kernels/route_count.py`); None = on CUDA. True on the CPU runs
+        it under the Triton interpreter (tests).
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class RouteTelemetry:
         device: torch.device,
         enabled: bool = True,
         max_count: int = DEFAULT_MAX_COUNT,
+        fused: bool | None = None,
     ):
         if not num_experts_per_layer or min(num_experts_per_layer) < 1:
             raise ValueError(f"num_experts_per_layer={num_experts_per_layer} must be non-empty and positive")
@@ -87,6 +92,7 @@ class RouteTelemetry:
         self.flags = torch.zeros(2, dtype=torch.int32, device=device)  # poison, overflow (sticky)
         self.epoch = 0
         self._graph_depth = 0
+        self.fused = torch.device(device).type == "cuda" if fused is None else fused
 
     @contextlib.contextmanager
     def graph_region(self) -> Iterator[None]:
@@ -104,6 +110,14 @@ class RouteTelemetry:
         if not 0 <= layer < len(self.num_experts_per_layer):
             raise ValueError(f"layer {layer} out of range [0, {len(self.num_experts_per_layer)})")
         E, EM = self.num_experts_per_layer[layer], self.max_experts
+        if self.fused:
+            ids = topk_ids.reshape(-1)  # [T*K]
+            if ids.dtype not in (torch.int32, torch.int64):
+                ids = ids.to(torch.int64)
+            count_routes(
+                ids.contiguous(), self.counts, self.routed, self.flags, layer * EM, E, self.max_count
+            )
+            return
         dummy = self.counts.shape[0] - 1
         ids = topk_ids.reshape(-1).to(torch.int64)  # [T*K]
         routed = (ids >= 0) & (ids < E)
@@ -116,6 +130,13 @@ class RouteTelemetry:
         layer_counts.clamp_(max=self.max_count)
         sticky = torch.stack([bad.any(), over]).to(torch.int32)
         torch.maximum(self.flags, sticky, out=self.flags)
+
+    def fused_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(counts, routed, flags, max_count) for a kernel that records `layer` itself (the fused planner);
+        the layer's counters start at `layer * max_experts`. Same contract as `record`."""
+        if not 0 <= layer < len(self.num_experts_per_layer):
+            raise ValueError(f"layer {layer} out of range [0, {len(self.num_experts_per_layer)})")
+        return self.counts, self.routed, self.flags, self.max_count
 
     def _refuse_in_graph(self, what: str) -> None:
         if capturing() or self._graph_depth:

@@ -7,8 +7,9 @@ rank). The decisions (which expert sits in which row) must be the same on every 
 different experts and the all-reduce mixes them. They are, without communication: the planner's inputs
 (routed ids from replicated hidden states, the step sequence) are identical on every rank and the plan is a
 deterministic function of them (`ExpertPool.plan_step`). `POOLED_RUNNER_DEBUG_CHECKS=1` verifies it at coarse
-boundaries: every rank hashes its location tables (`table_digests`), the digests are all-gathered, and a
-mismatch raises `TablesDisagree` naming the layer and the step.
+boundaries: every rank hashes its location tables (`table_digests` of its `PooledMoE`, whose device planner's
+state is synced to the host first), the digests are all-gathered, and a mismatch raises `TablesDisagree`
+naming the layer and the step.
 
 Nothing here imports SGLang; `torch.distributed` is used only by `all_gather_digests`.
 """
@@ -17,11 +18,15 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pooled_runner.formats import make_format
-from pooled_runner.pool import ExpertPool
+from pooled_runner.pool import ExpertPool, PoolStats
+
+if TYPE_CHECKING:
+    from pooled_runner.moe import PooledMoE
 
 GiB = 1 << 30
 
@@ -165,14 +170,42 @@ def _digest(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & _MASK63
 
 
+def _synced(source: PooledMoE | ExpertPool) -> tuple[ExpertPool, PoolStats]:
+    """The pool with current host bookkeeping and its full counters (device-planned steps included)."""
+    if isinstance(source, ExpertPool):
+        if source.device_planned:
+            raise ValueError(
+                "this pool is planned on the device: its host tables are stale between boundaries; pass the "
+                "PooledMoE (its stats() syncs the device planner's state first)"
+            )
+        return source, source.stats()
+    stats = source.stats()  # syncs the device planner's tables into the pool, adds the device counters
+    pool = source.pool
+    assert pool is not None
+    return pool, stats
+
+
+def _policy_state(source: PooledMoE | ExpertPool) -> dict[str, torch.Tensor]:
+    """The device planner policy's state tensors of a `PooledMoE` on the GPU path (empty otherwise)."""
+    planner = getattr(getattr(source, "_gpu_path", None), "planner", None)
+    return dict(planner.policy.state_tensors()) if planner is not None else {}
+
+
 def table_digests(
-    pool: ExpertPool, layer_names: list[str] | None = None, telemetry: dict[str, torch.Tensor] | None = None
+    source: PooledMoE | ExpertPool,
+    layer_names: list[str] | None = None,
+    telemetry: dict[str, torch.Tensor] | None = None,
 ) -> tuple[list[str], torch.Tensor]:
     """Names and int64 hashes `[N]` of everything ranks must agree on: each layer's location table, the LRU
-    order (it decides future evictions), the plan counters and each telemetry tensor.
+    order (it decides future evictions), the plan counters, the device planner policy's state and each
+    telemetry tensor.
 
+    `source` is the rank's `PooledMoE` (on CUDA its device planner's state is synced to the host first, a
+    boundary operation, and the counters include the device-planned steps), or a bare host-planned
+    `ExpertPool` (ValueError for one bound to a device planner: its host tables are stale).
     Byte counters are left out: they count each rank's own shard bytes, which differ by design.
     """
+    pool, s = _synced(source)
     if layer_names is not None and len(layer_names) != pool.num_layers:
         raise ValueError(f"{len(layer_names)} layer names for {pool.num_layers} pooled layers")
     entries: list[tuple[str, bytes]] = [
@@ -187,8 +220,9 @@ def table_digests(
     entries.append(
         ("LRU order of the pool rows", repr([(r, pool.row_owner[r]) for r in pool.lru_rows()]).encode())
     )
-    s = pool.stats_counters
     entries.append(("plan counters", repr((s.hits, s.misses, s.admissions, s.evictions)).encode()))
+    for key, t in sorted(_policy_state(source).items()):  # e.g. lru-cycle's cycle starts decide evictions
+        entries.append((f"planner policy state {key}", t.detach().cpu().contiguous().numpy().tobytes()))
     for key, t in sorted((telemetry or {}).items()):
         entries.append((f"telemetry {key}", t.detach().cpu().contiguous().numpy().tobytes()))
     return [n for n, _ in entries], torch.tensor([_digest(b) for _, b in entries], dtype=torch.int64)
@@ -230,19 +264,21 @@ def all_gather_digests(digests: torch.Tensor, group: object | None = None) -> to
 
 
 def verify_tables_agree(
-    pool: ExpertPool,
+    source: PooledMoE | ExpertPool,
     step: int,
     group: object | None = None,
     layer_names: list[str] | None = None,
     telemetry: dict[str, torch.Tensor] | None = None,
     device: torch.device | None = None,
 ) -> int:
-    """Hash this rank's tables, all-gather over `group`, raise `TablesDisagree` on a mismatch.
+    """Hash this rank's tables (`table_digests`: pass the `PooledMoE`), all-gather over `group`, raise
+    `TablesDisagree` on a mismatch.
 
-    A collective: every rank of `group` must call it at the same step. `device` is where the gathered
-    tensor lives (a CUDA device for NCCL). Returns the combined digest (the same on every rank).
+    A collective and a boundary operation: every rank of `group` must call it at the same step, outside any
+    capture. `device` is where the gathered tensor lives (a CUDA device for NCCL). Returns the combined digest
+    (the same on every rank).
     """
-    names, digests = table_digests(pool, layer_names, telemetry)
+    names, digests = table_digests(source, layer_names, telemetry)
     gathered = all_gather_digests(digests.to(device or torch.device("cpu")), group)
     check_agreement(gathered, names, step)
     return _digest(gathered[0].numpy().tobytes())

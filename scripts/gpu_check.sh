@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Every GPU check in one call: the GPU tests (pytest -m gpu) and every benchmark. Logs under $OUT
-# (default ./gpu_out); a short table last. Usage: bash scripts/gpu_check.sh
+# Every GPU check in one call: the GPU tests (pytest -m gpu) and every benchmark. Results (markdown, JSON,
+# PNG) under $OUT (default ./gpu_out); each step's log under $OUT/logs/, packed at the end into one
+# $OUT/logs.tar.gz (a device run returns at most 8 files: MAX_FILES); a short table last, after the failure
+# summary of any failing pytest step. Usage: bash scripts/gpu_check.sh
 # GIT_COMMIT names the commit in the bench header where the copy has no .git.
 # QUICK=1: only the kernel GPU tests and the quick benchmark (decode rows, a prefill row, the decode sweep),
 # then the decode kernel variants side by side (bench_variants, ~150 s).
@@ -8,10 +10,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_out}"
-mkdir -p "$OUT"
+LOGS="$OUT/logs"
+mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 SUMMARY=()
+FAILED_TESTS=()  # logs of pytest steps that failed
 
 step() {  # step NAME CAP_SECONDS COMMAND...   (SKIP="name ..." leaves steps out)
   local name="$1" cap="$2"
@@ -19,9 +23,10 @@ step() {  # step NAME CAP_SECONDS COMMAND...   (SKIP="name ..." leaves steps out
   case " ${SKIP:-} " in *" $name "*) echo "=== $name skipped ==="; return ;; esac
   local t0=$SECONDS
   echo "=== $name (cap ${cap}s) ==="
-  timeout "$cap" "$@" 2>&1 | tee "$OUT/$name.log"
+  timeout "$cap" "$@" 2>&1 | tee "$LOGS/$name.log"
   local rc=${PIPESTATUS[0]}
-  SUMMARY+=("| $name | $rc | $((SECONDS - t0)) s | $OUT/$name.log |")
+  SUMMARY+=("| $name | $rc | $((SECONDS - t0)) s | logs/$name.log |")
+  case " $* " in *" pytest "*) [ "$rc" = 0 ] || FAILED_TESTS+=("$name") ;; esac
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || true
@@ -35,8 +40,9 @@ else
   step bench_variants "${BENCH_VARIANTS_CAP:-200}" "$PY" -m bench.kernels --variants --budget 150 --out "$OUT/bench_variants.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_prefill "${BENCH_PREFILL_CAP:-150}" "$PY" -m bench.prefill --quick --out "$OUT/bench_prefill.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_planner "${BENCH_PLANNER_CAP:-120}" "$PY" -m bench.planner --quick --out "$OUT/bench_planner.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
-  step bench_decode "${BENCH_DECODE_CAP:-180}" "$PY" -m bench.decode --quick --out "$OUT/bench_decode.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
-  # PNGs from the decode JSON and the prefill table (needs matplotlib; the step fails alone without it)
+  step bench_decode "${BENCH_DECODE_CAP:-300}" "$PY" -m bench.decode --quick --out "$OUT/bench_decode.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  # PNGs from the decode JSON and the prefill table (needs matplotlib; the step fails alone without it; a
+  # plot whose input a skipped or failed step did not write is left out with a note)
   step bench_plot "${BENCH_PLOT_CAP:-60}" "$PY" -m bench.plot --decode "$OUT/bench_decode.json" --prefill "$OUT/bench_prefill.md" --out-dir "$OUT"
   if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     step bench_tp "${BENCH_TP_CAP:-300}" "$PY" -m bench.tp --out "$OUT/bench_tp.md"
@@ -45,7 +51,26 @@ fi
 
 echo
 cat "$OUT"/bench_*.md 2>/dev/null || true
+for name in ${FAILED_TESTS[@]+"${FAILED_TESTS[@]}"}; do  # near the end: it shows in the output's tail
+  echo
+  echo "=== $name failed: failures, then the last 60 lines of logs/$name.log ==="
+  grep -E "^(FAILED|ERROR)" "$LOGS/$name.log" || echo "(no FAILED/ERROR lines: a crash or the time cap?)"
+  echo "---"
+  tail -n 60 "$LOGS/$name.log"
+done
+# A device run returns at most MAX_FILES files from $OUT: results stay at the top level while they fit beside
+# logs.tar.gz (markdown, then PNGs, then JSON); the rest goes into the archive, under logs/.
+RESULTS=()
+for f in "$OUT"/*.md "$OUT"/*.png "$OUT"/*.json; do [ -f "$f" ] && RESULTS+=("$f"); done
+for f in ${RESULTS[@]+"${RESULTS[@]:$((${MAX_FILES:-8} - 1))}"}; do
+  mv "$f" "$LOGS/" && echo "moved $(basename "$f") into logs.tar.gz (more than ${MAX_FILES:-8} files in $OUT)"
+done
+if tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs; then
+  rm -rf "$LOGS"
+else
+  echo "could not pack $LOGS into $OUT/logs.tar.gz; the logs stay there"
+fi
 echo
-echo "| step | rc | time | log |"
+echo "| step | rc | time | log (in logs.tar.gz) |"
 echo "|---|---|---|---|"
 printf '%s\n' "${SUMMARY[@]}"

@@ -8,10 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pooled_runner.bank import ExpertBank
+from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.formats.base import OperandSpec
-from pooled_runner.planner import DevicePlanner, HostTwin
+from pooled_runner.planner import DevicePlanner
+from pooled_runner.planner_twin import HostTwin
 from pooled_runner.policies import AgingFreqPolicy, FreqDecayPolicy, LRUPolicy, make_policy
 from pooled_runner.pool import ExpertPool
+from pooled_runner.telemetry import RouteTelemetry
 
 OPERANDS = (OperandSpec("w13", (3, 2), torch.float32), OperandSpec("w2", (5,), torch.float32))
 
@@ -25,8 +28,10 @@ def make_pool(layers: list[int], rows: int, seed: int = 0) -> ExpertPool:
 
 
 def policy_pair(name: str) -> tuple:
-    if name == "lru":
+    if name in ("lru", "lru-fused"):
         return LRUPolicy(), LRUPolicy()
+    if name in ("lru-cycle", "lru-cycle-fused"):
+        return CycleLRUPolicy(), CycleLRUPolicy()
     if name == "aging":
         kw = dict(decay_steps=3, correlated_steps=1, recent_steps=1, recent_bonus=2)
         return AgingFreqPolicy(**kw), AgingFreqPolicy(**kw)
@@ -61,7 +66,7 @@ def random_ids(T: int, K: int, E: int, g: torch.Generator) -> torch.Tensor:
     return ids
 
 
-@pytest.mark.parametrize("policy", ["lru", "freq", "aging"])
+@pytest.mark.parametrize("policy", ["lru", "lru-fused", "lru-cycle", "lru-cycle-fused", "freq", "aging"])
 @pytest.mark.parametrize(
     ("layers", "rows", "K", "max_T"),
     [([5, 7, 3], 6, 2, 3), ([1], 1, 1, 2), ([9, 9], 17, 3, 4), ([13, 4, 6, 11], 9, 4, 5), ([8], 3, 3, 1)],
@@ -70,7 +75,8 @@ def test_device_planner_equals_twin(policy, layers, rows, K, max_T):
     pool = make_pool(layers, rows, seed=rows)
     pool.fill([(len(layers) - 1, 0), (0, layers[0] - 1)])
     dev_policy, host_policy = policy_pair(policy)
-    planner = DevicePlanner(pool, dev_policy, max_routed=max_T * K, debug_checks=True)
+    fused = policy.endswith("-fused")  # the single-launch kernel, under the Triton interpreter on the CPU
+    planner = DevicePlanner(pool, dev_policy, max_routed=max_T * K, debug_checks=True, fused=fused)
     twin = HostTwin(pool, host_policy)
     assert_same_state(planner, twin, "start")
     g = torch.Generator().manual_seed(sum(layers) + rows)
@@ -91,11 +97,12 @@ def test_device_planner_equals_twin(policy, layers, rows, K, max_T):
     pool.check_invariants()
 
 
-def test_single_expert_steps_match_pool_lru():
+@pytest.mark.parametrize("fused", [False, True])
+def test_single_expert_steps_match_pool_lru(fused):
     """With one expert per step, per-step stamps order rows exactly like the pool's touch-order LRU."""
     layers, rows = [6, 4, 5], 5
     pool_a, pool_b = make_pool(layers, rows), make_pool(layers, rows)
-    planner = DevicePlanner(pool_a, LRUPolicy(), max_routed=1)
+    planner = DevicePlanner(pool_a, LRUPolicy(), max_routed=1, fused=fused)
     g = torch.Generator().manual_seed(7)
     for _ in range(200):
         layer = int(torch.randint(0, 3, (1,), generator=g))
@@ -109,9 +116,10 @@ def test_single_expert_steps_match_pool_lru():
     pool_a.check_invariants()
 
 
-def test_more_distinct_experts_than_rows_read_the_rest_in_place():
+@pytest.mark.parametrize("fused", [False, True])
+def test_more_distinct_experts_than_rows_read_the_rest_in_place(fused):
     pool = make_pool([10], rows=3)
-    planner = DevicePlanner(pool, LRUPolicy(), max_routed=8)
+    planner = DevicePlanner(pool, LRUPolicy(), max_routed=8, fused=fused)
     planner.plan(0, torch.tensor([[7, 2, 9, 4], [0, 2, 5, 1]]))
     codes = pool.l2p_gpu[0].tolist()
     assert [codes[e] for e in (0, 1, 2)] == [0, 1, 2]  # lowest expert ids take the free rows, by row
@@ -128,9 +136,10 @@ def test_more_distinct_experts_than_rows_read_the_rest_in_place():
     assert_rows_hold_owners(pool, planner)
 
 
-def test_step_never_evicts_its_own_hits():
+@pytest.mark.parametrize("fused", [False, True])
+def test_step_never_evicts_its_own_hits(fused):
     pool = make_pool([6, 6], rows=4)
-    planner = DevicePlanner(pool, LRUPolicy(), max_routed=4)
+    planner = DevicePlanner(pool, LRUPolicy(), max_routed=4, fused=fused)
     planner.plan(0, torch.tensor([[0, 1, 2, 3]]))
     planner.plan(1, torch.tensor([[0, 1]]))  # evicts layer-0 experts 0, 1 (least recent, lowest rows)
     assert pool.l2p_gpu[0, :4].tolist() == [4 + 0, 4 + 1, 2, 3]
@@ -139,9 +148,10 @@ def test_step_never_evicts_its_own_hits():
     assert pool.l2p_gpu[1, :2].tolist() == [4 + 0, 4 + 1]
 
 
-def test_byte_rule_reads_single_token_misses_in_place():
+@pytest.mark.parametrize("fused", [False, True])
+def test_byte_rule_reads_single_token_misses_in_place(fused):
     pool = make_pool([8], rows=4)
-    planner = DevicePlanner(pool, LRUPolicy(), max_routed=8, block_m=2, min_reads_to_admit=2)
+    planner = DevicePlanner(pool, LRUPolicy(), max_routed=8, block_m=2, min_reads_to_admit=2, fused=fused)
     twin = HostTwin(pool, LRUPolicy(), block_m=2, min_reads_to_admit=2)
     ids = torch.tensor([[1, 2], [1, 3], [1, 2], [5, 6]])  # expert 1: 3 tokens -> 2 reads; others 1 read
     planner.plan(0, ids)
@@ -169,9 +179,10 @@ def test_frequency_policy_keeps_a_hot_expert_through_a_scan():
     assert results == {"lru": False, "freq": True, "aging": True}
 
 
-def test_workspace_bound_fails_loudly_and_changes_nothing():
+@pytest.mark.parametrize("fused", [False, True])
+def test_workspace_bound_fails_loudly_and_changes_nothing(fused):
     pool = make_pool([6], rows=3)
-    planner = DevicePlanner(pool, LRUPolicy(), max_routed=4)
+    planner = DevicePlanner(pool, LRUPolicy(), max_routed=4, fused=fused)
     before = planner.state()
     with pytest.raises(ValueError, match=r"routes 6 > max_routed=4"):
         planner.plan(0, torch.zeros(3, 2, dtype=torch.int64))
@@ -243,14 +254,14 @@ def test_state_tensors_keep_their_addresses():
 @given(
     layers=st.lists(st.integers(1, 9), min_size=1, max_size=3),
     rows=st.integers(1, 12),
-    policy=st.sampled_from(["lru", "freq", "aging"]),
+    policy=st.sampled_from(["lru", "lru-fused", "lru-cycle", "lru-cycle-fused", "freq", "aging"]),
     steps=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 10**6)), min_size=1, max_size=40),
 )
 def test_planner_twin_and_invariants_property(layers, rows, policy, steps):
     pool = make_pool(layers, rows)
     pool.fill()
     dev_policy, host_policy = policy_pair(policy)
-    planner = DevicePlanner(pool, dev_policy, max_routed=6)
+    planner = DevicePlanner(pool, dev_policy, max_routed=6, fused=policy.endswith("-fused"))
     twin = HostTwin(pool, host_policy)
     for layer_pick, seed in steps:
         layer = layer_pick % len(layers)
@@ -263,3 +274,54 @@ def test_planner_twin_and_invariants_property(layers, rows, policy, steps):
     assert_rows_hold_owners(pool, planner)
     planner.store_to_pool()
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_cycle_protection_keeps_hits_where_lru_thrashes(fused):
+    """Every layer routes the same 3 experts each step; 4 layers need 12 rows but there are 8. Global LRU
+    evicts exactly the rows the next layers need (hit rate 0); cycle-protected LRU lets each layer recycle
+    only its own rows or idle ones, so the layers that kept rows keep hitting. The twin agrees throughout."""
+    layers, rows = [5, 5, 5, 5], 8
+    results = {}
+    for name in ("lru", "lru-cycle"):
+        pool = make_pool(layers, rows)
+        dev_policy, host_policy = policy_pair(name)
+        planner = DevicePlanner(pool, dev_policy, max_routed=3, fused=fused)
+        twin = HostTwin(pool, host_policy)
+        for step in range(12):
+            if step == 4:
+                start = planner.counter_values()
+            for layer in range(len(layers)):
+                ids = torch.tensor([[0, 1, 2]])
+                planner.plan(layer, ids)
+                twin.plan(layer, ids)
+        assert_same_state(planner, twin, name)
+        assert_rows_hold_owners(pool, planner)
+        end = planner.counter_values()
+        results[name] = (end["hits"] - start["hits"]) / (
+            end["hits"] + end["misses"] - start["hits"] - start["misses"]
+        )
+    assert results["lru"] == 0.0
+    assert results["lru-cycle"] >= 0.5, results
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_planner_records_telemetry_like_record(fused):
+    """`plan(layer, ids, telemetry)` (inside the fused kernel, or by `record` on the ops path) leaves the
+    telemetry exactly as `RouteTelemetry.record` on its own: counts, bitmap, poison from out-of-range ids."""
+    layers = [5, 7, 3]
+    pool = make_pool(layers, rows=4)
+    planner = DevicePlanner(pool, LRUPolicy(), max_routed=12, fused=fused)
+    recorded = RouteTelemetry(layers, torch.device("cpu"), fused=False)
+    planned = RouteTelemetry(layers, torch.device("cpu"), fused=False)
+    g = torch.Generator().manual_seed(3)
+    for step in range(30):
+        layer = step % len(layers)
+        ids = random_ids(step % 4, min(3, layers[layer]), layers[layer], g)
+        recorded.record(layer, ids)
+        planner.plan(layer, ids, planned)
+    a, b = recorded.snapshot(), planned.snapshot()
+    assert torch.equal(a.counts, b.counts) and torch.equal(a.routed, b.routed)
+    assert (a.poisoned, a.overflowed) == (b.poisoned, b.overflowed) == (True, False)
+    with pytest.raises(ValueError, match="telemetry counts"):
+        planner.plan(0, torch.tensor([[1]]), RouteTelemetry([9], torch.device("cpu")))

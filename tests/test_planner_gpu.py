@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from pooled_runner import PoolConfig, PooledMoE
-from pooled_runner.planner import DevicePlanner, HostTwin
+from pooled_runner.planner import DevicePlanner
+from pooled_runner.planner_twin import HostTwin
 from pooled_runner.policies import AgingFreqPolicy, FreqDecayPolicy, LRUPolicy
 from pooled_runner.telemetry import RouteTelemetry
 
@@ -37,11 +38,15 @@ WIDTHS["mtp_bs3_ns3"] = 12
 def make_policy(name: str):
     if name == "aging":
         return AgingFreqPolicy(decay_steps=3)
-    return LRUPolicy() if name == "lru" else FreqDecayPolicy(decay_steps=4, recent_bonus=2, cap=6)
+    return (
+        LRUPolicy() if name in ("lru", "lru-ops") else FreqDecayPolicy(decay_steps=4, recent_bonus=2, cap=6)
+    )
 
 
 # Every width with LRU; the other policies (their state updates under capture) at a few widths.
 CASES = [(w, "lru") for w in WIDTHS] + [
+    ("M1", "lru-ops"),  # the torch-ops planner and telemetry (the fused kernels are the CUDA default)
+    ("mtp_bs3_ns3", "lru-ops"),
     ("M1", "freq"),
     ("mtp_bs3_ns3", "freq"),
     ("M2", "aging"),
@@ -80,8 +85,11 @@ class Stack:
         self.moe = build_moe(weights, ROWS)
         pool = self.moe.pool
         self.twin = HostTwin(pool, make_policy(policy))
-        self.planner = DevicePlanner(pool, make_policy(policy), max_routed=max_routed, debug_checks=False)
-        self.tel = RouteTelemetry(LAYERS, pool.device)
+        fused = False if policy == "lru-ops" else None
+        self.planner = DevicePlanner(
+            pool, make_policy(policy), max_routed=max_routed, debug_checks=False, fused=fused
+        )
+        self.tel = RouteTelemetry(LAYERS, pool.device, fused=fused)
         self.kpath = KernelPath(self.moe.format, pool, self.moe.bank, H, I)
         g = torch.Generator(device="cuda").manual_seed(1234)
         self.router = torch.randn(len(LAYERS), H, EM, generator=g, device="cuda") / H**0.5
@@ -341,7 +349,7 @@ def test_gather_rows_kernel_matches_reference(num_pairs, row_numel):
     src_host = torch.randn(N, row_numel, generator=g).to(DTYPE).pin_memory()
     dst = torch.randn(R, row_numel, generator=g).to(DTYPE).cuda()
     dst_index = torch.randperm(R, generator=g)[:num_pairs].cuda()
-    codes = torch.randint(0, R + N - 3, (num_pairs,), generator=g).cuda()
+    codes = torch.randint(0, R + N - 3, (num_pairs,), generator=g).cuda()  # src_dev is not dst: no overlap
     valid = (torch.rand(num_pairs, generator=g) < 0.7).int().cuda()
     expect = dst.cpu().clone()
     gather_rows_reference(expect, dst_index.cpu(), src_dev.cpu(), src_host, codes.cpu(), valid.cpu(), R, 3)
@@ -349,3 +357,27 @@ def test_gather_rows_kernel_matches_reference(num_pairs, row_numel):
     torch.cuda.synchronize()
     mismatch = (dst.cpu() != expect).nonzero()
     assert mismatch.numel() == 0, f"first mismatches at {mismatch[:5].tolist()}"
+
+
+@pytest.mark.parametrize("num_pairs", [0, 1, 7])
+def test_gather_rows_multi_kernel_matches_reference(num_pairs):
+    from pooled_runner.kernels.row_gather import gather_rows_multi, gather_rows_multi_reference
+
+    g = torch.Generator().manual_seed(num_pairs)
+    R, N = 16, 13
+    numels, dtypes = (70001, 7, 2049), (DTYPE, torch.int32, torch.uint8)
+    rows = [(torch.randn(R, n, generator=g) * 50).to(d) for n, d in zip(numels, dtypes)]
+    hosts = [(torch.randn(N, n, generator=g) * 50).to(d).pin_memory() for n, d in zip(numels, dtypes)]
+    dst_index = torch.randperm(R // 2, generator=g)[
+        :num_pairs
+    ].int()  # pool sources are rows 8..15: never written
+    codes = torch.randint(R // 2, R + N - 3, (num_pairs,), generator=g).int()
+    valid = (torch.rand(num_pairs, generator=g) < 0.7).int()
+    expect = [r.clone() for r in rows]
+    gather_rows_multi_reference(expect, hosts, dst_index, codes, valid, R, 3)
+    rows_gpu = [r.cuda() for r in rows]
+    gather_rows_multi(rows_gpu, hosts, dst_index.cuda(), codes.cuda(), valid.cuda(), R, 3)
+    torch.cuda.synchronize()
+    for i, (got, exp) in enumerate(zip(rows_gpu, expect)):
+        mismatch = (got.cpu() != exp).nonzero()
+        assert mismatch.numel() == 0, f"operand {i}: first mismatches at {mismatch[:5].tolist()}"

@@ -17,9 +17,13 @@ def python_counts(steps: list[tuple[int, torch.Tensor]], layers: list[int]) -> d
     return out
 
 
+FUSED = pytest.mark.parametrize("fused", [False, True], ids=["torch", "kernel"])  # kernel: Triton interpreter
+
+
+@FUSED
 @pytest.mark.parametrize("layers", [[1], [7, 3], [16, 5, 9]])
-def test_counts_and_bitmap_match_an_independent_count(layers):
-    tel = RouteTelemetry(layers, torch.device("cpu"))
+def test_counts_and_bitmap_match_an_independent_count(layers, fused):
+    tel = RouteTelemetry(layers, torch.device("cpu"), fused=fused)
     g = torch.Generator().manual_seed(len(layers))
     steps = []
     for step in range(30):
@@ -38,8 +42,9 @@ def test_counts_and_bitmap_match_an_independent_count(layers):
     assert snap.valid and snap.epoch == 0
 
 
-def test_out_of_range_ids_set_poison_and_count_nothing():
-    tel = RouteTelemetry([4, 6], torch.device("cpu"))
+@FUSED
+def test_out_of_range_ids_set_poison_and_count_nothing(fused):
+    tel = RouteTelemetry([4, 6], torch.device("cpu"), fused=fused)
     tel.record(1, torch.tensor([[5, 2], [6, -1]]))  # 6 is out of range for E = 6
     tel.record(0, torch.tensor([[-7, 3]]))  # -7 is neither padding nor an expert
     snap = tel.snapshot()
@@ -52,8 +57,9 @@ def test_out_of_range_ids_set_poison_and_count_nothing():
     assert tel.snapshot().valid and tel.epoch == 1
 
 
-def test_counters_saturate_with_a_sticky_overflow_bit():
-    tel = RouteTelemetry([3], torch.device("cpu"), max_count=5)
+@FUSED
+def test_counters_saturate_with_a_sticky_overflow_bit(fused):
+    tel = RouteTelemetry([3], torch.device("cpu"), max_count=5, fused=fused)
     for _ in range(3):
         tel.record(0, torch.tensor([[0, 1], [0, 2]]))
     snap = tel.snapshot()

@@ -239,6 +239,27 @@ def test_two_gloo_ranks_agree_and_match_the_unsharded_model(tmp_path: Path) -> N
         assert "TP ranks disagree at step 41: location table of pooled layer" in str(r["disagreement"])
 
 
+def test_forced_divergence_changes_layer_1_through_the_boundary_paths() -> None:
+    from tests.tp_stack import _diverge, build_rank_moe
+
+    spec = StackSpec(num_layers=3, num_experts=8, hidden=16, intermediate=12, top_k=2, pool_rows=4)
+    moe = build_rank_moe(spec, rank=1, world=2, device=torch.device("cpu"))
+    pool = moe.sync_tables()
+
+    def layer_1_rows() -> int:
+        return sum(1 for o in pool.row_owner if o is not None and o[0] == 1)
+
+    assert layer_1_rows() == 0  # the layer-major fill gave every row to layer 0
+    for expected_rows in (
+        1,
+        0,
+    ):  # no row of layer 1: a step of layer 1 alone admits one; then it is given back
+        before = pool.l2p_host[1].clone()
+        _diverge(moe, spec, torch.device("cpu"))
+        assert not torch.equal(before, pool.l2p_host[1]) and layer_1_rows() == expected_rows
+        pool.check_invariants()
+
+
 def test_guard_and_staging_are_sized_from_the_rank_shard() -> None:
     from pooled_runner.formats import make_format
     from pooled_runner.guard import KernelBackend, check_tensors, max_pool_rows

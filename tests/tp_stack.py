@@ -7,8 +7,10 @@ expert, generated from one seed, with its own bank and `pool_rows` rows; then ru
 each layer's pooled output is all-reduced over the ranks and added to the residual, so routing is computed
 from replicated hidden states as in SGLang. Each layer's all-reduced output is compared with the unsharded
 expert computation on the same inputs (fp32 reference, full weights); the location tables are compared
-across ranks (`verify_tables_agree`) every `check_every` steps; finally rank 1 plans one extra step on its
-own (gives back one of layer 1's rows) and the check must stop both ranks with `TablesDisagree`.
+across ranks (`verify_tables_agree` of each rank's `PooledMoE`, which syncs the device planner's tables on
+CUDA) every `check_every` steps; finally rank 1 alone gives back one of layer 1's rows (`evict_expert`, a
+boundary operation) and the check must stop both ranks with `TablesDisagree`. Counters come from
+`PooledMoE.stats()` (device-planned steps included).
 
 Results: one JSON per rank in `out_dir` (`rank{r}.json`).
 """
@@ -143,6 +145,22 @@ def run_rank(rank: int, world: int, spec_json: str, init_method: str, out_dir: s
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result, indent=1))
 
 
+def _diverge(moe: PooledMoE, spec: StackSpec, device: torch.device) -> None:
+    """Rank 1 alone changes layer 1's table through the boundary paths (on CUDA the device planner's state is
+    synced, changed and loaded back): it gives back a row of layer 1, else plans one step of layer 1 alone,
+    routed to an expert not in a row."""
+    layer = min(1, spec.num_layers - 1)
+    pool = moe.sync_tables()
+    owners = [o for o in pool.row_owner if o is not None and o[0] == layer]
+    if owners:
+        moe.evict_expert(*owners[0])
+        return
+    missing = [e for e in range(spec.num_experts) if not pool.is_resident(layer, e)]
+    ids = torch.tensor([missing[:1] + [-1] * (spec.top_k - 1)], dtype=torch.int32, device=device)
+    x = torch.zeros(1, spec.hidden, dtype=_DTYPES[spec.dtype], device=device)
+    moe.forward(layer, x, ids, torch.ones(ids.shape, dtype=x.dtype, device=device))
+
+
 def _run(spec: StackSpec, rank: int, world: int, device: torch.device) -> dict[str, object]:
     import torch.distributed as dist
 
@@ -189,25 +207,18 @@ def _run(spec: StackSpec, rank: int, world: int, device: torch.device) -> dict[s
         if step >= spec.warmup_steps + (1 if spec.prefill_tokens else 0):
             step_ms.append(moe_s * 1e3)
         if (step + 1) % spec.check_every == 0:
-            verify_tables_agree(pool, step + 1, device=device)
+            verify_tables_agree(moe, step + 1, device=device)  # the moe: syncs the device planner's tables
             num_checks += 1
-    verify_tables_agree(pool, len(lengths), device=device)
+    verify_tables_agree(moe, len(lengths), device=device)
     num_checks += 1
-    stats = pool.stats()
-    l2p = pool.l2p_host.tolist()  # before the forced disagreement below
-    # Forced disagreement: rank 1 plans one more step alone (an expert not resident in layer 1, if any).
+    stats = moe.stats()  # device-planned steps included (on CUDA the pool's own counters miss them)
+    l2p = moe.sync_tables().l2p_host.tolist()  # before the forced disagreement below
     disagreement = ""
     if world > 1:
-        if rank == 1:  # rank 1 alone gives back a row of layer 1 (else plans one more step of it)
-            layer = min(1, spec.num_layers - 1)
-            rows = [r for r, owner in enumerate(pool.row_owner) if owner is not None and owner[0] == layer]
-            if rows:
-                pool.evict(rows[0])
-            else:
-                missing = [e for e in range(spec.num_experts) if not pool.is_resident(layer, e)]
-                pool.plan_step(layer, missing[:1])
+        if rank == 1:
+            _diverge(moe, spec, device)
         try:
-            verify_tables_agree(pool, len(lengths) + 1, device=device)
+            verify_tables_agree(moe, len(lengths) + 1, device=device)
         except TablesDisagree as exc:
             disagreement = str(exc)
     return {

@@ -260,10 +260,9 @@ class PoolRuntime:
 
         from pooled_runner.tp import verify_tables_agree
 
-        pool = self.require_moe().pool
-        assert pool is not None
+        # The PooledMoE, not its pool: on CUDA the device planner's state is synced to the host first.
         digest = verify_tables_agree(
-            pool, self.num_steps, get_moe_tp_group().cpu_group, layer_names=self.layer_names
+            self.require_moe(), self.num_steps, get_moe_tp_group().cpu_group, layer_names=self.layer_names
         )
         self.num_debug_checks += 1
         logger.info(

@@ -1,0 +1,148 @@
+"""The decode bench's harness (bench/decode.py): the stack's shape, the shared bank, ours at given decode lanes,
+and the timing of a trace's steps (a CUDA graph of one step replayed with each step's routing, or eager).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bench.baselines import Ours, Traffic
+from bench.kernels import random_rows
+from pooled_runner import PoolConfig, PooledMoE
+from pooled_runner.bank import ExpertBank
+from pooled_runner.formats import make_format
+
+FMT = "bf16"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The stack: H, I, E experts per layer, top-k, L layers."""
+
+    H: int = 2048
+    I: int = 768
+    E: int = 128
+    K: int = 8
+    L: int = 12
+
+
+def make_bank(shape: Shape, device: torch.device, g: torch.Generator) -> ExpertBank:
+    """Bank of L layers of random bf16 experts (pinned on CUDA), generated on `device` layer by layer."""
+    H, I, E = shape.H, shape.I, shape.E
+    bank = ExpertBank(
+        make_format(FMT, torch.bfloat16).operands(H, I), [E] * shape.L, pin=device.type == "cuda"
+    )
+    for layer in range(shape.L):
+        rows = random_rows(FMT, H, I, E, device.type, g)
+        lo, hi = bank.layer_offsets[layer], bank.layer_offsets[layer + 1]
+        for name, t in rows.items():
+            bank.tensors_host[name][lo:hi].copy_(t)
+    sync(device)
+    return bank
+
+
+def make_ours(bank: ExpertBank, shape: Shape, rows: int, lanes: int, device: torch.device) -> Ours:
+    """PooledMoE over a copy of `bank` with `lanes` decode lanes (steps of up to that many tokens are
+    device-planned and captured); rows start with experts 0.. of every layer (as the slots do)."""
+    L, E = shape.L, shape.E
+    moe = PooledMoE(
+        PoolConfig(pool_rows=rows, weight_format=FMT, device=device.type, prefill_staging=False),
+        shape.H,
+        shape.I,
+        top_k=shape.K,
+        dtype=torch.bfloat16,
+    )
+    for _ in range(L):
+        moe.register_layer(E)
+    moe.set_decode_lanes(lanes)
+    moe.allocate()
+    assert moe.bank is not None, f"pool_rows={rows} holds every expert: no bank"
+    for name, t in moe.bank.tensors_host.items():
+        t.copy_(bank.tensors_host[name])
+    moe.finalize(priority=[(layer, e) for e in range(E) for layer in range(L)])
+    return Ours(moe)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class StepTimer:
+    """Milliseconds between `start()` and `stop()`: CUDA events on a GPU, the host clock elsewhere (CPU tests)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start, self._end = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.cuda:
+            self._end.record()
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end)
+        return (time.perf_counter() - self._t0) * 1e3
+
+
+def time_steps(
+    system, ids: torch.Tensor, x: torch.Tensor, w: torch.Tensor, warm: int
+) -> tuple[float, Traffic]:  # type: ignore[no-untyped-def]
+    """Mean ms per step of the trace `ids [S, L, T, K]` after `warm` steps, and the timed steps' traffic.
+
+    A capturable system on CUDA runs one step captured in a CUDA graph, replayed with each step's routing copied
+    into its static ids; the others (and every system off CUDA) run eagerly.
+    """
+    S, L = ids.shape[:2]
+    capture = system.capturable and ids.is_cuda
+    static_ids = ids[0].clone()  # [L, T, K]
+
+    def eager(step_ids: torch.Tensor) -> None:
+        for layer in range(L):
+            system.forward(layer, x[layer], step_ids[layer], w[layer])
+
+    graph = None
+    if capture:
+        eager(static_ids)  # compiles the kernels; ours hands its tables to the device planner (trace step 0)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            eager(static_ids)
+
+    def step(s: int) -> None:
+        if graph is None:
+            eager(ids[s])
+        else:
+            static_ids.copy_(ids[s])
+            graph.replay()
+
+    for s in range(1 if capture else 0, warm):
+        step(s)
+    sync(ids.device)
+    before = system.traffic()  # ours: a boundary read of the planner's counters (syncs)
+    timer = StepTimer(ids.device)
+    timer.start()
+    for s in range(warm, S):
+        step(s)
+    ms = timer.stop() / (S - warm)
+    if hasattr(system, "account"):  # forward never syncs: count the timed steps' traffic from the trace
+        ids_cpu = ids[warm:].cpu()
+        for s in range(ids_cpu.shape[0]):
+            for layer in range(L):
+                system.account(layer, ids_cpu[s, layer])
+    return ms, system.traffic() - before
+
+
+def empty_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
