@@ -130,8 +130,7 @@ class DevicePlanner:
         self.row_owner[: self.num_rows].copy_(torch.tensor(owner, dtype=torch.int64))
         self.row_stamp[: self.num_rows].copy_(torch.tensor(stamp, dtype=torch.int64))
         self.clock.fill_(max([*stamp, 0]))
-        if isinstance(self.policy, CycleLRUPolicy):  # its cycle starts are clock values, now renumbered
-            self.policy.clock_reset()
+        self.policy.clock_reset()  # stamps were renumbered: clock-valued policy state is stale
 
     def store_to_pool(self) -> None:
         """Push the device tables into the pool's host bookkeeping (syncs); LRU order = (stamp, row)."""

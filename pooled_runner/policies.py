@@ -31,6 +31,10 @@ class Policy(Protocol):
 
     def bind(self, num_layers: int, max_experts: int, device: torch.device) -> None: ...
 
+    def clock_reset(self) -> None:
+        """The planner renumbered its clock at a boundary (outside capture): forget clock-valued state."""
+        ...
+
     def observe(self, layer: int, present: torch.Tensor, now: torch.Tensor) -> None:
         """`present [E]` bool (routed this step), `now [1]` int64. In place."""
         ...
@@ -79,6 +83,9 @@ class LRUPolicy:
     """Least recently used row first (ties by row index); misses admitted by expert id; always admit."""
 
     name = "lru"
+
+    def clock_reset(self) -> None:
+        pass
 
     def bind(self, num_layers: int, max_experts: int, device: torch.device) -> None:
         pass
@@ -168,6 +175,9 @@ class FreqDecayPolicy:
         self._max_experts = max_experts
         L = num_layers
         self._ticks = (self.decay_steps * L, self.recent_steps * L, self.correlated_steps * L)
+
+    def clock_reset(self) -> None:  # its clock-valued ticks are kept: an approximation after a renumbering
+        pass
 
     def bind(self, num_layers: int, max_experts: int, device: torch.device) -> None:
         self._set_ticks(num_layers, max_experts)
@@ -290,6 +300,9 @@ class AgingFreqPolicy:
         self._max_experts = max_experts
         L = num_layers
         self._ticks = (self.decay_steps * L, self.correlated_steps * L, self.recent_steps * L)
+
+    def clock_reset(self) -> None:  # its clock-valued ticks are kept: an approximation after a renumbering
+        pass
 
     def bind(self, num_layers: int, max_experts: int, device: torch.device) -> None:
         self._set(num_layers, max_experts)
