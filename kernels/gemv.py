@@ -49,9 +49,11 @@ from .combine import combine
 from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NVFP4, e4m3_to_f32
 from .moe_gemm import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _row_bases, interpreting
 from .operands import KernelFormat, Projection
+from .workspace import _COUNTERS as _COUNTERS  # re-exported: tests and the bench read the workspace here
+from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters
+from .workspace import spin_timeouts as spin_timeouts
 
 GEMV_MAX_PAIRS = 64  # T*K up to this (the schedule sorts P_POW2 keys in every program)
-SYNC_WORDS = 2 + 2 * 2 * GEMV_MAX_PAIRS  # `_fused_kernel`'s words before the combine counters
 SPIN_LIMIT = 1 << 22  # polls before a waiting down tile of `_fused_kernel` gives up (~1 s, not a hang)
 
 # Bit constants passed as kernel arguments rather than literals: with both masks in registers ptxas emits one
@@ -81,8 +83,10 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8) -> Ge
     if interpreting():  # the interpreter's cost grows with tile size; correctness only
         return GemvConfig(16, 32, 16, 32, num_warps=4)
     vpw = _VALUES_PER_WORD.get(fmt, 2)
-    bk = 256
-    rows = {2: 32, 4: 32, 8: 64}[vpw]  # rows per tile: 32 x 128 words (dense), 32 x 64, 64 x 32
+    bk = (
+        128 if vpw == 2 else 256
+    )  # dense: K tiles of 128 were the fastest of the H200 sweep (Qwen3-like, M=1)
+    rows = {2: 32, 4: 32, 8: 64}[vpw]  # rows per tile: 32 x 64 words (dense), 32 x 64 (fp8), 64 x 32
     min_programs = 2 * _num_sms()
     bn1, bn2 = rows // 2, rows
     while bn1 > 8 and num_pairs * triton.cdiv(I, bn1) < min_programs:
@@ -481,29 +485,6 @@ def _fused_kernel(
 
 
 # ---- launchers -----------------------------------------------------------------------------------------------
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """The sync words (`_fused_kernel`) and `n` combine arrival counters from SYNC_WORDS on, all zero between
-    launches (each kernel resets what it uses) except the sticky error word 0. Allocated on first use of a
-    size; make that first use happen before graph capture (warm-up), as for compilation."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < SYNC_WORDS + n:
-        new = torch.zeros(max(SYNC_WORDS + n, 4096), dtype=torch.int32, device=device)
-        if buf is not None:
-            new[0] = buf[0]
-        buf = new
-        _COUNTERS[device] = buf
-    return buf
-
-
-def spin_timeouts(device: torch.device) -> int:
-    """Nonzero if a one-launch GEMV step on `device` gave up waiting (its output was wrong); host sync."""
-    buf = _COUNTERS.get(torch.device(device))
-    return 0 if buf is None else int(buf[0].item())
-
-
 def gemv_supported(fmt: KernelFormat, H: int, I: int) -> bool:
     """Whether the GEMV path takes this format and shape (K of both projections a multiple of a word)."""
     vpw = _VALUES_PER_WORD.get(fmt.fmt)
@@ -556,8 +537,8 @@ def _check_gemv(fmt: KernelFormat, proj: Projection, k: int, block_k: int) -> No
 
 def _pairs_pow2(num_pairs: int) -> int:
     """The schedule's width: one compile for every decode width up to GEMV_MAX_PAIRS pairs."""
-    if num_pairs > 2 * GEMV_MAX_PAIRS:
-        raise ValueError(f"GEMV path: {num_pairs} routed pairs > {2 * GEMV_MAX_PAIRS}")
+    if num_pairs > MAX_SYNC_PAIRS:
+        raise ValueError(f"GEMV path: {num_pairs} routed pairs > {MAX_SYNC_PAIRS}")
     return max(GEMV_MAX_PAIRS, triton.next_power_of_2(num_pairs))
 
 

@@ -238,6 +238,32 @@ def test_pooled_fused_moe_matches_reference(name, H, I, dtype, T, K, E, R, decod
     assert_close(out, ref, f"{name} T={T} K={K} E={E} R={R}")
 
 
+@pytest.mark.parametrize(("name", "H", "I", "dtype"), [FORMATS[0], FORMATS[2], FORMATS[6], FORMATS[7]])
+@pytest.mark.parametrize(
+    ("T", "K", "E", "R"), [(1, 1, 1, 1), (3, 3, 7, 3), (4, 8, 9, 4), (5, 2, 6, 2), (8, 8, 13, 5)]
+)
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_fused_combine_and_inline_align_equal_align_path(name, H, I, dtype, T, K, E, R, block_m):
+    """variant "align-fc" (combine in gemm2) and "inline" (no align launch; 64 pairs fall back to align-fc):
+    bitwise the align path's output, tokens without a routed pair included; counters back at zero."""
+    from pooled_runner.kernels import gemv
+
+    g = torch.Generator().manual_seed(T * 11 + E + block_m)
+    fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, R, g, dtype, num_not_here=int(E > 3))
+    fmt = kernel_format(fmt_obj)
+    w13, w2 = make_projections(fmt, pool, bank if R < E else None, H, I)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids, w = random_routing(T, K, E, g, pad_prob=0.2)
+    if T > 2:
+        ids[1] = -1  # a token with no pair routed here: its output row is still written (zeros)
+    cfgs = (GemmConfig(block_m, 16, 32, num_stages=1), GemmConfig(block_m, 16, 32, num_stages=1))
+    base = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, cfgs, variant="align")
+    for variant in ("align-fc", "inline"):
+        out = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, cfgs, variant=variant)
+        assert torch.equal(out, base), f"{variant}: max diff {(out.float() - base.float()).abs().max()}"
+        assert int(gemv._COUNTERS[x.device].abs().sum()) == 0
+
+
 def test_fused_moe_zero_tokens():
     g = torch.Generator().manual_seed(1)
     fmt_obj, pool, bank, l2p = build_layer("bf16", 16, 16, 3, 2, g)
