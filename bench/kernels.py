@@ -302,19 +302,17 @@ VARIANT_CASES = [
 def variant_specs(H: int, I: int, fmt: int, num_pairs: int) -> list[tuple[str, dict, bool]]:
     """(column, pooled_fused_moe keyword arguments, with the phased align kernel): the current default first,
     the default before this work second (the align path with its phased one-program align)."""
+    from pooled_runner.kernels.moe_gemm import GemmConfig
+
     base = gemv_configs(H, I, fmt, num_pairs)
-    r = dataclasses.replace
+    bn32 = GemmConfig(16, 32, 128, group_m=1, num_warps=4, num_stages=4)
     return [
         ("align", {"variant": "align"}, False),
         ("align before", {"variant": "align"}, True),
+        ("align-fc", {"variant": "align-fc"}, False),
+        ("inline", {"variant": "inline"}, False),
+        ("align BN32", {"variant": "align", "configs": (bn32, bn32)}, False),
         ("gemv", {"variant": "gemv", "gemv_config": base}, False),
-        ("gemv+combine", {"variant": "gemv", "gemv_config": r(base, fuse_combine=False)}, False),
-        ("gemv 1-launch", {"variant": "gemv", "gemv_config": r(base, one_launch=True)}, False),
-        (
-            "gemv 1-launch by id",
-            {"variant": "gemv", "gemv_config": r(base, one_launch=True, tickets=False)},
-            False,
-        ),
     ]
 
 
@@ -489,11 +487,14 @@ def variants_main(args: argparse.Namespace) -> None:
         "softmax top-k of random logits; host rows 1/8: every 8th distinct expert is read through the pinned "
         "host view. Columns: align = the default path (align + gemm1 + gemm2 + combine; register-only align "
         "kernel up to 64 pairs); align before = the same with the phased align kernel (the default before this "
-        "work); gemv = kernels/gemv.py in two launches (down + last-arriver combine); gemv+combine = its down "
-        "kernel, then the combine kernel; gemv 1-launch = one grid, tiles by ticket; by id = by program id. "
-        "best vs before: 'align before' time / the fastest column's. max diff vs default: max |column - align| "
-        "/ max |align| for each column after the first, in order (bf16 rounding differs between paths: ~1e-2 is "
-        "expected, > 1e-1 is a bug).",
+        "work); align-fc = align + gemm1 + gemm2 with the combine fused into gemm2 (last arriver per token and "
+        "N block); inline = gemm1 + gemm2 computing the align inside every program (<= 32 pairs, else as "
+        "align-fc), combine fused: two launches; align BN32 = the default path with 32-row N tiles in both "
+        "GEMMs (more programs); gemv = kernels/gemv.py, two launches (more GEMV options in the sweep). best vs "
+        "before: 'align before' time / the fastest column's. max diff vs default: max |column - align| / max "
+        "|align| for each column after the first, in order (align-fc and inline are bitwise the align path's "
+        "output under the interpreter: expect 0; other paths round differently: ~1e-2 is expected, > 1e-1 "
+        "is a bug).",
     ]
     write(args.out, lines)
     # the targets first: Qwen3-like bf16 (launch-bound) and the packed formats; DeepSeek-like bf16 last
