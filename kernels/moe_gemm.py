@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .align import AlignOutput, max_blocks_for
-from .dequant import FMT_NVFP4, load_b_tile
+from .dequant import FMT_INT4, FMT_NVFP4, load_b_tile
 from .operands import KernelFormat, Projection
 from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters
 
@@ -207,7 +207,7 @@ def _gemm1_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
     NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, DOT_F32: tl.constexpr,
-    INLINE_ALIGN: tl.constexpr = False, P_POW2: tl.constexpr = 16,
+    INLINE_ALIGN: tl.constexpr = False, P_POW2: tl.constexpr = 16, HALF_INT4: tl.constexpr = False,
 ):  # fmt: skip
     pid_m, pid_n = _block_of(tl.program_id(0), tl.cdiv(I, BLOCK_N), max_blocks, GROUP_M)
     if INLINE_ALIGN:
@@ -243,9 +243,9 @@ def _gemm1_kernel(
             other=0.0,
         )
         bg = load_b_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, n_ok, k_ok, k0, H, w_sn, s_sn, z_sn,
-                         FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K)  # fmt: skip
+                         FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4)  # fmt: skip
         bu = load_b_tile(w_base, s_base, z_base, g_base, offs_n + I, offs_k, n_ok, k_ok, k0, H, w_sn, s_sn,
-                         z_sn, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K)  # fmt: skip
+                         z_sn, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4)  # fmt: skip
         acc_g = _mma(a, bg, acc_g, DOT_F32)
         acc_u = _mma(a, bu, acc_u, DOT_F32)
     gate = acc_g.to(COMPUTE).to(tl.float32)
@@ -265,7 +265,7 @@ def _gemm2_kernel(
     GROUP_M: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
     NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, DOT_F32: tl.constexpr,
     INLINE_ALIGN: tl.constexpr = False, FUSE_COMBINE: tl.constexpr = False, P_POW2: tl.constexpr = 16,
-    TOP_K: tl.constexpr = 1, K_POW2: tl.constexpr = 1,
+    TOP_K: tl.constexpr = 1, K_POW2: tl.constexpr = 1, HALF_INT4: tl.constexpr = False,
 ):  # fmt: skip
     num_nb = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _block_of(tl.program_id(0), num_nb, max_blocks, GROUP_M)
@@ -305,7 +305,7 @@ def _gemm2_kernel(
             other=0.0,
         )
         b = load_b_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, n_ok, k_ok, k0, I, w_sn, s_sn, z_sn,
-                        FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K)  # fmt: skip
+                        FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4)  # fmt: skip
         acc = _mma(a, b, acc, DOT_F32)
     ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
     tl.store(ptrs, acc.to(COMPUTE), mask=row_ok[:, None] & n_ok[None, :])
@@ -349,6 +349,16 @@ def _check_dense_dtype(fmt: KernelFormat, proj: Projection, dtype: torch.dtype) 
 
 
 INLINE_MAX_PAIRS = 32  # `inline` decode steps (align computed in every gemm program) up to this many pairs
+
+# int4 MMA tiles dequantized in the compute dtype with packed half ops (`dequant._int4_tile_h`: the same values
+# as the fp32 path, about half the instructions per value on sm_90). Opt-in until measured on the GPU
+# (bench/kernels.py --variants column "int4 half"). Under the interpreter only for fp16: Triton's interpreter
+# stores bf16 as raw uint16 and has no bf16 arithmetic.
+HALF_INT4 = False
+
+
+def _half_int4(fmt: KernelFormat, dtype: torch.dtype) -> bool:
+    return HALF_INT4 and fmt.fmt == FMT_INT4 and (not interpreting() or dtype == torch.float16)
 
 
 @dataclass(frozen=True)
@@ -417,7 +427,7 @@ def gemm1(
         GROUP_M=config.group_m, FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero,
         NATIVE_FP8=native, DOT_F32=interpreting(), COMPUTE=_TL_DTYPES[x.dtype],
         INLINE_ALIGN=align is None, P_POW2=routing.p_pow2() if routing is not None else 16,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        HALF_INT4=_half_int4(fmt, x.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return act
 
@@ -470,6 +480,6 @@ def gemm2(
         NATIVE_FP8=native, DOT_F32=interpreting(), COMPUTE=_TL_DTYPES[act.dtype],
         INLINE_ALIGN=align is None, FUSE_COMBINE=fuse_combine,
         P_POW2=routing.p_pow2() if routing is not None else 16, TOP_K=K, K_POW2=triton.next_power_of_2(K),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        HALF_INT4=_half_int4(fmt, act.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out if fuse_combine else y
