@@ -299,34 +299,43 @@ VARIANT_CASES = [
 ]
 
 
-def variant_specs(H: int, I: int, fmt: int, num_pairs: int) -> list[tuple[str, dict, bool]]:
-    """(column, pooled_fused_moe keyword arguments, with the phased align kernel): the current default first,
-    the default before this work second (the align path with its phased one-program align)."""
+def variant_specs(H: int, I: int, fmt: int, num_pairs: int) -> list[tuple[str, dict, str]]:
+    """(column, pooled_fused_moe keyword arguments, module switch): the current default first, the default
+    before this work second (the align path with its phased one-program align). Switches: "phased" (that
+    align kernel), "half" (int4 MMA tiles in packed half math, moe_gemm.HALF_INT4; int4 only), "" none."""
     from pooled_runner.kernels.moe_gemm import GemmConfig
 
     base = gemv_configs(H, I, fmt, num_pairs)
     bn32 = GemmConfig(16, 32, 128, group_m=1, num_warps=4, num_stages=4)
     return [
-        ("align", {"variant": "align"}, False),
-        ("align before", {"variant": "align"}, True),
-        ("align-fc", {"variant": "align-fc"}, False),
-        ("inline", {"variant": "inline"}, False),
-        ("align BN32", {"variant": "align", "configs": (bn32, bn32)}, False),
-        ("gemv", {"variant": "gemv", "gemv_config": base}, False),
+        ("align", {"variant": "align"}, ""),
+        ("align before", {"variant": "align"}, "phased"),
+        ("align-fc", {"variant": "align-fc"}, ""),
+        ("inline", {"variant": "inline"}, ""),
+        ("align BN32", {"variant": "align", "configs": (bn32, bn32)}, ""),
+        ("gemv", {"variant": "gemv", "gemv_config": base}, ""),
+        ("int4 half", {"variant": "align"}, "half"),
+        ("inline int4 half", {"variant": "inline"}, "half"),
     ]
 
 
-def _with_phased_align(fn):
-    """`fn` with the align kernel of before (phased, through global memory) for decode widths too."""
-    from pooled_runner.kernels import align
+def _with_switch(fn, switch: str):
+    """`fn` with a module switch of `variant_specs` set while it runs (and while a graph captures it)."""
+    from pooled_runner.kernels import align, moe_gemm
+
+    if not switch:
+        return fn
+    module, name, value = (
+        (align, "TINY_MAX_PAIRS", -1) if switch == "phased" else (moe_gemm, "HALF_INT4", True)
+    )
 
     def run():
-        saved = align.TINY_MAX_PAIRS
-        align.TINY_MAX_PAIRS = -1
+        saved = getattr(module, name)
+        setattr(module, name, value)
         try:
             return fn()
         finally:
-            align.TINY_MAX_PAIRS = saved
+            setattr(module, name, saved)
 
     return run
 
@@ -450,11 +459,16 @@ def variants_main(args: argparse.Namespace) -> None:
                 header_done = True
             cells, times, diffs = [], [], []
             ref = None
-            for col, kw, phased in specs:
+            for col, kw, switch in specs:
+                if switch == "half" and name.split("-")[0] != "int4":
+                    cells.append("=")  # the same kernels as a column before
+                    diffs.append("=")
+                    continue
                 fn = functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, **kw)
-                us, out, err = _time_variant(_with_phased_align(fn) if phased else fn)
+                us, out, err = _time_variant(_with_switch(fn, switch))
                 if us is None:
                     cells.append(f"error: {err}")
+                    diffs.append("err")
                     continue
                 cells.append(f"{us:.1f} ({100 * bound_us / us:.0f}%)")  # % of the bound
                 times.append((us, col))
@@ -492,9 +506,10 @@ def variants_main(args: argparse.Namespace) -> None:
         "align-fc), combine fused: two launches; align BN32 = the default path with 32-row N tiles in both "
         "GEMMs (more programs); gemv = kernels/gemv.py, two launches (more GEMV options in the sweep). best vs "
         "before: 'align before' time / the fastest column's. max diff vs default: max |column - align| / max "
-        "|align| for each column after the first, in order (align-fc and inline are bitwise the align path's "
-        "output under the interpreter: expect 0; other paths round differently: ~1e-2 is expected, > 1e-1 "
-        "is a bug).",
+        "|align| for each column after the first, in order (align-fc, inline and int4 half are bitwise the align "
+        "path's output under the interpreter: expect 0; other paths round differently: ~1e-2 is expected, > "
+        "1e-1 is a bug). int4 half = int4 MMA tiles dequantized in packed half math (moe_gemm.HALF_INT4), with "
+        "the align path and with inline; '=' where the format is not int4.",
     ]
     write(args.out, lines)
     # the targets first: Qwen3-like bf16 (launch-bound) and the packed formats; DeepSeek-like bf16 last

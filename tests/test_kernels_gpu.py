@@ -355,3 +355,25 @@ def test_gemv_graph_replay_equals_eager(name, mode):
         assert torch.equal(out, run(base) if variant == "gemv" else run()), f"step {step}: replay != eager"
     assert gemv.spin_timeouts(x.device) == 0
     assert int(gemv._COUNTERS[x.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("M", [1, 64])
+@pytest.mark.parametrize("name", ["int4-g128", "int4-g64-zp", "int4-g32"])
+def test_int4_half_math_equals_fp32_tiles(name, M, monkeypatch):
+    """moe_gemm.HALF_INT4 (int4 MMA tiles in packed bf16 math): bitwise the default fp32-math tiles."""
+    from pooled_runner.kernels import moe_gemm
+
+    from tests.kernel_helpers import build_layer
+
+    fused_moe, operands = _kernels()
+    H, I, _, K = SHAPES["qwen3"]
+    E, R = 12, 12
+    fmt_obj, pool, _, l2p = build_layer(name, H, I, E, R, torch.Generator().manual_seed(M), device="cuda")
+    fmt = operands.kernel_format(fmt_obj)
+    p13, p2 = fused_moe.make_projections(fmt, pool, None, H, I)
+    g = torch.Generator(device="cuda").manual_seed(M)
+    x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+    ids, w = routing(M, K, E, g)
+    base = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="align")
+    monkeypatch.setattr(moe_gemm, "HALF_INT4", True)
+    assert torch.equal(fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="align"), base)
