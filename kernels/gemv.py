@@ -71,10 +71,15 @@ class GemvConfig:
     block_n2: int = 64  # rows of w2 per down program
     block_k2: int = 256
     num_warps: int = 4
-    prefetch: bool = True  # load the next tile before using the current one
+    prefetch: bool = True  # load the next tile (into registers) before using the current one
+    stages: int = 0  # >= 2: instead, Triton's software pipeline over K with this many stages
     fuse_combine: bool = True  # last-arriver combine in the down kernel (else the `combine` kernel)
     one_launch: bool = False  # gate_up and down tiles in one grid (`_fused_kernel`); implies fuse_combine
     tickets: bool = True  # one_launch: tiles taken in arrival order from a counter (else by program id)
+
+    def prefetch_code(self) -> int:
+        """The kernels' PREFETCH: 1 register prefetch, 0 none, >= 2 pipeline stages."""
+        return self.stages if self.stages >= 2 else int(self.prefetch)
 
 
 def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8) -> GemvConfig:
@@ -273,7 +278,8 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, w_sn, s_sn
     nmask2 = n_ok[:, None]
     kw = tl.arange(0, KW)[None, :] + zero2
     acc = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
-    if PREFETCH:
+    # PREFETCH 1: the next tile in registers; 0: none; >= 2: Triton's software pipeline with that many stages
+    if PREFETCH == 1:
         words, s, z = _load_words(w_base, s_base, z_base, n2, nmask2, kw, K_WORDS, w_sn, s_sn, z_sn,
                                   FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
         for k0 in range(0, K_WORDS, KW):
@@ -290,7 +296,8 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, w_sn, s_sn
             )
             words, s, z = nw, ns, nz
     else:
-        for k0 in range(0, K_WORDS, KW):
+        STAGES: tl.constexpr = PREFETCH if PREFETCH >= 2 else 1
+        for k0 in tl.range(0, K_WORDS, KW, num_stages=STAGES):
             kcol = kw + k0
             words, s, z = _load_words(w_base, s_base, z_base, n2, nmask2, kcol, K_WORDS, w_sn, s_sn, z_sn,
                                       FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
@@ -576,7 +583,7 @@ def gemv_gate_up(
         num_pairs, num_experts, w13.num_rows, I, H, hidden.stride(0), act.stride(0), c0, c1,
         TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n1, BLOCK_K=config.block_k1,
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
-        COMPUTE=_TL_DTYPES[hidden.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch,
+        COMPUTE=_TL_DTYPES[hidden.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(),
         EVEN_K=H % config.block_k1 == 0, num_warps=config.num_warps, num_stages=1,
     )  # fmt: skip
     return act
@@ -620,7 +627,7 @@ def gemv_down_combine(
         num_pairs, num_experts, w2.num_rows, H, I, act.stride(0), y.stride(0), out.stride(0), c0, c1,
         TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n2, BLOCK_K=config.block_k2,
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
-        COMPUTE=_TL_DTYPES[act.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch,
+        COMPUTE=_TL_DTYPES[act.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(),
         FUSE_COMBINE=config.fuse_combine, EVEN_K=I % config.block_k2 == 0,
         num_warps=config.num_warps, num_stages=1,
     )  # fmt: skip
@@ -695,7 +702,7 @@ def gemv_one_launch(
         TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N1=config.block_n1, BLOCK_K1=config.block_k1,
         BLOCK_N2=config.block_n2, BLOCK_K2=config.block_k2, FMT=fmt.fmt, GROUP=fmt.group,
         HAS_ZERO=fmt.has_zero, NATIVE_FP8=native, COMPUTE=_TL_DTYPES[hidden.dtype],
-        VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch, EVEN_K1=H % config.block_k1 == 0,
+        VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(), EVEN_K1=H % config.block_k1 == 0,
         EVEN_K2=I % config.block_k2 == 0, TICKETS=config.tickets, SYNC=SYNC_WORDS, num_warps=config.num_warps, num_stages=1,
     )  # fmt: skip
     return out
