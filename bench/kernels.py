@@ -9,9 +9,9 @@ the same run by a Triton streaming read. Prefill cases (M >= 512) also time torc
 Usage: python bench/kernels.py [--out results.md] [--quick]
        python -m bench.kernels --variants [--out variants.md] [--budget 150]
 
-`--variants`: the decode kernels side by side (the default align path, the GEMV path and its options; see
-`variants_main`), with ratios to the HBM read bandwidth measured in the same run, then a GEMV tile sweep for
-as long as the time budget lasts.
+`--variants`: the decode kernels side by side (the default align path, its decode options, the GEMV path; see
+`variants_main`), with ratios to the bandwidths measured in the same run, then align-path and GEMV tile sweeps
+for as long as the time budget lasts.
 """
 
 from __future__ import annotations
@@ -299,55 +299,62 @@ VARIANT_CASES = [
 ]
 
 
-def variant_specs(H: int, I: int, fmt: int, num_pairs: int) -> list[tuple[str, dict, bool]]:
-    """(column, pooled_fused_moe keyword arguments, with the phased align kernel): the current default first,
-    the default before this work second (the align path with its phased one-program align)."""
+def variant_specs(H: int, I: int, fmt: int, num_pairs: int) -> list[tuple[str, dict, str]]:
+    """(column, pooled_fused_moe keyword arguments, module switch): the current default first, the default
+    before this work second (the align path with its phased one-program align). Switches: "phased" (that
+    align kernel), "half" (int4 MMA tiles in packed half math, moe_gemm.HALF_INT4; int4 only), "" none."""
+    from pooled_runner.kernels.moe_gemm import GemmConfig
+
     base = gemv_configs(H, I, fmt, num_pairs)
-    r = dataclasses.replace
+    bn32 = GemmConfig(16, 32, 128, group_m=1, num_warps=4, num_stages=4)
     return [
-        ("align", {"variant": "align"}, False),
-        ("align before", {"variant": "align"}, True),
-        ("gemv", {"variant": "gemv", "gemv_config": base}, False),
-        ("gemv+combine", {"variant": "gemv", "gemv_config": r(base, fuse_combine=False)}, False),
-        ("gemv 1-launch", {"variant": "gemv", "gemv_config": r(base, one_launch=True)}, False),
-        (
-            "gemv 1-launch by id",
-            {"variant": "gemv", "gemv_config": r(base, one_launch=True, tickets=False)},
-            False,
-        ),
+        ("align", {"variant": "align"}, ""),
+        ("align before", {"variant": "align"}, "phased"),
+        ("align-fc", {"variant": "align-fc"}, ""),
+        ("inline", {"variant": "inline"}, ""),
+        ("align BN32", {"variant": "align", "configs": (bn32, bn32)}, ""),
+        ("gemv", {"variant": "gemv", "gemv_config": base}, ""),
+        ("int4 half", {"variant": "align"}, "half"),
+        ("inline int4 half", {"variant": "inline"}, "half"),
     ]
 
 
-def _with_phased_align(fn):
-    """`fn` with the align kernel of before (phased, through global memory) for decode widths too."""
-    from pooled_runner.kernels import align
+def _with_switch(fn, switch: str):
+    """`fn` with a module switch of `variant_specs` set while it runs (and while a graph captures it)."""
+    from pooled_runner.kernels import align, moe_gemm
+
+    if not switch:
+        return fn
+    module, name, value = (
+        (align, "TINY_MAX_PAIRS", -1) if switch == "phased" else (moe_gemm, "HALF_INT4", True)
+    )
 
     def run():
-        saved = align.TINY_MAX_PAIRS
-        align.TINY_MAX_PAIRS = -1
+        saved = getattr(module, name)
+        setattr(module, name, value)
         try:
             return fn()
         finally:
-            align.TINY_MAX_PAIRS = saved
+            setattr(module, name, saved)
 
     return run
 
 
 def sweep_configs(base: GemvConfig) -> list[GemvConfig]:
-    """GEMV tiles around the default: without prefetch, N blocks halved, doubled (with 8 warps, and with 4 warps
-    and no prefetch: twice the rows per thread), K tiles of 128/512, 2 warps, one launch."""
+    """GEMV tiles around the default: Triton's software pipeline (3, 4 stages) instead of the register prefetch,
+    no prefetch, N blocks halved / doubled (8 warps), K tiles of 128/512, one launch."""
     r = dataclasses.replace
     half = {"block_n1": max(4, base.block_n1 // 2), "block_n2": max(8, base.block_n2 // 2)}
     double = {"block_n1": base.block_n1 * 2, "block_n2": base.block_n2 * 2}
     return [
         base,
+        r(base, stages=3),
+        r(base, stages=4, block_k1=128, block_k2=128),
         r(base, prefetch=False),
         r(base, **half),
         r(base, **double, num_warps=8),
-        r(base, **double, prefetch=False),
         r(base, block_k1=128, block_k2=128),
         r(base, block_k1=512, block_k2=512, **half),
-        r(base, num_warps=2, **half),
         r(base, one_launch=True, **half),
     ]
 
@@ -452,11 +459,16 @@ def variants_main(args: argparse.Namespace) -> None:
                 header_done = True
             cells, times, diffs = [], [], []
             ref = None
-            for col, kw, phased in specs:
+            for col, kw, switch in specs:
+                if switch == "half" and name.split("-")[0] != "int4":
+                    cells.append("=")  # the same kernels as a column before
+                    diffs.append("=")
+                    continue
                 fn = functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, **kw)
-                us, out, err = _time_variant(_with_phased_align(fn) if phased else fn)
+                us, out, err = _time_variant(_with_switch(fn, switch))
                 if us is None:
                     cells.append(f"error: {err}")
+                    diffs.append("err")
                     continue
                 cells.append(f"{us:.1f} ({100 * bound_us / us:.0f}%)")  # % of the bound
                 times.append((us, col))
@@ -489,17 +501,82 @@ def variants_main(args: argparse.Namespace) -> None:
         "softmax top-k of random logits; host rows 1/8: every 8th distinct expert is read through the pinned "
         "host view. Columns: align = the default path (align + gemm1 + gemm2 + combine; register-only align "
         "kernel up to 64 pairs); align before = the same with the phased align kernel (the default before this "
-        "work); gemv = kernels/gemv.py in two launches (down + last-arriver combine); gemv+combine = its down "
-        "kernel, then the combine kernel; gemv 1-launch = one grid, tiles by ticket; by id = by program id. "
-        "best vs before: 'align before' time / the fastest column's. max diff vs default: max |column - align| "
-        "/ max |align| for each column after the first, in order (bf16 rounding differs between paths: ~1e-2 is "
-        "expected, > 1e-1 is a bug).",
+        "work); align-fc = align + gemm1 + gemm2 with the combine fused into gemm2 (last arriver per token and "
+        "N block); inline = gemm1 + gemm2 computing the align inside every program (<= 32 pairs, else as "
+        "align-fc), combine fused: two launches; align BN32 = the default path with 32-row N tiles in both "
+        "GEMMs (more programs); gemv = kernels/gemv.py, two launches (more GEMV options in the sweep). best vs "
+        "before: 'align before' time / the fastest column's. max diff vs default: max |column - align| / max "
+        "|align| for each column after the first, in order (align-fc, inline and int4 half are bitwise the align "
+        "path's output under the interpreter: expect 0; other paths round differently: ~1e-2 is expected, > "
+        "1e-1 is a bug). int4 half = int4 MMA tiles dequantized in packed half math (moe_gemm.HALF_INT4), with "
+        "the align path and with inline; '=' where the format is not int4.",
     ]
+    write(args.out, lines)
+    lines += sweep_align(g, hbm, t_start, args.budget)
     write(args.out, lines)
     # the targets first: Qwen3-like bf16 (launch-bound) and the packed formats; DeepSeek-like bf16 last
     sweep_cases.sort(key=lambda c: c == ("deepseek", "bf16"))
     lines += sweep_gemv(g, hbm, sweep_cases, t_start, args.budget)
     write(args.out, lines)
+
+
+# (shape, format, variant, module switch): the align-path decode cases whose tiles the sweep varies
+ALIGN_SWEEP_CASES = [
+    ("qwen3", "bf16", "inline", ""),
+    ("deepseek", "int4-g128", "align", "half"),
+    ("deepseek", "nvfp4", "align", ""),
+]
+# (BN1, BN2, BK, warps, stages); block_m 16, group_m 1 (pick_configs' decode tiles are (32 or 64, 64, 128, 4, 4))
+ALIGN_SWEEP_TILES = [
+    (32, 64, 128, 4, 4),
+    (64, 64, 128, 4, 4),
+    (32, 32, 128, 4, 4),
+    (16, 32, 128, 4, 4),
+    (32, 64, 64, 4, 4),
+    (64, 64, 64, 8, 4),
+    (32, 64, 256, 4, 3),
+]
+
+
+def sweep_align(g, hbm: float, t_start: float, budget: float) -> list[str]:
+    """Align-path decode tiles at M = 1 (with the case's variant and switch) until `budget` seconds."""
+    from pooled_runner.kernels.moe_gemm import GemmConfig
+
+    out = [
+        "",
+        "align-path tile sweep (M = 1, resident; µs per layer, % of HBM read):",
+        "",
+        "| shape | format | variant | BN1 | BN2 | BK | warps | stages | µs | % HBM |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(out), flush=True)
+    for shape, name, variant, switch in ALIGN_SWEEP_CASES:
+        if time.perf_counter() - t_start > budget:
+            out.append(f"| {shape} | {name} | (budget of {budget:.0f} s reached) | | | | | | | |")
+            break
+        H, I, E, K = SHAPES[shape]
+        fmt = kernel_format(make_format(name, torch.bfloat16))
+        pool = fast_rows(name, H, I, E, "cuda", g)
+        row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
+        p13, p2 = make_projections(fmt, pool, None, H, I)
+        l2p = torch.arange(E, dtype=torch.int32, device="cuda")
+        x = torch.randn(1, H, generator=g, device="cuda").bfloat16()
+        w, ids = torch.softmax(torch.randn(1, E, generator=g, device="cuda"), -1).topk(K, -1)
+        nbytes = torch.unique(ids).numel() * row_bytes
+        label = variant + (f" + {switch}" if switch else "")
+        for bn1, bn2, bk, warps, stages in ALIGN_SWEEP_TILES:
+            if time.perf_counter() - t_start > budget:
+                out.append(f"| {shape} | {name} | (budget of {budget:.0f} s reached) | | | | | | | |")
+                break
+            cfgs = (GemmConfig(16, bn1, bk, 1, warps, stages), GemmConfig(16, bn2, bk, 1, warps, stages))
+            fn = functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, cfgs, variant=variant)
+            us, _, err = _time_variant(_with_switch(fn, switch))
+            res = f"{us:.1f} | {100 * nbytes / (hbm * 1e9) / (us * 1e-6):.0f}%" if us else f"error: {err} |"
+            out.append(f"| {shape} | {name} | {label} | {bn1} | {bn2} | {bk} | {warps} | {stages} | {res} |")
+            print(out[-1], flush=True)
+        del pool, p13, p2
+        torch.cuda.empty_cache()
+    return out
 
 
 def sweep_gemv(g, hbm: float, cases, t_start: float, budget: float) -> list[str]:
@@ -508,7 +585,7 @@ def sweep_gemv(g, hbm: float, cases, t_start: float, budget: float) -> list[str]
         "",
         "GEMV tile sweep (M = 1, resident; µs per layer, % of HBM read):",
         "",
-        "| shape | format | BN1 | BK1 | BN2 | BK2 | warps | prefetch | launches | µs | % HBM |",
+        "| shape | format | BN1 | BK1 | BN2 | BK2 | warps | prefetch (stages) | launches | µs | % HBM |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(out), flush=True)
@@ -535,7 +612,8 @@ def sweep_gemv(g, hbm: float, cases, t_start: float, budget: float) -> list[str]
             res = f"{us:.1f} | {100 * nbytes / (hbm * 1e9) / (us * 1e-6):.0f}%" if us else f"error: {err} |"
             out.append(
                 f"| {shape} | {name} | {cfg.block_n1} | {cfg.block_k1} | {cfg.block_n2} | {cfg.block_k2} | "
-                f"{cfg.num_warps} | {cfg.prefetch} | {1 if cfg.one_launch else 2} | {res} |"
+                f"{cfg.num_warps} | {cfg.stages if cfg.stages >= 2 else cfg.prefetch} | {1 if cfg.one_launch else 2} | "
+                f"{res} |"
             )
             print(out[-1], flush=True)
         del pool, p13, p2

@@ -98,6 +98,79 @@ def _int4_tile(w_base, s_base, z_base, offs_n, mask_n, k0, K, w_sn, s_sn, z_sn,
 
 
 @triton.jit
+def _int4_tile_h(w_base, s_base, z_base, offs_n, mask_n, k0, K, w_sn, s_sn, z_sn,
+                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                 COMPUTE: tl.constexpr):  # fmt: skip
+    """`_int4_tile` computed in the compute dtype (bf16/fp16), packed two values per register: nibbles j and
+    j + 4 of a word land in the low/high halves of `(w >> 4j) & 0x000F000F | MAGIC`, which read as two
+    half-precision `M + q` (bf16 M = 128, fp16 M = 1024: integer ulp); `(M + q) - (M + zero)` is exact and one
+    multiply by the scale rounds once, as the reference's fp32 `(q - zero) * s` rounded to the compute dtype:
+    the same values, with packed half ops (HADD2/HMUL2) and no fp32 -> half convert."""
+    KW: tl.constexpr = BLOCK_K // 8
+    kw = k0 // 8 + tl.arange(0, KW)
+    wmask = mask_n[:, None] & (kw < K // 8)[None, :]
+    words = tl.load(w_base + offs_n[:, None] * w_sn + kw[None, :], mask=wmask, other=0)
+    kg = (kw * 8) // GROUP
+    if COMPUTE == tl.bfloat16:
+        MAGIC: tl.constexpr = 0x43004300
+        MAGIC_F: tl.constexpr = 128.0
+    else:
+        MAGIC: tl.constexpr = 0x64006400
+        MAGIC_F: tl.constexpr = 1024.0
+    if GROUP % BLOCK_K == 0:  # the tile lies in one group: one scale (and zero point) per row
+        g1 = k0 // GROUP
+        s = tl.load(s_base + offs_n * s_sn + g1, mask=mask_n, other=0.0).to(COMPUTE)[:, None]
+    else:
+        s = tl.load(s_base + offs_n[:, None] * s_sn + kg[None, :], mask=wmask, other=0.0).to(COMPUTE)
+    if HAS_ZERO:
+        if GROUP % BLOCK_K == 0:
+            z = tl.load(z_base + offs_n * z_sn + g1, mask=mask_n, other=0).to(tl.float32)[:, None]
+        else:
+            z = tl.load(z_base + offs_n[:, None] * z_sn + kg[None, :], mask=wmask, other=0).to(tl.float32)
+        zm = (z + MAGIC_F).to(COMPUTE)  # exact
+    else:
+        # typed: a float literal may promote the half math to fp32
+        zm = tl.full((1, 1), MAGIC_F + 8.0, COMPUTE)
+    t0 = (words & 0x000F000F) | MAGIC
+    t1 = ((words >> 4) & 0x000F000F) | MAGIC
+    t2 = ((words >> 8) & 0x000F000F) | MAGIC
+    t3 = ((words >> 12) & 0x000F000F) | MAGIC
+    return _interleave8(
+        (_half16(t0, COMPUTE) - zm) * s, (_half16(t1, COMPUTE) - zm) * s,
+        (_half16(t2, COMPUTE) - zm) * s, (_half16(t3, COMPUTE) - zm) * s,
+        (_half16(t0 >> 16, COMPUTE) - zm) * s, (_half16(t1 >> 16, COMPUTE) - zm) * s,
+        (_half16(t2 >> 16, COMPUTE) - zm) * s, (_half16(t3 >> 16, COMPUTE) - zm) * s,
+    )  # fmt: skip
+
+
+@triton.jit
+def _half16(bits, COMPUTE: tl.constexpr):
+    """The low 16 bits of each int32 as a `COMPUTE` (bf16/fp16) value."""
+    return bits.to(tl.int16).to(COMPUTE, bitcast=True)
+
+
+@triton.jit
+def _e2m1_pair(word, J: tl.constexpr):
+    """e2m1 codes J and J + 4 of `word` (bits 4J and 4J + 16) as fp16 bits in the low/high halves of an int32
+    (value / 16384, subnormals exact): `_e2m1_scaled` for two values at once."""
+    if J * 4 <= 9:  # noqa: SIM108 (constexpr branch)
+        em = word << (9 - 4 * J)
+    else:
+        em = word >> (4 * J - 9)
+    return (em & 0x0E000E00) | ((word << (12 - 4 * J)) & -2147450880)  # sign bits: 0x80008000 as int32
+
+
+@triton.jit
+def _fp16_lo(bits):
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _fp16_hi(bits):
+    return (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _e2m1_scaled(word, SHIFT: tl.constexpr):
     """The e2m1 code at bits SHIFT..SHIFT+3 of `word` -> value / 16384 in fp32: its bits placed in an fp16
     (subnormals exact), converted."""
@@ -123,12 +196,12 @@ def _nvfp4_tile(w_base, s_base, g_base, offs_n, mask_n, k0, K, w_sn, s_sn,
     s2 = tl.where(gmask, e4m3_to_f32(raw_s, NATIVE_FP8) * 16384.0, 0.0)  # exact (a power of two)
     s = tl.reshape(tl.join(s2, s2), (s2.shape[0], KW))
     g = tl.load(g_base)
-    # e2m1 * scale is exact; then one rounding by the global, as the reference
+    # e2m1 * scale is exact; then one rounding by the global, as the reference. Codes j and j + 4 are decoded
+    # together (`_e2m1_pair`: the same fp16 bits as `_e2m1_scaled`, half the integer ops)
+    p0, p1, p2, p3 = _e2m1_pair(words, 0), _e2m1_pair(words, 1), _e2m1_pair(words, 2), _e2m1_pair(words, 3)
     return _interleave8(
-        (_e2m1_scaled(words, 0) * s) * g, (_e2m1_scaled(words, 4) * s) * g,
-        (_e2m1_scaled(words, 8) * s) * g, (_e2m1_scaled(words, 12) * s) * g,
-        (_e2m1_scaled(words, 16) * s) * g, (_e2m1_scaled(words, 20) * s) * g,
-        (_e2m1_scaled(words, 24) * s) * g, (_e2m1_scaled(words, 28) * s) * g,
+        (_fp16_lo(p0) * s) * g, (_fp16_lo(p1) * s) * g, (_fp16_lo(p2) * s) * g, (_fp16_lo(p3) * s) * g,
+        (_fp16_hi(p0) * s) * g, (_fp16_hi(p1) * s) * g, (_fp16_hi(p2) * s) * g, (_fp16_hi(p3) * s) * g,
     )  # fmt: skip
 
 
@@ -153,17 +226,23 @@ def load_b_tile(
     NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HALF_INT4: tl.constexpr = False,
 ):
-    """The `[BLOCK_K, BLOCK_N]` B tile in the compute dtype."""
+    """The `[BLOCK_K, BLOCK_N]` B tile in the compute dtype. HALF_INT4: int4 through `_int4_tile_h` (the same
+    values in packed half-precision ops) instead of fp32 math and a convert."""
     n = offs_n[None, :]
     k = offs_k[:, None]
     mask = mask_n[None, :] & mask_k[:, None]
     if FMT == 0:
         w = tl.load(w_base + n * w_sn + k, mask=mask, other=0.0).to(COMPUTE)
     elif FMT == 1:
-        t = _int4_tile(w_base, s_base, z_base, offs_n, mask_n, k0, K, w_sn, s_sn, z_sn,
-                       BLOCK_K, GROUP, HAS_ZERO)  # fmt: skip
-        w = tl.trans(t.to(COMPUTE))
+        if HALF_INT4:
+            t = _int4_tile_h(w_base, s_base, z_base, offs_n, mask_n, k0, K, w_sn, s_sn, z_sn,
+                             BLOCK_K, GROUP, HAS_ZERO, COMPUTE)  # fmt: skip
+        else:
+            t = _int4_tile(w_base, s_base, z_base, offs_n, mask_n, k0, K, w_sn, s_sn, z_sn,
+                           BLOCK_K, GROUP, HAS_ZERO).to(COMPUTE)  # fmt: skip
+        w = tl.trans(t)
     elif FMT == 2:
         # fp8 loads take no `other` (an int/float -> fp8 constant cast is version-dependent): zero after decoding
         q = tl.where(mask, e4m3_to_f32(tl.load(w_base + n * w_sn + k, mask=mask), NATIVE_FP8), 0.0)

@@ -17,7 +17,7 @@ from .combine import combine
 from .decode import DECODE_MAX_PAIRS, decode_moe
 from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4
 from .gemv import GEMV_MAX_PAIRS, GemvConfig, gemv_moe, gemv_supported
-from .moe_gemm import GemmConfig, gemm1, gemm2, interpreting
+from .moe_gemm import INLINE_MAX_PAIRS, DecodeRouting, GemmConfig, gemm1, gemm2, interpreting
 from .operands import KernelFormat, Projection, make_projection
 
 # Off: on the H200 (2026-11-30, commit 216b10f) the two-launch decode path was slower than align + gemm1 +
@@ -25,10 +25,15 @@ from .operands import KernelFormat, Projection, make_projection
 # M=1: 239 vs 184 µs). It stays available (decode=True) and tested.
 AUTO_DECODE_PATH = False
 
-# Kernels of decode steps (T*K <= GEMV_MAX_PAIRS routed pairs), when the caller names none: "align" (as wider
-# steps), "gemv" (gemv.py) or "mma" (decode.py). POOLED_RUNNER_MOE_DECODE, read once here; the GEMV path is
-# opt-in until it is measured on the GPU against the align path (bench/kernels.py --variants).
-VARIANTS = ("align", "gemv", "mma")
+# Kernels of decode steps (T*K <= GEMV_MAX_PAIRS routed pairs), when the caller names none:
+#   "align"     align + gemm1 + gemm2 + combine, as wider steps;
+#   "align-fc"  align + gemm1 + gemm2 with the combine fused into gemm2 (last arriver per token and N block);
+#   "inline"    gemm1 + gemm2 computing the align in every program (T*K <= INLINE_MAX_PAIRS, else "align-fc"),
+#               combine fused: two launches; same blocks, tiles and sums as "align", so the same output;
+#   "gemv"      gemv.py (CUDA cores, per routed pair); "mma": decode.py.
+# POOLED_RUNNER_MOE_DECODE, read once here. On the H200 (bench/kernels.py --variants, bbf3c56) "gemv" was slower
+# than "align" at every decode shape; "align-fc" and "inline" are opt-in until measured.
+VARIANTS = ("align", "align-fc", "inline", "gemv", "mma")
 DECODE_VARIANT = envs.moe_decode_kernel()
 
 
@@ -92,8 +97,8 @@ def pooled_fused_moe(
       configs: (gemm1, gemm2) tiles; default `pick_configs` (or `decode_configs`).
       decode: the two-launch decode path (`kernels/decode.py`); None: only when AUTO_DECODE_PATH and
         T*K <= DECODE_MAX_PAIRS.
-      variant: kernels of a decode step (T*K <= GEMV_MAX_PAIRS): "align", "gemv" (`kernels/gemv.py`, where
-        `gemv_supported`) or "mma" (as decode=True); None: DECODE_VARIANT. Wider steps take the align path.
+      variant: kernels of a decode step (T*K <= GEMV_MAX_PAIRS): one of VARIANTS ("gemv" where
+        `gemv_supported`, "mma" as decode=True); None: DECODE_VARIANT. Wider steps take the align path.
         `decode` given wins over `variant`. gemv_config: the GEMV path's tiles (default `gemv_configs`).
     """
     T, K = topk_ids.shape
@@ -111,6 +116,14 @@ def pooled_fused_moe(
             return gemv_moe(hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt, gemv_config)
         if variant == "mma" and T * K <= DECODE_MAX_PAIRS:
             decode = True
+        if variant in ("align-fc", "inline"):
+            cfg1, cfg2 = configs or pick_configs(T, K, num_experts, H, I, fmt.fmt)
+            routing = DecodeRouting(topk_ids.contiguous(), l2p, num_experts, topk_weights.contiguous())
+            align = None
+            if variant == "align-fc" or T * K > INLINE_MAX_PAIRS:
+                align = align_blocks(routing.topk_ids, l2p, num_experts, w13.num_rows, cfg1.block_m)
+            act = gemm1(hidden, align, w13, fmt, K, cfg1, routing)
+            return gemm2(act, align, w2, fmt, T * K, cfg2, routing, fuse_combine=True)
     if decode if decode is not None else (AUTO_DECODE_PATH and T * K <= DECODE_MAX_PAIRS):
         return decode_moe(hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt, configs)
     cfg1, cfg2 = configs or pick_configs(T, K, num_experts, H, I, fmt.fmt)

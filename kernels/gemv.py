@@ -49,9 +49,11 @@ from .combine import combine
 from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NVFP4, e4m3_to_f32
 from .moe_gemm import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _row_bases, interpreting
 from .operands import KernelFormat, Projection
+from .workspace import _COUNTERS as _COUNTERS  # re-exported: tests and the bench read the workspace here
+from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters
+from .workspace import spin_timeouts as spin_timeouts
 
 GEMV_MAX_PAIRS = 64  # T*K up to this (the schedule sorts P_POW2 keys in every program)
-SYNC_WORDS = 2 + 2 * 2 * GEMV_MAX_PAIRS  # `_fused_kernel`'s words before the combine counters
 SPIN_LIMIT = 1 << 22  # polls before a waiting down tile of `_fused_kernel` gives up (~1 s, not a hang)
 
 # Bit constants passed as kernel arguments rather than literals: with both masks in registers ptxas emits one
@@ -69,10 +71,15 @@ class GemvConfig:
     block_n2: int = 64  # rows of w2 per down program
     block_k2: int = 256
     num_warps: int = 4
-    prefetch: bool = True  # load the next tile before using the current one
+    prefetch: bool = True  # load the next tile (into registers) before using the current one
+    stages: int = 0  # >= 2: instead, Triton's software pipeline over K with this many stages
     fuse_combine: bool = True  # last-arriver combine in the down kernel (else the `combine` kernel)
     one_launch: bool = False  # gate_up and down tiles in one grid (`_fused_kernel`); implies fuse_combine
     tickets: bool = True  # one_launch: tiles taken in arrival order from a counter (else by program id)
+
+    def prefetch_code(self) -> int:
+        """The kernels' PREFETCH: 1 register prefetch, 0 none, >= 2 pipeline stages."""
+        return self.stages if self.stages >= 2 else int(self.prefetch)
 
 
 def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8) -> GemvConfig:
@@ -81,8 +88,10 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8) -> Ge
     if interpreting():  # the interpreter's cost grows with tile size; correctness only
         return GemvConfig(16, 32, 16, 32, num_warps=4)
     vpw = _VALUES_PER_WORD.get(fmt, 2)
-    bk = 256
-    rows = {2: 32, 4: 32, 8: 64}[vpw]  # rows per tile: 32 x 128 words (dense), 32 x 64, 64 x 32
+    bk = (
+        128 if vpw == 2 else 256
+    )  # dense: K tiles of 128 were the fastest of the H200 sweep (Qwen3-like, M=1)
+    rows = {2: 32, 4: 32, 8: 64}[vpw]  # rows per tile: 32 x 64 words (dense), 32 x 64 (fp8), 64 x 32
     min_programs = 2 * _num_sms()
     bn1, bn2 = rows // 2, rows
     while bn1 > 8 and num_pairs * triton.cdiv(I, bn1) < min_programs:
@@ -269,7 +278,8 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, w_sn, s_sn
     nmask2 = n_ok[:, None]
     kw = tl.arange(0, KW)[None, :] + zero2
     acc = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
-    if PREFETCH:
+    # PREFETCH 1: the next tile in registers; 0: none; >= 2: Triton's software pipeline with that many stages
+    if PREFETCH == 1:
         words, s, z = _load_words(w_base, s_base, z_base, n2, nmask2, kw, K_WORDS, w_sn, s_sn, z_sn,
                                   FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
         for k0 in range(0, K_WORDS, KW):
@@ -286,7 +296,8 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, w_sn, s_sn
             )
             words, s, z = nw, ns, nz
     else:
-        for k0 in range(0, K_WORDS, KW):
+        STAGES: tl.constexpr = PREFETCH if PREFETCH >= 2 else 1
+        for k0 in tl.range(0, K_WORDS, KW, num_stages=STAGES):
             kcol = kw + k0
             words, s, z = _load_words(w_base, s_base, z_base, n2, nmask2, kcol, K_WORDS, w_sn, s_sn, z_sn,
                                       FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
@@ -481,29 +492,6 @@ def _fused_kernel(
 
 
 # ---- launchers -----------------------------------------------------------------------------------------------
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """The sync words (`_fused_kernel`) and `n` combine arrival counters from SYNC_WORDS on, all zero between
-    launches (each kernel resets what it uses) except the sticky error word 0. Allocated on first use of a
-    size; make that first use happen before graph capture (warm-up), as for compilation."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < SYNC_WORDS + n:
-        new = torch.zeros(max(SYNC_WORDS + n, 4096), dtype=torch.int32, device=device)
-        if buf is not None:
-            new[0] = buf[0]
-        buf = new
-        _COUNTERS[device] = buf
-    return buf
-
-
-def spin_timeouts(device: torch.device) -> int:
-    """Nonzero if a one-launch GEMV step on `device` gave up waiting (its output was wrong); host sync."""
-    buf = _COUNTERS.get(torch.device(device))
-    return 0 if buf is None else int(buf[0].item())
-
-
 def gemv_supported(fmt: KernelFormat, H: int, I: int) -> bool:
     """Whether the GEMV path takes this format and shape (K of both projections a multiple of a word)."""
     vpw = _VALUES_PER_WORD.get(fmt.fmt)
@@ -556,8 +544,8 @@ def _check_gemv(fmt: KernelFormat, proj: Projection, k: int, block_k: int) -> No
 
 def _pairs_pow2(num_pairs: int) -> int:
     """The schedule's width: one compile for every decode width up to GEMV_MAX_PAIRS pairs."""
-    if num_pairs > 2 * GEMV_MAX_PAIRS:
-        raise ValueError(f"GEMV path: {num_pairs} routed pairs > {2 * GEMV_MAX_PAIRS}")
+    if num_pairs > MAX_SYNC_PAIRS:
+        raise ValueError(f"GEMV path: {num_pairs} routed pairs > {MAX_SYNC_PAIRS}")
     return max(GEMV_MAX_PAIRS, triton.next_power_of_2(num_pairs))
 
 
@@ -595,7 +583,7 @@ def gemv_gate_up(
         num_pairs, num_experts, w13.num_rows, I, H, hidden.stride(0), act.stride(0), c0, c1,
         TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n1, BLOCK_K=config.block_k1,
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
-        COMPUTE=_TL_DTYPES[hidden.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch,
+        COMPUTE=_TL_DTYPES[hidden.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(),
         EVEN_K=H % config.block_k1 == 0, num_warps=config.num_warps, num_stages=1,
     )  # fmt: skip
     return act
@@ -639,7 +627,7 @@ def gemv_down_combine(
         num_pairs, num_experts, w2.num_rows, H, I, act.stride(0), y.stride(0), out.stride(0), c0, c1,
         TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n2, BLOCK_K=config.block_k2,
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
-        COMPUTE=_TL_DTYPES[act.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch,
+        COMPUTE=_TL_DTYPES[act.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(),
         FUSE_COMBINE=config.fuse_combine, EVEN_K=I % config.block_k2 == 0,
         num_warps=config.num_warps, num_stages=1,
     )  # fmt: skip
@@ -714,7 +702,7 @@ def gemv_one_launch(
         TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N1=config.block_n1, BLOCK_K1=config.block_k1,
         BLOCK_N2=config.block_n2, BLOCK_K2=config.block_k2, FMT=fmt.fmt, GROUP=fmt.group,
         HAS_ZERO=fmt.has_zero, NATIVE_FP8=native, COMPUTE=_TL_DTYPES[hidden.dtype],
-        VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch, EVEN_K1=H % config.block_k1 == 0,
+        VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(), EVEN_K1=H % config.block_k1 == 0,
         EVEN_K2=I % config.block_k2 == 0, TICKETS=config.tickets, SYNC=SYNC_WORDS, num_warps=config.num_warps, num_stages=1,
     )  # fmt: skip
     return out

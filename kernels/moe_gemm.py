@@ -18,9 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .align import AlignOutput
-from .dequant import FMT_NVFP4, load_b_tile
+from .align import AlignOutput, max_blocks_for
+from .dequant import FMT_INT4, FMT_NVFP4, load_b_tile
 from .operands import KernelFormat, Projection
+from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters
 
 
 @dataclass(frozen=True)
@@ -100,27 +101,133 @@ def _row_bases(
 
 
 @triton.jit
+def _inline_block(pid_m, ids_ptr, l2p_ptr, num_pairs, num_experts, num_rows,
+                  BLOCK_M: tl.constexpr, P_POW2: tl.constexpr):  # fmt: skip
+    """The pid_m-th scheduled M-block of `align_blocks`, computed inside the program for decode widths
+    (N <= P_POW2 pairs; `align._align_tiny_kernel`'s register math): (block index, location code, or -1 when
+    there is no such block, pairs `[BLOCK_M]` with `num_pairs` for padding). Same blocks, slots, codes and
+    host-first order as the align kernels, so act rows of gemm1 and gemm2 meet at the same slots."""
+    i = tl.arange(0, P_POW2)
+    e = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1).to(tl.int32)
+    valid = (i < num_pairs) & (e >= 0) & (e < num_experts)
+    code = tl.load(l2p_ptr + e, mask=valid, other=-1)
+    same = (e[:, None] == e[None, :]) & valid[:, None] & valid[None, :]  # [i, j]
+    rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
+    count = tl.sum(same.to(tl.int32), axis=1)
+    first = valid & (rank == 0)
+    padded = tl.where(first, tl.cdiv(count, BLOCK_M) * BLOCK_M, 0)
+    start = tl.sum(tl.where(first[None, :] & (e[None, :] < e[:, None]), padded[None, :], 0), axis=1)
+    total = tl.sum(padded, axis=0)
+    pos = i * BLOCK_M  # block b = i
+    used = pos < total
+    owner = first[None, :] & (start[None, :] <= pos[:, None]) & (pos[:, None] < (start + padded)[None, :])
+    bcode = tl.where(used, tl.sum(tl.where(owner, code[None, :], 0), axis=1), -1)
+    is_host = used & (bcode >= num_rows)
+    is_other = used & (bcode < num_rows)
+    num_host = tl.sum(is_host.to(tl.int32), axis=0)
+    order_pos = tl.where(
+        is_host,
+        tl.cumsum(is_host.to(tl.int32), axis=0) - 1,
+        num_host + tl.cumsum(is_other.to(tl.int32), axis=0) - 1,
+    )
+    mine = used & (order_pos == pid_m)
+    found = tl.sum(mine.to(tl.int32), axis=0) > 0
+    blk = tl.sum(tl.where(mine, i, 0), axis=0)
+    blk_code = tl.where(found, tl.sum(tl.where(mine, bcode, 0), axis=0), -1)
+    slot = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    hit = ((start + rank)[None, :] == slot[:, None]) & valid[None, :]  # [row, pair]
+    pair = tl.where(
+        tl.sum(hit.to(tl.int32), axis=1) > 0, tl.sum(tl.where(hit, i[None, :], 0), axis=1), num_pairs
+    )
+    return blk, blk_code, pair
+
+
+@triton.jit
+def _routed_here(ids_ptr, l2p_ptr, pairs, mask, num_experts):
+    """Whether each pair (`pairs` any shape) is routed to an expert located here (id in [0, E), code >= 0)."""
+    e = tl.load(ids_ptr + pairs, mask=mask, other=-1).to(tl.int32)
+    ok = mask & (e >= 0) & (e < num_experts)
+    return ok & (tl.load(l2p_ptr + e, mask=ok, other=-1) >= 0)
+
+
+@triton.jit
+def _zero_unrouted_tokens(out_ptr, ids_ptr, l2p_ptr, num_tokens, pid_n, H, stride_out, num_experts,
+                          TOP_K: tl.constexpr, K_POW2: tl.constexpr, T_POW2: tl.constexpr,
+                          BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+    """Fused combine: tokens with no pair routed here get no arrival; write their `out` block (zeros)."""
+    t = tl.arange(0, T_POW2)
+    k = tl.arange(0, K_POW2)
+    m = (t < num_tokens)[:, None] & (k < TOP_K)[None, :]
+    need = tl.sum(
+        _routed_here(ids_ptr, l2p_ptr, t[:, None] * TOP_K + k[None, :], m, num_experts).to(tl.int32), 1
+    )
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    zero = (t < num_tokens) & (need == 0)
+    ptrs = out_ptr + t.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+    tl.store(ptrs, tl.zeros((T_POW2, BLOCK_N), dtype=COMPUTE), mask=zero[:, None] & (offs_n < H)[None, :])
+
+
+@triton.jit
+def _arrive_and_combine(y_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr, pair, row_ok, offs_n, n_ok, pid_n,
+                        num_nb, num_experts, stride_y, stride_out,
+                        TOP_K: tl.constexpr, K_POW2: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+    """Fused combine after a block's y rows are stored: one arrival per row at (token, N block); a row whose
+    arrival completes its token's count of routed-here pairs sums `w[t, k] * y[t*K + k]` in k order in fp32
+    (as `combine`) into `out` and resets the counter. Rows of one M-block are distinct tokens (one expert)."""
+    tok = pair // TOP_K
+    k = tl.arange(0, K_POW2)
+    km = row_ok[:, None] & (k < TOP_K)[None, :]
+    need = tl.sum(
+        _routed_here(ids_ptr, l2p_ptr, tok[:, None] * TOP_K + k[None, :], km, num_experts).to(tl.int32), 1
+    )
+    tl.debug_barrier()  # every thread's y stores happen before the (release) arrivals
+    cptr = cnt_ptr + tok * num_nb + pid_n
+    arrived = tl.atomic_add(cptr, 1, mask=row_ok, sem="acq_rel", scope="gpu")
+    last = row_ok & (arrived == need - 1)
+    if tl.sum(last.to(tl.int32), axis=0) > 0:
+        tl.store(cptr, 0, mask=last)  # ready for the next launch
+        acc = tl.zeros((pair.shape[0], offs_n.shape[0]), dtype=tl.float32)
+        for kk in tl.static_range(TOP_K):
+            pk = tok * TOP_K + kk
+            routed = _routed_here(ids_ptr, l2p_ptr, pk, last, num_experts)
+            wk = tl.load(tw_ptr + pk, mask=routed, other=0.0).to(tl.float32)
+            yk = tl.load(y_ptr + pk.to(tl.int64)[:, None] * stride_y + offs_n[None, :],
+                         mask=routed[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)  # fmt: skip
+            acc += tl.where(routed[:, None], wk[:, None] * yk, 0.0)
+        optrs = out_ptr + tok.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+        tl.store(optrs, acc.to(COMPUTE), mask=last[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _gemm1_kernel(
-    x_ptr, act_ptr, sorted_ptr, codes_ptr, order_ptr, num_post_ptr,
+    x_ptr, act_ptr, sorted_ptr, codes_ptr, order_ptr, num_post_ptr, ids_ptr, l2p_ptr,
     wp, sp, zp, gp, wb, sb, zb, gb,
     w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
-    num_pairs, num_rows, max_blocks, I, H, stride_x, stride_act,
+    num_pairs, num_rows, max_blocks, I, H, stride_x, stride_act, num_experts,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
     NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, DOT_F32: tl.constexpr,
+    INLINE_ALIGN: tl.constexpr = False, P_POW2: tl.constexpr = 16, HALF_INT4: tl.constexpr = False,
 ):  # fmt: skip
     pid_m, pid_n = _block_of(tl.program_id(0), tl.cdiv(I, BLOCK_N), max_blocks, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
-        return
-    blk = tl.load(order_ptr + pid_m)
-    code = tl.load(codes_ptr + blk)
-    if code < 0:
-        return
+    if INLINE_ALIGN:
+        blk, code, pair = _inline_block(
+            pid_m, ids_ptr, l2p_ptr, num_pairs, num_experts, num_rows, BLOCK_M, P_POW2
+        )
+        if code < 0:
+            return
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+            return
+        blk = tl.load(order_ptr + pid_m)
+        code = tl.load(codes_ptr + blk)
+        if code < 0:
+            return
+        pair = tl.load(sorted_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
     w_base, s_base, z_base, g_base = _row_bases(
         code, num_rows, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se
     )
     offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
     row_ok = pair < num_pairs
     token = (pair // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -136,9 +243,9 @@ def _gemm1_kernel(
             other=0.0,
         )
         bg = load_b_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, n_ok, k_ok, k0, H, w_sn, s_sn, z_sn,
-                         FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K)  # fmt: skip
+                         FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4)  # fmt: skip
         bu = load_b_tile(w_base, s_base, z_base, g_base, offs_n + I, offs_k, n_ok, k_ok, k0, H, w_sn, s_sn,
-                         z_sn, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K)  # fmt: skip
+                         z_sn, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4)  # fmt: skip
         acc_g = _mma(a, bg, acc_g, DOT_F32)
         acc_u = _mma(a, bu, acc_u, DOT_F32)
     gate = acc_g.to(COMPUTE).to(tl.float32)
@@ -150,26 +257,40 @@ def _gemm1_kernel(
 
 @triton.jit
 def _gemm2_kernel(
-    act_ptr, y_ptr, sorted_ptr, codes_ptr, order_ptr, num_post_ptr,
+    act_ptr, y_ptr, sorted_ptr, codes_ptr, order_ptr, num_post_ptr, ids_ptr, l2p_ptr, tw_ptr, out_ptr, cnt_ptr,
     wp, sp, zp, gp, wb, sb, zb, gb,
     w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
-    num_pairs, num_rows, max_blocks, H, I, stride_act, stride_y,
+    num_pairs, num_rows, max_blocks, H, I, stride_act, stride_y, num_experts, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
     NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, DOT_F32: tl.constexpr,
+    INLINE_ALIGN: tl.constexpr = False, FUSE_COMBINE: tl.constexpr = False, P_POW2: tl.constexpr = 16,
+    TOP_K: tl.constexpr = 1, K_POW2: tl.constexpr = 1, HALF_INT4: tl.constexpr = False,
 ):  # fmt: skip
-    pid_m, pid_n = _block_of(tl.program_id(0), tl.cdiv(H, BLOCK_N), max_blocks, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
-        return
-    blk = tl.load(order_ptr + pid_m)
-    code = tl.load(codes_ptr + blk)
-    if code < 0:
-        return
+    num_nb = tl.cdiv(H, BLOCK_N)
+    pid_m, pid_n = _block_of(tl.program_id(0), num_nb, max_blocks, GROUP_M)
+    if FUSE_COMBINE:  # noqa: SIM102 (constexpr branch)
+        if pid_m == 0:
+            _zero_unrouted_tokens(out_ptr, ids_ptr, l2p_ptr, num_pairs // TOP_K, pid_n, H, stride_out,
+                                  num_experts, TOP_K, K_POW2, P_POW2, BLOCK_N, COMPUTE)  # fmt: skip
+    if INLINE_ALIGN:
+        blk, code, pair = _inline_block(
+            pid_m, ids_ptr, l2p_ptr, num_pairs, num_experts, num_rows, BLOCK_M, P_POW2
+        )
+        if code < 0:
+            return
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+            return
+        blk = tl.load(order_ptr + pid_m)
+        code = tl.load(codes_ptr + blk)
+        if code < 0:
+            return
+        pair = tl.load(sorted_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
     w_base, s_base, z_base, g_base = _row_bases(
         code, num_rows, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se
     )
     offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
     row_ok = pair < num_pairs
     slot = offs_m.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -184,10 +305,13 @@ def _gemm2_kernel(
             other=0.0,
         )
         b = load_b_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, n_ok, k_ok, k0, I, w_sn, s_sn, z_sn,
-                        FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K)  # fmt: skip
+                        FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4)  # fmt: skip
         acc = _mma(a, b, acc, DOT_F32)
     ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
     tl.store(ptrs, acc.to(COMPUTE), mask=row_ok[:, None] & n_ok[None, :])
+    if FUSE_COMBINE:
+        _arrive_and_combine(y_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr, pair, row_ok, offs_n, n_ok, pid_n,
+                            num_nb, num_experts, stride_y, stride_out, TOP_K, K_POW2, COMPUTE)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -224,57 +348,138 @@ def _check_dense_dtype(fmt: KernelFormat, proj: Projection, dtype: torch.dtype) 
         raise ValueError(f"dense weights are {proj.weight.dtype}, activations {dtype}: expected one dtype")
 
 
+INLINE_MAX_PAIRS = 32  # `inline` decode steps (align computed in every gemm program) up to this many pairs
+
+# int4 MMA tiles dequantized in the compute dtype with packed half ops (`dequant._int4_tile_h`: the same values
+# as the fp32 path, about half the instructions per value on sm_90). Opt-in until measured on the GPU
+# (bench/kernels.py --variants column "int4 half"). Under the interpreter only for fp16: Triton's interpreter
+# stores bf16 as raw uint16 and has no bf16 arithmetic.
+HALF_INT4 = False
+
+
+def _half_int4(fmt: KernelFormat, dtype: torch.dtype) -> bool:
+    return HALF_INT4 and fmt.fmt == FMT_INT4 and (not interpreting() or dtype == torch.float16)
+
+
+@dataclass(frozen=True)
+class DecodeRouting:
+    """What the decode-only options of `gemm1`/`gemm2` read instead of (or beside) the align outputs."""
+
+    topk_ids: torch.Tensor  # [T, K] contiguous
+    l2p: torch.Tensor  # [E_max] int32
+    num_experts: int
+    topk_weights: torch.Tensor | None = None  # [T, K] contiguous (the fused combine)
+
+    def p_pow2(self) -> int:
+        return max(16, triton.next_power_of_2(self.topk_ids.numel()))
+
+
+def _inline_args(align: AlignOutput | None, routing: DecodeRouting | None, num_pairs: int, num_experts_max: int,
+                 block_m: int) -> tuple[list[torch.Tensor], int]:  # fmt: skip
+    """(sorted, codes, order, num_post tensors or stand-ins, max_blocks) for the gemm kernels."""
+    if align is not None:
+        return [
+            align.sorted_pairs,
+            align.block_codes,
+            align.block_order,
+            align.num_post_padded,
+        ], align.max_blocks
+    if routing is None:
+        raise ValueError("gemm: give the align outputs or the decode routing (inline align)")
+    if num_pairs > INLINE_MAX_PAIRS:
+        raise ValueError(f"inline align: {num_pairs} pairs > INLINE_MAX_PAIRS={INLINE_MAX_PAIRS}")
+    ids = routing.topk_ids
+    return [ids, ids, ids, ids], max_blocks_for(num_pairs, num_experts_max, block_m)
+
+
 def gemm1(
-    x: torch.Tensor, align: AlignOutput, w13: Projection, fmt: KernelFormat, top_k: int, config: GemmConfig
+    x: torch.Tensor,
+    align: AlignOutput | None,
+    w13: Projection,
+    fmt: KernelFormat,
+    top_k: int,
+    config: GemmConfig,
+    routing: DecodeRouting | None = None,
 ) -> torch.Tensor:
     """`act [max_blocks * block_m, I]` (compute dtype) for the aligned slots; padding slots are left unset.
 
     x: `[T, H]` bf16/fp16, row-major. w13: the `[2I, H]` projection in pool and host view.
+    align None: the blocks are computed inside every program from `routing` (decode widths, <= INLINE_MAX_PAIRS
+    pairs), at the same slots as `align_blocks` would place them.
     """
     T, H = x.shape
     I = w13.weight.shape[1] // 2
     _check_act_inputs(x, x.dtype, "x", H)
     _check_dense_dtype(fmt, w13, x.dtype)
-    if config.block_m != align.block_m:
+    if align is not None and config.block_m != align.block_m:
         raise ValueError(f"config.block_m={config.block_m} != align block_m={align.block_m}")
-    act = torch.empty((align.max_blocks * align.block_m, I), dtype=x.dtype, device=x.device)
+    num_experts = routing.num_experts if routing is not None else 0
+    tables, max_blocks = _inline_args(align, routing, T * top_k, num_experts, config.block_m)
+    act = torch.empty((max_blocks * config.block_m, I), dtype=x.dtype, device=x.device)
     ptrs, strides, native = _launch_args(w13, fmt)
-    grid = (align.max_blocks * triton.cdiv(I, config.block_n),)
+    ids, l2p = (routing.topk_ids, routing.l2p) if routing is not None else (tables[0], tables[1])
+    grid = (max_blocks * triton.cdiv(I, config.block_n),)
     _gemm1_kernel[grid](
-        x, act, align.sorted_pairs, align.block_codes, align.block_order, align.num_post_padded,
+        x, act, *tables, ids, l2p,
         *ptrs, *strides,
-        T * top_k, w13.num_rows, align.max_blocks, I, H, x.stride(0), act.stride(0),
+        T * top_k, w13.num_rows, max_blocks, I, H, x.stride(0), act.stride(0), num_experts,
         TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero,
         NATIVE_FP8=native, DOT_F32=interpreting(), COMPUTE=_TL_DTYPES[x.dtype],
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        INLINE_ALIGN=align is None, P_POW2=routing.p_pow2() if routing is not None else 16,
+        HALF_INT4=_half_int4(fmt, x.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return act
 
 
 def gemm2(
     act: torch.Tensor,
-    align: AlignOutput,
+    align: AlignOutput | None,
     w2: Projection,
     fmt: KernelFormat,
     num_pairs: int,
     config: GemmConfig,
+    routing: DecodeRouting | None = None,
+    fuse_combine: bool = False,
 ) -> torch.Tensor:
-    """`y [num_pairs, H]` (compute dtype): each routed pair's expert output; unrouted pairs are left unset."""
+    """`y [num_pairs, H]` (compute dtype): each routed pair's expert output; unrouted pairs are left unset.
+
+    align None: blocks computed in the programs from `routing` (as `gemm1`). fuse_combine (decode widths,
+    `routing` with topk_weights): returns `out [T, H]` = `combine(y, ...)`, summed by the last of each token's
+    routed-here pairs to finish an N block (arrival counters in `gemv`'s workspace, reset by the kernel).
+    """
     H = w2.weight.shape[1]
     I = act.shape[1]
     _check_act_inputs(act, act.dtype, "act", I)
     _check_dense_dtype(fmt, w2, act.dtype)
+    num_experts = routing.num_experts if routing is not None else 0
+    tables, max_blocks = _inline_args(align, routing, num_pairs, num_experts, config.block_m)
     y = torch.empty((max(num_pairs, 1), H), dtype=act.dtype, device=act.device)
     ptrs, strides, native = _launch_args(w2, fmt)
-    grid = (align.max_blocks * triton.cdiv(H, config.block_n),)
-    _gemm2_kernel[grid](
-        act, y, align.sorted_pairs, align.block_codes, align.block_order, align.num_post_padded,
+    num_nb = triton.cdiv(H, config.block_n)
+    if fuse_combine:
+        if routing is None or routing.topk_weights is None or num_pairs > MAX_SYNC_PAIRS:
+            raise ValueError(
+                f"gemm2 fuse_combine: decode routing with topk_weights, <= {MAX_SYNC_PAIRS} pairs"
+            )
+        T, K = routing.topk_ids.shape
+        out = torch.empty((T, H), dtype=act.dtype, device=act.device)
+        cnt = _counters(act.device, T * num_nb)[SYNC_WORDS:]
+        ids, l2p, tw = routing.topk_ids, routing.l2p, routing.topk_weights
+    else:
+        K = 1
+        out, cnt = y, tables[0]
+        ids, l2p = (routing.topk_ids, routing.l2p) if routing is not None else (tables[0], tables[1])
+        tw = y
+    _gemm2_kernel[(max_blocks * num_nb,)](
+        act, y, *tables, ids, l2p, tw, out, cnt,
         *ptrs, *strides,
-        num_pairs, w2.num_rows, align.max_blocks, H, I, act.stride(0), y.stride(0),
+        num_pairs, w2.num_rows, max_blocks, H, I, act.stride(0), y.stride(0), num_experts, out.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero,
         NATIVE_FP8=native, DOT_F32=interpreting(), COMPUTE=_TL_DTYPES[act.dtype],
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        INLINE_ALIGN=align is None, FUSE_COMBINE=fuse_combine,
+        P_POW2=routing.p_pow2() if routing is not None else 16, TOP_K=K, K_POW2=triton.next_power_of_2(K),
+        HALF_INT4=_half_int4(fmt, act.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return y
+    return out if fuse_combine else y

@@ -238,6 +238,70 @@ def test_pooled_fused_moe_matches_reference(name, H, I, dtype, T, K, E, R, decod
     assert_close(out, ref, f"{name} T={T} K={K} E={E} R={R}")
 
 
+@pytest.mark.parametrize(("name", "H", "I", "dtype"), [FORMATS[0], FORMATS[2], FORMATS[6], FORMATS[7]])
+@pytest.mark.parametrize(
+    ("T", "K", "E", "R"), [(1, 1, 1, 1), (3, 3, 7, 3), (4, 8, 9, 4), (5, 2, 6, 2), (8, 8, 13, 5)]
+)
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_fused_combine_and_inline_align_equal_align_path(name, H, I, dtype, T, K, E, R, block_m):
+    """variant "align-fc" (combine in gemm2) and "inline" (no align launch; 64 pairs fall back to align-fc):
+    bitwise the align path's output, tokens without a routed pair included; counters back at zero."""
+    from pooled_runner.kernels import gemv
+
+    g = torch.Generator().manual_seed(T * 11 + E + block_m)
+    fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, R, g, dtype, num_not_here=int(E > 3))
+    fmt = kernel_format(fmt_obj)
+    w13, w2 = make_projections(fmt, pool, bank if R < E else None, H, I)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids, w = random_routing(T, K, E, g, pad_prob=0.2)
+    if T > 2:
+        ids[1] = -1  # a token with no pair routed here: its output row is still written (zeros)
+    cfgs = (GemmConfig(block_m, 16, 32, num_stages=1), GemmConfig(block_m, 16, 32, num_stages=1))
+    base = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, cfgs, variant="align")
+    for variant in ("align-fc", "inline"):
+        out = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, cfgs, variant=variant)
+        assert torch.equal(out, base), f"{variant}: max diff {(out.float() - base.float()).abs().max()}"
+        assert int(gemv._COUNTERS[x.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "H", "I"), [("int4-g32", 64, 32), ("int4-g64-zp", 128, 64), ("int4-g128-zp", 128, 128)]
+)
+@pytest.mark.parametrize("block_k", [32, 64])
+def test_int4_half_math_tiles_equal_fp32_tiles(name, H, I, block_k, monkeypatch):
+    """moe_gemm.HALF_INT4 (int4 MMA tiles in packed half math) gives the fp32 path's output bitwise (fp16 here:
+    the interpreter has no bf16 arithmetic; bf16 differs only in its magic constant, see the next test)."""
+    from pooled_runner.kernels import moe_gemm
+
+    g = torch.Generator().manual_seed(H + block_k)
+    fmt_obj, pool, bank, l2p = build_layer(name, H, I, 7, 3, g, torch.float16)
+    fmt = kernel_format(fmt_obj)
+    w13, w2 = make_projections(fmt, pool, bank, H, I)
+    x = torch.randn(5, H, generator=g).half()
+    ids, w = random_routing(5, 3, 7, g)
+    cfgs = (GemmConfig(16, 16, block_k, num_stages=1), GemmConfig(16, 16, block_k, num_stages=1))
+    base = pooled_fused_moe(x, ids, w, l2p, 7, w13, w2, fmt, cfgs, variant="align")
+    monkeypatch.setattr(moe_gemm, "HALF_INT4", True)
+    assert moe_gemm._half_int4(fmt, torch.float16)
+    for variant in ("align", "inline"):
+        assert torch.equal(pooled_fused_moe(x, ids, w, l2p, 7, w13, w2, fmt, cfgs, variant=variant), base)
+
+
+def test_int4_half_magic_is_exact_in_bf16_and_fp16():
+    """The half-math int4 dequant in torch arithmetic: `(M + q) - (M + z)` is exact and one multiply by the
+    scale equals the reference's fp32 `(q - z) * s` rounded once, for every nibble, zero point and many scales."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.arange(16, dtype=torch.int32)[:, None, None]
+    z = torch.arange(16, dtype=torch.int32)[None, :, None]
+    for dtype, magic, m in ((torch.bfloat16, 0x4300, 128.0), (torch.float16, 0x6400, 1024.0)):
+        s = (torch.randn(1, 1, 4096, generator=g) * torch.logspace(-6, 2, 4096)[None, None, :]).to(dtype)
+        v = (q | magic).to(torch.int16).view(dtype)
+        assert torch.equal(v.float(), (q + m).float())
+        half = (v - (z.float() + m).to(dtype)) * s
+        ref = ((q - z).float() * s.float()).to(dtype)
+        assert torch.equal(half, ref)
+
+
 def test_fused_moe_zero_tokens():
     g = torch.Generator().manual_seed(1)
     fmt_obj, pool, bank, l2p = build_layer("bf16", 16, 16, 3, 2, g)

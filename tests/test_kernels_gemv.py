@@ -66,6 +66,7 @@ FORMATS = [
 CONFIGS = [
     GemvConfig(16, 32, 16, 32),
     GemvConfig(8, 64, 32, 32, num_warps=2, prefetch=False, fuse_combine=False),
+    GemvConfig(16, 32, 16, 64, stages=3),
 ]
 
 
@@ -77,7 +78,7 @@ def _layer(name, H, I, dtype, E=7, R=3, seed=0):
 
 
 @pytest.mark.parametrize(("name", "H", "I", "dtype"), FORMATS)
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "no-prefetch-sep-combine"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "no-prefetch-sep-combine", "pipelined"])
 def test_gemv_stages_match_references(name, H, I, dtype, cfg):
     E, T, K = 7, 3, 3
     g, fmt, w13, w2, l2p = _layer(name, H, I, dtype, E)

@@ -237,11 +237,36 @@ def test_gemv_bf16_resident_real_shapes(resident_layers, shape, M):
     assert_close(out, ref, f"gemv {shape} M={M}")
 
 
+@pytest.mark.parametrize("variant", ["align-fc", "inline"])
+@pytest.mark.parametrize("M", [1, 4, 8])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_fused_combine_variants_real_shapes(resident_layers, shape, M, variant):
+    """Combine fused into gemm2 (and the align inside the gemm programs): the align path's output."""
+    fused_moe, _ = _kernels()
+    H, _, E, K = SHAPES[shape]
+    w13, w2, l2p, fmt, p13, p2 = resident_layers[shape]
+    g = torch.Generator(device="cuda").manual_seed(200 + M)
+    x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+    ids, w = routing(M, K, E, g)
+    if M > 1:
+        ids[1] = -1  # a token with no pair here: its row is zeros
+    poison_allocator()
+    out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant=variant)
+    align = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="align")
+    assert_close(out, align, f"{variant} vs align {shape} M={M}", rel=1e-3)
+    ref = gpu_reference(x, ids, w, lambda e: w13[e], lambda e: w2[e])
+    assert_close(out, ref, f"{variant} {shape} M={M}")
+
+
 @pytest.mark.parametrize(
-    ("name", "M"), [(n, 1) for n in QUANT_FORMATS] + [(n, 8) for n in ("bf16", "int4-g128", "nvfp4")]
+    ("name", "M", "variant"),
+    [(n, 1, "gemv") for n in QUANT_FORMATS]
+    + [(n, 8, "gemv") for n in ("bf16", "int4-g128", "nvfp4")]
+    + [(n, M, "inline") for n in ("bf16", "int4-g32", "nvfp4") for M in (1, 4)],
 )
-def test_gemv_formats_mixed_rows(name, M):
-    """Every format at the Qwen3-like shape, pool rows and pinned host rows and an expert not here."""
+def test_decode_variants_formats_mixed_rows(name, M, variant):
+    """Decode variants for every format at the Qwen3-like shape: pool rows, pinned host rows, an expert not
+    here."""
     from pooled_runner.kernels.fused_moe import dense_row
 
     from tests.kernel_helpers import build_layer
@@ -258,7 +283,7 @@ def test_gemv_formats_mixed_rows(name, M):
     x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
     ids, w = routing(M, K, E, g)
     poison_allocator()
-    out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv")
+    out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant=variant)
     here = l2p[:E] >= 0
     codes = l2p.cpu()
     ref = gpu_reference(
@@ -269,14 +294,22 @@ def test_gemv_formats_mixed_rows(name, M):
         lambda e: dense_row(p2, fmt, int(codes[e]), torch.bfloat16).cuda(),
         routed_here=here,
     )
-    assert_close(out, ref, f"gemv {name} M={M}")
+    assert_close(out, ref, f"{variant} {name} M={M}")
     align = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="align")
-    assert_close(out, align, f"gemv vs align {name} M={M}")
+    assert_close(out, align, f"{variant} vs align {name} M={M}")
 
 
 @pytest.mark.parametrize(
     ("name", "mode"),
-    [("bf16", "two"), ("int4-g128", "two"), ("nvfp4", "one"), ("bf16", "one"), ("bf16", "one by id")],
+    [
+        ("bf16", "two"),
+        ("int4-g128", "two"),
+        ("nvfp4", "one"),
+        ("bf16", "one"),
+        ("bf16", "one by id"),
+        ("bf16", "inline"),
+        ("int4-g128", "align-fc"),
+    ],
 )
 def test_gemv_graph_replay_equals_eager(name, mode):
     """Captured GEMV steps replayed with new routing (host rows, padding) equal eager two-launch calls bitwise:
@@ -300,9 +333,10 @@ def test_gemv_graph_replay_equals_eager(name, mode):
     ids, w = routing(M, K, E, g)
     base = gemv.gemv_configs(H, I, fmt.fmt, M * K)
     cfg = base if mode == "two" else dataclasses.replace(base, one_launch=True, tickets=mode == "one")
+    variant = mode if mode in ("inline", "align-fc") else "gemv"
 
-    def run(c=cfg):
-        return fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=c)
+    def run(c=cfg, v=variant):
+        return fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant=v, gemv_config=c)
 
     run()  # compile and allocate the counters before capture
     torch.cuda.synchronize()
@@ -318,6 +352,28 @@ def test_gemv_graph_replay_equals_eager(name, mode):
         x.copy_(torch.randn(M, H, generator=g, device="cuda").bfloat16())
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, run(base)), f"step {step}: replay differs from eager"
+        assert torch.equal(out, run(base) if variant == "gemv" else run()), f"step {step}: replay != eager"
     assert gemv.spin_timeouts(x.device) == 0
     assert int(gemv._COUNTERS[x.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("M", [1, 64])
+@pytest.mark.parametrize("name", ["int4-g128", "int4-g64-zp", "int4-g32"])
+def test_int4_half_math_equals_fp32_tiles(name, M, monkeypatch):
+    """moe_gemm.HALF_INT4 (int4 MMA tiles in packed bf16 math): bitwise the default fp32-math tiles."""
+    from pooled_runner.kernels import moe_gemm
+
+    from tests.kernel_helpers import build_layer
+
+    fused_moe, operands = _kernels()
+    H, I, _, K = SHAPES["qwen3"]
+    E, R = 12, 12
+    fmt_obj, pool, _, l2p = build_layer(name, H, I, E, R, torch.Generator().manual_seed(M), device="cuda")
+    fmt = operands.kernel_format(fmt_obj)
+    p13, p2 = fused_moe.make_projections(fmt, pool, None, H, I)
+    g = torch.Generator(device="cuda").manual_seed(M)
+    x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+    ids, w = routing(M, K, E, g)
+    base = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="align")
+    monkeypatch.setattr(moe_gemm, "HALF_INT4", True)
+    assert torch.equal(fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="align"), base)

@@ -1,0 +1,34 @@
+"""Per-device int32 workspace of the kernels that synchronize programs of one launch: arrival counters of the
+fused combines (`gemv._down_tile`, `moe_gemm._arrive_and_combine`) and the sync words of the one-launch GEMV
+kernel. Zero between launches: each kernel resets what it uses (one stream at a time per device), except the
+sticky error word 0 (`spin_timeouts`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_SYNC_PAIRS = 128  # routed pairs a synchronizing launch may have (per-pair words below)
+SYNC_WORDS = 2 + 2 * MAX_SYNC_PAIRS  # [0] error, [1] ticket, ready and passed counts per pair; then arrivals
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """The sync words (`_fused_kernel`) and `n` combine arrival counters from SYNC_WORDS on, all zero between
+    launches (each kernel resets what it uses) except the sticky error word 0. Allocated on first use of a
+    size; make that first use happen before graph capture (warm-up), as for compilation."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < SYNC_WORDS + n:
+        new = torch.zeros(max(SYNC_WORDS + n, 4096), dtype=torch.int32, device=device)
+        if buf is not None:
+            new[0] = buf[0]
+        buf = new
+        _COUNTERS[device] = buf
+    return buf
+
+
+def spin_timeouts(device: torch.device) -> int:
+    """Nonzero if a one-launch GEMV step on `device` gave up waiting (its output was wrong); host sync."""
+    buf = _COUNTERS.get(torch.device(device))
+    return 0 if buf is None else int(buf[0].item())
