@@ -302,7 +302,8 @@ VARIANT_CASES = [
 def variant_specs(H: int, I: int, fmt: int, num_pairs: int) -> list[tuple[str, dict, str]]:
     """(column, pooled_fused_moe keyword arguments, module switch): the current default first, the default
     before this work second (the align path with its phased one-program align). Switches: "phased" (that
-    align kernel), "half" (int4 MMA tiles in packed half math, moe_gemm.HALF_INT4; int4 only), "" none."""
+    align kernel), "fp32" (int4 MMA tiles in fp32 math: moe_gemm.HALF_INT4 off, the default before e87d7f6; int4
+    only), "" none."""
     from pooled_runner.kernels.moe_gemm import GemmConfig
 
     base = gemv_configs(H, I, fmt, num_pairs)
@@ -314,8 +315,8 @@ def variant_specs(H: int, I: int, fmt: int, num_pairs: int) -> list[tuple[str, d
         ("inline", {"variant": "inline"}, ""),
         ("align BN32", {"variant": "align", "configs": (bn32, bn32)}, ""),
         ("gemv", {"variant": "gemv", "gemv_config": base}, ""),
-        ("int4 half", {"variant": "align"}, "half"),
-        ("inline int4 half", {"variant": "inline"}, "half"),
+        ("int4 fp32", {"variant": "align"}, "fp32"),
+        ("inline int4 fp32", {"variant": "inline"}, "fp32"),
     ]
 
 
@@ -326,7 +327,7 @@ def _with_switch(fn, switch: str):
     if not switch:
         return fn
     module, name, value = (
-        (align, "TINY_MAX_PAIRS", -1) if switch == "phased" else (moe_gemm, "HALF_INT4", True)
+        (align, "TINY_MAX_PAIRS", -1) if switch == "phased" else (moe_gemm, "HALF_INT4", False)
     )
 
     def run():
@@ -460,7 +461,7 @@ def variants_main(args: argparse.Namespace) -> None:
             cells, times, diffs = [], [], []
             ref = None
             for col, kw, switch in specs:
-                if switch == "half" and name.split("-")[0] != "int4":
+                if switch == "fp32" and name.split("-")[0] != "int4":
                     cells.append("=")  # the same kernels as a column before
                     diffs.append("=")
                     continue
@@ -499,17 +500,18 @@ def variants_main(args: argparse.Namespace) -> None:
         "µs (% of the bound): bound = resident bytes / HBM read + host-view bytes / zero-copy read (both "
         "measured here); bytes = the step's distinct experts' weights + scales. Graph replay of one layer, "
         "softmax top-k of random logits; host rows 1/8: every 8th distinct expert is read through the pinned "
-        "host view. Columns: align = the default path (align + gemm1 + gemm2 + combine; register-only align "
-        "kernel up to 64 pairs); align before = the same with the phased align kernel (the default before this "
+        "host view. Columns: align = the align path (align + gemm1 + gemm2 + combine; register-only align "
+        "kernel up to 64 pairs; the default above 8 pairs, and for NVFP4); align before = the same with the phased align kernel (the default before this "
         "work); align-fc = align + gemm1 + gemm2 with the combine fused into gemm2 (last arriver per token and "
         "N block); inline = gemm1 + gemm2 computing the align inside every program (<= 32 pairs, else as "
-        "align-fc), combine fused: two launches; align BN32 = the default path with 32-row N tiles in both "
+        "align-fc), combine fused: two launches (the default up to 8 pairs, except NVFP4); align BN32 = the default path with 32-row N tiles in both "
         "GEMMs (more programs); gemv = kernels/gemv.py, two launches (more GEMV options in the sweep). best vs "
         "before: 'align before' time / the fastest column's. max diff vs default: max |column - align| / max "
-        "|align| for each column after the first, in order (align-fc, inline and int4 half are bitwise the align "
+        "|align| for each column after the first, in order (align-fc, inline and int4 fp32 are bitwise the align "
         "path's output under the interpreter: expect 0; other paths round differently: ~1e-2 is expected, > "
-        "1e-1 is a bug). int4 half = int4 MMA tiles dequantized in packed half math (moe_gemm.HALF_INT4), with "
-        "the align path and with inline; '=' where the format is not int4.",
+        "1e-1 is a bug). int4 fp32 = int4 MMA tiles dequantized in fp32 math (moe_gemm.HALF_INT4 off; packed "
+        "half math is the default since e87d7f6), with the align path and with inline; '=' where the format "
+        "is not int4.",
     ]
     write(args.out, lines)
     lines += sweep_align(g, hbm, t_start, args.budget)
@@ -523,7 +525,7 @@ def variants_main(args: argparse.Namespace) -> None:
 # (shape, format, variant, module switch): the align-path decode cases whose tiles the sweep varies
 ALIGN_SWEEP_CASES = [
     ("qwen3", "bf16", "inline", ""),
-    ("deepseek", "int4-g128", "align", "half"),
+    ("deepseek", "int4-g128", "align", ""),
     ("deepseek", "nvfp4", "align", ""),
 ]
 # (BN1, BN2, BK, warps, stages); block_m 16, group_m 1 (pick_configs' decode tiles are (32 or 64, 64, 128, 4, 4))

@@ -15,7 +15,7 @@ from pooled_runner import envs
 from .align import AlignOutput, align_blocks
 from .combine import combine
 from .decode import DECODE_MAX_PAIRS, decode_moe
-from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4
+from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NVFP4
 from .gemv import GEMV_MAX_PAIRS, GemvConfig, gemv_moe, gemv_supported
 from .moe_gemm import INLINE_MAX_PAIRS, DecodeRouting, GemmConfig, gemm1, gemm2, interpreting
 from .operands import KernelFormat, Projection, make_projection
@@ -31,10 +31,22 @@ AUTO_DECODE_PATH = False
 #   "inline"    gemm1 + gemm2 computing the align in every program (T*K <= INLINE_MAX_PAIRS, else "align-fc"),
 #               combine fused: two launches; same blocks, tiles and sums as "align", so the same output;
 #   "gemv"      gemv.py (CUDA cores, per routed pair); "mma": decode.py.
-# POOLED_RUNNER_MOE_DECODE, read once here. On the H200 (bench/kernels.py --variants, bbf3c56) "gemv" was slower
-# than "align" at every decode shape; "align-fc" and "inline" are opt-in until measured.
+# POOLED_RUNNER_MOE_DECODE, read once here; unset: `default_variant` (measured below).
 VARIANTS = ("align", "align-fc", "inline", "gemv", "mma")
 DECODE_VARIANT = envs.moe_decode_kernel()
+
+# `default_variant`: on the H200 (2026-11-30, commit e87d7f6, bench/kernels.py --variants) "inline" beat "align"
+# at M=1 top-8 (8 pairs) for bf16 (Qwen3-like 30.5 vs 31.6 µs, DeepSeek-like 177.1 vs 187.4 µs) and int4 with
+# half-math tiles (189.9 vs 196.3 µs), lost by 1-2% at 32 pairs (M=4) and lost for NVFP4 (310.6 vs 293.2 µs);
+# M=2 was not measured. "gemv" was slower everywhere.
+INLINE_DEFAULT_MAX_PAIRS = 8
+
+
+def default_variant(weight_fmt: int, num_pairs: int) -> str:
+    """The decode kernels used when neither the caller nor POOLED_RUNNER_MOE_DECODE names one."""
+    if weight_fmt != FMT_NVFP4 and num_pairs <= INLINE_DEFAULT_MAX_PAIRS:
+        return "inline"
+    return "align"
 
 
 def make_projections(
@@ -62,9 +74,11 @@ def pick_configs(
         bn2 = 64
         # packed formats stage their packed words (int4/NVFP4 gemm1 BN 64: 60 KiB for 4 stages, sm_90 compile)
         stages = 4
+        # NVFP4: K tiles of 64 (H200, e87d7f6, DeepSeek-like M=1 tile sweep: 240.5 µs vs 266.8 at 128)
+        bk = 64 if weight_fmt == FMT_NVFP4 else 128
         return (
-            GemmConfig(16, bn1, 128, group_m=1, num_warps=4, num_stages=stages),
-            GemmConfig(16, bn2, 128, group_m=1, num_warps=4, num_stages=stages),
+            GemmConfig(16, bn1, bk, group_m=1, num_warps=4, num_stages=stages),
+            GemmConfig(16, bn2, bk, group_m=1, num_warps=4, num_stages=stages),
         )
     block_m = 32 if num_tokens <= 128 else 64 if num_tokens <= 1024 else 128
     warps = 8 if block_m == 128 else 4
@@ -98,7 +112,7 @@ def pooled_fused_moe(
       decode: the two-launch decode path (`kernels/decode.py`); None: only when AUTO_DECODE_PATH and
         T*K <= DECODE_MAX_PAIRS.
       variant: kernels of a decode step (T*K <= GEMV_MAX_PAIRS): one of VARIANTS ("gemv" where
-        `gemv_supported`, "mma" as decode=True); None: DECODE_VARIANT. Wider steps take the align path.
+        `gemv_supported`, "mma" as decode=True); None: POOLED_RUNNER_MOE_DECODE, else `default_variant`. Wider steps take the align path.
         `decode` given wins over `variant`. gemv_config: the GEMV path's tiles (default `gemv_configs`).
     """
     T, K = topk_ids.shape
@@ -108,7 +122,7 @@ def pooled_fused_moe(
         raise ValueError(f"hidden: shape {tuple(hidden.shape)}, expected [{T}, H]")
     if T == 0:
         return torch.empty((0, H), dtype=hidden.dtype, device=hidden.device)
-    variant = variant or DECODE_VARIANT
+    variant = variant or DECODE_VARIANT or default_variant(fmt.fmt, T * K)
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
     if decode is None and T * K <= GEMV_MAX_PAIRS:

@@ -351,10 +351,11 @@ def _check_dense_dtype(fmt: KernelFormat, proj: Projection, dtype: torch.dtype) 
 INLINE_MAX_PAIRS = 32  # `inline` decode steps (align computed in every gemm program) up to this many pairs
 
 # int4 MMA tiles dequantized in the compute dtype with packed half ops (`dequant._int4_tile_h`: the same values
-# as the fp32 path, about half the instructions per value on sm_90). Opt-in until measured on the GPU
-# (bench/kernels.py --variants column "int4 half"). Under the interpreter only for fp16: Triton's interpreter
-# stores bf16 as raw uint16 and has no bf16 arithmetic.
-HALF_INT4 = False
+# as the fp32 path, about half the instructions per value on sm_90). On by default: on the H200 (2026-11-30,
+# commit e87d7f6, bench/kernels.py --variants) bitwise the fp32 tiles' output and 1.08-1.09x faster on the
+# DeepSeek-like int4-g128 layer at M=1 and 8 (213.4 -> 196.3 µs, 1145 -> 1068 µs). Under the interpreter only
+# for fp16: Triton's interpreter stores bf16 as raw uint16 and has no bf16 arithmetic.
+HALF_INT4 = True
 
 
 def _half_int4(fmt: KernelFormat, dtype: torch.dtype) -> bool:

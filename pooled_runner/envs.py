@@ -58,13 +58,14 @@ def cache_dir() -> str:
 def moe_decode_kernel() -> str:
     """POOLED_RUNNER_MOE_DECODE: kernels of decode steps (T*K <= 64 routed pairs) on the CUDA kernel path.
 
-    `align` (default): align + gemm1 + gemm2 + combine, as wider steps. `align-fc`: the combine fused into
+    Unset (""): the measured default per format and width (`kernels/fused_moe.py` `default_variant`).
+    `align`: align + gemm1 + gemm2 + combine, as wider steps. `align-fc`: the combine fused into
     gemm2. `inline`: no align launch (each gemm program computes its block), combine fused. `gemv`: two launches
     on CUDA cores (kernels/gemv.py). `mma`: the two-launch MMA decode path (kernels/decode.py). Read once, at
     import (kernels/fused_moe.py).
     """
-    value = _get_str("MOE_DECODE", "align").strip().lower()
-    if value not in ("align", "align-fc", "inline", "gemv", "mma"):
+    value = _get_str("MOE_DECODE", "").strip().lower()
+    if value not in ("", "align", "align-fc", "inline", "gemv", "mma"):
         raise ValueError(f"{PREFIX}MOE_DECODE={value!r}: expected align, align-fc, inline, gemv or mma")
     return value
 

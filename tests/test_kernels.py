@@ -264,6 +264,28 @@ def test_fused_combine_and_inline_align_equal_align_path(name, H, I, dtype, T, K
         assert int(gemv._COUNTERS[x.device].abs().sum()) == 0
 
 
+@pytest.mark.parametrize(("name", "H", "I", "dtype"), [FORMATS[0], FORMATS[2], FORMATS[7]])
+@pytest.mark.parametrize(("T", "K", "E"), [(1, 8, 9), (1, 3, 7), (2, 5, 7)])
+def test_default_decode_variant_equals_align_path(name, H, I, dtype, T, K, E):
+    """The default decode kernels (inline up to INLINE_DEFAULT_MAX_PAIRS pairs except NVFP4, else align): the
+    align path's output bitwise, on both sides of the switch point."""
+    from pooled_runner.kernels import fused_moe
+    from pooled_runner.kernels.dequant import FMT_NVFP4
+
+    g = torch.Generator().manual_seed(T * 13 + K + E)
+    fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, 3, g, dtype)
+    fmt = kernel_format(fmt_obj)
+    expected = "inline" if fmt.fmt != FMT_NVFP4 and T * K <= fused_moe.INLINE_DEFAULT_MAX_PAIRS else "align"
+    assert fused_moe.default_variant(fmt.fmt, T * K) == expected
+    w13, w2 = make_projections(fmt, pool, bank, H, I)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids, w = random_routing(T, K, E, g, pad_prob=0.2)
+    cfgs = (GemmConfig(16, 16, 32, num_stages=1), GemmConfig(16, 16, 32, num_stages=1))
+    base = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, cfgs, variant="align")
+    out = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, cfgs)
+    assert torch.equal(out, base), f"default {expected}: max diff {(out.float() - base.float()).abs().max()}"
+
+
 @pytest.mark.parametrize(
     ("name", "H", "I"), [("int4-g32", 64, 32), ("int4-g64-zp", 128, 64), ("int4-g128-zp", 128, 128)]
 )
@@ -280,6 +302,8 @@ def test_int4_half_math_tiles_equal_fp32_tiles(name, H, I, block_k, monkeypatch)
     x = torch.randn(5, H, generator=g).half()
     ids, w = random_routing(5, 3, 7, g)
     cfgs = (GemmConfig(16, 16, block_k, num_stages=1), GemmConfig(16, 16, block_k, num_stages=1))
+    monkeypatch.setattr(moe_gemm, "HALF_INT4", False)  # the fp32-math tiles (HALF_INT4 is the default)
+    assert not moe_gemm._half_int4(fmt, torch.float16)
     base = pooled_fused_moe(x, ids, w, l2p, 7, w13, w2, fmt, cfgs, variant="align")
     monkeypatch.setattr(moe_gemm, "HALF_INT4", True)
     assert moe_gemm._half_int4(fmt, torch.float16)

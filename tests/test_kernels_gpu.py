@@ -374,6 +374,7 @@ def test_int4_half_math_equals_fp32_tiles(name, M, monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(M)
     x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
     ids, w = routing(M, K, E, g)
+    monkeypatch.setattr(moe_gemm, "HALF_INT4", False)  # the fp32-math tiles (HALF_INT4 is the default)
     base = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="align")
     monkeypatch.setattr(moe_gemm, "HALF_INT4", True)
     assert torch.equal(fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="align"), base)
