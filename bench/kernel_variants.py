@@ -1,0 +1,357 @@
+"""`python -m bench.kernels --variants`: the decode kernels side by side (align path, its decode options, the
+GEMV path) at the issue's shapes, ratios to the bandwidths measured in the same run, then align-path and GEMV
+tile sweeps for as long as the time budget lasts. Seeded, warmed up, graph replay (bench/kernels.py helpers)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import subprocess
+import sys
+import time
+
+import torch
+import triton
+from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe
+from pooled_runner.kernels.gemv import GemvConfig, gemv_configs
+from pooled_runner.kernels.operands import kernel_format
+
+from bench.common import read_bandwidth
+from bench.kernels import SHAPES, time_graph, write
+from pooled_runner.formats import make_format
+
+# (shape, format, decode widths M, share of the step's experts read through the pinned host view): the cases
+# the decode-kernel work targets, and one with host rows
+VARIANT_CASES = [
+    ("qwen3", "bf16", (1, 4, 8), "0"),
+    ("deepseek", "int4-g128", (1, 8), "0"),
+    ("deepseek", "nvfp4", (1, 8), "0"),
+    ("deepseek", "bf16", (1, 4, 8), "0"),
+    ("qwen3", "bf16", (1, 8), "1/8"),
+]
+
+
+def variant_specs(H: int, I: int, fmt: int, num_pairs: int) -> list[tuple[str, dict, str]]:
+    """(column, pooled_fused_moe keyword arguments, module switch): the current default first, the default
+    before this work second (the align path with its phased one-program align). Switches: "phased" (that
+    align kernel), "fp32" (int4 MMA tiles in fp32 math: moe_gemm.HALF_INT4 off, the default before e87d7f6; int4
+    only), "" none."""
+    from pooled_runner.kernels.moe_gemm import GemmConfig
+
+    base = gemv_configs(H, I, fmt, num_pairs)
+    bn32 = GemmConfig(16, 32, 128, group_m=1, num_warps=4, num_stages=4)
+    return [
+        ("align", {"variant": "align"}, ""),
+        ("align before", {"variant": "align"}, "phased"),
+        ("align-fc", {"variant": "align-fc"}, ""),
+        ("inline", {"variant": "inline"}, ""),
+        ("align BN32", {"variant": "align", "configs": (bn32, bn32)}, ""),
+        ("gemv", {"variant": "gemv", "gemv_config": base}, ""),
+        ("int4 fp32", {"variant": "align"}, "fp32"),
+        ("inline int4 fp32", {"variant": "inline"}, "fp32"),
+    ]
+
+
+def _with_switch(fn, switch: str):
+    """`fn` with a module switch of `variant_specs` set while it runs (and while a graph captures it)."""
+    from pooled_runner.kernels import align, moe_gemm
+
+    if not switch:
+        return fn
+    module, name, value = (
+        (align, "TINY_MAX_PAIRS", -1) if switch == "phased" else (moe_gemm, "HALF_INT4", False)
+    )
+
+    def run():
+        saved = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            return fn()
+        finally:
+            setattr(module, name, saved)
+
+    return run
+
+
+def sweep_configs(base: GemvConfig) -> list[GemvConfig]:
+    """GEMV tiles around the default: Triton's software pipeline (3, 4 stages) instead of the register prefetch,
+    no prefetch, N blocks halved / doubled (8 warps), K tiles of 128/512, one launch."""
+    r = dataclasses.replace
+    half = {"block_n1": max(4, base.block_n1 // 2), "block_n2": max(8, base.block_n2 // 2)}
+    double = {"block_n1": base.block_n1 * 2, "block_n2": base.block_n2 * 2}
+    return [
+        base,
+        r(base, stages=3),
+        r(base, stages=4, block_k1=128, block_k2=128),
+        r(base, prefetch=False),
+        r(base, **half),
+        r(base, **double, num_warps=8),
+        r(base, block_k1=128, block_k2=128),
+        r(base, block_k1=512, block_k2=512, **half),
+        r(base, one_launch=True, **half),
+    ]
+
+
+def fast_rows(
+    name: str, H: int, I: int, num: int, device: str, g: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """`random_rows` without fp32 temporaries (DeepSeek-size bf16 pools are 22 GB)."""
+    specs = make_format(name, torch.bfloat16).operands(H, I)
+    rows = {}
+    for s in specs:
+        shape = (num, *s.row_shape)
+        if s.dtype in (torch.bfloat16, torch.float16):
+            t = torch.empty(shape, dtype=s.dtype, device=device).normal_(0.0, 0.02, generator=g)
+        elif s.dtype == torch.float32:
+            t = torch.rand(shape, generator=g, device=device) * 0.01 + 0.001
+        elif s.dtype == torch.float8_e4m3fn:
+            t = (torch.rand(shape, generator=g, device=device) + 0.5).to(torch.float8_e4m3fn)
+        elif s.dtype == torch.int32:
+            t = torch.randint(-(2**31), 2**31 - 1, shape, generator=g, device=device, dtype=torch.int32)
+        else:
+            t = torch.randint(0, 255, shape, generator=g, device=device).to(s.dtype)
+        rows[s.name] = t
+    return rows
+
+
+def _time_variant(fn) -> tuple[float | None, torch.Tensor | None, str]:
+    """(µs per replay, eager output, error). A one-launch GEMV step whose wait gave up counts as an error."""
+    from pooled_runner.kernels import gemv
+
+    try:
+        out = fn().clone()
+        us = time_graph(fn)
+    except Exception as exc:  # report the variant and go on
+        print(f"  {exc!r}"[:300], file=sys.stderr, flush=True)
+        return None, None, type(exc).__name__
+    if gemv.spin_timeouts(out.device):
+        gemv._COUNTERS[out.device][0] = 0
+        return None, None, "wait timed out"
+    return us, out, ""
+
+
+def variants_main(args: argparse.Namespace) -> None:
+    """Decode kernels side by side: per case, the default (align path) and each variant, in µs per layer
+    (graph replay) and % of the HBM read bandwidth measured here; max |difference| to the default's output
+    relative to its max |value|; then GEMV tiles swept at M = 1 while the budget lasts."""
+    t_start = time.perf_counter()
+    torch.manual_seed(0)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hbm = read_bandwidth(torch.empty(4 << 30, dtype=torch.uint8, device="cuda"))
+    pinned = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    zero_copy = read_bandwidth(pinned, reps=2)
+    del pinned
+    commit = (
+        args.commit
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
+    lines = [
+        f"date {datetime.date.today()}, GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"triton {triton.__version__}, commit {commit or 'n/a'}",
+        f"measured: HBM read {hbm:.0f} GB/s, pinned zero-copy read {zero_copy:.1f} GB/s",
+        "",
+    ]
+    header_done = False
+    sweep_cases = []
+    for shape, name, ms, host in VARIANT_CASES:
+        if time.perf_counter() - t_start > args.budget:
+            lines.append(
+                f"| {shape} | {name} | {ms} | {host} | skipped: budget of {args.budget:.0f} s reached |"
+            )
+            continue
+        H, I, E, K = SHAPES[shape]
+        fmt = kernel_format(make_format(name, torch.bfloat16))
+        pool = fast_rows(name, H, I, E, "cuda", g)
+        row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
+        bank = None
+        if host != "0":
+            bank = {k: torch.empty_like(v, device="cpu", pin_memory=True).copy_(v) for k, v in pool.items()}
+        p13, p2 = make_projections(fmt, pool, bank, H, I)
+        for M in ms:
+            x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+            w, ids = torch.softmax(torch.randn(M, E, generator=g, device="cuda"), -1).topk(K, -1)
+            distinct = torch.unique(ids)
+            l2p = torch.arange(E, dtype=torch.int32, device="cuda")
+            if host != "0":  # every 8th distinct expert read through the host view
+                l2p[distinct[::8]] = (E + distinct[::8]).int()
+            num_host = int((l2p[distinct] >= E).sum())
+            nbytes = distinct.numel() * row_bytes
+            bound_us = ((nbytes - num_host * row_bytes) / hbm + num_host * row_bytes / zero_copy) / 1e3
+            specs = variant_specs(H, I, fmt.fmt, M * K)
+            if not header_done:
+                cols = [c for c, _, _ in specs]
+                lines += [
+                    "| shape | format | M | host rows | MB | bound µs | "
+                    + " | ".join(f"{c} µs (% bound)" for c in cols)
+                    + " | best vs before | max diff vs default |",
+                    "|---|---|---|---|---|---|" + "---|" * len(cols) + "---|---|",
+                ]
+                print("\n".join(lines), flush=True)
+                header_done = True
+            cells, times, diffs = [], [], []
+            ref = None
+            for col, kw, switch in specs:
+                if switch == "fp32" and name.split("-")[0] != "int4":
+                    cells.append("=")  # the same kernels as a column before
+                    diffs.append("=")
+                    continue
+                fn = functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, **kw)
+                us, out, err = _time_variant(_with_switch(fn, switch))
+                if us is None:
+                    cells.append(f"error: {err}")
+                    diffs.append("err")
+                    continue
+                cells.append(f"{us:.1f} ({100 * bound_us / us:.0f}%)")  # % of the bound
+                times.append((us, col))
+                if ref is None:
+                    ref = out.float()
+                else:
+                    scale = ref.abs().max().item() or 1.0
+                    diffs.append(f"{(out.float() - ref).abs().max().item() / scale:.0e}")
+            before = dict((c, t) for t, c in times).get(specs[1][0])
+            best = ""
+            if before and times:
+                us_best, col_best = min(times)
+                best = f"{before / us_best:.2f}x ({col_best})"
+            row = (
+                f"| {shape} | {name} | {M} | {host} | {nbytes / 1e6:.1f} | {bound_us:.1f} | "
+                + " | ".join(cells)
+                + f" | {best} | {' / '.join(diffs)} |"
+            )
+            print(row, flush=True)
+            lines.append(row)
+            write(args.out, lines)
+            if M == 1 and host == "0":
+                sweep_cases.append((shape, name))
+        del pool, bank, p13, p2
+        torch.cuda.empty_cache()
+    lines += [
+        "",
+        "µs (% of the bound): bound = resident bytes / HBM read + host-view bytes / zero-copy read (both "
+        "measured here); bytes = the step's distinct experts' weights + scales. Graph replay of one layer, "
+        "softmax top-k of random logits; host rows 1/8: every 8th distinct expert is read through the pinned "
+        "host view. Columns: align = the align path (align + gemm1 + gemm2 + combine; register-only align "
+        "kernel up to 64 pairs; the default above 8 pairs, and for NVFP4); align before = the same with the phased align kernel (the default before this "
+        "work); align-fc = align + gemm1 + gemm2 with the combine fused into gemm2 (last arriver per token and "
+        "N block); inline = gemm1 + gemm2 computing the align inside every program (<= 32 pairs, else as "
+        "align-fc), combine fused: two launches (the default up to 8 pairs, except NVFP4); align BN32 = the default path with 32-row N tiles in both "
+        "GEMMs (more programs); gemv = kernels/gemv.py, two launches (more GEMV options in the sweep). best vs "
+        "before: 'align before' time / the fastest column's. max diff vs default: max |column - align| / max "
+        "|align| for each column after the first, in order (align-fc, inline and int4 fp32 are bitwise the align "
+        "path's output under the interpreter: expect 0; other paths round differently: ~1e-2 is expected, > "
+        "1e-1 is a bug). int4 fp32 = int4 MMA tiles dequantized in fp32 math (moe_gemm.HALF_INT4 off; packed "
+        "half math is the default since e87d7f6), with the align path and with inline; '=' where the format "
+        "is not int4.",
+    ]
+    write(args.out, lines)
+    lines += sweep_align(g, hbm, t_start, args.budget)
+    write(args.out, lines)
+    # the targets first: Qwen3-like bf16 (launch-bound) and the packed formats; DeepSeek-like bf16 last
+    sweep_cases.sort(key=lambda c: c == ("deepseek", "bf16"))
+    lines += sweep_gemv(g, hbm, sweep_cases, t_start, args.budget)
+    write(args.out, lines)
+
+
+# (shape, format, variant, module switch): the align-path decode cases whose tiles the sweep varies
+ALIGN_SWEEP_CASES = [
+    ("qwen3", "bf16", "inline", ""),
+    ("deepseek", "int4-g128", "align", ""),
+    ("deepseek", "nvfp4", "align", ""),
+]
+# (BN1, BN2, BK, warps, stages); block_m 16, group_m 1 (pick_configs' decode tiles are (32 or 64, 64, 128, 4, 4))
+ALIGN_SWEEP_TILES = [
+    (32, 64, 128, 4, 4),
+    (64, 64, 128, 4, 4),
+    (32, 32, 128, 4, 4),
+    (16, 32, 128, 4, 4),
+    (32, 64, 64, 4, 4),
+    (64, 64, 64, 8, 4),
+    (32, 64, 256, 4, 3),
+]
+
+
+def sweep_align(g, hbm: float, t_start: float, budget: float) -> list[str]:
+    """Align-path decode tiles at M = 1 (with the case's variant and switch) until `budget` seconds."""
+    from pooled_runner.kernels.moe_gemm import GemmConfig
+
+    out = [
+        "",
+        "align-path tile sweep (M = 1, resident; µs per layer, % of HBM read):",
+        "",
+        "| shape | format | variant | BN1 | BN2 | BK | warps | stages | µs | % HBM |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(out), flush=True)
+    for shape, name, variant, switch in ALIGN_SWEEP_CASES:
+        if time.perf_counter() - t_start > budget:
+            out.append(f"| {shape} | {name} | (budget of {budget:.0f} s reached) | | | | | | | |")
+            break
+        H, I, E, K = SHAPES[shape]
+        fmt = kernel_format(make_format(name, torch.bfloat16))
+        pool = fast_rows(name, H, I, E, "cuda", g)
+        row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
+        p13, p2 = make_projections(fmt, pool, None, H, I)
+        l2p = torch.arange(E, dtype=torch.int32, device="cuda")
+        x = torch.randn(1, H, generator=g, device="cuda").bfloat16()
+        w, ids = torch.softmax(torch.randn(1, E, generator=g, device="cuda"), -1).topk(K, -1)
+        nbytes = torch.unique(ids).numel() * row_bytes
+        label = variant + (f" + {switch}" if switch else "")
+        for bn1, bn2, bk, warps, stages in ALIGN_SWEEP_TILES:
+            if time.perf_counter() - t_start > budget:
+                out.append(f"| {shape} | {name} | (budget of {budget:.0f} s reached) | | | | | | | |")
+                break
+            cfgs = (GemmConfig(16, bn1, bk, 1, warps, stages), GemmConfig(16, bn2, bk, 1, warps, stages))
+            fn = functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, cfgs, variant=variant)
+            us, _, err = _time_variant(_with_switch(fn, switch))
+            res = f"{us:.1f} | {100 * nbytes / (hbm * 1e9) / (us * 1e-6):.0f}%" if us else f"error: {err} |"
+            out.append(f"| {shape} | {name} | {label} | {bn1} | {bn2} | {bk} | {warps} | {stages} | {res} |")
+            print(out[-1], flush=True)
+        del pool, p13, p2
+        torch.cuda.empty_cache()
+    return out
+
+
+def sweep_gemv(g, hbm: float, cases, t_start: float, budget: float) -> list[str]:
+    """GEMV tiles at M = 1 per case (in case order) until `budget` seconds from the start."""
+    out = [
+        "",
+        "GEMV tile sweep (M = 1, resident; µs per layer, % of HBM read):",
+        "",
+        "| shape | format | BN1 | BK1 | BN2 | BK2 | warps | prefetch (stages) | launches | µs | % HBM |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(out), flush=True)
+    for shape, name in cases:
+        if time.perf_counter() - t_start > budget:
+            break
+        H, I, E, K = SHAPES[shape]
+        fmt = kernel_format(make_format(name, torch.bfloat16))
+        pool = fast_rows(name, H, I, E, "cuda", g)
+        row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
+        p13, p2 = make_projections(fmt, pool, None, H, I)
+        l2p = torch.arange(E, dtype=torch.int32, device="cuda")
+        x = torch.randn(1, H, generator=g, device="cuda").bfloat16()
+        w, ids = torch.softmax(torch.randn(1, E, generator=g, device="cuda"), -1).topk(K, -1)
+        nbytes = torch.unique(ids).numel() * row_bytes
+        for cfg in sweep_configs(gemv_configs(H, I, fmt.fmt, K)):
+            if time.perf_counter() - t_start > budget:
+                out.append(f"| {shape} | {name} | (budget of {budget:.0f} s reached) | | | | | | | | |")
+                break
+            fn = functools.partial(
+                pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=cfg
+            )
+            us, _, err = _time_variant(fn)
+            res = f"{us:.1f} | {100 * nbytes / (hbm * 1e9) / (us * 1e-6):.0f}%" if us else f"error: {err} |"
+            out.append(
+                f"| {shape} | {name} | {cfg.block_n1} | {cfg.block_k1} | {cfg.block_n2} | {cfg.block_k2} | "
+                f"{cfg.num_warps} | {cfg.stages if cfg.stages >= 2 else cfg.prefetch} | {1 if cfg.one_launch else 2} | "
+                f"{res} |"
+            )
+            print(out[-1], flush=True)
+        del pool, p13, p2
+        torch.cuda.empty_cache()
+    return out
