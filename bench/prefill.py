@@ -180,11 +180,13 @@ def measure_case(
     staging_min_tokens: int = 256,
     chunk_experts: int = DEFAULT_CHUNK,
     num_slots: int | None = None,
+    pcie_gb: dict[str, float] | None = None,
 ) -> tuple[dict[str, dict[int, float]], float, float]:
     """Every mode's step ms per token count, the non-resident GB, and the page-in waves per layer step.
 
     One system at a time (each holds its own bank), except page_in, which runs over host_view's bank (with
-    `num_slots` per layer; default `page_in_slots`).
+    `num_slots` per layer; default `page_in_slots`). `pcie_gb` (if given) receives the GB copied over PCIe per
+    step, averaged over the timed steps, for "stage" (rows staged) and "page_in" (slot copies).
     """
     if num_slots is None:
         num_slots = page_in_slots(dims, frac, chunk_experts)
@@ -200,6 +202,9 @@ def measure_case(
         t0 = time.perf_counter()
         t[mode] = {T: step_ms(pooled_forward(moe), make_routes(dims, T, g, device), dev) for T in tokens}
         print(f"  {fmt} {frac:.0%} {mode}: {t[mode]} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        if mode == "stage" and pcie_gb is not None and moe.stager is not None:
+            st = moe.stager.stats
+            pcie_gb["stage"] = st.bytes_staged / max(1, st.steps_staged) / 1e9
         if mode == "host_view":
             slots = build_page_in(moe, fmt, num_slots)
             del moe  # its rows; the bank lives on in `slots`
@@ -212,6 +217,8 @@ def measure_case(
             )
             d = slots.traffic() - before
             waves = d.waves / max(1, d.layer_steps)
+            if pcie_gb is not None:
+                pcie_gb["page_in"] = d.pcie_bytes / max(1, d.layer_steps) * dims[4] / 1e9
             del slots
         else:
             del moe
@@ -223,7 +230,7 @@ def measure_case(
 HEADER = [
     "shape", "format", "pool", "tokens", "non-res GB", "ring experts", "slots/layer", "resident", "host view",
     "page-in waves", "stage sync", "stage", "stage vs host", "stage vs page-in waves", "stage / bound",
-    "prefetch gain", "waves/layer",
+    "prefetch gain", "waves/layer", "PCIe GB/step stage", "PCIe GB/step page-in",
 ]  # fmt: skip
 
 
@@ -235,6 +242,7 @@ def table_rows(
     waves: float,
     copy_bw: float,
     ring: int = 0,
+    pcie_gb: dict[str, float] | None = None,
 ) -> list[list[object]]:
     """One table row per token count of `case` (shape, format, pool fraction); ratios > 1: stage is faster.
     `ring`: expert rows in stage's chunk buffers (its staging VRAM beside the pool rows)."""
@@ -249,6 +257,7 @@ def table_rows(
                 f"{r['host_view']:.1f}", f"{r['page_in']:.1f}", f"{r['stage_sync']:.1f}", f"{r['stage']:.1f}",
                 f"{r['host_view'] / r['stage']:.2f}x", f"{r['page_in'] / r['stage']:.2f}x",
                 f"{r['stage'] / bound:.2f}x", f"{r['stage_sync'] / r['stage']:.2f}x", f"{waves:.2f}",
+                *(f"{(pcie_gb or {}).get(m, float('nan')):.2f}" for m in ("stage", "page_in")),
             ]
         )  # fmt: skip
     return rows
@@ -298,15 +307,23 @@ def main() -> None:
         dims = SHAPES[shape]
         for frac in (float(f) for f in args.fracs.split(",")):
             slots = page_in_slots(dims, frac, args.chunk_experts, args.layers_model)
+            pcie: dict[str, float] = {}
             try:
                 t, miss_gb, waves = measure_case(
-                    dims, fmt, frac, tokens, g, chunk_experts=args.chunk_experts, num_slots=slots
+                    dims,
+                    fmt,
+                    frac,
+                    tokens,
+                    g,
+                    chunk_experts=args.chunk_experts,
+                    num_slots=slots,
+                    pcie_gb=pcie,
                 )
             except Exception as exc:  # report and keep going
                 rows_out.append([shape, fmt, f"{frac:.0%}", "-", f"error: {type(exc).__name__}: {exc}"[:120]])
                 continue
             ring = ring_experts(dims, args.chunk_experts)
-            rows_out += table_rows((shape, fmt, frac), slots, t, miss_gb, waves, copy_bw, ring)
+            rows_out += table_rows((shape, fmt, frac), slots, t, miss_gb, waves, copy_bw, ring, pcie)
             # the table so far, after every case: a run cut short by its time cap keeps what it measured
             table = print_table("Prefill step, whole stack (ms)", HEADER, rows_out)
             write(

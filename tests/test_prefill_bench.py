@@ -65,17 +65,23 @@ def test_every_mode_computes_the_resident_output(T):
 
 def test_measure_case_and_table():
     g = torch.Generator().manual_seed(3)
-    t, miss_gb, waves = prefill.measure_case(DIMS, "bf16", FRAC, [4, 16], g, "cpu", MIN_TOKENS, CHUNK)
+    pcie: dict[str, float] = {}
+    t, miss_gb, waves = prefill.measure_case(
+        DIMS, "bf16", FRAC, [4, 16], g, "cpu", MIN_TOKENS, CHUNK, pcie_gb=pcie
+    )
+    # 3 layers x 9 non-resident experts: stage copies the routed ones (all at 16 tokens; some at 4) once per step
+    row_gb = 3 * 8 * 16 * 2 / 1e9
+    assert 0 < pcie["stage"] <= 27 * row_gb + 1e-12 and pcie["page_in"] > 0, pcie
     assert set(t) == set(prefill.MODES) and all(set(v) == {4, 16} for v in t.values())
     assert all(ms > 0 for v in t.values() for ms in v.values())
     assert miss_gb > 0 and waves > 1
-    rows = prefill.table_rows(("tiny", "bf16", FRAC), 11, t, miss_gb, waves, copy_bw=50.0, ring=6)
+    rows = prefill.table_rows(("tiny", "bf16", FRAC), 11, t, miss_gb, waves, 50.0, 6, pcie)
     assert len(rows) == 2 and all(len(r) == len(prefill.HEADER) for r in rows)
     text = prefill.print_table("Prefill step, whole stack (ms)", prefill.HEADER, rows)
     parsed = plot.markdown_rows(text)
     col = parsed[1]["stage vs page-in waves"]
     assert col == f"{t['page_in'][16] / t['stage'][16]:.2f}x" and parsed[1]["slots/layer"] == "11"
-    assert parsed[0]["ring experts"] == "6"
+    assert parsed[0]["ring experts"] == "6" and parsed[0]["PCIe GB/step stage"] == f"{pcie['stage']:.2f}"
 
 
 def test_prefill_plot_with_and_without_the_page_in_column(tmp_path):
