@@ -54,7 +54,7 @@ def pool_rows(dims: Dims, rows_frac: float) -> int:
     return max(K, int(rows_frac * E * L))
 
 
-DEFAULT_CHUNK: int = PoolConfig.__dataclass_fields__["staging_chunk_experts"].default
+DEFAULT_CHUNK = PoolConfig(pool_rows=1, device="cpu").staging_chunk_experts  # the flag's default
 
 
 def ring_experts(dims: Dims, chunk_experts: int = DEFAULT_CHUNK) -> int:
