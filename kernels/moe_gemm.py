@@ -442,8 +442,12 @@ def gemm2(
     config: GemmConfig,
     routing: DecodeRouting | None = None,
     fuse_combine: bool = False,
+    y: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`y [num_pairs, H]` (compute dtype): each routed pair's expert output; unrouted pairs are left unset.
+
+    `y` given (`[>= max(num_pairs, 1), H]`, act's dtype and device, row-major): written in place and returned,
+    only the rows of the pairs computed here (passes with disjoint location tables share one output: staging).
 
     align None: blocks computed in the programs from `routing` (as `gemm1`). fuse_combine (decode widths,
     `routing` with topk_weights): returns `out [T, H]` = `combine(y, ...)`, summed by the last of each token's
@@ -455,7 +459,21 @@ def gemm2(
     _check_dense_dtype(fmt, w2, act.dtype)
     num_experts = routing.num_experts if routing is not None else 0
     tables, max_blocks = _inline_args(align, routing, num_pairs, num_experts, config.block_m)
-    y = torch.empty((max(num_pairs, 1), H), dtype=act.dtype, device=act.device)
+    if y is None:
+        y = torch.empty((max(num_pairs, 1), H), dtype=act.dtype, device=act.device)
+    elif (
+        fuse_combine
+        or y.dim() != 2
+        or y.shape[0] < max(num_pairs, 1)
+        or y.shape[1] != H
+        or y.stride(1) != 1
+        or y.dtype != act.dtype
+        or y.device != act.device
+    ):
+        raise ValueError(
+            f"gemm2 y: shape {tuple(y.shape)} strides {y.stride()} {y.dtype} on {y.device}, expected "
+            f"[>= {max(num_pairs, 1)}, {H}] row-major {act.dtype} on {act.device} (and no fuse_combine)"
+        )
     ptrs, strides, native = _launch_args(w2, fmt)
     num_nb = triton.cdiv(H, config.block_n)
     if fuse_combine:

@@ -31,8 +31,11 @@ class PoolConfig:
       pool_rows: number of device rows shared by all pooled MoE layers (`--moe-expert-pool-rows`).
       weight_format: expert weight format; one of `pooled_runner.formats.FORMATS` ("bf16" for now).
       device: "cuda", "cuda:N" or "cpu". "auto" is only accepted by `resolve`.
-      prefill_staging: stage whole layers into VRAM for large uncaptured steps.
+      prefill_staging: stream each layer's routed non-resident experts through a ring of chunk buffers in VRAM
+        for large uncaptured steps (`staging.py`).
       staging_min_tokens: smallest step (tokens) that is staged.
+      staging_chunk_experts: C, experts per staging chunk buffer (the ring holds 3 chunks: 3C expert rows of
+        VRAM). Cut to the largest layer's expert count at installation.
       telemetry: accumulate per-(layer, expert) route counters.
     """
 
@@ -41,6 +44,7 @@ class PoolConfig:
     device: str = AUTO
     prefill_staging: bool = True
     staging_min_tokens: int = 512
+    staging_chunk_experts: int = 16
     telemetry: bool = False
 
     # Help text for the CLI flag of each field; the flag name is `--moe-expert-pool-<field>` unless listed in
@@ -52,6 +56,8 @@ class PoolConfig:
         "prefill_staging": "Stage a layer's non-resident experts into VRAM for prefill steps of at least "
         "--moe-expert-pool-staging-min-tokens tokens.",
         "staging_min_tokens": "Smallest step, in tokens, that uses prefill staging.",
+        "staging_chunk_experts": "Experts per prefill staging chunk buffer (the ring of 3 chunks takes 3x this "
+        "many expert rows of VRAM; cut to the largest layer's expert count).",
         "telemetry": "Accumulate per-(layer, expert) route counters.",
     }
     _FLAG_NAMES: ClassVar[dict[str, str]] = {"pool_rows": "--moe-expert-pool-rows"}
@@ -72,6 +78,11 @@ class PoolConfig:
             out.append(f"weight_format={self.weight_format!r} is not one of {sorted(FORMATS)}")
         if self.staging_min_tokens < 1:
             out.append(f"staging_min_tokens={self.staging_min_tokens} must be >= 1")
+        if not isinstance(self.staging_chunk_experts, int) or self.staging_chunk_experts < 1:
+            out.append(
+                f"staging_chunk_experts={self.staging_chunk_experts!r} must be an integer >= 1 "
+                "(--moe-expert-pool-staging-chunk-experts N)"
+            )
         if self.device != AUTO:
             try:
                 torch.device(self.device)

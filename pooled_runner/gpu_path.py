@@ -3,10 +3,11 @@
 Decode steps (at most `max_decode_tokens` tokens, not staged, admitting misses) are planned by the
 `DevicePlanner` on the device and run on the kernels with no host sync, so they can be captured in a CUDA
 graph and replayed with other routing. Wider steps (prefill, or host-view-only reads) are planned on the host
-(`ExpertPool.plan_step`, one sync) and may read a staging buffer. The device planner's state is the truth
-between steps (a replayed graph plans without Python knowing): a host-planned step first copies it into the
-pool's host bookkeeping (`store_to_pool`), plans, then loads the result back (`load_from_pool`), so a graph
-replayed afterwards plans from current tables.
+(`ExpertPool.plan_step`, one sync) and may be staged (`LayerStager.layer_passes`: the resident experts, then
+the chunks of routed non-resident experts streamed through the stager's ring, `KernelPath.forward_staged`).
+The device planner's state is the truth between steps (a replayed graph plans without Python knowing): a
+host-planned step first copies it into the pool's host bookkeeping (`store_to_pool`), plans, then loads the
+result back (`load_from_pool`), so a graph replayed afterwards plans from current tables.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from pooled_runner.kernel_path import KernelPath
 from pooled_runner.planner import DevicePlanner
 from pooled_runner.pool import PoolStats
+from pooled_runner.staging import LayerStager
 from pooled_runner.telemetry import RouteTelemetry
 
 if TYPE_CHECKING:
@@ -58,12 +60,13 @@ class GpuPath:
         hidden: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
-        staged: dict[str, torch.Tensor] | None,
+        staged: LayerStager | None,
         admit_misses: bool,
         telemetry: RouteTelemetry | None = None,
     ) -> torch.Tensor:
         """`[T, H]` output of `layer`; see the module docstring for which planner runs. `telemetry` records
-        the step's routes (inside the fused plan kernel on device-planned steps)."""
+        the step's routes (inside the fused plan kernel on device-planned steps). `staged`: the stager when
+        this step is staged (active)."""
         T = hidden.shape[0]
         capturing = torch.cuda.is_current_stream_capturing()
         device_planned = self.planner is not None and staged is None and admit_misses
@@ -86,7 +89,10 @@ class GpuPath:
                 ).tolist()
                 self.pool.plan_step(layer, experts, admit_misses=admit_misses, staged=staged is not None)
                 self.planner.load_from_pool()
-        return self.kernels.forward(layer, hidden, topk_ids, topk_weights, host_view=staged)
+                if staged is not None:
+                    passes = staged.layer_passes(layer, experts, with_tables=True)
+                    return self.kernels.forward_staged(layer, hidden, topk_ids, topk_weights, passes)
+        return self.kernels.forward(layer, hidden, topk_ids, topk_weights)
 
     def sync_tables_to_host(self) -> None:
         """Make the pool's host bookkeeping current (after device-planned steps). Syncs; not during capture."""

@@ -7,12 +7,18 @@ The location codes are read on the device; the caller plans residency first (`Ex
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from pooled_runner.bank import ExpertBank
-from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe
+from pooled_runner.kernels.align import align_blocks
+from pooled_runner.kernels.combine import combine
+from pooled_runner.kernels.fused_moe import make_projections, pick_configs, pooled_fused_moe
+from pooled_runner.kernels.moe_gemm import gemm1, gemm2
 from pooled_runner.kernels.operands import KernelFormat, Projection, kernel_format
 from pooled_runner.pool import ExpertPool
+from pooled_runner.staging import StagedPass
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -83,3 +89,35 @@ class KernelPath:
             w2,
             self.fmt,
         )
+
+    def forward_staged(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        passes: Iterable[StagedPass],
+    ) -> torch.Tensor:
+        """`[T, H]` output of a staged `layer`: align + gemm1 + gemm2 per pass (the resident pass, then one per
+        chunk buffer), each writing only its pairs' rows of one per-pair output, then one combine over top-k in
+        k order with the layer's full location table. Every routed pair is computed by exactly one pass with
+        the tiles `pooled_fused_moe` uses for T tokens, so the output is bitwise that of the unstaged step.
+        `passes` is consumed lazily (each is enqueued before the next is requested: the stager's ring).
+        """
+        T, K = topk_ids.shape
+        H = hidden.shape[1]
+        num_experts = self.pool.num_experts_per_layer[layer]
+        ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
+        if T == 0:
+            for _ in passes:  # nothing routed: no pass computes, but the ring must move on
+                pass
+            return torch.empty((0, H), dtype=hidden.dtype, device=hidden.device)
+        cfg1, cfg2 = pick_configs(T, K, num_experts, H, self.intermediate_size, self.fmt.fmt)
+        y = torch.empty((T * K, H), dtype=hidden.dtype, device=hidden.device)  # [T*K, H] per pair
+        for p in passes:
+            assert p.l2p_gpu is not None, "kernel passes need their location tables (with_tables=True)"
+            w13, w2 = self.projections(layer, p.rows)
+            align = align_blocks(ids, p.l2p_gpu, num_experts, w13.num_rows, cfg1.block_m)
+            act = gemm1(hidden, align, w13, self.fmt, K, cfg1)
+            gemm2(act, align, w2, self.fmt, T * K, cfg2, y=y)
+        return combine(y, ids, weights, self.pool.l2p_gpu[layer], num_experts)

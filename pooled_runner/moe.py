@@ -216,16 +216,22 @@ class PooledMoE:
         )
 
     def _make_stager(self, device: torch.device) -> LayerStager:
-        """Allocate the two staging buffers now (before an engine sizes its KV cache), or refuse."""
+        """Allocate the ring of chunk buffers now (before an engine sizes its KV cache), or refuse."""
         assert self.bank is not None and self.pool is not None
-        needed = LayerStager.buffer_bytes(self.operands, max(self.num_experts_per_layer))
+        max_experts = max(self.num_experts_per_layer)
+        # A chunk larger than the largest layer would only waste VRAM: the default (16) is cut to E on small
+        # models; LayerStager itself refuses C > E.
+        chunk = min(self.config.staging_chunk_experts, max_experts)
+        needed = LayerStager.buffer_bytes(self.operands, chunk)
         if device.type == "cuda":
             check_fits(needed, torch.cuda.mem_get_info(device)[0])
         stager = LayerStager(
-            self.operands, self.bank, self.pool.num_rows, device, self.config.staging_min_tokens
+            self.operands, self.bank, self.pool.num_rows, device, self.config.staging_min_tokens, chunk
         )
         logger.info(
-            "prefill staging: two full-layer buffers, %d bytes (%.3f GiB) on %s, steps >= %d tokens",
+            "prefill staging: %d chunk buffers of %d experts, %d bytes (%.3f GiB) on %s, steps >= %d tokens",
+            stager.num_buffers,
+            chunk,
             stager.nbytes,
             stager.nbytes / (1 << 30),
             device,
@@ -233,8 +239,8 @@ class PooledMoE:
         )
         return stager
 
-    def _staged_source(self, layer: int, num_tokens: int) -> dict[str, torch.Tensor] | None:
-        """The staging buffer to read host codes from in this step, or None (read the bank's host view).
+    def _staged_source(self, layer: int, num_tokens: int) -> LayerStager | None:
+        """The stager when this step is staged (its layers stream their non-resident experts), else None.
 
         A call at a layer <= the last one starts a new step: it is counted under its path, and only a step
         wider than the decode lanes may be staged (a verify step of 1 + num_spec tokens per request never is).
@@ -251,7 +257,7 @@ class PooledMoE:
         self._last_layer = layer
         if self.stager is None:
             return None
-        return self.stager.source(layer) if self.stager.active else None
+        return self.stager if self.stager.active else None
 
     def _require_pool(self) -> ExpertPool:
         if self.pool is None:
@@ -380,16 +386,33 @@ class PooledMoE:
         ids = topk_ids.long()  # [T, K]
         experts = torch.unique(ids[ids >= 0]).tolist()
         codes = pool.plan_step(layer, experts, admit_misses=admit_misses, staged=staged is not None)
-        for expert, code in zip(experts, codes):
-            token_idx, slot_idx = (ids == expert).nonzero(as_tuple=True)
-            if staged is not None and code >= pool.num_rows:
-                rows = {name: t[code - pool.num_rows] for name, t in staged.items()}
-            else:
-                rows = pool.weights_at(layer, code)
-            w13, w2 = self.format.expert_weights(rows)
-            x = hidden[token_idx]
-            expert_out[token_idx, slot_idx] = expert_mlp(x, w13.to(x.device), w2.to(x.device))
+        if staged is not None:  # resident experts from their rows, then chunk by chunk from the ring
+            for p in staged.layer_passes(layer, experts, with_tables=False):
+                for expert, slot in p.slots.items():
+                    rows = (
+                        pool.weights_at(layer, slot)
+                        if p.rows is None
+                        else {n: t[slot] for n, t in p.rows.items()}
+                    )
+                    self._expert_out(expert_out, hidden, ids, expert, rows)
+        else:
+            for expert, code in zip(experts, codes):
+                self._expert_out(expert_out, hidden, ids, expert, pool.weights_at(layer, code))
         return combine(expert_out, topk_ids, topk_weights)
+
+    def _expert_out(
+        self,
+        expert_out: torch.Tensor,
+        hidden: torch.Tensor,
+        ids: torch.Tensor,
+        expert: int,
+        rows: dict[str, torch.Tensor],
+    ) -> None:
+        """Fill `expert_out [T, K, H]` at the (token, slot) pairs routed to `expert` (torch path)."""
+        token_idx, slot_idx = (ids == expert).nonzero(as_tuple=True)
+        w13, w2 = self.format.expert_weights(rows)
+        x = hidden[token_idx]
+        expert_out[token_idx, slot_idx] = expert_mlp(x, w13.to(x.device), w2.to(x.device))
 
     def _use_kernels(self, pool: ExpertPool) -> bool:
         """The Triton kernel path on a CUDA pool with a bf16/fp16 dtype, unless forced to the torch path."""

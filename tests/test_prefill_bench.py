@@ -11,13 +11,20 @@ from tests.kernel_helpers import assert_close
 
 DIMS = (16, 8, 12, 3, 3)  # H, I, E, top-k, layers
 FRAC, MIN_TOKENS = 0.25, 8
+CHUNK = 2  # stage's chunk buffers: a ring of 6 experts, so page-in gets (9 + 6) // 3 = 5 slots per layer
 
 
 def test_page_in_slots_take_stages_vram():
-    assert prefill.page_in_slots(prefill.SHAPES["qwen3"], 0.25) == (256 + 2 * 128) // 8
-    assert prefill.page_in_slots(prefill.SHAPES["qwen3"], 0.5) == (512 + 2 * 128) // 8
-    assert prefill.page_in_slots(prefill.SHAPES["deepseek"], 0.5) == 64  # more than a layer: capped at E
-    assert prefill.page_in_slots(DIMS, FRAC) == (9 + 24) // 3  # 11 of 12: a full step needs two waves
+    ring = 3 * 16  # three chunk buffers of 16 experts
+    assert prefill.ring_experts(prefill.SHAPES["qwen3"]) == ring
+    assert prefill.page_in_slots(prefill.SHAPES["qwen3"], 0.25) == (256 + ring) // 8
+    assert prefill.page_in_slots(prefill.SHAPES["qwen3"], 0.5) == (512 + ring) // 8
+    assert prefill.page_in_slots(prefill.SHAPES["deepseek"], 0.5) == (96 + ring) // 3
+    # the same pool fraction of a 48-layer model: its rows and the one ring over 48 layers
+    assert prefill.page_in_slots(prefill.SHAPES["qwen3"], 0.25, 16, 48) == (1536 + ring) // 48
+    assert prefill.page_in_slots(prefill.SHAPES["qwen3"], 0.25, 8) == (256 + 24) // 8
+    assert prefill.ring_experts(DIMS) == 3 * 12  # C cut to E
+    assert prefill.page_in_slots(DIMS, FRAC) == 12  # (9 + 36) // 3 = 15, capped at E
 
 
 @pytest.mark.parametrize("T", [1, 20])
@@ -25,11 +32,14 @@ def test_every_mode_computes_the_resident_output(T):
     g = torch.Generator().manual_seed(T)
     routes = prefill.make_routes(DIMS, T, g, "cpu")
     built = {  # one weight seed: every stack holds the same experts
-        mode: prefill.build(DIMS, "bf16", FRAC, mode, torch.Generator().manual_seed(0), "cpu", MIN_TOKENS)
+        mode: prefill.build(
+            DIMS, "bf16", FRAC, mode, torch.Generator().manual_seed(0), "cpu", MIN_TOKENS, CHUNK
+        )
         for mode in prefill.MODES
         if mode != "page_in"
     }
-    slots = prefill.build_page_in(built["host_view"], "bf16", prefill.page_in_slots(DIMS, FRAC))
+    assert prefill.page_in_slots(DIMS, FRAC, CHUNK) == 5
+    slots = prefill.build_page_in(built["host_view"], "bf16", prefill.page_in_slots(DIMS, FRAC, CHUNK))
     ref = prefill.run_stack(prefill.pooled_forward(built["resident"]), routes)
     for mode in ("host_view", "stage_sync", "stage"):
         out = prefill.run_stack(prefill.pooled_forward(built[mode]), routes)
@@ -44,26 +54,34 @@ def test_every_mode_computes_the_resident_output(T):
                 assert_close(a, b, f"page_in layer {layer} T={T}")
             else:
                 assert torch.equal(a, b), f"page_in layer {layer} T={T}"
-    if T == 20:  # 60 routed pairs reach all 12 experts of a layer: two waves of at most 11, copies each step
-        assert d.waves == 2 * DIMS[4] and d.misses > 0, d
+    if T == 20:  # 60 routed pairs reach all 12 experts of a layer: three waves of at most 5, copies each step
+        assert d.waves == 3 * DIMS[4] and d.misses > 0, d
         slots.check_invariants()
     for mode in ("stage", "stage_sync"):
         stager = built[mode].stager
         assert stager is not None and stager.stats.steps_staged == (1 if T >= MIN_TOKENS else 0), mode
+        assert stager.chunk_experts == CHUNK and (stager.stats.chunks_staged > DIMS[4]) == (T >= MIN_TOKENS)
 
 
 def test_measure_case_and_table():
     g = torch.Generator().manual_seed(3)
-    t, miss_gb, waves = prefill.measure_case(DIMS, "bf16", FRAC, [4, 16], g, "cpu", MIN_TOKENS)
+    pcie: dict[str, float] = {}
+    t, miss_gb, waves = prefill.measure_case(
+        DIMS, "bf16", FRAC, [4, 16], g, "cpu", MIN_TOKENS, CHUNK, pcie_gb=pcie
+    )
+    # 3 layers x 9 non-resident experts: stage copies the routed ones (all at 16 tokens; some at 4) once per step
+    row_gb = 3 * 8 * 16 * 2 / 1e9
+    assert 0 < pcie["stage"] <= 27 * row_gb + 1e-12 and pcie["page_in"] > 0, pcie
     assert set(t) == set(prefill.MODES) and all(set(v) == {4, 16} for v in t.values())
     assert all(ms > 0 for v in t.values() for ms in v.values())
     assert miss_gb > 0 and waves > 1
-    rows = prefill.table_rows(("tiny", "bf16", FRAC), 11, t, miss_gb, waves, copy_bw=50.0)
+    rows = prefill.table_rows(("tiny", "bf16", FRAC), 11, t, miss_gb, waves, 50.0, 6, pcie)
     assert len(rows) == 2 and all(len(r) == len(prefill.HEADER) for r in rows)
     text = prefill.print_table("Prefill step, whole stack (ms)", prefill.HEADER, rows)
     parsed = plot.markdown_rows(text)
     col = parsed[1]["stage vs page-in waves"]
     assert col == f"{t['page_in'][16] / t['stage'][16]:.2f}x" and parsed[1]["slots/layer"] == "11"
+    assert parsed[0]["ring experts"] == "6" and parsed[0]["PCIe GB/step stage"] == f"{pcie['stage']:.2f}"
 
 
 def test_prefill_plot_with_and_without_the_page_in_column(tmp_path):
