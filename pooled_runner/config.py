@@ -34,6 +34,10 @@ class PoolConfig:
       prefill_staging: stage whole layers into VRAM for large uncaptured steps.
       staging_min_tokens: smallest step (tokens) that is staged.
       telemetry: accumulate per-(layer, expert) route counters.
+      draft_pruning: prune MTP draft lanes that would cause host traffic only they need (`draft_prune.py`);
+        acts only on steps the caller marks with `PooledMoE.begin_verify_step` and whose `draft_lane_alive()`
+        it reads (the SGLang verify step does not yet: off for serving).
+      max_draft_misses: with draft pruning, unpaid experts a draft lane may route per layer and stay alive.
     """
 
     pool_rows: int
@@ -42,6 +46,8 @@ class PoolConfig:
     prefill_staging: bool = True
     staging_min_tokens: int = 512
     telemetry: bool = False
+    draft_pruning: bool = False
+    max_draft_misses: int = 0
 
     # Help text for the CLI flag of each field; the flag name is `--moe-expert-pool-<field>` unless listed in
     # `_FLAG_NAMES`.
@@ -53,6 +59,9 @@ class PoolConfig:
         "--moe-expert-pool-staging-min-tokens tokens.",
         "staging_min_tokens": "Smallest step, in tokens, that uses prefill staging.",
         "telemetry": "Accumulate per-(layer, expert) route counters.",
+        "draft_pruning": "Prune MTP draft lanes whose experts are neither resident nor routed by a verified "
+        "token (only for callers that mark verify steps and read the live lanes; SGLang does not yet).",
+        "max_draft_misses": "With draft pruning: non-resident experts a draft lane may add per layer and stay live.",
     }
     _FLAG_NAMES: ClassVar[dict[str, str]] = {"pool_rows": "--moe-expert-pool-rows"}
 
@@ -72,6 +81,8 @@ class PoolConfig:
             out.append(f"weight_format={self.weight_format!r} is not one of {sorted(FORMATS)}")
         if self.staging_min_tokens < 1:
             out.append(f"staging_min_tokens={self.staging_min_tokens} must be >= 1")
+        if self.max_draft_misses < 0:
+            out.append(f"max_draft_misses={self.max_draft_misses} must be >= 0")
         if self.device != AUTO:
             try:
                 torch.device(self.device)
