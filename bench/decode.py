@@ -15,7 +15,11 @@ they overlap their neighbours' experts as adjacent tokens do), synthetic accepta
 against ours at num_spec 0 on the same trace, bs and pool. Ours runs them with decode lanes bs_max x 4 (every
 verify step device-planned and captured; a step leaving the decode path fails its row). Rows for ours and
 all-resident; all-host-view and per-layer slots only at bs <= 4 (full run; their bs-16 verify steps read nearly
-every expert over PCIe). `--quick` runs MTP on the per-layer-skew family only.
+every expert over PCIe). `--quick` runs MTP on the per-layer-skew family only. Ours with draft-lane pruning
+(`pooled_runner/draft_prune.py`: a draft lane that routes an expert neither resident nor routed by a verified
+token dies, with every later draft of its request) gets its own MTP rows: its accepted tokens per request per
+step are measured, from the live lanes after each step (`1 + sum_{j<=m} a^j`, m = the request's last live
+lane), not assumed.
 
 Timing: the first `warm` trace steps are not counted; then CUDA events around the remaining steps (all layers),
 mean ms per step. Ours, all-resident and all-host-view run a captured CUDA graph of one step, replayed with the
@@ -26,7 +30,8 @@ whether SGLang would have captured that step width (tokens <= S // top_k). Steps
 Bound (DESIGN.md §4, bandwidths measured in this run): misses' bytes / PCIe + hits' bytes / HBM, per system from
 its own traffic (PCIe = zero-copy read for ours and the host view, copy engine for the slots).
 
-Usage: python -m bench.decode [--quick] [--mtp {none,per-layer,all}] [--out results.md]
+Usage: python -m bench.decode [--quick] [--mtp {none,per-layer,all}] [--families {all,per-layer}] [--ours-only]
+                              [--out results.md]
 (also writes results.json beside --out)
 """
 
@@ -39,6 +44,7 @@ import math
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -46,7 +52,7 @@ import torch
 
 from bench.baselines import AllHostView, AllResident, Ours, PerLayerSlots
 from bench.common import Bandwidths, bound_ms, commit_id, measure_bandwidths, print_table, write
-from bench.decode_steps import FMT, Shape, empty_cache, make_bank, make_ours, time_steps
+from bench.decode_steps import FMT, OursDraftPruned, Shape, empty_cache, make_bank, make_ours, time_steps
 from bench.decode_traces import FAMILIES, PER_LAYER, TraceKey, build_traces
 from bench.spec import expected_tokens_per_step
 from pooled_runner.lanes import decode_lanes
@@ -61,12 +67,14 @@ POOLS = (0.25, 0.5, 0.75)
 @dataclass(frozen=True)
 class Mtp:
     """MTP rows: `num_spec` chain drafts accepted w.p. `accept` each, on `families`; all-host-view and per-layer
-    slots rows only at bs <= `reference_max_bs` (ours and all-resident at every bs)."""
+    slots rows only at bs <= `reference_max_bs` (ours and all-resident at every bs); `pruning`: also ours with
+    draft-lane pruning (MTP rows only)."""
 
     num_spec: int = 3
     accept: float = 0.6
     families: tuple[str, ...] = FAMILIES
     reference_max_bs: int = 4
+    pruning: bool = True
 
     @property
     def tokens_per_step(self) -> float:
@@ -74,6 +82,8 @@ class Mtp:
 
     def runs(self, system: str, key: TraceKey) -> bool:
         """Whether `system` gets a row for trace `key`."""
+        if system == OursDraftPruned.name:
+            return key.num_spec > 0
         if key.num_spec == 0 or system in (Ours.name, AllResident.name):
             return True
         return key.bs <= self.reference_max_bs
@@ -101,6 +111,7 @@ class Result:
     tokens: int = 0  # tokens per step: bs x (1 + num_spec)
     tok_s_req: float = math.nan  # accepted tokens/s per request
     vs_ours_spec0: float = math.nan  # tok_s_req / ours' tok_s_req at num_spec 0, same (trace, bs, pool)
+    tokens_per_req: float = math.nan  # accepted tokens per request per step (measured with draft pruning)
 
 
 def measure(system, key: TraceKey, pool: float, ids, x, w, warm, bw: Bandwidths, per_step: float) -> Result:  # type: ignore[no-untyped-def]
@@ -119,6 +130,10 @@ def measure(system, key: TraceKey, pool: float, ids, x, w, warm, bw: Bandwidths,
             key.family, key.bs, pool, system.name, nan, nan, nan, nan, nan, nan, nan, "-", repr(exc)[:200],
             num_spec=key.num_spec, tokens=key.tokens,
         )  # fmt: skip
+    graph_note = ""
+    if isinstance(system, OursDraftPruned):  # measured from the live lanes of the timed steps
+        per_step, live_drafts = system.take_emitted()
+        graph_note = f", live drafts {live_drafts:.2f}/{system.num_spec} per request"
     miss_bytes, hit_bytes = t.pcie_bytes / steps, t.hits * system.row_bytes / steps
     host_path = "copy" if isinstance(system, PerLayerSlots) else "zero_copy"
     bound = bound_ms(miss_bytes, hit_bytes, bw, host_path)
@@ -128,12 +143,12 @@ def measure(system, key: TraceKey, pool: float, ids, x, w, warm, bw: Bandwidths,
     else:
         graph = "captured" if ids.is_cuda else "eager (no CUDA)"
         if isinstance(system, Ours):
-            graph += f", lanes {system.moe.decode_lanes}"
+            graph += f", lanes {system.moe.decode_lanes}{graph_note}"
     per_s = per_step / (ms * 1e-3)
     return Result(
         key.family, key.bs, pool, system.name, ms, key.bs * per_s, t.hit_rate, miss_bytes / 1e6, bound,
         ms / bound if bound > 0 else nan, nan, graph, tok_s_req=per_s,
-        num_spec=key.num_spec, tokens=key.tokens,
+        num_spec=key.num_spec, tokens=key.tokens, tokens_per_req=per_step,
     )  # fmt: skip
 
 
@@ -165,8 +180,10 @@ def run(
     pools: tuple[float, ...] = POOLS,
     families: tuple[str, ...] = FAMILIES,
     mtp: Mtp = Mtp(),
+    references: bool = True,
 ) -> tuple[list[str], list[Result]]:
-    """Every system on every (trace, bs, pool, num_spec): header lines and one `Result` per row, in table order."""
+    """Every system on every (trace, bs, pool, num_spec): header lines and one `Result` per row, in table order.
+    `references` False: ours only (with and without draft pruning), no baseline systems."""
     H, I, E, K, L = shape.H, shape.I, shape.E, shape.K, shape.L
     g = torch.Generator(device=device).manual_seed(0)
     bw = bw or measure_bandwidths()
@@ -199,7 +216,7 @@ def run(
         return measure(system, key, pool, ids, x[key.tokens], w[key.tokens], warm, bw, per_step)
 
     fixed: dict[TraceKey, list[Result]] = {}
-    for cls in (AllResident, AllHostView):
+    for cls in (AllResident, AllHostView) if references else ():
         static = cls(bank, FMT, torch.bfloat16, H, I, device.type)
         for key in traces:
             if mtp.runs(cls.name, key):
@@ -212,16 +229,30 @@ def run(
     for frac in pools:
         rows = int(frac * L * E)
         measured: dict[TraceKey, list[Result]] = {key: [] for key in traces}
-        slots = _build(
-            f"pool {frac:.0%} per-layer slots",
-            lambda: PerLayerSlots(bank, FMT, torch.bfloat16, H, I, device.type, num_slots=rows // L, top_k=K),  # noqa: B023
-        )
-        for lanes, keys in ((max(batches), plain), (decode_lanes(max(batches), mtp.num_spec), verify)):
+        slots = None
+        if references:
+            slots = _build(
+                f"pool {frac:.0%} per-layer slots",
+                partial(
+                    PerLayerSlots, bank, FMT, torch.bfloat16, H, I, device.type, num_slots=rows // L, top_k=K
+                ),
+            )
+        verify_lanes = decode_lanes(max(batches), mtp.num_spec)
+        passes: list[tuple[int, list[TraceKey], tuple[int, float] | None]] = [
+            (max(batches), plain, None),
+            (verify_lanes, verify, None),
+        ]
+        if mtp.pruning:
+            passes.append((verify_lanes, verify, (mtp.num_spec, mtp.accept)))
+        for lanes, keys, pruning in passes:
             if not keys:
                 continue
-            ours = _build(f"pool {frac:.0%} ours", lambda: make_ours(bank, shape, rows, lanes, device))  # noqa: B023
+            ours = _build(
+                f"pool {frac:.0%} ours{'' if pruning is None else ', draft pruning'}",
+                lambda: make_ours(bank, shape, rows, lanes, device, pruning),  # noqa: B023
+            )
             for key in keys:
-                for system in (slots, ours):
+                for system in (slots, ours) if pruning is None else (ours,):
                     if system is not None and mtp.runs(system.name, key):
                         measured[key].append(row(system, key, frac))
                 print(
@@ -249,32 +280,36 @@ def relate(results: list[Result]) -> None:
 
 
 def mtp_summary(results: list[Result]) -> str:
-    """One line: ours with MTP against ours at num_spec 0, over every (trace, bs, pool) that has both."""
-    gains = [
-        (r.vs_ours_spec0, r)
-        for r in results
-        if r.system == Ours.name and r.num_spec and math.isfinite(r.vs_ours_spec0)
-    ]
-    if not gains:
-        return "MTP: no rows"
-    lo, worst = min(gains, key=lambda p: p[0])
-    hi = max(g for g, _ in gains)
-    below = sum(g < 1 for g, _ in gains)
-    return (
-        f"MTP: ours' tokens/s per request with num_spec {worst.num_spec} / ours at num_spec 0: {lo:.2f}x to "
-        f"{hi:.2f}x over {len(gains)} (trace, bs, pool) cases; below 1 in {below} (lowest: {worst.trace}, bs "
-        f"{worst.bs}, pool {worst.pool:.0%})"
-    )
+    """One line per MTP system of ours (plain, draft pruning): its tokens/s per request against ours at num_spec
+    0, over every (trace, bs, pool) that has both."""
+    lines = []
+    for system in (Ours.name, OursDraftPruned.name):
+        gains = [
+            (r.vs_ours_spec0, r)
+            for r in results
+            if r.system == system and r.num_spec and math.isfinite(r.vs_ours_spec0)
+        ]
+        if not gains:
+            continue
+        lo, worst = min(gains, key=lambda p: p[0])
+        hi = max(g for g, _ in gains)
+        below = sum(g < 1 for g, _ in gains)
+        lines.append(
+            f"MTP: {system}'s tokens/s per request with num_spec {worst.num_spec} / ours at num_spec 0: {lo:.2f}x "
+            f"to {hi:.2f}x over {len(gains)} (trace, bs, pool) cases; below 1 in {below} (lowest: "
+            f"{worst.trace}, bs {worst.bs}, pool {worst.pool:.0%})"
+        )
+    return "\n".join(lines) or "MTP: no rows"
 
 
 def table(results: list[Result]) -> str:
     header = [
-        "trace", "bs", "spec", "pool", "system", "tokens/step", "ms/step", "tok/s", "tok/s/req",
+        "trace", "bs", "spec", "pool", "system", "tokens/step", "tok/req/step", "ms/step", "tok/s", "tok/s/req",
         "vs ours spec 0", "hit rate", "PCIe MB/step", "bound ms", "time/bound", "its ms / ours", "graph",
     ]  # fmt: skip
     rows = [
         [
-            r.trace, r.bs, r.num_spec, f"{r.pool:.0%}", r.system, r.tokens, r.ms, f"{r.tok_s:.0f}",
+            r.trace, r.bs, r.num_spec, f"{r.pool:.0%}", r.system, r.tokens, r.tokens_per_req, r.ms, f"{r.tok_s:.0f}",
             f"{r.tok_s_req:.1f}", r.vs_ours_spec0, r.hit_rate, r.pcie_mb, r.bound_ms, r.over_bound,
             r.ours_speedup, r.graph + (f" ERROR {r.error}" if r.error else ""),
         ]
@@ -292,7 +327,10 @@ NOTES = [
     "would capture them (device decide + gather), so their time there includes host planning it would not pay.",
     "spec > 0: MTP verify steps (tokens/step = bs x (1 + spec)); tok/s/req = accepted tokens per request per "
     "verify step (synthetic acceptance, see the header) / step time; 'vs ours spec 0' = tok/s/req / ours' at "
-    "spec 0 on the same trace, bs and pool (for ours' MTP rows: the gain from MTP).",
+    "spec 0 on the same trace, bs and pool (for ours' MTP rows: the gain from MTP). tok/req/step: accepted tokens "
+    "per request per step; measured for 'draft pruning' rows (a draft lane whose experts are neither resident "
+    "nor routed by a verified token is dropped, with the drafts after it; the verifier accepts only up to the "
+    "last live lane), assumed from the acceptance for the others.",
     "The recorded trace comes from a random-init model: its routers spread tokens near-uniformly over the "
     "experts (no hot experts, unlike a trained model), so it shows how a pool does without skew; its adjacent-"
     "token overlap is the model's own (header).",
@@ -308,6 +346,15 @@ def main() -> None:
         default=None,
         help="MTP rows: none, the per-layer-skew family (the --quick default), every family (the default)",
     )
+    ap.add_argument(
+        "--families",
+        choices=("all", "per-layer"),
+        default="all",
+        help="trace families of every row (per-layer: the per-layer-skew family only)",
+    )
+    ap.add_argument(
+        "--ours-only", action="store_true", help="only ours (with and without draft pruning): no baselines"
+    )
     ap.add_argument("--out", default=None, help="markdown results; the JSON goes beside it (.json)")
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
@@ -319,7 +366,17 @@ def main() -> None:
     mtp_families = {"none": (), "per-layer": (PER_LAYER,), "all": FAMILIES}[choice]
     # --quick: MTP rows for ours and all-resident only (the reference systems' verify steps are the slow rows)
     mtp = Mtp(families=mtp_families, reference_max_bs=0 if args.quick else 4) if mtp_families else NO_MTP
-    header, results = run(shape, steps, warm, torch.device("cuda"), args.commit, mtp=mtp)
+    families = FAMILIES if args.families == "all" else (PER_LAYER,)
+    header, results = run(
+        shape,
+        steps,
+        warm,
+        torch.device("cuda"),
+        args.commit,
+        families=families,
+        mtp=mtp,
+        references=not args.ours_only,
+    )
     text = table(results)
     write(args.out, [*header, "", text, *NOTES, "", mtp_summary(results)])
     if args.out:

@@ -1,5 +1,6 @@
-"""The decode bench's harness (bench/decode.py): the stack's shape, the shared bank, ours at given decode lanes,
-and the timing of a trace's steps (a CUDA graph of one step replayed with each step's routing, or eager).
+"""The decode bench's harness (bench/decode.py): the stack's shape, the shared bank, ours at given decode lanes
+(optionally with MTP draft-lane pruning), and the timing of a trace's steps (a CUDA graph of one step replayed
+with each step's routing, or eager).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from bench.baselines import Ours, Traffic
 from bench.kernels import random_rows
 from pooled_runner import PoolConfig, PooledMoE
 from pooled_runner.bank import ExpertBank
+from pooled_runner.draft_prune import emitted_per_request
 from pooled_runner.formats import make_format
 
 FMT = "bf16"
@@ -44,12 +46,60 @@ def make_bank(shape: Shape, device: torch.device, g: torch.Generator) -> ExpertB
     return bank
 
 
-def make_ours(bank: ExpertBank, shape: Shape, rows: int, lanes: int, device: torch.device) -> Ours:
+class OursDraftPruned(Ours):
+    """Ours with MTP draft-lane pruning (`pooled_runner/draft_prune.py`): every step is a verify step of
+    `num_spec` drafts per request. After each timed step its live lanes are copied on the device (a tiny
+    D2D copy, no sync); `take_emitted` reads them after the timed region and turns them into the expected
+    accepted tokens per request per step: `1 + sum_{j=1..m} accept^j`, m = the request's last live lane."""
+
+    name = "pooled (ours), draft pruning"
+
+    def __init__(self, moe: PooledMoE, num_spec: int, accept: float):
+        super().__init__(moe)
+        self.num_spec, self.accept = num_spec, accept
+        self._alive: list[torch.Tensor] = []
+
+    def begin_step(self) -> None:
+        self.moe.begin_verify_step(self.num_spec)
+
+    def end_step(self) -> None:
+        self._alive.append(self.moe.draft_lane_alive().clone())
+
+    def take_emitted(self) -> tuple[float, float]:
+        """(accepted tokens per request per step, live drafts per request per step), averaged over the steps
+        since the last call (each request and step once); clears them."""
+        if not self._alive:
+            raise RuntimeError("no timed verify step recorded")
+        alive = torch.stack(self._alive).cpu()  # [S, T]
+        self._alive.clear()
+        lanes = 1 + self.num_spec
+        emitted = [
+            e for step in alive.tolist() for e in emitted_per_request(step, self.num_spec, self.accept)
+        ]
+        live_drafts = alive.view(alive.shape[0], -1, lanes)[:, :, 1:].int().cummin(-1).values.sum(-1)
+        return sum(emitted) / len(emitted), live_drafts.float().mean().item()
+
+
+def make_ours(
+    bank: ExpertBank,
+    shape: Shape,
+    rows: int,
+    lanes: int,
+    device: torch.device,
+    pruning: tuple[int, float] | None = None,
+) -> Ours:
     """PooledMoE over a copy of `bank` with `lanes` decode lanes (steps of up to that many tokens are
-    device-planned and captured); rows start with experts 0.. of every layer (as the slots do)."""
+    device-planned and captured); rows start with experts 0.. of every layer (as the slots do). `pruning`
+    (num_spec, acceptance): ours with draft-lane pruning, every step a verify step."""
     L, E = shape.L, shape.E
     moe = PooledMoE(
-        PoolConfig(pool_rows=rows, weight_format=FMT, device=device.type, prefill_staging=False),
+        PoolConfig(
+            pool_rows=rows,
+            weight_format=FMT,
+            device=device.type,
+            prefill_staging=False,
+            draft_pruning=pruning is not None,
+        ),
         shape.H,
         shape.I,
         top_k=shape.K,
@@ -63,7 +113,7 @@ def make_ours(bank: ExpertBank, shape: Shape, rows: int, lanes: int, device: tor
     for name, t in moe.bank.tensors_host.items():
         t.copy_(bank.tensors_host[name])
     moe.finalize(priority=[(layer, e) for e in range(E) for layer in range(L)])
-    return Ours(moe)
+    return Ours(moe) if pruning is None else OursDraftPruned(moe, *pruning)
 
 
 def sync(device: torch.device) -> None:
@@ -101,13 +151,17 @@ def time_steps(
     """Mean ms per step of the trace `ids [S, L, T, K]` after `warm` steps, and the timed steps' traffic.
 
     A capturable system on CUDA runs one step captured in a CUDA graph, replayed with each step's routing copied
-    into its static ids; the others (and every system off CUDA) run eagerly.
+    into its static ids; the others (and every system off CUDA) run eagerly. A system's optional `begin_step()`
+    runs at the start of every step (inside the graph), its `end_step()` after every timed step (outside it).
     """
     S, L = ids.shape[:2]
     capture = system.capturable and ids.is_cuda
     static_ids = ids[0].clone()  # [L, T, K]
+    begin, end = getattr(system, "begin_step", None), getattr(system, "end_step", None)
 
     def eager(step_ids: torch.Tensor) -> None:
+        if begin is not None:
+            begin()
         for layer in range(L):
             system.forward(layer, x[layer], step_ids[layer], w[layer])
 
@@ -134,6 +188,8 @@ def time_steps(
     timer.start()
     for s in range(warm, S):
         step(s)
+        if end is not None:
+            end()
     ms = timer.stop() / (S - warm)
     if hasattr(system, "account"):  # forward never syncs: count the timed steps' traffic from the trace
         ids_cpu = ids[warm:].cpu()
