@@ -29,12 +29,16 @@ resident (planned as hits, so this step cannot evict them) or lane 0's.
 The caller reads `lane_alive` after the step (its own sync, outside any capture). The SGLang verify step does
 not read it yet, so serving leaves pruning off (`PoolConfig.draft_pruning`); the decode bench uses it.
 
-`prune_reference` is an independent plain-Python form of one layer's rule, for tests.
+One layer's rule runs as one Triton launch on CUDA (`kernels/draft_prune.py`, `draft_prune`) and as torch ops
+elsewhere (`draft_prune_reference`, same signature); `prune_reference` below is an independent plain-Python
+form, for tests.
 """
 
 from __future__ import annotations
 
 import torch
+
+from pooled_runner.kernels.draft_prune import draft_prune, draft_prune_reference
 
 
 def _capturing() -> bool:
@@ -51,13 +55,16 @@ class DraftPruner:
     Args:
       device: where `lane_alive` lives (the pool device).
       max_draft_misses: unpaid experts a draft lane may route per layer and stay alive (>= 0).
+      fused: one Triton launch per layer (`kernels/draft_prune.py`); None = on CUDA. True on the CPU runs it
+        under the Triton interpreter (tests).
     """
 
-    def __init__(self, device: torch.device, max_draft_misses: int = 0):
+    def __init__(self, device: torch.device, max_draft_misses: int = 0, fused: bool | None = None):
         if max_draft_misses < 0:
             raise ValueError(f"max_draft_misses={max_draft_misses} must be >= 0")
         self.device = torch.device(device)
         self.max_draft_misses = max_draft_misses
+        self.fused = self.device.type == "cuda" if fused is None else fused
         self.lane_alive_gpu: torch.Tensor | None = None  # [max_tokens] bool, allocated outside capture
         self.num_spec = 0  # drafts per request of the armed / current step
         self._armed = False
@@ -111,7 +118,7 @@ class DraftPruner:
         Args:
           topk_ids: `[T, K]` int32/int64 (-1 padding); T = requests x (1 + num_spec) on a verify step.
           topk_weights: `[T, K]` floating.
-          l2p_layer: `[>= E]` int location codes of the layer before this step plans it.
+          l2p_layer: `[>= E]` int32 location codes of the layer before this step plans it (contiguous).
           num_rows: R. num_experts: E of the layer.
         Returns the inputs themselves when the step is not an armed verify step; else new tensors of the same
         dtypes, and `lane_alive[:T]` updated in place. No host sync. ValueError when T does not split into
@@ -127,14 +134,17 @@ class DraftPruner:
                 f"verify step of {T} tokens: expected requests x (1 + num_spec {self.num_spec}) <= "
                 f"{self.lane_alive_gpu.shape[0]} tokens"
             )
-        alive = self.lane_alive_gpu[:T]  # [T]
-        new_alive = prune_lanes(
-            topk_ids, alive, l2p_layer, num_rows, num_experts, self.num_spec, self.max_draft_misses
+        prune = draft_prune if self.fused else draft_prune_reference
+        return prune(
+            topk_ids.contiguous(),
+            topk_weights.contiguous(),
+            l2p_layer,
+            self.lane_alive_gpu[:T],
+            num_rows,
+            num_experts,
+            self.num_spec,
+            self.max_draft_misses,
         )
-        alive.copy_(new_alive)
-        ids = torch.where(new_alive[:, None], topk_ids, -1).to(topk_ids.dtype)  # [T, K]
-        weights = torch.where(new_alive[:, None], topk_weights, 0).to(topk_weights.dtype)  # [T, K]
-        return ids, weights
 
     def lane_alive(self) -> torch.Tensor:
         """`[T]` bool device view of the last verify step's live lanes (stable address; a replayed graph
@@ -142,37 +152,6 @@ class DraftPruner:
         if self.lane_alive_gpu is None or not self._num_tokens:
             raise RuntimeError("no verify step has run with draft pruning armed")
         return self.lane_alive_gpu[: self._num_tokens]
-
-
-def prune_lanes(
-    topk_ids: torch.Tensor,
-    lane_alive: torch.Tensor,
-    l2p_layer: torch.Tensor,
-    num_rows: int,
-    num_experts: int,
-    num_spec: int,
-    max_draft_misses: int = 0,
-) -> torch.Tensor:
-    """One layer's rule with torch ops (fixed shapes, no sync): `[T]` bool lanes alive after this layer.
-
-    `topk_ids [T, K]`, `lane_alive [T]` bool (before this layer), `l2p_layer [>= E]`; T = requests x
-    (1 + num_spec), request-major.
-    """
-    T, K = topk_ids.shape
-    lanes, E = 1 + num_spec, num_experts
-    ids = topk_ids.to(torch.int64)  # [T, K]
-    routed = (ids >= 0) & (ids < E)
-    safe = torch.where(routed, ids, E)  # [T, K], E: the "not routed" slot, always paid
-    paid = torch.ones(E + 1, dtype=torch.bool, device=ids.device)  # [E + 1]
-    paid[:E] = l2p_layer[:E] < num_rows
-    lane0 = safe.view(T // lanes, lanes, K)[:, 0].reshape(-1)  # [requests * K]
-    paid.index_fill_(0, lane0, True)
-    num_unpaid = (~paid[safe]).sum(1)  # [T]
-    ok = (num_unpaid <= max_draft_misses).view(T // lanes, lanes)  # [requests, lanes]
-    ok[:, 0] = True  # lane 0 is never pruned
-    alive = lane_alive.view(T // lanes, lanes) & ok
-    chain = alive.to(torch.int32).cumprod(1) > 0  # a dead lane kills every higher lane of its request
-    return chain.reshape(T)
 
 
 def prune_reference(
@@ -184,7 +163,8 @@ def prune_reference(
     num_spec: int,
     max_draft_misses: int = 0,
 ) -> list[bool]:
-    """Plain-Python form of `prune_lanes` (independent, for tests): lanes alive after this layer."""
+    """Plain-Python form of one layer's rule (independent, for tests): lanes alive after this layer, from
+    `topk_ids [T][K]`, the lanes alive before it and the layer's location codes."""
     lanes = 1 + num_spec
     T = len(topk_ids)
     assert T % lanes == 0 and len(lane_alive) == T, (T, lanes, len(lane_alive))

@@ -1,6 +1,7 @@
-"""Draft-lane pruning (`pooled_runner/draft_prune.py`): the torch-op rule against its plain-Python reference at
-awkward sizes, a hand-checked case, the per-step state of `DraftPruner`, the config flags, and expected tokens
-per request from live lanes."""
+"""Draft-lane pruning (`pooled_runner/draft_prune.py`, `kernels/draft_prune.py`): the one-launch kernel (Triton
+interpreter on the CPU) and the torch-op reference against the plain-Python rule at awkward sizes, a
+hand-checked case, bad arguments, the per-step state of `DraftPruner` (both forms), the config flags, and
+expected tokens per request from live lanes."""
 
 from __future__ import annotations
 
@@ -10,10 +11,25 @@ import math
 
 import pytest
 import torch
+from pooled_runner.kernels.draft_prune import BLOCK_R, draft_prune, draft_prune_reference
 
 from pooled_runner import PoolConfig
 from pooled_runner.config import add_cli_arguments, config_from_cli
-from pooled_runner.draft_prune import DraftPruner, emitted_per_request, prune_lanes, prune_reference
+from pooled_runner.draft_prune import DraftPruner, emitted_per_request, prune_reference
+
+IMPLS = {"kernel": draft_prune, "torch": draft_prune_reference}
+
+
+def prune_lanes(ids, alive, l2p, R, E, num_spec, budget=0, impl="torch"):  # type: ignore[no-untyped-def]
+    """Lanes alive after one layer by `impl`; also checks its routes: dead lanes padding, live ones unchanged."""
+    alive = alive.clone()
+    w = torch.rand(ids.shape, dtype=torch.float32) + 0.1
+    out_ids, out_w = IMPLS[impl](ids, w, l2p, alive, R, E, num_spec, budget)
+    assert out_ids.dtype == ids.dtype and out_w.dtype == w.dtype
+    keep = alive[:, None].expand_as(ids)
+    assert torch.equal(out_ids, torch.where(keep, ids, -1)), (ids, out_ids, alive)
+    assert torch.equal(out_w, torch.where(keep, w, 0.0)), (w, out_w, alive)
+    return alive
 
 
 def random_case(bs: int, num_spec: int, E: int, K: int, R: int, g: torch.Generator):
@@ -37,17 +53,19 @@ def random_case(bs: int, num_spec: int, E: int, K: int, R: int, g: torch.Generat
     return ids, alive.reshape(T), l2p
 
 
-@pytest.mark.parametrize(
-    ("bs", "num_spec", "E", "budget"), list(itertools.product((1, 3), (1, 3), (7, 13), (0, 1)))
-)
-def test_torch_rule_equals_reference(bs, num_spec, E, budget):
+CASES = list(itertools.product((1, 3, BLOCK_R + 1), (1, 2, 3), (7, 13), (0, 1)))
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize(("bs", "num_spec", "E", "budget"), CASES)
+def test_rule_equals_plain_python(impl, bs, num_spec, E, budget):
     g = torch.Generator().manual_seed(bs * 100 + num_spec * 10 + E + budget)
     K, R, lanes = 3, 5, 1 + num_spec
     outcomes = set()
-    for trial in range(25):
+    for trial in range(6 if impl == "kernel" else 25):
         ids, alive, l2p = random_case(bs, num_spec, E, K, R, g)
         dtype = torch.int32 if trial % 2 else torch.int64
-        got = prune_lanes(ids.to(dtype), alive, l2p, R, E, num_spec, budget)
+        got = prune_lanes(ids.to(dtype), alive, l2p, R, E, num_spec, budget, impl)
         want = prune_reference(ids.tolist(), alive.tolist(), l2p.tolist(), R, E, num_spec, budget)
         assert got.tolist() == want, f"trial {trial}: ids {ids.tolist()} alive {alive.tolist()}"
         per_request = got.view(bs, lanes)
@@ -58,23 +76,47 @@ def test_torch_rule_equals_reference(bs, num_spec, E, budget):
     assert outcomes == {True, False}, "the cases never both kept and pruned a draft lane"
 
 
-def test_hand_checked_case():
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_hand_checked_case(impl):
     E, R, num_spec = 5, 2, 3
     l2p = torch.tensor([0, 1, R + 2, R + 3, R + 4], dtype=torch.int32)  # experts 0, 1 resident
     ids = torch.tensor([[2, 0], [2, 1], [3, 0], [0, 1]])  # lane 2 routes 3: neither resident nor lane 0's
     alive = torch.ones(4, dtype=torch.bool)
-    assert prune_lanes(ids, alive, l2p, R, E, num_spec).tolist() == [True, True, False, False]
-    assert prune_lanes(ids, alive, l2p, R, E, num_spec, max_draft_misses=1).tolist() == [True] * 4
+    assert prune_lanes(ids, alive, l2p, R, E, num_spec, 0, impl).tolist() == [True, True, False, False]
+    assert prune_lanes(ids, alive, l2p, R, E, num_spec, 1, impl).tolist() == [True] * 4
     # another request's lane 0 pays for expert 3
     two = torch.cat([ids, torch.tensor([[3, 4], [4, 0], [1, 2], [0, 0]])])
-    got = prune_lanes(two, torch.ones(8, dtype=torch.bool), l2p, R, E, num_spec)
+    got = prune_lanes(two, torch.ones(8, dtype=torch.bool), l2p, R, E, num_spec, 0, impl)
     assert got.tolist() == [True] * 8
+    # K = 1 (top-k not a power of two is covered above), and T = 0
+    one = prune_lanes(two[:, :1].contiguous(), torch.ones(8, dtype=torch.bool), l2p, R, E, num_spec, 0, impl)
+    assert one.tolist() == [True] * 5 + [False] * 3  # request 1's first draft routes 4: unpaid
+    empty = prune_lanes(two[:0], torch.ones(0, dtype=torch.bool), l2p, R, E, num_spec, 0, impl)
+    assert empty.numel() == 0
 
 
-def test_pruner_state_per_step():
+def test_bad_arguments_are_refused():
+    ids, w = torch.zeros(4, 2, dtype=torch.int64), torch.rand(4, 2)
+    l2p, alive = torch.zeros(5, dtype=torch.int32), torch.ones(4, dtype=torch.bool)
+    for args, match in (
+        ((ids.float(), w, l2p, alive, 2, 5, 1, 0), "topk_ids"),
+        ((ids, w[:, :1], l2p, alive, 2, 5, 1, 0), "topk_weights"),
+        ((ids, w, l2p.long(), alive, 2, 5, 1, 0), "l2p"),
+        ((ids, w, l2p, alive, 2, 6, 1, 0), "l2p"),
+        ((ids, w, l2p, alive.int(), 2, 5, 1, 0), "alive"),
+        ((ids, w, l2p, alive, 2, 5, 2, 0), "requests of 1 \\+ num_spec 2"),
+        ((ids, w, l2p, alive, 2, 5, 1, -1), "max_misses=-1"),
+    ):
+        for impl in IMPLS.values():
+            with pytest.raises(ValueError, match=match):
+                impl(*args)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_pruner_state_per_step(fused):
     E, R, K, num_spec = 5, 2, 2, 1
     l2p = torch.tensor([0, 1, R + 2, R + 3, R + 4], dtype=torch.int32)
-    pruner = DraftPruner(torch.device("cpu"))
+    pruner = DraftPruner(torch.device("cpu"), fused=fused)
     with pytest.raises(RuntimeError, match="no verify step"):
         pruner.lane_alive()
     ids = torch.tensor([[2, 0], [3, 1], [0, 1], [1, 2]])  # request 0's draft routes 3: dead

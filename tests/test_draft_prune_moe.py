@@ -45,12 +45,17 @@ def verify_routing(bs: int, num_spec: int, g: torch.Generator) -> torch.Tensor:
     return ids
 
 
-@pytest.mark.parametrize(("bs", "num_spec"), [(1, 1), (1, 3), (3, 1), (3, 3)])
-def test_pruned_verify_steps(bs, num_spec):
+@pytest.mark.parametrize(
+    ("bs", "num_spec", "fused"), [(1, 1, False), (1, 3, False), (3, 1, False), (3, 3, False), (3, 3, True)]
+)
+def test_pruned_verify_steps(bs, num_spec, fused):
+    """`fused`: the one-launch kernel under the Triton interpreter instead of the torch ops."""
     lanes, T = 1 + num_spec, bs * (1 + num_spec)
     width = decode_lanes(bs, num_spec)
     pruned, twin, resident = make(ROWS, True, width), make(ROWS, False, width), make(LAYERS * E, False, width)
     assert pruned.pool is not None and pruned.telemetry is not None and twin.telemetry is not None
+    assert pruned.draft_pruner is not None
+    pruned.draft_pruner.fused = fused
     row_bytes = pruned.pool.row_bytes
     g = torch.Generator().manual_seed(bs * 10 + num_spec)
     live_drafts = dead_drafts = 0
