@@ -68,13 +68,14 @@ POOLS = (0.25, 0.5, 0.75)
 class Mtp:
     """MTP rows: `num_spec` chain drafts accepted w.p. `accept` each, on `families`; all-host-view and per-layer
     slots rows only at bs <= `reference_max_bs` (ours and all-resident at every bs); `pruning`: also ours with
-    draft-lane pruning (MTP rows only)."""
+    draft-lane pruning (MTP rows only), a draft lane allowed `max_draft_misses` unpaid experts per layer."""
 
     num_spec: int = 3
     accept: float = 0.6
     families: tuple[str, ...] = FAMILIES
     reference_max_bs: int = 4
     pruning: bool = True
+    max_draft_misses: int = 0
 
     @property
     def tokens_per_step(self) -> float:
@@ -202,6 +203,11 @@ def run(
         header.append(
             f"MTP: num_spec {mtp.num_spec}, acceptance {mtp.accept} per draft (chain): "
             f"{mtp.tokens_per_step:.3f} tokens per request per verify step; on {', '.join(mtp.families)}"
+            + (
+                f"; draft pruning rows: up to {mtp.max_draft_misses} unpaid experts per draft lane and layer"
+                if mtp.pruning
+                else ""
+            )
         )
     print("\n".join(header), flush=True)
     bank = make_bank(shape, device, g)
@@ -249,7 +255,7 @@ def run(
                 continue
             ours = _build(
                 f"pool {frac:.0%} ours{'' if pruning is None else ', draft pruning'}",
-                lambda: make_ours(bank, shape, rows, lanes, device, pruning),  # noqa: B023
+                lambda: make_ours(bank, shape, rows, lanes, device, pruning, mtp.max_draft_misses),  # noqa: B023
             )
             for key in keys:
                 for system in (slots, ours) if pruning is None else (ours,):
@@ -355,6 +361,12 @@ def main() -> None:
     ap.add_argument(
         "--ours-only", action="store_true", help="only ours (with and without draft pruning): no baselines"
     )
+    ap.add_argument(
+        "--max-draft-misses",
+        type=int,
+        default=Mtp.max_draft_misses,
+        help="draft pruning: unpaid experts a draft lane may route per layer and stay live",
+    )
     ap.add_argument("--out", default=None, help="markdown results; the JSON goes beside it (.json)")
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
@@ -365,7 +377,15 @@ def main() -> None:
     choice = args.mtp or ("per-layer" if args.quick else "all")
     mtp_families = {"none": (), "per-layer": (PER_LAYER,), "all": FAMILIES}[choice]
     # --quick: MTP rows for ours and all-resident only (the reference systems' verify steps are the slow rows)
-    mtp = Mtp(families=mtp_families, reference_max_bs=0 if args.quick else 4) if mtp_families else NO_MTP
+    mtp = (
+        Mtp(
+            families=mtp_families,
+            reference_max_bs=0 if args.quick else 4,
+            max_draft_misses=args.max_draft_misses,
+        )
+        if mtp_families
+        else NO_MTP
+    )
     families = FAMILIES if args.families == "all" else (PER_LAYER,)
     header, results = run(
         shape,

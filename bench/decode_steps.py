@@ -87,10 +87,12 @@ def make_ours(
     lanes: int,
     device: torch.device,
     pruning: tuple[int, float] | None = None,
+    max_draft_misses: int = 0,
 ) -> Ours:
     """PooledMoE over a copy of `bank` with `lanes` decode lanes (steps of up to that many tokens are
     device-planned and captured); rows start with experts 0.. of every layer (as the slots do). `pruning`
-    (num_spec, acceptance): ours with draft-lane pruning, every step a verify step."""
+    (num_spec, acceptance): ours with draft-lane pruning (`max_draft_misses` per lane and layer), every step a
+    verify step."""
     L, E = shape.L, shape.E
     moe = PooledMoE(
         PoolConfig(
@@ -99,6 +101,7 @@ def make_ours(
             device=device.type,
             prefill_staging=False,
             draft_pruning=pruning is not None,
+            max_draft_misses=max_draft_misses,
         ),
         shape.H,
         shape.I,
