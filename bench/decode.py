@@ -68,7 +68,7 @@ POOLS = (0.25, 0.5, 0.75)
 class Mtp:
     """MTP rows: `num_spec` chain drafts accepted w.p. `accept` each, on `families`; all-host-view and per-layer
     slots rows only at bs <= `reference_max_bs` (ours and all-resident at every bs); `pruning`: also ours with
-    draft-lane pruning (MTP rows only), a draft lane allowed `max_draft_misses` unpaid experts per layer."""
+    draft-lane pruning (MTP rows only), a draft lane allowed `max_draft_misses` unpaid routes per step."""
 
     num_spec: int = 3
     accept: float = 0.6
@@ -204,7 +204,7 @@ def run(
             f"MTP: num_spec {mtp.num_spec}, acceptance {mtp.accept} per draft (chain): "
             f"{mtp.tokens_per_step:.3f} tokens per request per verify step; on {', '.join(mtp.families)}"
             + (
-                f"; draft pruning rows: up to {mtp.max_draft_misses} unpaid experts per draft lane and layer"
+                f"; draft pruning rows: up to {mtp.max_draft_misses} unpaid routes per draft lane and verify step"
                 if mtp.pruning
                 else ""
             )
@@ -365,7 +365,7 @@ def main() -> None:
         "--max-draft-misses",
         type=int,
         default=Mtp.max_draft_misses,
-        help="draft pruning: unpaid experts a draft lane may route per layer and stay live",
+        help="draft pruning: unpaid routes a draft lane may have per verify step (all layers) and stay live",
     )
     ap.add_argument("--out", default=None, help="markdown results; the JSON goes beside it (.json)")
     ap.add_argument("--commit", default="")

@@ -91,7 +91,7 @@ def make_ours(
 ) -> Ours:
     """PooledMoE over a copy of `bank` with `lanes` decode lanes (steps of up to that many tokens are
     device-planned and captured); rows start with experts 0.. of every layer (as the slots do). `pruning`
-    (num_spec, acceptance): ours with draft-lane pruning (`max_draft_misses` per lane and layer), every step a
+    (num_spec, acceptance): ours with draft-lane pruning (`max_draft_misses` unpaid routes per lane and step), every step a
     verify step."""
     L, E = shape.L, shape.E
     moe = PooledMoE(

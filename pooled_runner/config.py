@@ -37,7 +37,7 @@ class PoolConfig:
       draft_pruning: prune MTP draft lanes that would cause host traffic only they need (`draft_prune.py`);
         acts only on steps the caller marks with `PooledMoE.begin_verify_step` and whose `draft_lane_alive()`
         it reads (the SGLang verify step does not yet: off for serving).
-      max_draft_misses: with draft pruning, unpaid experts a draft lane may route per layer and stay alive.
+      max_draft_misses: with draft pruning, unpaid routes a draft lane may have in one step and stay alive.
     """
 
     pool_rows: int
@@ -61,7 +61,8 @@ class PoolConfig:
         "telemetry": "Accumulate per-(layer, expert) route counters.",
         "draft_pruning": "Prune MTP draft lanes whose experts are neither resident nor routed by a verified "
         "token (only for callers that mark verify steps and read the live lanes; SGLang does not yet).",
-        "max_draft_misses": "With draft pruning: non-resident experts a draft lane may add per layer and stay live.",
+        "max_draft_misses": "With draft pruning: routes to experts neither resident nor routed by a verified token that a draft "
+        "lane may have in one verify step (all layers) and stay live.",
     }
     _FLAG_NAMES: ClassVar[dict[str, str]] = {"pool_rows": "--moe-expert-pool-rows"}
 

@@ -9,11 +9,13 @@ Rule, per pooled layer of a verify step, before planning (on the device, no host
   - an expert is *paid* if it is resident (`l2p` code < R; a code of -1, not an expert here, counts as paid:
     it moves nothing) or routed by the lane 0 of any request (lane 0 is never pruned: its misses are read or
     admitted anyway);
-  - a draft lane *dies* at this layer when it routes more than `max_draft_misses` unpaid experts (default 0:
-    any), or when a lower lane of its request is dead (chain: a dead lane kills every higher lane);
+  - a draft lane *dies* at this layer when its unpaid routes in this step so far (this layer's and the earlier
+    layers') exceed `max_draft_misses` (default 0: any unpaid route kills it), or when a lower lane of its
+    request is dead (chain: a dead lane kills every higher lane); a budget per step, not per layer, bounds the
+    host bytes a live draft can cost (at most `max_draft_misses` rows) whatever the number of layers;
   - a dead lane stays dead for the rest of the step (`lane_alive [T]`, a device buffer at a stable address,
-    reset by `arm()` at the start of each verify step: a device fill, captured with the step when called
-    inside a capture);
+    reset by `arm()` at the start of each verify step with the per-lane miss totals: device fills, captured with
+    the step when called inside a capture);
   - its routes become padding (ids -1, weights 0), so it admits nothing, reads nothing from the host, computes
     nothing, and telemetry records only live lanes' routes (-1 is padding there, never the poison bit).
 Unpaid experts routed by live draft lanes within the budget are planned as usual (admitted or read); they do
@@ -54,7 +56,7 @@ class DraftPruner:
 
     Args:
       device: where `lane_alive` lives (the pool device).
-      max_draft_misses: unpaid experts a draft lane may route per layer and stay alive (>= 0).
+      max_draft_misses: unpaid routes a draft lane may have in one step and stay alive (>= 0).
       fused: one Triton launch per layer (`kernels/draft_prune.py`); None = on CUDA. True on the CPU runs it
         under the Triton interpreter (tests).
     """
@@ -66,6 +68,7 @@ class DraftPruner:
         self.max_draft_misses = max_draft_misses
         self.fused = self.device.type == "cuda" if fused is None else fused
         self.lane_alive_gpu: torch.Tensor | None = None  # [max_tokens] bool, allocated outside capture
+        self.lane_misses_gpu: torch.Tensor | None = None  # [max_tokens] int32: unpaid routes so far this step
         self.num_spec = 0  # drafts per request of the armed / current step
         self._armed = False
         self._active = False  # the current step is a pruned verify step
@@ -89,7 +92,10 @@ class DraftPruner:
                     "run one verify step eagerly before capturing"
                 )
             self.lane_alive_gpu = torch.ones(max_tokens, dtype=torch.bool, device=self.device)
+            self.lane_misses_gpu = torch.zeros(max_tokens, dtype=torch.int32, device=self.device)
+        assert self.lane_misses_gpu is not None
         self.lane_alive_gpu.fill_(True)
+        self.lane_misses_gpu.fill_(0)
         self.num_spec = num_spec
         self._armed = True
         self._last_layer = None
@@ -126,7 +132,7 @@ class DraftPruner:
         """
         if not self._begin_layer(layer, topk_ids.shape[0]):
             return topk_ids, topk_weights
-        assert self.lane_alive_gpu is not None
+        assert self.lane_alive_gpu is not None and self.lane_misses_gpu is not None
         T = topk_ids.shape[0]
         lanes = 1 + self.num_spec
         if T % lanes or T > self.lane_alive_gpu.shape[0]:
@@ -140,6 +146,7 @@ class DraftPruner:
             topk_weights.contiguous(),
             l2p_layer,
             self.lane_alive_gpu[:T],
+            self.lane_misses_gpu[:T],
             num_rows,
             num_experts,
             self.num_spec,
@@ -162,9 +169,11 @@ def prune_reference(
     num_experts: int,
     num_spec: int,
     max_draft_misses: int = 0,
+    lane_misses: list[int] | None = None,
 ) -> list[bool]:
     """Plain-Python form of one layer's rule (independent, for tests): lanes alive after this layer, from
-    `topk_ids [T][K]`, the lanes alive before it and the layer's location codes."""
+    `topk_ids [T][K]`, the lanes alive before it and the layer's location codes. `lane_misses` (the unpaid
+    routes of each lane in the step's earlier layers, default none) gets this layer's added in place."""
     lanes = 1 + num_spec
     T = len(topk_ids)
     assert T % lanes == 0 and len(lane_alive) == T, (T, lanes, len(lane_alive))
@@ -175,13 +184,14 @@ def prune_reference(
     paid = {e for e in range(num_experts) if l2p_layer[e] < num_rows}
     for r in range(T // lanes):
         paid |= {e for e in topk_ids[r * lanes] if routed(e)}
+    misses = lane_misses if lane_misses is not None else [0] * T
     out = []
     for t in range(T):
+        misses[t] += sum(1 for e in topk_ids[t] if routed(e) and e not in paid)
         if t % lanes == 0:
             out.append(True)
             continue
-        misses = sum(1 for e in topk_ids[t] if routed(e) and e not in paid)
-        out.append(lane_alive[t] and out[t - 1] and misses <= max_draft_misses)
+        out.append(lane_alive[t] and out[t - 1] and misses[t] <= max_draft_misses)
     return out
 
 

@@ -20,11 +20,14 @@ from pooled_runner.draft_prune import DraftPruner, emitted_per_request, prune_re
 IMPLS = {"kernel": draft_prune, "torch": draft_prune_reference}
 
 
-def prune_lanes(ids, alive, l2p, R, E, num_spec, budget=0, impl="torch"):  # type: ignore[no-untyped-def]
-    """Lanes alive after one layer by `impl`; also checks its routes: dead lanes padding, live ones unchanged."""
+def prune_lanes(ids, alive, l2p, R, E, num_spec, budget=0, impl="torch", misses=None):  # type: ignore[no-untyped-def]
+    """Lanes alive after one layer by `impl`; also checks its routes: dead lanes padding, live ones unchanged.
+    `misses` (int32 [T], the step's unpaid routes so far; default zeros) is updated in place."""
     alive = alive.clone()
+    if misses is None:
+        misses = torch.zeros(ids.shape[0], dtype=torch.int32)
     w = torch.rand(ids.shape, dtype=torch.float32) + 0.1
-    out_ids, out_w = IMPLS[impl](ids, w, l2p, alive, R, E, num_spec, budget)
+    out_ids, out_w = IMPLS[impl](ids, w, l2p, alive, misses, R, E, num_spec, budget)
     assert out_ids.dtype == ids.dtype and out_w.dtype == w.dtype
     keep = alive[:, None].expand_as(ids)
     assert torch.equal(out_ids, torch.where(keep, ids, -1)), (ids, out_ids, alive)
@@ -32,9 +35,10 @@ def prune_lanes(ids, alive, l2p, R, E, num_spec, budget=0, impl="torch"):  # typ
     return alive
 
 
-def random_case(bs: int, num_spec: int, E: int, K: int, R: int, g: torch.Generator):
+def random_case(bs: int, num_spec: int, E: int, K: int, R: int, g: torch.Generator, budget: int = 0):
     """Routing with drafts that partly repeat their lane 0's experts, padding, some ids out of range, a layer
-    with some experts resident, and a valid incoming chain of live lanes (lane 0 live)."""
+    with some experts resident, and a valid incoming state: a chain of live lanes (lane 0 live) whose unpaid
+    routes so far are within `budget` (dead lanes: any)."""
     lanes = 1 + num_spec
     T = bs * lanes
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # [T, K]
@@ -50,10 +54,15 @@ def random_case(bs: int, num_spec: int, E: int, K: int, R: int, g: torch.Generat
     l2p[E:] = -1
     first_dead = torch.randint(1, lanes + 2, (bs,), generator=g)  # lanes >= first_dead are dead (maybe none)
     alive = torch.arange(lanes)[None, :] < first_dead[:, None]  # [bs, lanes]
-    return ids, alive.reshape(T), l2p
+    alive = alive.reshape(T)
+    misses = torch.randint(
+        0, budget + 3, (T,), generator=g, dtype=torch.int32
+    )  # earlier layers' unpaid routes
+    misses = torch.where(alive, misses.clamp(max=budget), misses)
+    return ids, alive, l2p, misses
 
 
-CASES = list(itertools.product((1, 3, BLOCK_R + 1), (1, 2, 3), (7, 13), (0, 1)))
+CASES = list(itertools.product((1, 3, BLOCK_R + 1), (1, 2, 3), (7, 13), (0, 2)))
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
@@ -63,11 +72,15 @@ def test_rule_equals_plain_python(impl, bs, num_spec, E, budget):
     K, R, lanes = 3, 5, 1 + num_spec
     outcomes = set()
     for trial in range(6 if impl == "kernel" else 25):
-        ids, alive, l2p = random_case(bs, num_spec, E, K, R, g)
+        ids, alive, l2p, misses = random_case(bs, num_spec, E, K, R, g, budget)
         dtype = torch.int32 if trial % 2 else torch.int64
-        got = prune_lanes(ids.to(dtype), alive, l2p, R, E, num_spec, budget, impl)
-        want = prune_reference(ids.tolist(), alive.tolist(), l2p.tolist(), R, E, num_spec, budget)
+        want_misses = misses.tolist()
+        got = prune_lanes(ids.to(dtype), alive, l2p, R, E, num_spec, budget, impl, misses)
+        want = prune_reference(
+            ids.tolist(), alive.tolist(), l2p.tolist(), R, E, num_spec, budget, want_misses
+        )
         assert got.tolist() == want, f"trial {trial}: ids {ids.tolist()} alive {alive.tolist()}"
+        assert misses.tolist() == want_misses, f"trial {trial}: unpaid routes per lane"
         per_request = got.view(bs, lanes)
         assert per_request[:, 0].all(), "lane 0 pruned"
         assert torch.equal(per_request, per_request.int().cummin(1).values.bool()), "chain broken"
@@ -83,7 +96,18 @@ def test_hand_checked_case(impl):
     ids = torch.tensor([[2, 0], [2, 1], [3, 0], [0, 1]])  # lane 2 routes 3: neither resident nor lane 0's
     alive = torch.ones(4, dtype=torch.bool)
     assert prune_lanes(ids, alive, l2p, R, E, num_spec, 0, impl).tolist() == [True, True, False, False]
-    assert prune_lanes(ids, alive, l2p, R, E, num_spec, 1, impl).tolist() == [True] * 4
+    misses = torch.zeros(4, dtype=torch.int32)
+    assert prune_lanes(ids, alive, l2p, R, E, num_spec, 1, impl, misses).tolist() == [True] * 4
+    assert misses.tolist() == [0, 0, 1, 0]  # lane 0 pays 2 and 0; 1 is resident; 3 is lane 2's miss
+    # the budget is per step: a second layer with one more unpaid route kills lane 2 (and lane 3 with it)
+    later = torch.tensor([[0, 1], [0, 1], [4, 0], [0, 1]])
+    assert prune_lanes(later, alive, l2p, R, E, num_spec, 1, impl, misses).tolist() == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert misses.tolist() == [0, 0, 2, 0]
     # another request's lane 0 pays for expert 3
     two = torch.cat([ids, torch.tensor([[3, 4], [4, 0], [1, 2], [0, 0]])])
     got = prune_lanes(two, torch.ones(8, dtype=torch.bool), l2p, R, E, num_spec, 0, impl)
@@ -97,15 +121,21 @@ def test_hand_checked_case(impl):
 
 def test_bad_arguments_are_refused():
     ids, w = torch.zeros(4, 2, dtype=torch.int64), torch.rand(4, 2)
-    l2p, alive = torch.zeros(5, dtype=torch.int32), torch.ones(4, dtype=torch.bool)
+    l2p, alive, misses = (
+        torch.zeros(5, dtype=torch.int32),
+        torch.ones(4, dtype=torch.bool),
+        torch.zeros(4).int(),
+    )
     for args, match in (
-        ((ids.float(), w, l2p, alive, 2, 5, 1, 0), "topk_ids"),
-        ((ids, w[:, :1], l2p, alive, 2, 5, 1, 0), "topk_weights"),
-        ((ids, w, l2p.long(), alive, 2, 5, 1, 0), "l2p"),
-        ((ids, w, l2p, alive, 2, 6, 1, 0), "l2p"),
-        ((ids, w, l2p, alive.int(), 2, 5, 1, 0), "alive"),
-        ((ids, w, l2p, alive, 2, 5, 2, 0), "requests of 1 \\+ num_spec 2"),
-        ((ids, w, l2p, alive, 2, 5, 1, -1), "max_misses=-1"),
+        ((ids.float(), w, l2p, alive, misses, 2, 5, 1, 0), "topk_ids"),
+        ((ids, w[:, :1], l2p, alive, misses, 2, 5, 1, 0), "topk_weights"),
+        ((ids, w, l2p.long(), alive, misses, 2, 5, 1, 0), "l2p"),
+        ((ids, w, l2p, alive, misses, 2, 6, 1, 0), "l2p"),
+        ((ids, w, l2p, alive.int(), misses, 2, 5, 1, 0), "alive"),
+        ((ids, w, l2p, alive, misses.long(), 2, 5, 1, 0), "misses"),
+        ((ids, w, l2p, alive, misses[:3], 2, 5, 1, 0), "misses"),
+        ((ids, w, l2p, alive, misses, 2, 5, 2, 0), "requests of 1 \\+ num_spec 2"),
+        ((ids, w, l2p, alive, misses, 2, 5, 1, -1), "max_misses=-1"),
     ):
         for impl in IMPLS.values():
             with pytest.raises(ValueError, match=match):

@@ -121,11 +121,11 @@ def test_captured_pruned_verify_step_replays_like_eager(bs, num_spec):
             assert torch.equal(getattr(graphed, name), getattr(eager, name)), f"{where}: {name} differs"
         assert torch.equal(alive, eager.moe.draft_lane_alive()), f"{where}: lane_alive differs"
         # the rule, layer by layer, from the tables each layer saw
-        expect = [True] * graphed.T
+        expect, misses = [True] * graphed.T, [0] * graphed.T
         lane0_misses = 0
         for layer in range(L):
             ids, l2p = graphed.ids[layer].cpu(), graphed.l2p_before[layer].cpu().tolist()
-            expect = prune_reference(ids.tolist(), expect, l2p, ROWS, E, num_spec)
+            expect = prune_reference(ids.tolist(), expect, l2p, ROWS, E, num_spec, 0, misses)
             lane0_misses += len({int(e) for e in ids[::lanes].reshape(-1) if l2p[int(e)] >= ROWS})
             live = torch.tensor(expect, device="cuda")
             x, w = graphed.h_in[layer], graphed.w[layer]

@@ -14,9 +14,14 @@ from pooled_runner.lanes import decode_lanes
 H, I, K, E, LAYERS, ROWS = 16, 8, 2, 7, 3, 8
 
 
-def make(rows: int, pruning: bool, lanes: int) -> PooledMoE:
+def make(rows: int, pruning: bool, lanes: int, budget: int = 0) -> PooledMoE:
     config = PoolConfig(
-        pool_rows=rows, device="cpu", prefill_staging=False, telemetry=True, draft_pruning=pruning
+        pool_rows=rows,
+        device="cpu",
+        prefill_staging=False,
+        telemetry=True,
+        draft_pruning=pruning,
+        max_draft_misses=budget,
     )
     moe = PooledMoE(config, H, I, top_k=K, dtype=torch.float32)
     for _ in range(LAYERS):
@@ -32,27 +37,37 @@ def make(rows: int, pruning: bool, lanes: int) -> PooledMoE:
     return moe
 
 
-def verify_routing(bs: int, num_spec: int, g: torch.Generator) -> torch.Tensor:
-    """`[bs * (1 + num_spec), K]` distinct ids per token; drafts repeat their lane 0's experts w.p. 0.85."""
+def verify_routing(bs: int, num_spec: int, g: torch.Generator, reuse: float = 0.85) -> torch.Tensor:
+    """`[bs * (1 + num_spec), K]` distinct ids per token; drafts repeat their lane 0's experts w.p. `reuse`."""
     lanes = 1 + num_spec
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(bs * lanes)])
     for t in range(ids.shape[0]):
         if t % lanes:
             lane0 = ids[t - t % lanes]
             for k in range(K):
-                if torch.rand(1, generator=g).item() < 0.85 and lane0[k] not in ids[t]:
+                if torch.rand(1, generator=g).item() < reuse and lane0[k] not in ids[t]:
                     ids[t, k] = lane0[k]
     return ids
 
 
 @pytest.mark.parametrize(
-    ("bs", "num_spec", "fused"), [(1, 1, False), (1, 3, False), (3, 1, False), (3, 3, False), (3, 3, True)]
+    ("bs", "num_spec", "budget", "fused"),
+    [
+        (1, 1, 0, False),
+        (1, 3, 0, False),
+        (3, 1, 0, False),
+        (3, 3, 0, False),
+        (3, 3, 0, True),
+        (3, 3, 2, True),
+    ],
 )
-def test_pruned_verify_steps(bs, num_spec, fused):
-    """`fused`: the one-launch kernel under the Triton interpreter instead of the torch ops."""
+def test_pruned_verify_steps(bs, num_spec, budget, fused):
+    """`fused`: the one-launch kernel under the Triton interpreter instead of the torch ops. `budget`: unpaid
+    routes a draft lane may have per step (`max_draft_misses`)."""
     lanes, T = 1 + num_spec, bs * (1 + num_spec)
     width = decode_lanes(bs, num_spec)
-    pruned, twin, resident = make(ROWS, True, width), make(ROWS, False, width), make(LAYERS * E, False, width)
+    pruned = make(ROWS, True, width, budget)
+    twin, resident = make(ROWS, False, width), make(LAYERS * E, False, width)
     assert pruned.pool is not None and pruned.telemetry is not None and twin.telemetry is not None
     assert pruned.draft_pruner is not None
     pruned.draft_pruner.fused = fused
@@ -62,24 +77,28 @@ def test_pruned_verify_steps(bs, num_spec, fused):
     routed_live = torch.zeros(LAYERS, E, dtype=torch.int64)
     for step in range(10):
         pruned.begin_verify_step(num_spec)
-        alive = [True] * T
+        alive, misses = [True] * T, [0] * T
         for layer in range(LAYERS):
             x = torch.randn(T, H, generator=g)
-            ids, w = verify_routing(bs, num_spec, g), torch.rand(T, K, generator=g)
+            ids, w = (
+                verify_routing(bs, num_spec, g, 0.85 if budget == 0 else 0.4),
+                torch.rand(T, K, generator=g),
+            )
             l2p = pruned.pool.l2p_gpu[layer].tolist()
-            alive = prune_reference(ids.tolist(), alive, l2p, ROWS, E, num_spec)
+            alive = prune_reference(ids.tolist(), alive, l2p, ROWS, E, num_spec, budget, misses)
             live = torch.tensor(alive)
-            lane0_misses = {int(e) for e in ids[::lanes].reshape(-1) if l2p[int(e)] >= ROWS}
+            # experts moved this layer: those of lane 0 and of live drafts (within the budget) not in a row
+            live_misses = {int(e) for e in ids[live].reshape(-1) if l2p[int(e)] >= ROWS}
             before = pruned.pool.stats()
             out = pruned.forward(layer, x, ids, w)
             after = pruned.pool.stats()
             where = f"step {step} layer {layer}"
-            # no dead-lane traffic: the layer's misses are exactly lane 0's non-resident experts
-            assert after.misses - before.misses == len(lane0_misses), where
+            # no dead-lane traffic: the layer's misses are exactly the live lanes' non-resident experts
+            assert after.misses - before.misses == len(live_misses), where
             host = (after.bytes_read_host_view + after.bytes_copied_to_rows) - (
                 before.bytes_read_host_view + before.bytes_copied_to_rows
             )
-            assert host == len(lane0_misses) * row_bytes, where
+            assert host == len(live_misses) * row_bytes, where
             # live lanes exact against the unpooled forward of the original routing; dead lanes add nothing
             full = resident.forward(layer, x, ids, w)
             assert torch.equal(out[live], full[live]), where
