@@ -31,7 +31,7 @@ Bound (DESIGN.md §4, bandwidths measured in this run): misses' bytes / PCIe + h
 its own traffic (PCIe = zero-copy read for ours and the host view, copy engine for the slots).
 
 Usage: python -m bench.decode [--quick] [--mtp {none,per-layer,all}] [--families {all,per-layer}] [--ours-only]
-                              [--out results.md]
+                              [--draft-budgets 0,8] [--out results.md]
 (also writes results.json beside --out)
 """
 
@@ -67,15 +67,14 @@ POOLS = (0.25, 0.5, 0.75)
 @dataclass(frozen=True)
 class Mtp:
     """MTP rows: `num_spec` chain drafts accepted w.p. `accept` each, on `families`; all-host-view and per-layer
-    slots rows only at bs <= `reference_max_bs` (ours and all-resident at every bs); `pruning`: also ours with
-    draft-lane pruning (MTP rows only), a draft lane allowed `max_draft_misses` unpaid routes per step."""
+    slots rows only at bs <= `reference_max_bs` (ours and all-resident at every bs); `draft_budgets`: ours with
+    draft-lane pruning (MTP rows only) for each budget (unpaid routes a draft lane may have per step)."""
 
     num_spec: int = 3
     accept: float = 0.6
     families: tuple[str, ...] = FAMILIES
     reference_max_bs: int = 4
-    pruning: bool = True
-    max_draft_misses: int = 0
+    draft_budgets: tuple[int, ...] = (0,)
 
     @property
     def tokens_per_step(self) -> float:
@@ -83,7 +82,7 @@ class Mtp:
 
     def runs(self, system: str, key: TraceKey) -> bool:
         """Whether `system` gets a row for trace `key`."""
-        if system == OursDraftPruned.name:
+        if system.startswith(OursDraftPruned.name):
             return key.num_spec > 0
         if key.num_spec == 0 or system in (Ours.name, AllResident.name):
             return True
@@ -204,8 +203,9 @@ def run(
             f"MTP: num_spec {mtp.num_spec}, acceptance {mtp.accept} per draft (chain): "
             f"{mtp.tokens_per_step:.3f} tokens per request per verify step; on {', '.join(mtp.families)}"
             + (
-                f"; draft pruning rows: up to {mtp.max_draft_misses} unpaid routes per draft lane and verify step"
-                if mtp.pruning
+                f"; draft pruning rows with budgets {list(mtp.draft_budgets)} (unpaid routes a draft lane may "
+                "have per verify step)"
+                if mtp.draft_budgets
                 else ""
             )
         )
@@ -244,18 +244,19 @@ def run(
                 ),
             )
         verify_lanes = decode_lanes(max(batches), mtp.num_spec)
-        passes: list[tuple[int, list[TraceKey], tuple[int, float] | None]] = [
-            (max(batches), plain, None),
-            (verify_lanes, verify, None),
+        # (lanes, keys, (num_spec, acceptance) with draft pruning or None, budget)
+        passes: list[tuple[int, list[TraceKey], tuple[int, float] | None, int]] = [
+            (max(batches), plain, None, 0),
+            (verify_lanes, verify, None, 0),
         ]
-        if mtp.pruning:
-            passes.append((verify_lanes, verify, (mtp.num_spec, mtp.accept)))
-        for lanes, keys, pruning in passes:
+        passes += [(verify_lanes, verify, (mtp.num_spec, mtp.accept), b) for b in mtp.draft_budgets]
+        for lanes, keys, pruning, budget in passes:
             if not keys:
                 continue
+            what = "" if pruning is None else f", draft pruning, budget {budget}"
             ours = _build(
-                f"pool {frac:.0%} ours{'' if pruning is None else ', draft pruning'}",
-                lambda: make_ours(bank, shape, rows, lanes, device, pruning, mtp.max_draft_misses),  # noqa: B023
+                f"pool {frac:.0%} ours{what}",
+                partial(make_ours, bank, shape, rows, lanes, device, pruning, budget),
             )
             for key in keys:
                 for system in (slots, ours) if pruning is None else (ours,):
@@ -289,7 +290,8 @@ def mtp_summary(results: list[Result]) -> str:
     """One line per MTP system of ours (plain, draft pruning): its tokens/s per request against ours at num_spec
     0, over every (trace, bs, pool) that has both."""
     lines = []
-    for system in (Ours.name, OursDraftPruned.name):
+    pruned = dict.fromkeys(r.system for r in results if r.system.startswith(OursDraftPruned.name))
+    for system in (Ours.name, *pruned):
         gains = [
             (r.vs_ours_spec0, r)
             for r in results
@@ -362,10 +364,10 @@ def main() -> None:
         "--ours-only", action="store_true", help="only ours (with and without draft pruning): no baselines"
     )
     ap.add_argument(
-        "--max-draft-misses",
-        type=int,
-        default=Mtp.max_draft_misses,
-        help="draft pruning: unpaid routes a draft lane may have per verify step (all layers) and stay live",
+        "--draft-budgets",
+        default=",".join(map(str, Mtp.draft_budgets)),
+        help="draft pruning rows, one system per budget (comma-separated; unpaid routes a draft lane may have "
+        "per verify step, all layers, and stay live); empty: no draft pruning rows",
     )
     ap.add_argument("--out", default=None, help="markdown results; the JSON goes beside it (.json)")
     ap.add_argument("--commit", default="")
@@ -381,7 +383,7 @@ def main() -> None:
         Mtp(
             families=mtp_families,
             reference_max_bs=0 if args.quick else 4,
-            max_draft_misses=args.max_draft_misses,
+            draft_budgets=tuple(int(b) for b in args.draft_budgets.split(",") if b.strip()),
         )
         if mtp_families
         else NO_MTP

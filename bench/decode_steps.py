@@ -52,12 +52,18 @@ class OursDraftPruned(Ours):
     D2D copy, no sync); `take_emitted` reads them after the timed region and turns them into the expected
     accepted tokens per request per step: `1 + sum_{j=1..m} accept^j`, m = the request's last live lane."""
 
-    name = "pooled (ours), draft pruning"
+    name = "pooled (ours), draft pruning"  # budget 0; `named(budget)` otherwise
 
     def __init__(self, moe: PooledMoE, num_spec: int, accept: float):
         super().__init__(moe)
         self.num_spec, self.accept = num_spec, accept
+        self.name = self.named(moe.config.max_draft_misses)
         self._alive: list[torch.Tensor] = []
+
+    @classmethod
+    def named(cls, max_draft_misses: int) -> str:
+        """The system name of draft pruning with this budget (unpaid routes per draft lane and step)."""
+        return cls.name if max_draft_misses == 0 else f"{cls.name}, budget {max_draft_misses}"
 
     def begin_step(self) -> None:
         self.moe.begin_verify_step(self.num_spec)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -94,12 +94,29 @@ def test_quick_mtp_rows_leave_out_the_slow_references():
     assert sorted((r.num_spec, r.system) for r in rows) == sorted(
         [(0, s) for s in SYSTEMS] + [(3, "pooled (ours)"), (3, "all resident"), (3, PRUNED)]
     )
+    budgets = replace(mtp, draft_budgets=(0, 4))
     _, ours_only = decode.run(
-        tiny, 3, 1, torch.device("cpu"), "test", bw, (2,), (0.5,), FAMILIES[1:2], mtp, references=False
+        tiny, 3, 1, torch.device("cpu"), "test", bw, (2,), (0.5,), FAMILIES[1:2], budgets, references=False
     )
     assert sorted((r.num_spec, r.system) for r in ours_only) == [
-        (0, "pooled (ours)"), (3, "pooled (ours)"), (3, PRUNED)
+        (0, "pooled (ours)"), (3, "pooled (ours)"), (3, PRUNED), (3, f"{PRUNED}, budget 4")
     ]  # fmt: skip
+    assert all(not r.error for r in ours_only), [r.error for r in ours_only]
+    summary = decode.mtp_summary(ours_only).splitlines()
+    assert len(summary) == 3 and summary[2].startswith(f"MTP: {PRUNED}, budget 4's"), summary
+    _, unpruned = decode.run(
+        tiny,
+        3,
+        1,
+        torch.device("cpu"),
+        "test",
+        bw,
+        (2,),
+        (0.5,),
+        FAMILIES[1:2],
+        replace(mtp, draft_budgets=()),
+    )
+    assert not [r for r in unpruned if r.system.startswith(PRUNED)]
     _, plain = decode.run(
         tiny, 3, 1, torch.device("cpu"), "test", bw, (2,), (0.5,), FAMILIES[:1], decode.NO_MTP
     )
