@@ -52,44 +52,26 @@ import torch
 
 from bench.baselines import AllHostView, AllResident, Ours, PerLayerSlots
 from bench.common import Bandwidths, bound_ms, commit_id, measure_bandwidths, print_table, write
-from bench.decode_steps import FMT, OursDraftPruned, Shape, empty_cache, make_bank, make_ours, time_steps
+from bench.decode_steps import (
+    FMT,
+    NO_MTP,
+    Mtp,
+    OursDraftPruned,
+    Shape,
+    empty_cache,
+    make_bank,
+    make_ours,
+    time_steps,
+)
 from bench.decode_traces import FAMILIES, PER_LAYER, TraceKey, build_traces
-from bench.spec import expected_tokens_per_step
 from pooled_runner.lanes import decode_lanes
 
 __all__ = ["BATCHES", "FAMILIES", "POOLS", "QWEN3", "Mtp", "Result", "Shape", "run", "table"]
 
 QWEN3 = Shape()
 BATCHES = (1, 4, 16)
+DEFAULT_MTP = Mtp()
 POOLS = (0.25, 0.5, 0.75)
-
-
-@dataclass(frozen=True)
-class Mtp:
-    """MTP rows: `num_spec` chain drafts accepted w.p. `accept` each, on `families`; all-host-view and per-layer
-    slots rows only at bs <= `reference_max_bs` (ours and all-resident at every bs); `draft_budgets`: ours with
-    draft-lane pruning (MTP rows only) for each budget (unpaid routes a draft lane may have per step)."""
-
-    num_spec: int = 3
-    accept: float = 0.6
-    families: tuple[str, ...] = FAMILIES
-    reference_max_bs: int = 4
-    draft_budgets: tuple[int, ...] = (0,)
-
-    @property
-    def tokens_per_step(self) -> float:
-        return expected_tokens_per_step(self.num_spec, self.accept)
-
-    def runs(self, system: str, key: TraceKey) -> bool:
-        """Whether `system` gets a row for trace `key`."""
-        if system.startswith(OursDraftPruned.name):
-            return key.num_spec > 0
-        if key.num_spec == 0 or system in (Ours.name, AllResident.name):
-            return True
-        return key.bs <= self.reference_max_bs
-
-
-NO_MTP = Mtp(num_spec=0, families=())
 
 
 @dataclass
@@ -179,7 +161,7 @@ def run(
     batches: tuple[int, ...] = BATCHES,
     pools: tuple[float, ...] = POOLS,
     families: tuple[str, ...] = FAMILIES,
-    mtp: Mtp = Mtp(),
+    mtp: Mtp = DEFAULT_MTP,
     references: bool = True,
 ) -> tuple[list[str], list[Result]]:
     """Every system on every (trace, bs, pool, num_spec): header lines and one `Result` per row, in table order.

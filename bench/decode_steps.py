@@ -10,8 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.baselines import Ours, Traffic
+from bench.baselines import AllResident, Ours, Traffic
+from bench.decode_traces import FAMILIES, TraceKey
 from bench.kernels import random_rows
+from bench.spec import expected_tokens_per_step
 from pooled_runner import PoolConfig, PooledMoE
 from pooled_runner.bank import ExpertBank
 from pooled_runner.draft_prune import emitted_per_request
@@ -84,6 +86,34 @@ class OursDraftPruned(Ours):
         ]
         live_drafts = alive.view(alive.shape[0], -1, lanes)[:, :, 1:].int().cummin(-1).values.sum(-1)
         return sum(emitted) / len(emitted), live_drafts.float().mean().item()
+
+
+@dataclass(frozen=True)
+class Mtp:
+    """MTP rows: `num_spec` chain drafts accepted w.p. `accept` each, on `families`; all-host-view and per-layer
+    slots rows only at bs <= `reference_max_bs` (ours and all-resident at every bs); `draft_budgets`: ours with
+    draft-lane pruning (MTP rows only) for each budget (unpaid routes a draft lane may have per step)."""
+
+    num_spec: int = 3
+    accept: float = 0.6
+    families: tuple[str, ...] = FAMILIES
+    reference_max_bs: int = 4
+    draft_budgets: tuple[int, ...] = (0,)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return expected_tokens_per_step(self.num_spec, self.accept)
+
+    def runs(self, system: str, key: TraceKey) -> bool:
+        """Whether `system` gets a row for trace `key`."""
+        if system.startswith(OursDraftPruned.name):
+            return key.num_spec > 0
+        if key.num_spec == 0 or system in (Ours.name, AllResident.name):
+            return True
+        return key.bs <= self.reference_max_bs
+
+
+NO_MTP = Mtp(num_spec=0, families=())
 
 
 def make_ours(

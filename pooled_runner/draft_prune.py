@@ -23,9 +23,11 @@ not become paid for other draft lanes (kept simple).
 
 Exactness: a dead lane's output (and every later layer's input for it) is garbage, so the verifier may accept
 drafts of request r only up to its last live lane `m_r` (lanes are a chain, so the live lanes are 0..m_r):
-emitted tokens = min(accepted drafts, m_r) + 1, every one of them computed exactly (live lanes route exactly
-as without pruning and see exactly their own inputs). Lane 0 is never killed, so a step never yields fewer
-tokens than num_spec 0. With `max_draft_misses` 0 a live draft lane adds no host bytes at all: its experts are
+emitted tokens = min(accepted drafts, m_r) + 1, every one of them computed as without pruning: live lanes keep
+their routes and weights, and a token's expert outputs do not depend on the other tokens of the step (the torch
+path is batch-invariant, bit for bit; on the kernels the step keeps its width T, dead lanes being padding, and
+the GPU test checks live lanes against the unpruned routing). Lane 0 is never killed, so a step never yields
+fewer tokens than num_spec 0. With `max_draft_misses` 0 a live draft lane adds no host bytes at all: its experts are
 resident (planned as hits, so this step cannot evict them) or lane 0's.
 
 The caller reads `lane_alive` after the step (its own sync, outside any capture). The SGLang verify step does
