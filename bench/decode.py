@@ -26,6 +26,8 @@ mean ms per step. Ours, all-resident and all-host-view run a captured CUDA graph
 step's routing copied into static buffers (their real counterparts capture decode); the per-layer slots
 baseline runs eager (host-planned residency, one sync per layer, as SGLang's eager executor), and the table says
 whether SGLang would have captured that step width (tokens <= S // top_k). Steps hold the MoE layers only.
+Draft pruning rows: the graph holds the lane reset and one pruning launch per layer; after each timed replay a
+device copy of the live lanes is enqueued (one tiny copy, no sync, inside the timed region), read after it.
 
 Bound (DESIGN.md §4, bandwidths measured in this run): misses' bytes / PCIe + hits' bytes / HBM, per system from
 its own traffic (PCIe = zero-copy read for ours and the host view, copy engine for the slots).
