@@ -104,6 +104,8 @@ def measure(system, key: TraceKey, pool: float, ids, x, w, warm, bw: Bandwidths,
     nan = math.nan
     try:
         left = sum(system.moe.step_widths["prefill"].values()) if isinstance(system, Ours) else 0
+        if isinstance(system, OursDraftPruned):
+            system.clear()
         ms, t = time_steps(system, ids, x, w, warm)
         if isinstance(system, Ours) and sum(system.moe.step_widths["prefill"].values()) > left:
             widths = dict(system.moe.step_widths["prefill"])

@@ -73,6 +73,10 @@ class OursDraftPruned(Ours):
     def end_step(self) -> None:
         self._alive.append(self.moe.draft_lane_alive().clone())
 
+    def clear(self) -> None:
+        """Forget recorded steps (a failed measurement leaves some)."""
+        self._alive.clear()
+
     def take_emitted(self) -> tuple[float, float]:
         """(accepted tokens per request per step, live drafts per request per step), averaged over the steps
         since the last call (each request and step once); clears them."""
