@@ -15,18 +15,25 @@ they overlap their neighbours' experts as adjacent tokens do), synthetic accepta
 against ours at num_spec 0 on the same trace, bs and pool. Ours runs them with decode lanes bs_max x 4 (every
 verify step device-planned and captured; a step leaving the decode path fails its row). Rows for ours and
 all-resident; all-host-view and per-layer slots only at bs <= 4 (full run; their bs-16 verify steps read nearly
-every expert over PCIe). `--quick` runs MTP on the per-layer-skew family only.
+every expert over PCIe). `--quick` runs MTP on the per-layer-skew family only. Ours with draft-lane pruning
+(`pooled_runner/draft_prune.py`: a draft lane that routes an expert neither resident nor routed by a verified
+token dies, with every later draft of its request) gets its own MTP rows: its accepted tokens per request per
+step are measured, from the live lanes after each step (`1 + sum_{j<=m} a^j`, m = the request's last live
+lane), not assumed.
 
 Timing: the first `warm` trace steps are not counted; then CUDA events around the remaining steps (all layers),
 mean ms per step. Ours, all-resident and all-host-view run a captured CUDA graph of one step, replayed with the
 step's routing copied into static buffers (their real counterparts capture decode); the per-layer slots
 baseline runs eager (host-planned residency, one sync per layer, as SGLang's eager executor), and the table says
 whether SGLang would have captured that step width (tokens <= S // top_k). Steps hold the MoE layers only.
+Draft pruning rows: the graph holds the lane reset and one pruning launch per layer; after each timed replay a
+device copy of the live lanes is enqueued (one tiny copy, no sync, inside the timed region), read after it.
 
 Bound (DESIGN.md §4, bandwidths measured in this run): misses' bytes / PCIe + hits' bytes / HBM, per system from
 its own traffic (PCIe = zero-copy read for ours and the host view, copy engine for the slots).
 
-Usage: python -m bench.decode [--quick] [--mtp {none,per-layer,all}] [--out results.md]
+Usage: python -m bench.decode [--quick] [--mtp {none,per-layer,all}] [--families {all,per-layer}] [--ours-only]
+                              [--draft-budgets 0,8] [--out results.md]
 (also writes results.json beside --out)
 """
 
@@ -39,6 +46,7 @@ import math
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -46,40 +54,26 @@ import torch
 
 from bench.baselines import AllHostView, AllResident, Ours, PerLayerSlots
 from bench.common import Bandwidths, bound_ms, commit_id, measure_bandwidths, print_table, write
-from bench.decode_steps import FMT, Shape, empty_cache, make_bank, make_ours, time_steps
+from bench.decode_steps import (
+    FMT,
+    NO_MTP,
+    Mtp,
+    OursDraftPruned,
+    Shape,
+    empty_cache,
+    make_bank,
+    make_ours,
+    time_steps,
+)
 from bench.decode_traces import FAMILIES, PER_LAYER, TraceKey, build_traces
-from bench.spec import expected_tokens_per_step
 from pooled_runner.lanes import decode_lanes
 
 __all__ = ["BATCHES", "FAMILIES", "POOLS", "QWEN3", "Mtp", "Result", "Shape", "run", "table"]
 
 QWEN3 = Shape()
 BATCHES = (1, 4, 16)
+DEFAULT_MTP = Mtp()
 POOLS = (0.25, 0.5, 0.75)
-
-
-@dataclass(frozen=True)
-class Mtp:
-    """MTP rows: `num_spec` chain drafts accepted w.p. `accept` each, on `families`; all-host-view and per-layer
-    slots rows only at bs <= `reference_max_bs` (ours and all-resident at every bs)."""
-
-    num_spec: int = 3
-    accept: float = 0.6
-    families: tuple[str, ...] = FAMILIES
-    reference_max_bs: int = 4
-
-    @property
-    def tokens_per_step(self) -> float:
-        return expected_tokens_per_step(self.num_spec, self.accept)
-
-    def runs(self, system: str, key: TraceKey) -> bool:
-        """Whether `system` gets a row for trace `key`."""
-        if key.num_spec == 0 or system in (Ours.name, AllResident.name):
-            return True
-        return key.bs <= self.reference_max_bs
-
-
-NO_MTP = Mtp(num_spec=0, families=())
 
 
 @dataclass
@@ -101,6 +95,7 @@ class Result:
     tokens: int = 0  # tokens per step: bs x (1 + num_spec)
     tok_s_req: float = math.nan  # accepted tokens/s per request
     vs_ours_spec0: float = math.nan  # tok_s_req / ours' tok_s_req at num_spec 0, same (trace, bs, pool)
+    tokens_per_req: float = math.nan  # accepted tokens per request per step (measured with draft pruning)
 
 
 def measure(system, key: TraceKey, pool: float, ids, x, w, warm, bw: Bandwidths, per_step: float) -> Result:  # type: ignore[no-untyped-def]
@@ -109,6 +104,8 @@ def measure(system, key: TraceKey, pool: float, ids, x, w, warm, bw: Bandwidths,
     nan = math.nan
     try:
         left = sum(system.moe.step_widths["prefill"].values()) if isinstance(system, Ours) else 0
+        if isinstance(system, OursDraftPruned):
+            system.clear()
         ms, t = time_steps(system, ids, x, w, warm)
         if isinstance(system, Ours) and sum(system.moe.step_widths["prefill"].values()) > left:
             widths = dict(system.moe.step_widths["prefill"])
@@ -119,6 +116,10 @@ def measure(system, key: TraceKey, pool: float, ids, x, w, warm, bw: Bandwidths,
             key.family, key.bs, pool, system.name, nan, nan, nan, nan, nan, nan, nan, "-", repr(exc)[:200],
             num_spec=key.num_spec, tokens=key.tokens,
         )  # fmt: skip
+    graph_note = ""
+    if isinstance(system, OursDraftPruned):  # measured from the live lanes of the timed steps
+        per_step, live_drafts = system.take_emitted()
+        graph_note = f", live drafts {live_drafts:.2f}/{system.num_spec} per request"
     miss_bytes, hit_bytes = t.pcie_bytes / steps, t.hits * system.row_bytes / steps
     host_path = "copy" if isinstance(system, PerLayerSlots) else "zero_copy"
     bound = bound_ms(miss_bytes, hit_bytes, bw, host_path)
@@ -128,12 +129,12 @@ def measure(system, key: TraceKey, pool: float, ids, x, w, warm, bw: Bandwidths,
     else:
         graph = "captured" if ids.is_cuda else "eager (no CUDA)"
         if isinstance(system, Ours):
-            graph += f", lanes {system.moe.decode_lanes}"
+            graph += f", lanes {system.moe.decode_lanes}{graph_note}"
     per_s = per_step / (ms * 1e-3)
     return Result(
         key.family, key.bs, pool, system.name, ms, key.bs * per_s, t.hit_rate, miss_bytes / 1e6, bound,
         ms / bound if bound > 0 else nan, nan, graph, tok_s_req=per_s,
-        num_spec=key.num_spec, tokens=key.tokens,
+        num_spec=key.num_spec, tokens=key.tokens, tokens_per_req=per_step,
     )  # fmt: skip
 
 
@@ -164,9 +165,11 @@ def run(
     batches: tuple[int, ...] = BATCHES,
     pools: tuple[float, ...] = POOLS,
     families: tuple[str, ...] = FAMILIES,
-    mtp: Mtp = Mtp(),
+    mtp: Mtp = DEFAULT_MTP,
+    references: bool = True,
 ) -> tuple[list[str], list[Result]]:
-    """Every system on every (trace, bs, pool, num_spec): header lines and one `Result` per row, in table order."""
+    """Every system on every (trace, bs, pool, num_spec): header lines and one `Result` per row, in table order.
+    `references` False: ours only (with and without draft pruning), no baseline systems."""
     H, I, E, K, L = shape.H, shape.I, shape.E, shape.K, shape.L
     g = torch.Generator(device=device).manual_seed(0)
     bw = bw or measure_bandwidths()
@@ -185,6 +188,12 @@ def run(
         header.append(
             f"MTP: num_spec {mtp.num_spec}, acceptance {mtp.accept} per draft (chain): "
             f"{mtp.tokens_per_step:.3f} tokens per request per verify step; on {', '.join(mtp.families)}"
+            + (
+                f"; draft pruning rows with budgets {list(mtp.draft_budgets)} (unpaid routes a draft lane may "
+                "have per verify step)"
+                if mtp.draft_budgets
+                else ""
+            )
         )
     print("\n".join(header), flush=True)
     bank = make_bank(shape, device, g)
@@ -199,7 +208,7 @@ def run(
         return measure(system, key, pool, ids, x[key.tokens], w[key.tokens], warm, bw, per_step)
 
     fixed: dict[TraceKey, list[Result]] = {}
-    for cls in (AllResident, AllHostView):
+    for cls in (AllResident, AllHostView) if references else ():
         static = cls(bank, FMT, torch.bfloat16, H, I, device.type)
         for key in traces:
             if mtp.runs(cls.name, key):
@@ -212,16 +221,31 @@ def run(
     for frac in pools:
         rows = int(frac * L * E)
         measured: dict[TraceKey, list[Result]] = {key: [] for key in traces}
-        slots = _build(
-            f"pool {frac:.0%} per-layer slots",
-            lambda: PerLayerSlots(bank, FMT, torch.bfloat16, H, I, device.type, num_slots=rows // L, top_k=K),  # noqa: B023
-        )
-        for lanes, keys in ((max(batches), plain), (decode_lanes(max(batches), mtp.num_spec), verify)):
+        slots = None
+        if references:
+            slots = _build(
+                f"pool {frac:.0%} per-layer slots",
+                partial(
+                    PerLayerSlots, bank, FMT, torch.bfloat16, H, I, device.type, num_slots=rows // L, top_k=K
+                ),
+            )
+        verify_lanes = decode_lanes(max(batches), mtp.num_spec)
+        # (lanes, keys, (num_spec, acceptance) with draft pruning or None, budget)
+        passes: list[tuple[int, list[TraceKey], tuple[int, float] | None, int]] = [
+            (max(batches), plain, None, 0),
+            (verify_lanes, verify, None, 0),
+        ]
+        passes += [(verify_lanes, verify, (mtp.num_spec, mtp.accept), b) for b in mtp.draft_budgets]
+        for lanes, keys, pruning, budget in passes:
             if not keys:
                 continue
-            ours = _build(f"pool {frac:.0%} ours", lambda: make_ours(bank, shape, rows, lanes, device))  # noqa: B023
+            what = "" if pruning is None else f", draft pruning, budget {budget}"
+            ours = _build(
+                f"pool {frac:.0%} ours{what}",
+                partial(make_ours, bank, shape, rows, lanes, device, pruning, budget),
+            )
             for key in keys:
-                for system in (slots, ours):
+                for system in (slots, ours) if pruning is None else (ours,):
                     if system is not None and mtp.runs(system.name, key):
                         measured[key].append(row(system, key, frac))
                 print(
@@ -249,32 +273,37 @@ def relate(results: list[Result]) -> None:
 
 
 def mtp_summary(results: list[Result]) -> str:
-    """One line: ours with MTP against ours at num_spec 0, over every (trace, bs, pool) that has both."""
-    gains = [
-        (r.vs_ours_spec0, r)
-        for r in results
-        if r.system == Ours.name and r.num_spec and math.isfinite(r.vs_ours_spec0)
-    ]
-    if not gains:
-        return "MTP: no rows"
-    lo, worst = min(gains, key=lambda p: p[0])
-    hi = max(g for g, _ in gains)
-    below = sum(g < 1 for g, _ in gains)
-    return (
-        f"MTP: ours' tokens/s per request with num_spec {worst.num_spec} / ours at num_spec 0: {lo:.2f}x to "
-        f"{hi:.2f}x over {len(gains)} (trace, bs, pool) cases; below 1 in {below} (lowest: {worst.trace}, bs "
-        f"{worst.bs}, pool {worst.pool:.0%})"
-    )
+    """One line per MTP system of ours (plain, draft pruning): its tokens/s per request against ours at num_spec
+    0, over every (trace, bs, pool) that has both."""
+    lines = []
+    pruned = dict.fromkeys(r.system for r in results if r.system.startswith(OursDraftPruned.name))
+    for system in (Ours.name, *pruned):
+        gains = [
+            (r.vs_ours_spec0, r)
+            for r in results
+            if r.system == system and r.num_spec and math.isfinite(r.vs_ours_spec0)
+        ]
+        if not gains:
+            continue
+        lo, worst = min(gains, key=lambda p: p[0])
+        hi = max(g for g, _ in gains)
+        below = sum(g < 1 for g, _ in gains)
+        lines.append(
+            f"MTP: {system}'s tokens/s per request with num_spec {worst.num_spec} / ours at num_spec 0: {lo:.2f}x "
+            f"to {hi:.2f}x over {len(gains)} (trace, bs, pool) cases; below 1 in {below} (lowest: "
+            f"{worst.trace}, bs {worst.bs}, pool {worst.pool:.0%})"
+        )
+    return "\n".join(lines) or "MTP: no rows"
 
 
 def table(results: list[Result]) -> str:
     header = [
-        "trace", "bs", "spec", "pool", "system", "tokens/step", "ms/step", "tok/s", "tok/s/req",
+        "trace", "bs", "spec", "pool", "system", "tokens/step", "tok/req/step", "ms/step", "tok/s", "tok/s/req",
         "vs ours spec 0", "hit rate", "PCIe MB/step", "bound ms", "time/bound", "its ms / ours", "graph",
     ]  # fmt: skip
     rows = [
         [
-            r.trace, r.bs, r.num_spec, f"{r.pool:.0%}", r.system, r.tokens, r.ms, f"{r.tok_s:.0f}",
+            r.trace, r.bs, r.num_spec, f"{r.pool:.0%}", r.system, r.tokens, r.tokens_per_req, r.ms, f"{r.tok_s:.0f}",
             f"{r.tok_s_req:.1f}", r.vs_ours_spec0, r.hit_rate, r.pcie_mb, r.bound_ms, r.over_bound,
             r.ours_speedup, r.graph + (f" ERROR {r.error}" if r.error else ""),
         ]
@@ -292,7 +321,10 @@ NOTES = [
     "would capture them (device decide + gather), so their time there includes host planning it would not pay.",
     "spec > 0: MTP verify steps (tokens/step = bs x (1 + spec)); tok/s/req = accepted tokens per request per "
     "verify step (synthetic acceptance, see the header) / step time; 'vs ours spec 0' = tok/s/req / ours' at "
-    "spec 0 on the same trace, bs and pool (for ours' MTP rows: the gain from MTP).",
+    "spec 0 on the same trace, bs and pool (for ours' MTP rows: the gain from MTP). tok/req/step: accepted tokens "
+    "per request per step; measured for 'draft pruning' rows (a draft lane whose experts are neither resident "
+    "nor routed by a verified token is dropped, with the drafts after it; the verifier accepts only up to the "
+    "last live lane), assumed from the acceptance for the others.",
     "The recorded trace comes from a random-init model: its routers spread tokens near-uniformly over the "
     "experts (no hot experts, unlike a trained model), so it shows how a pool does without skew; its adjacent-"
     "token overlap is the model's own (header).",
@@ -308,6 +340,21 @@ def main() -> None:
         default=None,
         help="MTP rows: none, the per-layer-skew family (the --quick default), every family (the default)",
     )
+    ap.add_argument(
+        "--families",
+        choices=("all", "per-layer"),
+        default="all",
+        help="trace families of every row (per-layer: the per-layer-skew family only)",
+    )
+    ap.add_argument(
+        "--ours-only", action="store_true", help="only ours (with and without draft pruning): no baselines"
+    )
+    ap.add_argument(
+        "--draft-budgets",
+        default=",".join(map(str, Mtp.draft_budgets)),
+        help="draft pruning rows, one system per budget (comma-separated; unpaid routes a draft lane may have "
+        "per verify step, all layers, and stay live); empty: no draft pruning rows",
+    )
     ap.add_argument("--out", default=None, help="markdown results; the JSON goes beside it (.json)")
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
@@ -318,8 +365,26 @@ def main() -> None:
     choice = args.mtp or ("per-layer" if args.quick else "all")
     mtp_families = {"none": (), "per-layer": (PER_LAYER,), "all": FAMILIES}[choice]
     # --quick: MTP rows for ours and all-resident only (the reference systems' verify steps are the slow rows)
-    mtp = Mtp(families=mtp_families, reference_max_bs=0 if args.quick else 4) if mtp_families else NO_MTP
-    header, results = run(shape, steps, warm, torch.device("cuda"), args.commit, mtp=mtp)
+    mtp = (
+        Mtp(
+            families=mtp_families,
+            reference_max_bs=0 if args.quick else 4,
+            draft_budgets=tuple(int(b) for b in args.draft_budgets.split(",") if b.strip()),
+        )
+        if mtp_families
+        else NO_MTP
+    )
+    families = FAMILIES if args.families == "all" else (PER_LAYER,)
+    header, results = run(
+        shape,
+        steps,
+        warm,
+        torch.device("cuda"),
+        args.commit,
+        families=families,
+        mtp=mtp,
+        references=not args.ours_only,
+    )
     text = table(results)
     write(args.out, [*header, "", text, *NOTES, "", mtp_summary(results)])
     if args.out:

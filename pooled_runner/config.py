@@ -37,6 +37,10 @@ class PoolConfig:
       staging_chunk_experts: C, experts per staging chunk buffer (the ring holds 3 chunks: 3C expert rows of
         VRAM). Cut to the largest layer's expert count at installation.
       telemetry: accumulate per-(layer, expert) route counters.
+      draft_pruning: prune MTP draft lanes that would cause host traffic only they need (`draft_prune.py`);
+        acts only on steps the caller marks with `PooledMoE.begin_verify_step` and whose `draft_lane_alive()`
+        it reads (the SGLang verify step does not yet: off for serving).
+      max_draft_misses: with draft pruning, unpaid routes a draft lane may have in one step and stay alive.
     """
 
     pool_rows: int
@@ -46,6 +50,8 @@ class PoolConfig:
     staging_min_tokens: int = 512
     staging_chunk_experts: int = 16
     telemetry: bool = False
+    draft_pruning: bool = False
+    max_draft_misses: int = 0
 
     # Help text for the CLI flag of each field; the flag name is `--moe-expert-pool-<field>` unless listed in
     # `_FLAG_NAMES`.
@@ -59,6 +65,10 @@ class PoolConfig:
         "staging_chunk_experts": "Experts per prefill staging chunk buffer (the ring of 3 chunks takes 3x this "
         "many expert rows of VRAM; cut to the largest layer's expert count).",
         "telemetry": "Accumulate per-(layer, expert) route counters.",
+        "draft_pruning": "Prune MTP draft lanes whose experts are neither resident nor routed by a verified "
+        "token (only for callers that mark verify steps and read the live lanes; SGLang does not yet).",
+        "max_draft_misses": "With draft pruning: routes to experts neither resident nor routed by a verified token that a draft "
+        "lane may have in one verify step (all layers) and stay live.",
     }
     _FLAG_NAMES: ClassVar[dict[str, str]] = {"pool_rows": "--moe-expert-pool-rows"}
 
@@ -82,6 +92,10 @@ class PoolConfig:
             out.append(
                 f"staging_chunk_experts={self.staging_chunk_experts!r} must be an integer >= 1 "
                 "(--moe-expert-pool-staging-chunk-experts N)"
+            )
+        if self.max_draft_misses < 0:
+            out.append(
+                f"max_draft_misses={self.max_draft_misses} must be >= 0 (--moe-expert-pool-max-draft-misses N)"
             )
         if self.device != AUTO:
             try:

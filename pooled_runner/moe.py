@@ -18,6 +18,7 @@ import torch
 from pooled_runner import envs
 from pooled_runner.bank import ExpertBank, check_expert_weights
 from pooled_runner.config import PoolConfig
+from pooled_runner.draft_prune import DraftPruner
 from pooled_runner.formats import make_format
 from pooled_runner.guard import TORCH, KernelBackend, check_tensors
 from pooled_runner.lanes import takes_decode_path
@@ -82,6 +83,10 @@ class PooledMoE:
         self.step_widths: dict[str, Counter[int]] = {"decode": Counter(), "prefill": Counter()}
         self.telemetry: RouteTelemetry | None = None  # route counters, when config.telemetry
         self._gpu_path: GpuPath | None = None  # kernels + device planner on CUDA, built on first use
+        # MTP draft-lane pruning (`draft_prune.py`), when config.draft_pruning: verify steps marked by the caller.
+        self.draft_pruner = (
+            DraftPruner(config.torch_device, config.max_draft_misses) if config.draft_pruning else None
+        )
 
     def register_layer(self, num_experts: int) -> int:
         """Register one MoE layer with `num_experts` routed experts; returns its pooled-layer index."""
@@ -97,6 +102,24 @@ class PooledMoE:
         if lanes < 1:
             raise ValueError(f"decode lanes {lanes} must be >= 1")
         self.decode_lanes = lanes
+
+    def begin_verify_step(self, num_spec: int) -> None:
+        """The next step is an MTP verify step (`1 + num_spec` lanes per request, request-major): prune its
+        draft lanes (`draft_prune.py`). Graph-safe (resets `draft_lane_alive()` with a device fill); the first
+        call must be outside a capture. RuntimeError unless `config.draft_pruning` and decode lanes are set."""
+        if self.draft_pruner is None or self.decode_lanes is None:
+            raise RuntimeError(
+                f"begin_verify_step() needs PoolConfig(draft_pruning=True) (is {self.config.draft_pruning}) "
+                f"and set_decode_lanes() (lanes {self.decode_lanes})"
+            )
+        self.draft_pruner.arm(num_spec, self.decode_lanes)
+
+    def draft_lane_alive(self) -> torch.Tensor:
+        """`[T]` bool device view: the last verify step's live lanes (emit up to the last live lane of each
+        request). Reading it is the caller's sync, outside capture."""
+        if self.draft_pruner is None:
+            raise RuntimeError("draft pruning is off (PoolConfig.draft_pruning)")
+        return self.draft_pruner.lane_alive()
 
     def takes_decode_path(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` tokens is a decode-path step (within the lanes)."""
@@ -373,6 +396,11 @@ class PooledMoE:
             check_values=not kernels,
         )
         staged = self._staged_source(layer, hidden.shape[0])
+        if self.draft_pruner is not None:  # dead draft lanes become padding before planning and telemetry
+            E = self.num_experts_per_layer[layer]
+            topk_ids, topk_weights = self.draft_pruner.prune(
+                layer, topk_ids, topk_weights, pool.l2p_gpu[layer], pool.num_rows, E
+            )
         if kernels:  # the GPU path records telemetry (inside the fused planner where it can)
             return self._gpu().forward(
                 layer, hidden, topk_ids, topk_weights, staged, admit_misses, self.telemetry

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from bench.kernel_variants import _with_switch, variant_specs
 from pooled_runner.kernels import align, moe_gemm
 from pooled_runner.kernels.dequant import FMT_DENSE, FMT_INT4
+
+from bench.kernel_variants import _with_switch, variant_specs
 
 
 def test_variant_columns_unique_align_first():

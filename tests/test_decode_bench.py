@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -20,6 +20,7 @@ SHAPE = decode.Shape(H=16, I=8, E=12, K=3, L=2)
 BATCHES, POOLS = (1, 3), (0.25, 0.5)
 MTP = decode.Mtp(num_spec=3, accept=0.6, families=FAMILIES, reference_max_bs=max(BATCHES))
 SYSTEMS = ("per-layer slots", "pooled (ours)", "all resident", "all host view")
+PRUNED = "pooled (ours), draft pruning"  # MTP rows only
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +31,22 @@ def results():
 
 def test_every_system_on_every_case(results):
     header, rows = results
-    assert len(rows) == len(FAMILIES) * len(BATCHES) * len(POOLS) * len(SYSTEMS) * 2
+    assert len(rows) == len(FAMILIES) * len(BATCHES) * len(POOLS) * (len(SYSTEMS) * 2 + 1)
     assert all(not r.error for r in rows), [r.error for r in rows if r.error]
     for r in rows:
         assert r.ms > 0 and math.isfinite(r.tok_s) and 0 <= r.hit_rate <= 1, r
         per_step = 1.0 if r.num_spec == 0 else 1 + 0.6 + 0.6**2 + 0.6**3
+        if r.system == PRUNED:  # measured from the live lanes: between lane 0 alone and every draft live
+            assert r.num_spec == 3 and 1.0 <= r.tokens_per_req <= per_step, r
+            per_step = r.tokens_per_req
+            assert "live drafts" in r.graph, r.graph
         assert r.tokens == r.bs * (1 + r.num_spec)
+        assert math.isclose(r.tokens_per_req, per_step)
         assert math.isclose(r.tok_s_req, per_step / (r.ms * 1e-3))
         assert math.isclose(r.tok_s, r.bs * r.tok_s_req)
+    pruned = [r for r in rows if r.system == PRUNED]
+    assert any(r.tokens_per_req < MTP.tokens_per_step for r in pruned), "no draft was ever pruned"
+    assert any(r.tokens_per_req > 1 for r in pruned), "every draft was pruned"
     by = {(r.trace, r.bs, r.pool, r.num_spec, r.system): r for r in rows}
     for trace in FAMILIES:
         for bs in BATCHES:
@@ -47,6 +56,10 @@ def test_every_system_on_every_case(results):
                     ours0 = by[(trace, bs, pool, 0, "pooled (ours)")]
                     assert ours.ours_speedup == 1.0
                     assert math.isclose(ours.vs_ours_spec0, ours.tok_s_req / ours0.tok_s_req)
+                    if spec:
+                        pr = by[(trace, bs, pool, spec, PRUNED)]
+                        assert math.isclose(pr.vs_ours_spec0, pr.tok_s_req / ours0.tok_s_req)
+                        assert math.isclose(pr.ours_speedup, pr.ms / ours.ms)
                     assert f"lanes {max(BATCHES) * (1 + spec)}" in ours.graph, ours.graph
                     res = by[(trace, bs, pool, spec, "all resident")]
                     host = by[(trace, bs, pool, spec, "all host view")]
@@ -68,7 +81,9 @@ def test_every_system_on_every_case(results):
     assert "CPU" in header[0]
     assert any(line.startswith(f"trace '{RECORDED}'") for line in header)
     assert any("2.176 tokens per request per verify step" in line for line in header)
-    assert "below 1 in" in decode.mtp_summary(rows)
+    summary = decode.mtp_summary(rows).splitlines()
+    assert len(summary) == 2 and all("below 1 in" in line for line in summary), summary
+    assert summary[1].startswith(f"MTP: {PRUNED}'s")
 
 
 def test_quick_mtp_rows_leave_out_the_slow_references():
@@ -77,8 +92,31 @@ def test_quick_mtp_rows_leave_out_the_slow_references():
     tiny = decode.Shape(H=8, I=4, E=8, K=2, L=2)
     _, rows = decode.run(tiny, 3, 1, torch.device("cpu"), "test", bw, (2,), (0.5,), FAMILIES[1:2], mtp)
     assert sorted((r.num_spec, r.system) for r in rows) == sorted(
-        [(0, s) for s in SYSTEMS] + [(3, "pooled (ours)"), (3, "all resident")]
+        [(0, s) for s in SYSTEMS] + [(3, "pooled (ours)"), (3, "all resident"), (3, PRUNED)]
     )
+    budgets = replace(mtp, draft_budgets=(0, 4))
+    _, ours_only = decode.run(
+        tiny, 3, 1, torch.device("cpu"), "test", bw, (2,), (0.5,), FAMILIES[1:2], budgets, references=False
+    )
+    assert sorted((r.num_spec, r.system) for r in ours_only) == [
+        (0, "pooled (ours)"), (3, "pooled (ours)"), (3, PRUNED), (3, f"{PRUNED}, budget 4")
+    ]  # fmt: skip
+    assert all(not r.error for r in ours_only), [r.error for r in ours_only]
+    summary = decode.mtp_summary(ours_only).splitlines()
+    assert len(summary) == 3 and summary[2].startswith(f"MTP: {PRUNED}, budget 4's"), summary
+    _, unpruned = decode.run(
+        tiny,
+        3,
+        1,
+        torch.device("cpu"),
+        "test",
+        bw,
+        (2,),
+        (0.5,),
+        FAMILIES[1:2],
+        replace(mtp, draft_budgets=()),
+    )
+    assert not [r for r in unpruned if r.system.startswith(PRUNED)]
     _, plain = decode.run(
         tiny, 3, 1, torch.device("cpu"), "test", bw, (2,), (0.5,), FAMILIES[:1], decode.NO_MTP
     )
@@ -154,3 +192,26 @@ def test_verify_steps_wider_than_the_lanes_fail_their_row():
     good = decode.measure(wide, key, 0.5, ids, x, w, 1, bw, 2.0)
     assert not good.error and good.tokens == 8 and "lanes 8" in good.graph
     assert dict(wide.moe.step_widths["decode"]) == {8: 4} and not wide.moe.step_widths["prefill"]
+
+
+def test_draft_pruning_rows_measure_emitted_tokens_from_live_lanes():
+    """Ours with draft pruning: every step is a verify step, live lanes recorded after each timed step only, and
+    the row's tokens per request per step is their mean `1 + sum_{j<=m} a^j`."""
+    from bench.decode_steps import OursDraftPruned, time_steps
+    from pooled_runner.draft_prune import emitted_per_request
+
+    tiny, cpu = decode.Shape(H=8, I=4, E=8, K=2, L=2), torch.device("cpu")
+    bank = make_bank(tiny, cpu, torch.Generator().manual_seed(0))
+    ids = verify_steps(synthetic_trace(5 * 4, 2, 8, 2, 2, seed=4, reuse=0.6).ids.long(), 3)  # [5, L, 8, K]
+    x, w = torch.randn(2, 8, 8).bfloat16(), torch.softmax(torch.randn(2, 8, 2), -1)
+    system = make_ours(bank, tiny, 4, 8, cpu, pruning=(3, 0.5))
+    assert isinstance(system, OursDraftPruned) and system.name == PRUNED
+    time_steps(system, ids, x, w, warm=2)
+    recorded = [a.tolist() for a in system._alive]
+    assert len(recorded) == 3 and all(len(a) == 8 for a in recorded)
+    want = [e for a in recorded for e in emitted_per_request(a, 3, 0.5)]
+    got, live = system.take_emitted()
+    assert math.isclose(got, sum(want) / len(want)) and 0 <= live <= 3
+    assert not system._alive
+    with pytest.raises(RuntimeError, match="no timed verify step"):
+        system.take_emitted()
