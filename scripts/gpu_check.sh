@@ -7,6 +7,7 @@
 # QUICK=1: only the kernel GPU tests and the quick benchmark (decode rows, a prefill row, the decode sweep),
 # then the decode kernel variants side by side (bench_variants, ~150 s).
 # Each step has a time cap so one slow step cannot eat the others' time; add new steps with `step`.
+# SKIP="name ..." leaves steps out; ONLY="name ..." runs only those; GPU_TESTS="files" narrows gpu_tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_out}"
@@ -21,6 +22,7 @@ step() {  # step NAME CAP_SECONDS COMMAND...   (SKIP="name ..." leaves steps out
   local name="$1" cap="$2"
   shift 2
   case " ${SKIP:-} " in *" $name "*) echo "=== $name skipped ==="; return ;; esac
+  if [ -n "${ONLY:-}" ]; then case " $ONLY " in *" $name "*) ;; *) return ;; esac; fi
   local t0=$SECONDS
   echo "=== $name (cap ${cap}s) ==="
   timeout "$cap" "$@" 2>&1 | tee "$LOGS/$name.log"
@@ -35,12 +37,15 @@ if [ "${QUICK:-0}" = 1 ]; then
   step bench_kernels "${BENCH_KERNELS_CAP:-170}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_variants "${BENCH_VARIANTS_CAP:-200}" "$PY" -m bench.kernels --variants --budget 150 --out "$OUT/bench_variants.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
 else
-  step gpu_tests "${GPU_TESTS_CAP:-330}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests
+  step gpu_tests "${GPU_TESTS_CAP:-330}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 ${GPU_TESTS:-tests}
   step bench_kernels "${BENCH_KERNELS_CAP:-200}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_variants "${BENCH_VARIANTS_CAP:-200}" "$PY" -m bench.kernels --variants --budget 150 --out "$OUT/bench_variants.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_prefill "${BENCH_PREFILL_CAP:-150}" "$PY" -m bench.prefill --quick --out "$OUT/bench_prefill.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  step bench_prefill_int4 "${BENCH_PREFILL_INT4_CAP:-120}" "$PY" -m bench.prefill --quick --shapes qwen3 --formats int4-g128 --fracs 0.25 --out "$OUT/bench_prefill_int4.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_planner "${BENCH_PLANNER_CAP:-120}" "$PY" -m bench.planner --quick --out "$OUT/bench_planner.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
-  step bench_decode "${BENCH_DECODE_CAP:-300}" "$PY" -m bench.decode --quick --out "$OUT/bench_decode.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  step bench_decode "${BENCH_DECODE_CAP:-360}" "$PY" -m bench.decode --quick --out "$OUT/bench_decode.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  # MTP: ours at num_spec 0 and 3, with and without draft-lane pruning (budgets 0 and 8 unpaid routes per step)
+  step bench_decode_mtp "${BENCH_DECODE_MTP_CAP:-240}" "$PY" -m bench.decode --quick --mtp per-layer --families per-layer --ours-only --draft-budgets 0,8 --out "$OUT/bench_decode_mtp.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # PNGs from the decode JSON and the prefill table (needs matplotlib; the step fails alone without it; a
   # plot whose input a skipped or failed step did not write is left out with a note)
   step bench_plot "${BENCH_PLOT_CAP:-60}" "$PY" -m bench.plot --decode "$OUT/bench_decode.json" --prefill "$OUT/bench_prefill.md" --out-dir "$OUT"
