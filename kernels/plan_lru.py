@@ -184,7 +184,7 @@ def plan_lru_reference(
 if triton is not None:
 
     @triton.jit
-    def _plan_lru_kernel(
+    def _plan_lru_body(
         ids_ptr,
         num_routed,
         l2p_ptr,
@@ -215,6 +215,8 @@ if triton is not None:
         PROTECT: tl.constexpr,
         TELEMETRY: tl.constexpr,
     ):
+        """The whole plan, by one program (see the module docstring); returns the number of admissions (the
+        admitted pairs are entries 0..n-1 of victims/codes/valid: a prefix)."""
         INT64_MAX: tl.constexpr = 0x7FFFFFFFFFFFFFFF
         e_offs = tl.arange(0, BLOCK_E)
         e_in = e_offs < E
@@ -314,6 +316,71 @@ if triton is not None:
         tl.store(counters_ptr + 2, tl.load(counters_ptr + 2) + num_admitted)
         tl.store(counters_ptr + 3, tl.load(counters_ptr + 3) + num_misses - num_admitted)
         tl.store(counters_ptr + 4, tl.load(counters_ptr + 4) + num_evicted)
+        return num_admitted
+
+    @triton.jit
+    def _plan_lru_kernel(
+        ids_ptr,
+        num_routed,
+        l2p_ptr,
+        owner_ptr,
+        stamp_ptr,
+        clock_ptr,
+        counters_ptr,
+        counts_ptr,
+        victims_ptr,
+        codes_ptr,
+        valid_ptr,
+        cycle_ptr,
+        tel_counts_ptr,
+        tel_routed_ptr,
+        tel_flags_ptr,
+        tel_max,
+        layer,
+        base,
+        E,
+        EM,
+        R,
+        num_pairs,
+        block_m,
+        min_reads,
+        BLOCK_TK: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        PROTECT: tl.constexpr,
+        TELEMETRY: tl.constexpr,
+    ):
+        _plan_lru_body(
+            ids_ptr,
+            num_routed,
+            l2p_ptr,
+            owner_ptr,
+            stamp_ptr,
+            clock_ptr,
+            counters_ptr,
+            counts_ptr,
+            victims_ptr,
+            codes_ptr,
+            valid_ptr,
+            cycle_ptr,
+            tel_counts_ptr,
+            tel_routed_ptr,
+            tel_flags_ptr,
+            tel_max,
+            layer,
+            base,
+            E,
+            EM,
+            R,
+            num_pairs,
+            block_m,
+            min_reads,
+            BLOCK_TK,
+            BLOCK_E,
+            BLOCK_R,
+            PROTECT,
+            TELEMETRY,
+        )
 
 
 def plan_lru(
@@ -346,16 +413,42 @@ def plan_lru(
         raise RuntimeError("plan_lru needs Triton")
     args = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
     _check(*args, layer, num_experts, max_experts, num_rows, block_m, min_reads, cycle, telemetry)
+    kernel_args, meta = kernel_arguments(
+        *args, layer, num_experts, max_experts, num_rows, block_m, min_reads, cycle, telemetry
+    )
+    _plan_lru_kernel[(1,)](*kernel_args, **meta, num_warps=4)
+
+
+def kernel_arguments(
+    ids: torch.Tensor,
+    l2p: torch.Tensor,
+    row_owner: torch.Tensor,
+    row_stamp: torch.Tensor,
+    clock: torch.Tensor,
+    counters: torch.Tensor,
+    counts: torch.Tensor,
+    victims: torch.Tensor,
+    codes: torch.Tensor,
+    valid: torch.Tensor,
+    layer: int,
+    num_experts: int,
+    max_experts: int,
+    num_rows: int,
+    block_m: int,
+    min_reads: int,
+    cycle: torch.Tensor | None,
+    telemetry: Telemetry | None,
+) -> tuple[list[object], dict[str, object]]:
+    """The arguments of `_plan_lru_body` (positional, then constexpr keywords) for checked inputs; shared with
+    the one-launch plan + copy (`plan_copy.py`)."""
+    assert triton is not None
     num_routed, num_pairs = ids.shape[0], victims.shape[0]
     if num_pairs > max_experts:
         raise ValueError(
             f"num_pairs={num_pairs} > max_experts={max_experts}: a step admits at most E experts"
         )
-    block_e = triton.next_power_of_2(max_experts)
-    block_tk = min(1024, triton.next_power_of_2(max(num_routed, 1)))
-    block_r = min(ROW_BLOCK, triton.next_power_of_2(num_rows))
     tel_ptrs = (telemetry[0], telemetry[1].view(torch.int8), telemetry[2]) if telemetry is not None else ()
-    _plan_lru_kernel[(1,)](
+    kernel_args: list[object] = [
         ids,
         num_routed,
         l2p,
@@ -378,10 +471,12 @@ def plan_lru(
         num_pairs,
         block_m,
         min_reads,
-        BLOCK_TK=block_tk,
-        BLOCK_E=block_e,
-        BLOCK_R=block_r,
-        PROTECT=cycle is not None,
-        TELEMETRY=telemetry is not None,
-        num_warps=4,
-    )
+    ]
+    meta: dict[str, object] = {
+        "BLOCK_TK": min(1024, triton.next_power_of_2(max(num_routed, 1))),
+        "BLOCK_E": triton.next_power_of_2(max_experts),
+        "BLOCK_R": min(ROW_BLOCK, triton.next_power_of_2(num_rows)),
+        "PROTECT": cycle is not None,
+        "TELEMETRY": telemetry is not None,
+    }
+    return kernel_args, meta
