@@ -222,6 +222,7 @@ if triton is not None:
         BLOCK_R: tl.constexpr,
         PROTECT: tl.constexpr,
         TELEMETRY: tl.constexpr,
+        COUNT_IN_REGISTERS: tl.constexpr,
         NUM_OPS: tl.constexpr,
         BLOCK: tl.constexpr,
         SPIN: tl.constexpr,
@@ -260,6 +261,7 @@ if triton is not None:
                 BLOCK_R,
                 PROTECT,
                 TELEMETRY,
+                COUNT_IN_REGISTERS,
             )
             tl.debug_barrier()  # every thread's plan writes happen before the release below
             if SPIN:

@@ -36,6 +36,9 @@ Telemetry = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]  # counts, rout
 
 MAX_ROWS = 1 << 22  # keeps (stamp + 1) * R + row inside int64 for 2^40 clock ticks
 ROW_BLOCK = 1024
+# Token counts by a [T*K, E] comparison in registers up to this many elements (M <= 8 at top-8 of 256 experts),
+# else by atomics in global memory (two barriers and a round trip more).
+MAX_COUNT_MATRIX = 16384
 
 
 def _check(
@@ -214,55 +217,72 @@ if triton is not None:
         BLOCK_R: tl.constexpr,
         PROTECT: tl.constexpr,
         TELEMETRY: tl.constexpr,
+        COUNT_IN_REGISTERS: tl.constexpr,
     ):
         """The whole plan, by one program (see the module docstring); returns the number of admissions (the
         admitted pairs are entries 0..n-1 of victims/codes/valid: a prefix)."""
         INT64_MAX: tl.constexpr = 0x7FFFFFFFFFFFFFFF
         e_offs = tl.arange(0, BLOCK_E)
         e_in = e_offs < E
-        # 1. tokens per expert (integer atomics: the sum does not depend on their order)
-        tl.store(counts_ptr + e_offs, tl.zeros([BLOCK_E], dtype=tl.int32), mask=e_in)
         p_in = e_offs < num_pairs
+        # The loads that depend on nothing are issued first, so their latencies overlap: an all-hit step costs
+        # about one round trip to memory, not one per phase (each phase's words are read by this program alone).
+        now = tl.load(clock_ptr) + 1
+        code = tl.load(l2p_ptr + base + e_offs, mask=e_in, other=0).to(tl.int64)
+        c_offs = tl.arange(0, 8)  # the 5 counters
+        old_counters = tl.load(counters_ptr + c_offs, mask=c_offs < 5, other=0)
+        if TELEMETRY:
+            tel = tl.load(tel_counts_ptr + base + e_offs, mask=e_in, other=0)
+        if PROTECT:
+            last_layer = tl.load(cycle_ptr + 0)
+            cur_start = tl.load(cycle_ptr + 1)
+            prev_start = tl.load(cycle_ptr + 2)
         tl.store(valid_ptr + e_offs, tl.zeros([BLOCK_E], dtype=tl.int32), mask=p_in)
         tl.store(victims_ptr + e_offs, tl.zeros([BLOCK_E], dtype=tl.int32), mask=p_in)
         tl.store(codes_ptr + e_offs, tl.zeros([BLOCK_E], dtype=tl.int32) + R, mask=p_in)
-        tl.debug_barrier()
-        num_bad = 0
-        for start in range(0, num_routed, BLOCK_TK):
-            t_offs = start + tl.arange(0, BLOCK_TK)
+        # 1. tokens per expert
+        if COUNT_IN_REGISTERS:  # all ids in one block: a [T*K, E] comparison, no atomics, no barrier
+            t_offs = tl.arange(0, BLOCK_TK)
             ids = tl.load(ids_ptr + t_offs, mask=t_offs < num_routed, other=-1).to(tl.int64)
             routed = (ids >= 0) & (ids < E)
-            ones = tl.full([BLOCK_TK], 1, tl.int32)
-            tl.atomic_add(counts_ptr + tl.where(routed, ids, 0), ones, mask=routed)
-            num_bad += tl.sum(((ids < -1) | (ids >= E)).to(tl.int32), 0)
-        tl.debug_barrier()
-        # volatile (no L1): these words were written in this launch by other threads (atomics, stores)
-        tokens = tl.load(counts_ptr + e_offs, mask=e_in, other=0, volatile=True)
+            same = (ids[:, None] == e_offs[None, :]) & routed[:, None]
+            tokens = tl.sum(same.to(tl.int32), 0)
+            num_bad = tl.sum(((ids < -1) | (ids >= E)).to(tl.int32), 0)
+            tl.store(counts_ptr + e_offs, tokens, mask=e_in)
+        else:  # integer atomics (the sum does not depend on their order)
+            tl.store(counts_ptr + e_offs, tl.zeros([BLOCK_E], dtype=tl.int32), mask=e_in)
+            tl.debug_barrier()
+            num_bad = 0
+            for start in range(0, num_routed, BLOCK_TK):
+                t_offs = start + tl.arange(0, BLOCK_TK)
+                ids = tl.load(ids_ptr + t_offs, mask=t_offs < num_routed, other=-1).to(tl.int64)
+                routed = (ids >= 0) & (ids < E)
+                ones = tl.full([BLOCK_TK], 1, tl.int32)
+                tl.atomic_add(counts_ptr + tl.where(routed, ids, 0), ones, mask=routed)
+                num_bad += tl.sum(((ids < -1) | (ids >= E)).to(tl.int32), 0)
+            tl.debug_barrier()
+            # volatile (no L1): these words were written in this launch by other threads (atomics, stores)
+            tokens = tl.load(counts_ptr + e_offs, mask=e_in, other=0, volatile=True)
         present = tokens > 0
         if (
             TELEMETRY
         ):  # saturating counts, bitmap, sticky poison / overflow bits (this program alone writes them)
-            tel = tl.load(tel_counts_ptr + base + e_offs, mask=present, other=0)
             tel_new = tel + tokens
             tel_over = present & (tel_new >= tel_max)
             tl.store(tel_counts_ptr + base + e_offs, tl.minimum(tel_new, tel_max), mask=present)
             tl.store(tel_routed_ptr + base + e_offs, tl.full([BLOCK_E], 1, tl.int8), mask=present)
             tl.store(tel_flags_ptr + 0, 1, mask=num_bad > 0)
             tl.store(tel_flags_ptr + 1, 1, mask=tl.sum(tel_over.to(tl.int32), 0) > 0)
-        now = tl.load(clock_ptr) + 1
         tl.store(clock_ptr, now)
-        prev_start = now  # unused without PROTECT
         if PROTECT:  # a new cycle starts at a layer not above the previous one
-            last_layer = tl.load(cycle_ptr + 0)
-            cur_start = tl.load(cycle_ptr + 1)
-            prev_start = tl.load(cycle_ptr + 2)
             new_cycle = last_layer >= layer
             prev_start = tl.where(new_cycle, cur_start, prev_start)
             cur_start = tl.where(new_cycle, now, cur_start)
             tl.store(cycle_ptr + 0, last_layer * 0 + layer)
             tl.store(cycle_ptr + 1, cur_start)
             tl.store(cycle_ptr + 2, prev_start)
-        code = tl.load(l2p_ptr + base + e_offs, mask=e_in, other=0).to(tl.int64)
+        else:
+            prev_start = now  # unused without PROTECT
         hit = present & (code < R)
         miss = present & (code >= R)
         # 2. hits are stamped first: their rows are busy for the rest of the step
@@ -311,11 +331,10 @@ if triton is not None:
         # 6. counters
         num_hits = tl.sum(hit.to(tl.int64), 0)
         num_misses = tl.sum(miss.to(tl.int64), 0)
-        tl.store(counters_ptr + 0, tl.load(counters_ptr + 0) + num_hits)
-        tl.store(counters_ptr + 1, tl.load(counters_ptr + 1) + num_misses)
-        tl.store(counters_ptr + 2, tl.load(counters_ptr + 2) + num_admitted)
-        tl.store(counters_ptr + 3, tl.load(counters_ptr + 3) + num_misses - num_admitted)
-        tl.store(counters_ptr + 4, tl.load(counters_ptr + 4) + num_evicted)
+        added = tl.where(c_offs == 0, num_hits, 0) + tl.where(c_offs == 1, num_misses, 0)
+        added += tl.where(c_offs == 2, num_admitted, 0) + tl.where(c_offs == 3, num_misses - num_admitted, 0)
+        added += tl.where(c_offs == 4, num_evicted, 0)
+        tl.store(counters_ptr + c_offs, old_counters + added, mask=c_offs < 5)
         return num_admitted
 
     @triton.jit
@@ -349,6 +368,7 @@ if triton is not None:
         BLOCK_R: tl.constexpr,
         PROTECT: tl.constexpr,
         TELEMETRY: tl.constexpr,
+        COUNT_IN_REGISTERS: tl.constexpr,
     ):
         _plan_lru_body(
             ids_ptr,
@@ -380,6 +400,7 @@ if triton is not None:
             BLOCK_R,
             PROTECT,
             TELEMETRY,
+            COUNT_IN_REGISTERS,
         )
 
 
@@ -472,11 +493,14 @@ def kernel_arguments(
         block_m,
         min_reads,
     ]
+    block_tk = min(1024, triton.next_power_of_2(max(num_routed, 1)))
+    block_e = triton.next_power_of_2(max_experts)
     meta: dict[str, object] = {
-        "BLOCK_TK": min(1024, triton.next_power_of_2(max(num_routed, 1))),
-        "BLOCK_E": triton.next_power_of_2(max_experts),
+        "BLOCK_TK": block_tk,
+        "BLOCK_E": block_e,
         "BLOCK_R": min(ROW_BLOCK, triton.next_power_of_2(num_rows)),
         "PROTECT": cycle is not None,
         "TELEMETRY": telemetry is not None,
+        "COUNT_IN_REGISTERS": block_tk >= num_routed and block_tk * block_e <= MAX_COUNT_MATRIX,
     }
     return kernel_args, meta
