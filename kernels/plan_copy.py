@@ -3,11 +3,11 @@
 In a replayed graph every launch costs 1.5-2.5 µs even with no work, and on a step where every routed expert
 hits, the admission copy has none: this kernel saves that launch. A grid of P programs:
   - program 0 runs the whole plan (`plan_lru._plan_lru_body`: tables, counters, telemetry, admitted pairs),
-    then publishes the number of admissions n: `sync[0] = n + 1` (an atomic exchange with release semantics,
-    after a CTA barrier, so every plan write is visible to whoever acquires it);
-  - programs 1..P-1 spin on `sync[0] != 0` (volatile loads, then one acquire read), count their arrival in
-    `sync[1]`; the last arriver resets both words to 0 for the next launch (stream order: the next launch starts
-    after this one ends, so nobody reads the words in between);
+    then publishes the number of admissions n: `sync = n + 1` (an atomic exchange after a CTA barrier, with
+    release semantics when n > 0, so every plan write is visible to whoever acquires it);
+  - programs 1..P-1 spin on `sync != 0` (volatile loads), then add 2^16 to it (one atomic, acquire: it reads n
+    and counts the arrival); the last arriver resets the word to 0 for the next launch (stream order: the next
+    launch starts after this one ends, so nobody reads the word in between);
   - then all P programs copy their share of the admitted rows: items (pair, operand, chunk) over the n
     admitted pairs (a prefix of the pair list), item i by program i mod P, chunk c of a row = its blocks
     c, c + C, c + 2C, ... of BLOCK elements (the chunking of `gather_rows_multi`).
@@ -18,7 +18,7 @@ where this Triton supports it (`launch_cooperative_grid`: the driver refuses a g
 instead of letting it hang).
 
 Same results as `plan_lru` followed by `gather_rows_multi` over every operand group (the reference below is
-exactly that composition); `sync [2]` int32 must be zero before the launch and is zero after it.
+exactly that composition); `sync [1]` int32 must be zero before the launch and is zero after it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ except ImportError:  # pragma: no cover
 
 MAX_FUSED_OPERANDS = 8  # int4 with zero points and NVFP4 have 6
 COPY_PROGRAMS = 32  # P: co-resident on any recent GPU; each streams its items at a few GB/s from the bank
-SYNC_WORDS = 2  # [0] published admissions + 1 (0: not yet), [1] arrivals of programs 1..P-1
+SYNC_WORDS = 1  # low 16 bits: published admissions + 1 (0: not yet); high bits: arrivals of programs 1..P-1
+ARRIVAL = 1 << 16  # one arrival in the sync word
 
 
 def cooperative_launch_supported() -> bool:
@@ -119,6 +120,8 @@ if triton is not None:
     from .plan_lru import _plan_lru_body
     from .row_gather import _copy_row
 
+    _ARRIVAL = tl.constexpr(ARRIVAL)
+
     @triton.jit
     def _copy_slot(
         SLOT: tl.constexpr,
@@ -154,15 +157,14 @@ if triton is not None:
     @triton.jit
     def _wait_for_plan(sync_ptr, num_programs):
         """Programs 1..P-1: wait until program 0 published, return the admissions; the last one resets."""
-        go = tl.load(sync_ptr, volatile=True)
-        while go == 0:
-            go = tl.load(sync_ptr, volatile=True)
-        go = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")  # pairs with program 0's release
-        arrived = tl.atomic_add(sync_ptr + 1, 1, sem="relaxed", scope="gpu")
-        if arrived == num_programs - 2:  # every spinner has read sync[0]: ready for the next launch
-            tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+        seen = tl.load(sync_ptr, volatile=True)
+        while seen == 0:
+            seen = tl.load(sync_ptr, volatile=True)
+        # one read-modify-write: acquires program 0's release (its pairs), counts this arrival in the high bits
+        word = tl.atomic_add(sync_ptr, _ARRIVAL, sem="acquire", scope="gpu")
+        if word // _ARRIVAL == num_programs - 2:  # the last arriver: every spinner has read it
             tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
-        return go - 1
+        return word % _ARRIVAL - 1
 
     @triton.jit
     def _plan_copy_kernel(
@@ -264,8 +266,10 @@ if triton is not None:
                 COUNT_IN_REGISTERS,
             )
             tl.debug_barrier()  # every thread's plan writes happen before the release below
-            if SPIN:
-                tl.atomic_xchg(sync_ptr, num_admitted + 1, sem="release", scope="gpu")
+            if SPIN:  # with no admission the spinners read nothing of the plan: no release (no fence) needed
+                published = num_admitted + 1
+                tl.atomic_xchg(sync_ptr, published, sem="release", scope="gpu", mask=num_admitted > 0)
+                tl.atomic_xchg(sync_ptr, published, sem="relaxed", scope="gpu", mask=num_admitted == 0)
         else:
             num_admitted += _wait_for_plan(sync_ptr, num_programs)
         per_pair = NUM_OPS * num_chunks
@@ -327,7 +331,7 @@ def plan_lru_copy(
     """`plan_lru(...)` then `gather_rows_multi(rows, hosts, victims, codes, valid, num_rows, host_offset)` (every
     operand) in one launch (module docstring). The plan arguments are `plan_lru`'s; `rows[i] [R, n_i]` pool rows
     of operand i on the device, `hosts[i] [N, n_i]` its bank rows (page-locked on CUDA: not checked here, the
-    caller checks once before capture), 1..8 operands; `host_offset` the layer's first bank row; `sync [2]` int32
+    caller checks once before capture), 1..8 operands; `host_offset` the layer's first bank row; `sync [1]` int32
     zero. `num_programs` P (capped at the work: pairs x operands x chunks), `chunk_programs` C as in
     `gather_rows_multi`. `cooperative` (default: on CUDA where supported) launches cooperatively. Graph-safe:
     no host sync, no allocation. Runs on CUDA or under the Triton interpreter."""
@@ -341,6 +345,7 @@ def plan_lru_copy(
     num_pairs, max_numel = victims.shape[0], max(r.shape[1] for r in rows)
     chunks = max(1, min(chunk_programs, triton.cdiv(max_numel, GATHER_BLOCK)))
     programs = max(1, min(num_programs, num_pairs * len(rows) * chunks))
+    assert num_pairs + 1 < ARRIVAL and programs < 1 << 15, (num_pairs, programs)  # the sync word's fields
     ops: list[object] = []
     for i in range(MAX_FUSED_OPERANDS):
         j = min(i, len(rows) - 1)  # unused slots repeat the last operand (never read: NUM_OPS prunes them)
