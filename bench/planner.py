@@ -110,9 +110,19 @@ ROWS = 384
 RESIDENT_PER_LAYER = ROWS // L
 
 
-# --planners: name -> (fused, one_launch) of DevicePlanner
-PLANNERS = {"one": (True, True), "two": (True, False), "ops": (False, None)}
-PLANNER_NAMES = {"one": "fused, one launch", "two": "fused, two launches", "ops": "torch ops"}
+# --planners: name -> (fused, one_launch, cooperative) of DevicePlanner
+PLANNERS = {
+    "one": (True, True, None),
+    "one-nc": (True, True, False),
+    "two": (True, False, None),
+    "ops": (False, None, None),
+}
+PLANNER_NAMES = {
+    "one": "fused, one launch",
+    "one-nc": "fused, one launch, not cooperative",
+    "two": "fused, two launches",
+    "ops": "torch ops",
+}
 
 
 def build(  # type: ignore[no-untyped-def]
@@ -120,6 +130,7 @@ def build(  # type: ignore[no-untyped-def]
     fused: bool | None = None,
     one_launch: bool | None = None,
     copy_programs: int | None = None,
+    cooperative: bool | None = None,
 ):
     from pooled_runner import PoolConfig, PooledMoE
     from pooled_runner.kernel_path import KernelPath
@@ -138,9 +149,16 @@ def build(  # type: ignore[no-untyped-def]
         moe.register_layer(E)
     priority = [(layer, e) for e in range(E) for layer in range(L)]  # experts 0..63 of every layer resident
     moe.install(lambda layer, e: distinct[(layer * E + e) % len(distinct)], priority)
-    extra = {} if copy_programs is None else {"copy_programs": copy_programs}
+    assert moe.pool is not None
     planner = DevicePlanner(
-        moe.pool, policy, max_routed=8 * K, debug_checks=False, fused=fused, one_launch=one_launch, **extra
+        moe.pool,
+        policy,
+        max_routed=8 * K,
+        debug_checks=False,
+        fused=fused,
+        one_launch=one_launch,
+        copy_programs=COPY_PROGRAMS if copy_programs is None else copy_programs,
+        cooperative=cooperative,
     )
     tel = RouteTelemetry([E] * L, moe.pool.device, fused=fused)
     return moe, planner, tel, KernelPath(moe.format, moe.pool, moe.bank, H, I)
@@ -179,8 +197,8 @@ def overhead(lines: list[str], args: argparse.Namespace) -> None:
 
 
 def _overhead_rows(lines: list[str], args: argparse.Namespace, name: str) -> None:
-    fused, one_launch = PLANNERS[name]
-    _moe, planner, tel, kpath = build(CycleLRUPolicy(), fused=fused, one_launch=one_launch)
+    fused, one_launch, cooperative = PLANNERS[name]
+    _moe, planner, tel, kpath = build(CycleLRUPolicy(), fused, one_launch, cooperative=cooperative)
     g = torch.Generator(device="cuda").manual_seed(1)
     for M in (1, 4, 8):
         x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
@@ -332,7 +350,8 @@ def main() -> None:
     ap.add_argument(
         "--planners",
         default="one,two,ops",
-        help="overhead rows: comma list of one (plan + copy in one launch), two (plan, then copy), ops (torch)",
+        help="overhead rows: comma list of one (plan + copy in one launch), one-nc (the same, not a cooperative "
+        "launch), two (plan, then copy), ops (torch)",
     )
     ap.add_argument(
         "--copy-programs",

@@ -57,7 +57,8 @@ class DevicePlanner:
         bank at a higher PCIe rate; unused ones exit at once).
       one_launch: the fused plan and its admission copy in one launch (`kernels/plan_copy.py`, `copy_programs`
         programs) instead of two (`plan_lru`, then `gather_rows_multi` per 4 operands). None = with `fused`,
-        a bank and <= 8 operands, unless POOLED_RUNNER_PLAN_SPLIT_COPY is set.
+        a bank and <= 8 operands, unless POOLED_RUNNER_PLAN_SPLIT_COPY is set. cooperative: launch it as a
+        cooperative grid (None: POOLED_RUNNER_PLAN_COOPERATIVE, default on where Triton supports it).
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class DevicePlanner:
         gather_chunks: int = MULTI_CHUNK_PROGRAMS,
         one_launch: bool | None = None,
         copy_programs: int = COPY_PROGRAMS,
+        cooperative: bool | None = None,
     ):
         if max_routed < 1 or block_m < 1 or min_reads_to_admit < 1:
             raise ValueError(
@@ -131,7 +133,7 @@ class DevicePlanner:
             )
         self.one_launch = can_one and (not envs.plan_split_copy() if one_launch is None else one_launch)
         self.copy_programs = copy_programs
-        self._cooperative = envs.plan_cooperative()
+        self._cooperative = envs.plan_cooperative() if cooperative is None else cooperative
         self._sync32 = torch.zeros(SYNC_WORDS, dtype=torch.int32, device=dev)  # zero between launches
         self.load_from_pool()
 
