@@ -12,8 +12,11 @@ launch time in a replayed graph) with one program that does, in order (the decis
   6. the counters (hits, misses, admissions, host reads, evictions) are incremented and the admitted pairs are
      written for the row-gather kernel (`victims`, `codes` = R + expert, `valid`).
 Everything runs in one program, so the order is fixed (deterministic; `tl.debug_barrier` orders the global
-writes between phases) and the integer results equal `HostTwin`'s. Cost: a few passes over the layer's experts
-plus one pass over the rows per admitted miss.
+writes between phases) and the integer results equal `HostTwin`'s. Latency, not work, is the cost: the loads that
+depend on nothing (ids, clock, the layer's l2p, counters, telemetry, cycle words) are issued together first, and
+the token counts of a narrow step (T*K x E <= MAX_COUNT_MATRIX) come from a comparison in registers, so a step
+where every expert hits waits about one round trip to memory; each admitted miss adds a pass over the rows.
+The body (`_plan_lru_body`) is shared with the one-launch plan + copy (`plan_copy.py`).
 
 Shapes: `ids [T*K]` any integer dtype; `l2p [L * E_max]` int32 (flat); `row_owner, row_stamp [>= R]` int64;
 `clock [1]`, `counters [5]` int64; `counts [>= E_max]` int32 scratch; `victims, codes, valid [P]` int32 outputs
@@ -264,9 +267,8 @@ if triton is not None:
             # volatile (no L1): these words were written in this launch by other threads (atomics, stores)
             tokens = tl.load(counts_ptr + e_offs, mask=e_in, other=0, volatile=True)
         present = tokens > 0
-        if (
-            TELEMETRY
-        ):  # saturating counts, bitmap, sticky poison / overflow bits (this program alone writes them)
+        # saturating counts, bitmap, sticky poison / overflow bits (this program alone writes them)
+        if TELEMETRY:
             tel_new = tel + tokens
             tel_over = present & (tel_new >= tel_max)
             tl.store(tel_counts_ptr + base + e_offs, tl.minimum(tel_new, tel_max), mask=present)
