@@ -110,16 +110,18 @@ ROWS = 384
 RESIDENT_PER_LAYER = ROWS // L
 
 
-# --planners: name -> (fused, one_launch, cooperative) of DevicePlanner
+# --planners: name -> (fused, one_launch, cooperative, pdl) of DevicePlanner
 PLANNERS = {
-    "one": (True, True, None),
-    "one-nc": (True, True, False),
-    "two": (True, False, None),
-    "ops": (False, None, None),
+    "one": (True, True, None, None),
+    "one-nc": (True, True, False, None),
+    "one-pdl": (True, True, False, True),
+    "two": (True, False, None, None),
+    "ops": (False, None, None, None),
 }
 PLANNER_NAMES = {
     "one": "fused, one launch",
     "one-nc": "fused, one launch, not cooperative",
+    "one-pdl": "fused, one launch, PDL, not cooperative",
     "two": "fused, two launches",
     "ops": "torch ops",
 }
@@ -131,6 +133,7 @@ def build(  # type: ignore[no-untyped-def]
     one_launch: bool | None = None,
     copy_programs: int | None = None,
     cooperative: bool | None = None,
+    pdl: bool | None = None,
 ):
     from pooled_runner import PoolConfig, PooledMoE
     from pooled_runner.kernel_path import KernelPath
@@ -159,6 +162,7 @@ def build(  # type: ignore[no-untyped-def]
         one_launch=one_launch,
         copy_programs=COPY_PROGRAMS if copy_programs is None else copy_programs,
         cooperative=cooperative,
+        pdl=pdl,
     )
     tel = RouteTelemetry([E] * L, moe.pool.device, fused=fused)
     return moe, planner, tel, KernelPath(moe.format, moe.pool, moe.bank, H, I)
@@ -197,8 +201,8 @@ def overhead(lines: list[str], args: argparse.Namespace) -> None:
 
 
 def _overhead_rows(lines: list[str], args: argparse.Namespace, name: str) -> None:
-    fused, one_launch, cooperative = PLANNERS[name]
-    _moe, planner, tel, kpath = build(CycleLRUPolicy(), fused, one_launch, cooperative=cooperative)
+    fused, one_launch, cooperative, pdl = PLANNERS[name]
+    _moe, planner, tel, kpath = build(CycleLRUPolicy(), fused, one_launch, cooperative=cooperative, pdl=pdl)
     g = torch.Generator(device="cuda").manual_seed(1)
     for M in (1, 4, 8):
         x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
@@ -351,7 +355,7 @@ def main() -> None:
         "--planners",
         default="one,two,ops",
         help="overhead rows: comma list of one (plan + copy in one launch), one-nc (the same, not a cooperative "
-        "launch), two (plan, then copy), ops (torch)",
+        "launch), one-pdl (one-nc as a programmatic dependent launch), two (plan, then copy), ops (torch)",
     )
     ap.add_argument(
         "--copy-programs",

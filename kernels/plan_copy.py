@@ -40,6 +40,18 @@ SYNC_WORDS = 1  # low 16 bits: published admissions + 1 (0: not yet); high bits:
 ARRIVAL = 1 << 16  # one arrival in the sync word
 
 
+def pdl_supported() -> bool:
+    """Whether this Triton has programmatic dependent launch (`launch_pdl`, `gdc_wait`; Triton >= 3.4)."""
+    if triton is None:  # pragma: no cover
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    except ImportError:  # pragma: no cover
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
 def cooperative_launch_supported() -> bool:
     """Whether this Triton's CUDA backend takes `launch_cooperative_grid` (Triton >= 3.3)."""
     if triton is None:  # pragma: no cover
@@ -104,6 +116,7 @@ def plan_lru_copy_reference(
     num_programs: int = COPY_PROGRAMS,
     chunk_programs: int = MULTI_CHUNK_PROGRAMS,
     cooperative: bool | None = None,
+    pdl: bool = False,
 ) -> None:
     """Reference of `plan_lru_copy`: `plan_lru_reference`, then each operand's admitted rows copied from the
     bank (`gather_rows_reference`, the pool rows as the device source). Host-synchronizing; `sync` untouched."""
@@ -119,6 +132,14 @@ def plan_lru_copy_reference(
 if triton is not None:
     from .plan_lru import _plan_lru_body
     from .row_gather import _copy_row
+
+    if pdl_supported():
+        from triton.language.extra.cuda import gdc_wait as _gdc_wait
+    else:  # pragma: no cover
+
+        @triton.jit
+        def _gdc_wait():
+            pass
 
     _ARRIVAL = tl.constexpr(ARRIVAL)
 
@@ -228,7 +249,12 @@ if triton is not None:
         NUM_OPS: tl.constexpr,
         BLOCK: tl.constexpr,
         SPIN: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if (
+            PDL
+        ):  # launched before the previous kernel ended: wait for it (its writes visible) before any access
+            _gdc_wait()
         pid = tl.program_id(0)
         num_programs = tl.num_programs(0)
         num_admitted = tl.full([], 0, tl.int32)
@@ -327,13 +353,16 @@ def plan_lru_copy(
     num_programs: int = COPY_PROGRAMS,
     chunk_programs: int = MULTI_CHUNK_PROGRAMS,
     cooperative: bool | None = None,
+    pdl: bool = False,
 ) -> None:
     """`plan_lru(...)` then `gather_rows_multi(rows, hosts, victims, codes, valid, num_rows, host_offset)` (every
     operand) in one launch (module docstring). The plan arguments are `plan_lru`'s; `rows[i] [R, n_i]` pool rows
     of operand i on the device, `hosts[i] [N, n_i]` its bank rows (page-locked on CUDA: not checked here, the
     caller checks once before capture), 1..8 operands; `host_offset` the layer's first bank row; `sync [1]` int32
     zero. `num_programs` P (capped at the work: pairs x operands x chunks), `chunk_programs` C as in
-    `gather_rows_multi`. `cooperative` (default: on CUDA where supported) launches cooperatively. Graph-safe:
+    `gather_rows_multi`. `cooperative` (default: on CUDA where supported) launches cooperatively; `pdl` (CUDA,
+    where supported) as a programmatic dependent launch: it may start while the previous kernel drains, every
+    program waiting for it (`griddepcontrol.wait`) before its first access. Graph-safe:
     no host sync, no allocation. Runs on CUDA or under the Triton interpreter."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("plan_lru_copy needs Triton")
@@ -355,6 +384,9 @@ def plan_lru_copy(
     launch: dict[str, object] = {"num_warps": 4}
     if cooperative and ids.is_cuda and programs > 1:
         launch["launch_cooperative_grid"] = True
+    pdl = pdl and ids.is_cuda and pdl_supported()
+    if pdl:
+        launch["launch_pdl"] = True
     _plan_copy_kernel[(programs,)](
         *kernel_args,
         sync,
@@ -365,5 +397,6 @@ def plan_lru_copy(
         NUM_OPS=len(rows),
         BLOCK=GATHER_BLOCK,
         SPIN=programs > 1,
+        PDL=pdl,
         **launch,
     )

@@ -62,6 +62,12 @@ def plan_cooperative() -> bool:
     return _get_bool("PLAN_COOPERATIVE", True)
 
 
+def plan_pdl() -> bool:
+    """POOLED_RUNNER_PLAN_PDL: launch the one-launch plan + copy as a programmatic dependent launch (it may start
+    while the previous kernel drains; default off until measured)."""
+    return _get_bool("PLAN_PDL", False)
+
+
 def cache_dir() -> str:
     """POOLED_RUNNER_CACHE_DIR: where generated checkpoints (the embedded model) are kept."""
     return _get_str("CACHE_DIR", "~/.cache/pooled_runner")

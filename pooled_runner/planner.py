@@ -58,7 +58,8 @@ class DevicePlanner:
       one_launch: the fused plan and its admission copy in one launch (`kernels/plan_copy.py`, `copy_programs`
         programs) instead of two (`plan_lru`, then `gather_rows_multi` per 4 operands). None = with `fused`,
         a bank and <= 8 operands, unless POOLED_RUNNER_PLAN_SPLIT_COPY is set. cooperative: launch it as a
-        cooperative grid (None: POOLED_RUNNER_PLAN_COOPERATIVE, default on where Triton supports it).
+        cooperative grid (None: POOLED_RUNNER_PLAN_COOPERATIVE, default on where Triton supports it). pdl: as a
+        programmatic dependent launch (None: POOLED_RUNNER_PLAN_PDL, default off).
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class DevicePlanner:
         one_launch: bool | None = None,
         copy_programs: int = COPY_PROGRAMS,
         cooperative: bool | None = None,
+        pdl: bool | None = None,
     ):
         if max_routed < 1 or block_m < 1 or min_reads_to_admit < 1:
             raise ValueError(
@@ -134,6 +136,7 @@ class DevicePlanner:
         self.one_launch = can_one and (not envs.plan_split_copy() if one_launch is None else one_launch)
         self.copy_programs = copy_programs
         self._cooperative = envs.plan_cooperative() if cooperative is None else cooperative
+        self._pdl = envs.plan_pdl() if pdl is None else pdl
         self._sync32 = torch.zeros(SYNC_WORDS, dtype=torch.int32, device=dev)  # zero between launches
         self.load_from_pool()
 
@@ -268,6 +271,7 @@ class DevicePlanner:
             num_programs=self.copy_programs,
             chunk_programs=self.gather_chunks,
             cooperative=self._cooperative,
+            pdl=self._pdl,
         )
 
     def _gather(self, layer: int, victims: torch.Tensor, codes: torch.Tensor, valid: torch.Tensor) -> None:

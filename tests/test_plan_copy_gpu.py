@@ -3,8 +3,10 @@
 Two identical pools (int4-like, six operands of mixed dtypes, rows longer than one copy block, a pinned bank,
 20 rows for 54 experts), one planned by the one-launch path and one by the two-launch path (`plan_lru`, then
 `gather_rows_multi` per four operands). Each captures one decode step (4 layers: plan + telemetry) in a CUDA
-graph, replays it many times with new routing (misses, evictions, padding and out-of-range ids); after every
-replay the tables, counters, telemetry and every used pool row must be equal, and the sync words zero.
+graph, replays it 25 times with new routing (misses, evictions, padding and out-of-range ids); after every
+replay the tables, counters, telemetry and every used pool row must be equal, and the sync word zero. Three
+launch modes of the one-launch kernel: cooperative (the default), a plain grid, and a programmatic dependent
+launch (a plain grid).
 
 Programs of the one-launch kernel wait for its program 0: a scheduling bug would hang, not fail. So the check runs
 in a subprocess under a timeout: a deadlock fails the test (and the hung process is killed with it).
@@ -114,13 +116,15 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("cooperative", ["1", "0"])
-def test_one_launch_plan_copy_replays_like_two_launches(cooperative: str) -> None:
-    env = dict(os.environ, POOLED_RUNNER_PLAN_COOPERATIVE=cooperative)
+@pytest.mark.parametrize(
+    ("cooperative", "pdl"), [("1", "0"), ("0", "0"), ("0", "1")], ids=["cooperative", "plain", "pdl"]
+)
+def test_one_launch_plan_copy_replays_like_two_launches(cooperative: str, pdl: str) -> None:
+    env = dict(os.environ, POOLED_RUNNER_PLAN_COOPERATIVE=cooperative, POOLED_RUNNER_PLAN_PDL=pdl)
     env.pop("POOLED_RUNNER_PLAN_SPLIT_COPY", None)
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", SCRIPT, "cuda", "40"], env=env, capture_output=True, text=True, timeout=240
+            [sys.executable, "-c", SCRIPT, "cuda", "25"], env=env, capture_output=True, text=True, timeout=240
         )
     except subprocess.TimeoutExpired as e:  # the child is killed by subprocess.run
         pytest.fail(f"one-launch plan + copy did not finish in 240 s (deadlock?): {e.stdout!r} {e.stderr!r}")
