@@ -10,7 +10,7 @@ hits, the admission copy has none: this kernel saves that launch. A grid of P pr
     launch starts after this one ends, so nobody reads the word in between);
   - then all P programs copy their share of the admitted rows: items (pair, operand, chunk) over the n
     admitted pairs (a prefix of the pair list), item i by program i mod P, chunk c of a row = its blocks
-    c, c + C, c + 2C, ... of BLOCK elements (the chunking of `gather_rows_multi`).
+    c, c + C, c + 2C, ... of COPY_BLOCK elements (`gather_rows_multi`'s chunking, with twice its block).
 Program 0 never waits for the others, so the scheme also runs under TRITON_INTERPRET=1 (programs one after the
 other in program-id order: program 0 has published before program 1 starts). On the GPU the spinners need
 program 0 to be resident: P is small (<= 32 by default, far below the SM count) and the launch is cooperative
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .plan_lru import Telemetry, _check, kernel_arguments, plan_lru_reference
-from .row_gather import GATHER_BLOCK, MULTI_CHUNK_PROGRAMS, _check_args, gather_rows_reference
+from .row_gather import MULTI_CHUNK_PROGRAMS, _check_args, gather_rows_reference
 
 try:  # Triton is optional for the CPU core
     import triton
@@ -36,6 +36,9 @@ except ImportError:  # pragma: no cover
 
 MAX_FUSED_OPERANDS = 8  # int4 with zero points and NVFP4 have 6
 COPY_PROGRAMS = 32  # P: co-resident on any recent GPU; each streams its items at a few GB/s from the bank
+# Elements per program per loop step: twice gather_rows_multi's block, so that each of the fewer programs keeps
+# twice the bytes in flight (a read of the pinned bank waits ~1-2 µs on PCIe).
+COPY_BLOCK = 4096
 SYNC_WORDS = 1  # low 16 bits: published admissions + 1 (0: not yet); high bits: arrivals of programs 1..P-1
 ARRIVAL = 1 << 16  # one arrival in the sync word
 
@@ -372,7 +375,7 @@ def plan_lru_copy(
     _check_copy(rows, hosts, victims, codes, valid, num_rows, host_offset, sync, num_programs, chunk_programs)
     kernel_args, meta = kernel_arguments(*plan, *sizes, cycle, telemetry)
     num_pairs, max_numel = victims.shape[0], max(r.shape[1] for r in rows)
-    chunks = max(1, min(chunk_programs, triton.cdiv(max_numel, GATHER_BLOCK)))
+    chunks = max(1, min(chunk_programs, triton.cdiv(max_numel, COPY_BLOCK)))
     programs = max(1, min(num_programs, num_pairs * len(rows) * chunks))
     assert num_pairs + 1 < ARRIVAL and programs < 1 << 15, (num_pairs, programs)  # the sync word's fields
     ops: list[object] = []
@@ -395,7 +398,7 @@ def plan_lru_copy(
         *ops,
         **meta,
         NUM_OPS=len(rows),
-        BLOCK=GATHER_BLOCK,
+        BLOCK=COPY_BLOCK,
         SPIN=programs > 1,
         PDL=pdl,
         **launch,

@@ -32,7 +32,7 @@ from pooled_runner.telemetry import RouteTelemetry
 from tests.test_plan_lru import random_state
 
 DTYPES = (torch.bfloat16, torch.int32, torch.uint8, torch.float32, torch.float16, torch.int8)
-NUMELS = (7, 2049, 3, 1, 4100, 5, 2, 9)  # 2049, 4100: more than one 2048-element block
+NUMELS = (7, 4097, 3, 1, 8193, 5, 2, 9)  # 4097, 8193: more than one 4096-element copy block
 
 
 def random_rows(num_ops: int, R: int, N: int, g: torch.Generator) -> tuple[list, list]:

@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent(
     LAYERS, ROWS, K = [16, 12, 16, 10], 20, 4
     OPS = tuple(
         OperandSpec(f"{p}_{part}", shape, dtype)
-        for p, n, k in (("w13", 64, 40), ("w2", 40, 8))
+        for p, n, k in (("w13", 64, 80), ("w2", 40, 8))
         for part, shape, dtype in (
             ("q", (n, k), torch.int32), ("s", (n, 5), torch.bfloat16), ("z", (n, 5), torch.uint8)
         )
