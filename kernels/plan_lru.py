@@ -39,9 +39,9 @@ Telemetry = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]  # counts, rout
 
 MAX_ROWS = 1 << 22  # keeps (stamp + 1) * R + row inside int64 for 2^40 clock ticks
 ROW_BLOCK = 1024
-# Token counts by a [T*K, E] comparison in registers up to this many elements (M <= 8 at top-8 of 256 experts),
-# else by atomics in global memory (two barriers and a round trip more).
-MAX_COUNT_MATRIX = 16384
+# Token counts by a [T*K, E] comparison in registers up to this many elements (64 per thread: M <= 8 at top-8
+# of 128 experts, M <= 4 of 256), else by atomics in global memory (two barriers and a round trip more).
+MAX_COUNT_MATRIX = 8192
 
 
 def _check(
