@@ -111,6 +111,20 @@ SCRIPT = textwrap.dedent(
             c = runs[0][0].counter_values()
             assert c["admissions"] > 0 and c["evictions"] > 0 and c["hits"] > 0, c
             print(f"M={M} {policy.__name__}: {c}", flush=True)
+    if GRAPHS:  # the launch inventory of one planned layer step (eager): 1 kernel, against 1 + ceil(6 / 4)
+        from torch.profiler import ProfilerActivity, profile
+
+        for one_launch, want in ((True, 1), (False, 3)):
+            planner, tel = build(LRUPolicy, one_launch)
+            set_ids()
+            planner.plan(0, ids[0], tel)  # compiled
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                planner.plan(1, ids[1], tel)
+                torch.cuda.synchronize()
+            names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+            print(f"one_launch={one_launch}: {names}", flush=True)
+            assert len(names) == want, f"one_launch={one_launch}: {len(names)} device events {names}"
     print("plan copy graphs ok")
     """
 )
