@@ -110,31 +110,25 @@ ROWS = 384
 RESIDENT_PER_LAYER = ROWS // L
 
 
-# --planners: name -> (fused, one_launch, cooperative, pdl) of DevicePlanner
-PLANNERS = {
-    "one": (True, True, None, None),
-    "one-nc": (True, True, False, None),
-    "one-pdl": (True, True, False, True),
-    "two": (True, False, None, None),
-    "ops": (False, None, None, None),
-}
-PLANNER_NAMES = {
-    "one": "fused, one launch",
-    "one-nc": "fused, one launch, not cooperative",
-    "one-pdl": "fused, one launch, PDL, not cooperative",
-    "two": "fused, two launches",
-    "ops": "torch ops",
+# --planners: name -> (label, DevicePlanner keywords)
+PLANNERS: dict[str, tuple[str, dict[str, object]]] = {
+    "one": ("fused, one launch", {"fused": True, "one_launch": True}),
+    "one-nc": (
+        "fused, one launch, not cooperative",
+        {"fused": True, "one_launch": True, "cooperative": False},
+    ),
+    "one-pdl": (
+        "fused, one launch, PDL, not cooperative",
+        {"fused": True, "one_launch": True, "cooperative": False, "pdl": True},
+    ),
+    "one-w1": ("fused, one launch, 1 warp", {"fused": True, "one_launch": True, "plan_warps": 1}),
+    "two": ("fused, two launches", {"fused": True, "one_launch": False}),
+    "ops": ("torch ops", {"fused": False}),
 }
 
 
-def build(  # type: ignore[no-untyped-def]
-    policy: Policy,
-    fused: bool | None = None,
-    one_launch: bool | None = None,
-    copy_programs: int | None = None,
-    cooperative: bool | None = None,
-    pdl: bool | None = None,
-):
+def build(policy: Policy, **planner_kwargs: object):  # type: ignore[no-untyped-def]
+    """Pooled stack, DevicePlanner(**planner_kwargs), telemetry and kernel path of the GPU rows."""
     from pooled_runner import PoolConfig, PooledMoE
     from pooled_runner.kernel_path import KernelPath
 
@@ -153,18 +147,8 @@ def build(  # type: ignore[no-untyped-def]
     priority = [(layer, e) for e in range(E) for layer in range(L)]  # experts 0..63 of every layer resident
     moe.install(lambda layer, e: distinct[(layer * E + e) % len(distinct)], priority)
     assert moe.pool is not None
-    planner = DevicePlanner(
-        moe.pool,
-        policy,
-        max_routed=8 * K,
-        debug_checks=False,
-        fused=fused,
-        one_launch=one_launch,
-        copy_programs=COPY_PROGRAMS if copy_programs is None else copy_programs,
-        cooperative=cooperative,
-        pdl=pdl,
-    )
-    tel = RouteTelemetry([E] * L, moe.pool.device, fused=fused)
+    planner = DevicePlanner(moe.pool, policy, max_routed=8 * K, debug_checks=False, **planner_kwargs)  # type: ignore[arg-type]
+    tel = RouteTelemetry([E] * L, moe.pool.device, fused=planner.fused)
     return moe, planner, tel, KernelPath(moe.format, moe.pool, moe.bank, H, I)
 
 
@@ -201,8 +185,8 @@ def overhead(lines: list[str], args: argparse.Namespace) -> None:
 
 
 def _overhead_rows(lines: list[str], args: argparse.Namespace, name: str) -> None:
-    fused, one_launch, cooperative, pdl = PLANNERS[name]
-    _moe, planner, tel, kpath = build(CycleLRUPolicy(), fused, one_launch, cooperative=cooperative, pdl=pdl)
+    label, kwargs = PLANNERS[name]
+    _moe, planner, tel, kpath = build(CycleLRUPolicy(), **kwargs)
     g = torch.Generator(device="cuda").manual_seed(1)
     for M in (1, 4, 8):
         x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
@@ -235,7 +219,7 @@ def _overhead_rows(lines: list[str], args: argparse.Namespace, name: str) -> Non
         t_both = graph_ms(planned)
         t_all = graph_ms(lambda: planned(telemetry=True))
         lines.append(
-            f"| {PLANNER_NAMES[name]} | {M} | {1e3 * t_moe:.1f} | {1e3 * t_plan:.1f} | {1e3 * t_both:.1f} | "
+            f"| {label} | {M} | {1e3 * t_moe:.1f} | {1e3 * t_plan:.1f} | {1e3 * t_both:.1f} | "
             f"{(t_both - t_moe) / t_moe:.1%} | {1e3 * t_tel:.1f} | {1e3 * t_all:.1f} | "
             f"{(t_all - t_both) / t_moe:.1%} |"
         )
@@ -263,26 +247,24 @@ def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
     ]
     write(args.out, lines)
     best = belady_hit_rate(trace, ROWS, warm)
-    # (name, policy, fused, one_launch, copy programs)
-    policies: list[tuple[str, Policy, bool | None, bool | None, int | None]] = [
+    # (name, policy, DevicePlanner keywords)
+    policies: list[tuple[str, Policy, dict[str, object]]] = [
         (
             f"lru-cycle (fused, one launch, P={p}{'; the default' if i == 0 else ''})",
             CycleLRUPolicy(),
-            True,
-            True,
-            p,
+            {"fused": True, "one_launch": True, "copy_programs": p},
         )
         for i, p in enumerate(args.copy_programs)
     ]
     policies += [
-        ("lru-cycle (fused, two launches)", CycleLRUPolicy(), True, False, None),
-        ("lru (fused, one launch)", LRUPolicy(), True, True, None),
-        ("lru (torch ops)", LRUPolicy(), False, None, None),
-        ("freq", FreqDecayPolicy(), None, None, None),
-        ("aging", AgingFreqPolicy(), None, None, None),
+        ("lru-cycle (fused, two launches)", CycleLRUPolicy(), {"fused": True, "one_launch": False}),
+        ("lru (fused, one launch)", LRUPolicy(), {"fused": True, "one_launch": True}),
+        ("lru (torch ops)", LRUPolicy(), {"fused": False}),
+        ("freq", FreqDecayPolicy(), {}),
+        ("aging", AgingFreqPolicy(), {}),
     ]
-    for name, policy, fused, one_launch, programs in policies:
-        hits, misses, ms, row_bytes = _replay(trace, policy, warm, fused, one_launch, programs)
+    for name, policy, kwargs in policies:
+        hits, misses, ms, row_bytes = _replay(trace, policy, warm, **kwargs)
         bound = 1e3 * (hits * row_bytes / bw.hbm_read + misses * row_bytes / bw.host_zero_copy)
         bound /= trace.num_steps - warm
         lines.append(
@@ -299,16 +281,9 @@ def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
     write(args.out, lines)
 
 
-def _replay(
-    trace: Trace,
-    policy: Policy,
-    warm: int,
-    fused: bool | None,
-    one_launch: bool | None = None,
-    copy_programs: int | None = None,
-) -> tuple[int, int, float, int]:
+def _replay(trace: Trace, policy: Policy, warm: int, **planner_kwargs: object) -> tuple[int, int, float, int]:
     """Replay `trace` through one captured decode step: (hits, misses, ms per step, row bytes) after `warm`."""
-    moe, planner, _, kpath = build(policy, fused, one_launch, copy_programs)
+    moe, planner, _, kpath = build(policy, **planner_kwargs)
     steps = trace.num_steps
     ids_host = trace.ids.to(torch.int64).pin_memory()  # [S, L, 1, K]
     ids = torch.zeros(L, 1, K, dtype=torch.int64, device="cuda")
@@ -355,7 +330,8 @@ def main() -> None:
         "--planners",
         default="one,two,ops",
         help="overhead rows: comma list of one (plan + copy in one launch), one-nc (the same, not a cooperative "
-        "launch), one-pdl (one-nc as a programmatic dependent launch), two (plan, then copy), ops (torch)",
+        "launch), one-pdl (one-nc as a programmatic dependent launch), one-w1 (one with 1 warp per program), "
+        "two (plan, then copy), ops (torch)",
     )
     ap.add_argument(
         "--copy-programs",

@@ -120,6 +120,7 @@ def plan_lru_copy_reference(
     chunk_programs: int = MULTI_CHUNK_PROGRAMS,
     cooperative: bool | None = None,
     pdl: bool = False,
+    num_warps: int = 4,
 ) -> None:
     """Reference of `plan_lru_copy`: `plan_lru_reference`, then each operand's admitted rows copied from the
     bank (`gather_rows_reference`, the pool rows as the device source). Host-synchronizing; `sync` untouched."""
@@ -357,6 +358,7 @@ def plan_lru_copy(
     chunk_programs: int = MULTI_CHUNK_PROGRAMS,
     cooperative: bool | None = None,
     pdl: bool = False,
+    num_warps: int = 4,
 ) -> None:
     """`plan_lru(...)` then `gather_rows_multi(rows, hosts, victims, codes, valid, num_rows, host_offset)` (every
     operand) in one launch (module docstring). The plan arguments are `plan_lru`'s; `rows[i] [R, n_i]` pool rows
@@ -365,7 +367,8 @@ def plan_lru_copy(
     zero. `num_programs` P (capped at the work: pairs x operands x chunks), `chunk_programs` C as in
     `gather_rows_multi`. `cooperative` (default: on CUDA where supported) launches cooperatively; `pdl` (CUDA,
     where supported) as a programmatic dependent launch: it may start while the previous kernel drains, every
-    program waiting for it (`griddepcontrol.wait`) before its first access. Graph-safe:
+    program waiting for it (`griddepcontrol.wait`) before its first access; `num_warps` per program (fewer: shorter
+    reductions in the plan, the same bytes in flight in the copy). Graph-safe:
     no host sync, no allocation. Runs on CUDA or under the Triton interpreter."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("plan_lru_copy needs Triton")
@@ -384,7 +387,9 @@ def plan_lru_copy(
         ops += [rows[j], hosts[j], rows[j].shape[1]]
     if cooperative is None:
         cooperative = ids.is_cuda and cooperative_launch_supported()
-    launch: dict[str, object] = {"num_warps": 4}
+    if num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"num_warps={num_warps}: expected 1, 2, 4 or 8")
+    launch: dict[str, object] = {"num_warps": num_warps}
     if cooperative and ids.is_cuda and programs > 1:
         launch["launch_cooperative_grid"] = True
     pdl = pdl and ids.is_cuda and pdl_supported()

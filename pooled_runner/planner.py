@@ -59,7 +59,8 @@ class DevicePlanner:
         programs) instead of two (`plan_lru`, then `gather_rows_multi` per 4 operands). None = with `fused`,
         a bank and <= 8 operands, unless POOLED_RUNNER_PLAN_SPLIT_COPY is set. cooperative: launch it as a
         cooperative grid (None: POOLED_RUNNER_PLAN_COOPERATIVE, default on where Triton supports it). pdl: as a
-        programmatic dependent launch (None: POOLED_RUNNER_PLAN_PDL, default off).
+        programmatic dependent launch (None: POOLED_RUNNER_PLAN_PDL, default off). plan_warps: its warps per
+        program.
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class DevicePlanner:
         copy_programs: int = COPY_PROGRAMS,
         cooperative: bool | None = None,
         pdl: bool | None = None,
+        plan_warps: int = 4,
     ):
         if max_routed < 1 or block_m < 1 or min_reads_to_admit < 1:
             raise ValueError(
@@ -137,6 +139,7 @@ class DevicePlanner:
         self.copy_programs = copy_programs
         self._cooperative = envs.plan_cooperative() if cooperative is None else cooperative
         self._pdl = envs.plan_pdl() if pdl is None else pdl
+        self._plan_warps = plan_warps
         self._sync32 = torch.zeros(SYNC_WORDS, dtype=torch.int32, device=dev)  # zero between launches
         self.load_from_pool()
 
@@ -272,6 +275,7 @@ class DevicePlanner:
             chunk_programs=self.gather_chunks,
             cooperative=self._cooperative,
             pdl=self._pdl,
+            num_warps=self._plan_warps,
         )
 
     def _gather(self, layer: int, victims: torch.Tensor, codes: torch.Tensor, valid: torch.Tensor) -> None:

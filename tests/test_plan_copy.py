@@ -195,6 +195,8 @@ def test_plan_lru_copy_rejects_bad_arguments() -> None:
         plan_lru_copy(*args, rows, hosts, 0, sync.long())
     with pytest.raises(ValueError, match="num_programs"):
         plan_lru_copy(*args, rows, hosts, 0, sync, num_programs=0)
+    with pytest.raises(ValueError, match="num_warps"):
+        plan_lru_copy(*args, rows, hosts, 0, sync, num_warps=3)
     with pytest.raises(ValueError, match="num_experts"):
         plan_lru_copy(*args[:11], 5, *args[12:], rows, hosts, 0, sync)
     assert state["clock"].tolist() == [random_state(1, 4, 4, 3, 0)["clock"].item()]  # nothing ran
