@@ -365,9 +365,10 @@ def plan_lru_copy(
     of operand i on the device, `hosts[i] [N, n_i]` its bank rows (page-locked on CUDA: not checked here, the
     caller checks once before capture), 1..8 operands; `host_offset` the layer's first bank row; `sync [1]` int32
     zero. `num_programs` P (capped at the work: pairs x operands x chunks), `chunk_programs` C as in
-    `gather_rows_multi`. `cooperative` (default: on CUDA where supported) launches cooperatively; `pdl` (CUDA,
-    where supported) as a programmatic dependent launch: it may start while the previous kernel drains, every
-    program waiting for it (`griddepcontrol.wait`) before its first access; `num_warps` per program (fewer: shorter
+    `gather_rows_multi`. `cooperative` (None/True: on CUDA where Triton supports it, else a plain grid) launches
+    cooperatively; `pdl` (CUDA, where supported; then a plain grid) as a programmatic dependent launch: it may
+    start while the previous kernel drains, every program waiting for it (`griddepcontrol.wait`) before its first
+    access; `num_warps` per program (fewer: shorter
     reductions in the plan, the same bytes in flight in the copy). Graph-safe:
     no host sync, no allocation. Runs on CUDA or under the Triton interpreter."""
     if triton is None:  # pragma: no cover
@@ -385,16 +386,14 @@ def plan_lru_copy(
     for i in range(MAX_FUSED_OPERANDS):
         j = min(i, len(rows) - 1)  # unused slots repeat the last operand (never read: NUM_OPS prunes them)
         ops += [rows[j], hosts[j], rows[j].shape[1]]
-    if cooperative is None:
-        cooperative = ids.is_cuda and cooperative_launch_supported()
     if num_warps not in (1, 2, 4, 8):
         raise ValueError(f"num_warps={num_warps}: expected 1, 2, 4 or 8")
     launch: dict[str, object] = {"num_warps": num_warps}
-    if cooperative and ids.is_cuda and programs > 1:
-        launch["launch_cooperative_grid"] = True
     pdl = pdl and ids.is_cuda and pdl_supported()
-    if pdl:
+    if pdl:  # (not also cooperative: that combination is untested)
         launch["launch_pdl"] = True
+    elif cooperative is not False and ids.is_cuda and programs > 1 and cooperative_launch_supported():
+        launch["launch_cooperative_grid"] = True
     _plan_copy_kernel[(programs,)](
         *kernel_args,
         sync,
