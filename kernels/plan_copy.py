@@ -134,7 +134,7 @@ def plan_lru_copy_reference(
 
 
 if triton is not None:
-    from .plan_lru import _plan_lru_body
+    from .plan_body import _plan_lru_body
     from .row_gather import _copy_row
 
     if pdl_supported():
