@@ -3,14 +3,16 @@ bound on a synthetic trace (GPU), and policy quality against LRU and Belady on s
 
 GPU (default): Qwen3-30B-like layers (H 2048, I 768, E 128, top-8, bf16), 6 pooled layers, R = 384 rows (50%).
   - overhead: graph replay of one decode step (every layer) with routing that only hits, for M in 1, 4, 8:
-    MoE kernel path alone; planner alone; planner + MoE; telemetry alone; telemetry + planner + MoE.
+    MoE kernel path alone; planner alone; planner + MoE; telemetry alone; telemetry + planner + MoE; for each
+    planner of `--planners` (one: plan + admission copy in one launch, the CUDA default; two: plan, then copy;
+    ops: the torch-ops planner).
   - trace: a skew-dominated synthetic trace replayed step by step (ids copied into the captured step's static
     buffer, then replay) with LRU and the frequency policy; time per step against the DESIGN.md §4 bound at the
     achieved hit rate, `hits x row / B_hbm + misses x row / B_zero_copy` (bandwidths measured in this run).
 CPU (`--quality`): hit rates of LRU, the frequency policy and Belady (MIN with bypass) on synthetic traces
 (24 layers, 128 experts, top-8, per-layer Zipf skew, token-to-token reuse, popularity drift), 25% and 50% rows.
 
-Usage: python bench/planner.py [--out results.md] [--quick]      (GPU)
+Usage: python bench/planner.py [--out results.md] [--quick] [--planners one,two,ops] [--copy-programs 32,64]  (GPU)
        python bench/planner.py --quality [--out quality.md]        (CPU)
 """
 
@@ -25,6 +27,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pooled_runner.kernels.plan_copy import COPY_PROGRAMS
 
 from bench.traces import Trace, belady_hit_rate, policy_hit_rate, synthetic_trace
 from pooled_runner.cycle_lru import CycleLRUPolicy
@@ -106,7 +110,25 @@ ROWS = 384
 RESIDENT_PER_LAYER = ROWS // L
 
 
-def build(policy: Policy, fused: bool | None = None):  # type: ignore[no-untyped-def]
+# --planners: name -> (label, DevicePlanner keywords)
+PLANNERS: dict[str, tuple[str, dict[str, object]]] = {
+    "one": ("fused, one launch", {"fused": True, "one_launch": True}),
+    "one-nc": (
+        "fused, one launch, not cooperative",
+        {"fused": True, "one_launch": True, "cooperative": False},
+    ),
+    "one-pdl": (
+        "fused, one launch, PDL, not cooperative",
+        {"fused": True, "one_launch": True, "cooperative": False, "pdl": True},
+    ),
+    "one-w1": ("fused, one launch, 1 warp", {"fused": True, "one_launch": True, "plan_warps": 1}),
+    "two": ("fused, two launches", {"fused": True, "one_launch": False}),
+    "ops": ("torch ops", {"fused": False}),
+}
+
+
+def build(policy: Policy, **planner_kwargs: object):  # type: ignore[no-untyped-def]
+    """Pooled stack, DevicePlanner(**planner_kwargs), telemetry and kernel path of the GPU rows."""
     from pooled_runner import PoolConfig, PooledMoE
     from pooled_runner.kernel_path import KernelPath
 
@@ -124,8 +146,9 @@ def build(policy: Policy, fused: bool | None = None):  # type: ignore[no-untyped
         moe.register_layer(E)
     priority = [(layer, e) for e in range(E) for layer in range(L)]  # experts 0..63 of every layer resident
     moe.install(lambda layer, e: distinct[(layer * E + e) % len(distinct)], priority)
-    planner = DevicePlanner(moe.pool, policy, max_routed=8 * K, debug_checks=False, fused=fused)
-    tel = RouteTelemetry([E] * L, moe.pool.device, fused=fused)
+    assert moe.pool is not None
+    planner = DevicePlanner(moe.pool, policy, max_routed=8 * K, debug_checks=False, **planner_kwargs)  # type: ignore[arg-type]
+    tel = RouteTelemetry([E] * L, moe.pool.device, fused=planner.fused)
     return moe, planner, tel, KernelPath(moe.format, moe.pool, moe.bank, H, I)
 
 
@@ -144,23 +167,26 @@ def overhead(lines: list[str], args: argparse.Namespace) -> None:
         "tel+planner+MoE µs | telemetry / MoE layer |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for fused in (True, False):
-        _overhead_rows(lines, args, fused)
+    for name in args.planners:
+        _overhead_rows(lines, args, name)
         torch.cuda.empty_cache()
     lines += [
         "",
         "planner / MoE = (planner+MoE - MoE) / MoE (targets: <= 5% of the step at M=1); telemetry / MoE layer = "
         "added time of telemetry on / MoE time (target < 2%). 'planner µs' and 'telemetry µs' alone are the "
-        "launch-bound cost of their small kernels in isolation. planner 'fused': one plan_lru launch + one row "
-        "gather per operand per layer, telemetry recorded inside plan_lru (the defaults on CUDA; 'telemetry µs' "
-        "alone is the standalone route-count launch of host-planned steps); 'torch ops': "
-        "the policy-generic planner and telemetry (POOLED_RUNNER_TORCH_PLANNER=1).",
+        "launch-bound cost of their small kernels in isolation. planner 'fused, one launch': plan + admission "
+        "copy in one launch per layer (kernels/plan_copy.py; the CUDA default); 'fused, two launches': one "
+        "plan_lru launch + one row gather per 4 operands (POOLED_RUNNER_PLAN_SPLIT_COPY=1); telemetry recorded "
+        "inside the plan kernel in both ('telemetry µs' alone is the standalone route-count launch of "
+        "host-planned steps); 'torch ops': the policy-generic planner and telemetry "
+        "(POOLED_RUNNER_TORCH_PLANNER=1).",
     ]
     write(args.out, lines)
 
 
-def _overhead_rows(lines: list[str], args: argparse.Namespace, fused: bool) -> None:
-    _moe, planner, tel, kpath = build(CycleLRUPolicy(), fused=fused)
+def _overhead_rows(lines: list[str], args: argparse.Namespace, name: str) -> None:
+    label, kwargs = PLANNERS[name]
+    _moe, planner, tel, kpath = build(CycleLRUPolicy(), **kwargs)
     g = torch.Generator(device="cuda").manual_seed(1)
     for M in (1, 4, 8):
         x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
@@ -193,7 +219,7 @@ def _overhead_rows(lines: list[str], args: argparse.Namespace, fused: bool) -> N
         t_both = graph_ms(planned)
         t_all = graph_ms(lambda: planned(telemetry=True))
         lines.append(
-            f"| {'fused' if fused else 'torch ops'} | {M} | {1e3 * t_moe:.1f} | {1e3 * t_plan:.1f} | {1e3 * t_both:.1f} | "
+            f"| {label} | {M} | {1e3 * t_moe:.1f} | {1e3 * t_plan:.1f} | {1e3 * t_both:.1f} | "
             f"{(t_both - t_moe) / t_moe:.1%} | {1e3 * t_tel:.1f} | {1e3 * t_all:.1f} | "
             f"{(t_all - t_both) / t_moe:.1%} |"
         )
@@ -221,15 +247,24 @@ def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
     ]
     write(args.out, lines)
     best = belady_hit_rate(trace, ROWS, warm)
-    policies: list[tuple[str, Policy, bool | None]] = [
-        ("lru-cycle (fused; the default)", CycleLRUPolicy(), True),
-        ("lru (fused)", LRUPolicy(), True),
-        ("lru (torch ops)", LRUPolicy(), False),
-        ("freq", FreqDecayPolicy(), None),
-        ("aging", AgingFreqPolicy(), None),
+    # (name, policy, DevicePlanner keywords)
+    policies: list[tuple[str, Policy, dict[str, object]]] = [
+        (
+            f"lru-cycle (fused, one launch, P={p}{'; the default' if i == 0 else ''})",
+            CycleLRUPolicy(),
+            {"fused": True, "one_launch": True, "copy_programs": p},
+        )
+        for i, p in enumerate(args.copy_programs)
     ]
-    for name, policy, fused in policies:
-        hits, misses, ms, row_bytes = _replay(trace, policy, warm, fused)
+    policies += [
+        ("lru-cycle (fused, two launches)", CycleLRUPolicy(), {"fused": True, "one_launch": False}),
+        ("lru (fused, one launch)", LRUPolicy(), {"fused": True, "one_launch": True}),
+        ("lru (torch ops)", LRUPolicy(), {"fused": False}),
+        ("freq", FreqDecayPolicy(), {}),
+        ("aging", AgingFreqPolicy(), {}),
+    ]
+    for name, policy, kwargs in policies:
+        hits, misses, ms, row_bytes = _replay(trace, policy, warm, **kwargs)
         bound = 1e3 * (hits * row_bytes / bw.hbm_read + misses * row_bytes / bw.host_zero_copy)
         bound /= trace.num_steps - warm
         lines.append(
@@ -246,9 +281,9 @@ def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
     write(args.out, lines)
 
 
-def _replay(trace: Trace, policy: Policy, warm: int, fused: bool | None) -> tuple[int, int, float, int]:
+def _replay(trace: Trace, policy: Policy, warm: int, **planner_kwargs: object) -> tuple[int, int, float, int]:
     """Replay `trace` through one captured decode step: (hits, misses, ms per step, row bytes) after `warm`."""
-    moe, planner, _, kpath = build(policy, fused)
+    moe, planner, _, kpath = build(policy, **planner_kwargs)
     steps = trace.num_steps
     ids_host = trace.ids.to(torch.int64).pin_memory()  # [S, L, 1, K]
     ids = torch.zeros(L, 1, K, dtype=torch.int64, device="cuda")
@@ -291,7 +326,24 @@ def main() -> None:
         "--quality", action="store_true", help="CPU policy-quality simulation instead of GPU timing"
     )
     ap.add_argument("--commit", default="", help="commit to print (default: git rev-parse HEAD)")
+    ap.add_argument(
+        "--planners",
+        default="one,two,ops",
+        help="overhead rows: comma list of one (plan + copy in one launch), one-nc (the same, not a cooperative "
+        "launch), one-pdl (one-nc as a programmatic dependent launch), one-w1 (one with 1 warp per program), "
+        "two (plan, then copy), ops (torch)",
+    )
+    ap.add_argument(
+        "--copy-programs",
+        default=str(COPY_PROGRAMS),
+        help="trace rows: comma list of program counts of the one-launch plan + copy (first: the default row)",
+    )
+    ap.add_argument("--no-trace", action="store_true", help="only the overhead table")
     args = ap.parse_args()
+    args.planners = [p.strip() for p in args.planners.split(",") if p.strip()]
+    if not args.planners or any(p not in PLANNERS for p in args.planners):
+        raise SystemExit(f"--planners {args.planners}: expected a comma list of {', '.join(PLANNERS)}")
+    args.copy_programs = [int(p) for p in args.copy_programs.split(",")]
     if args.quality:
         quality(args)
         return
@@ -306,7 +358,8 @@ def main() -> None:
     write(args.out, lines)
     overhead(lines, args)
     torch.cuda.empty_cache()
-    trace_replay(lines, args)
+    if not args.no_trace:
+        trace_replay(lines, args)
 
 
 if __name__ == "__main__":

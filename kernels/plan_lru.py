@@ -12,8 +12,11 @@ launch time in a replayed graph) with one program that does, in order (the decis
   6. the counters (hits, misses, admissions, host reads, evictions) are incremented and the admitted pairs are
      written for the row-gather kernel (`victims`, `codes` = R + expert, `valid`).
 Everything runs in one program, so the order is fixed (deterministic; `tl.debug_barrier` orders the global
-writes between phases) and the integer results equal `HostTwin`'s. Cost: a few passes over the layer's experts
-plus one pass over the rows per admitted miss.
+writes between phases) and the integer results equal `HostTwin`'s. Latency, not work, is the cost: the loads that
+depend on nothing (ids, clock, the layer's l2p, counters, telemetry, cycle words) are issued together first, and
+the token counts of a narrow step (T*K x E <= MAX_COUNT_MATRIX) come from a comparison in registers, so a step
+where every expert hits waits about one round trip to memory; each admitted miss adds a pass over the rows.
+The body (`plan_body._plan_lru_body`) is shared with the one-launch plan + copy (`plan_copy.py`).
 
 Shapes: `ids [T*K]` any integer dtype; `l2p [L * E_max]` int32 (flat); `row_owner, row_stamp [>= R]` int64;
 `clock [1]`, `counters [5]` int64; `counts [>= E_max]` int32 scratch; `victims, codes, valid [P]` int32 outputs
@@ -36,6 +39,9 @@ Telemetry = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]  # counts, rout
 
 MAX_ROWS = 1 << 22  # keeps (stamp + 1) * R + row inside int64 for 2^40 clock ticks
 ROW_BLOCK = 1024
+# Token counts by a [T*K, E] comparison in registers up to this many elements (64 per thread: M <= 8 at top-8
+# of 128 experts, M <= 4 of 256), else by atomics in global memory (two barriers and a round trip more).
+MAX_COUNT_MATRIX = 8192
 
 
 def _check(
@@ -182,6 +188,7 @@ def plan_lru_reference(
 
 
 if triton is not None:
+    from .plan_body import _plan_lru_body
 
     @triton.jit
     def _plan_lru_kernel(
@@ -214,106 +221,40 @@ if triton is not None:
         BLOCK_R: tl.constexpr,
         PROTECT: tl.constexpr,
         TELEMETRY: tl.constexpr,
+        COUNT_IN_REGISTERS: tl.constexpr,
     ):
-        INT64_MAX: tl.constexpr = 0x7FFFFFFFFFFFFFFF
-        e_offs = tl.arange(0, BLOCK_E)
-        e_in = e_offs < E
-        # 1. tokens per expert (integer atomics: the sum does not depend on their order)
-        tl.store(counts_ptr + e_offs, tl.zeros([BLOCK_E], dtype=tl.int32), mask=e_in)
-        p_in = e_offs < num_pairs
-        tl.store(valid_ptr + e_offs, tl.zeros([BLOCK_E], dtype=tl.int32), mask=p_in)
-        tl.store(victims_ptr + e_offs, tl.zeros([BLOCK_E], dtype=tl.int32), mask=p_in)
-        tl.store(codes_ptr + e_offs, tl.zeros([BLOCK_E], dtype=tl.int32) + R, mask=p_in)
-        tl.debug_barrier()
-        num_bad = 0
-        for start in range(0, num_routed, BLOCK_TK):
-            t_offs = start + tl.arange(0, BLOCK_TK)
-            ids = tl.load(ids_ptr + t_offs, mask=t_offs < num_routed, other=-1).to(tl.int64)
-            routed = (ids >= 0) & (ids < E)
-            ones = tl.full([BLOCK_TK], 1, tl.int32)
-            tl.atomic_add(counts_ptr + tl.where(routed, ids, 0), ones, mask=routed)
-            num_bad += tl.sum(((ids < -1) | (ids >= E)).to(tl.int32), 0)
-        tl.debug_barrier()
-        # volatile (no L1): these words were written in this launch by other threads (atomics, stores)
-        tokens = tl.load(counts_ptr + e_offs, mask=e_in, other=0, volatile=True)
-        present = tokens > 0
-        if (
-            TELEMETRY
-        ):  # saturating counts, bitmap, sticky poison / overflow bits (this program alone writes them)
-            tel = tl.load(tel_counts_ptr + base + e_offs, mask=present, other=0)
-            tel_new = tel + tokens
-            tel_over = present & (tel_new >= tel_max)
-            tl.store(tel_counts_ptr + base + e_offs, tl.minimum(tel_new, tel_max), mask=present)
-            tl.store(tel_routed_ptr + base + e_offs, tl.full([BLOCK_E], 1, tl.int8), mask=present)
-            tl.store(tel_flags_ptr + 0, 1, mask=num_bad > 0)
-            tl.store(tel_flags_ptr + 1, 1, mask=tl.sum(tel_over.to(tl.int32), 0) > 0)
-        now = tl.load(clock_ptr) + 1
-        tl.store(clock_ptr, now)
-        prev_start = now  # unused without PROTECT
-        if PROTECT:  # a new cycle starts at a layer not above the previous one
-            last_layer = tl.load(cycle_ptr + 0)
-            cur_start = tl.load(cycle_ptr + 1)
-            prev_start = tl.load(cycle_ptr + 2)
-            new_cycle = last_layer >= layer
-            prev_start = tl.where(new_cycle, cur_start, prev_start)
-            cur_start = tl.where(new_cycle, now, cur_start)
-            tl.store(cycle_ptr + 0, last_layer * 0 + layer)
-            tl.store(cycle_ptr + 1, cur_start)
-            tl.store(cycle_ptr + 2, prev_start)
-        code = tl.load(l2p_ptr + base + e_offs, mask=e_in, other=0).to(tl.int64)
-        hit = present & (code < R)
-        miss = present & (code >= R)
-        # 2. hits are stamped first: their rows are busy for the rest of the step
-        tl.store(stamp_ptr + tl.where(hit, code, 0), tl.zeros([BLOCK_E], dtype=tl.int64) + now, mask=hit)
-        reads = (tokens + block_m - 1) // block_m
-        cand = miss & (reads >= min_reads)
-        cand_rank = tl.cumsum(cand.to(tl.int32), 0) - 1  # [BLOCK_E] position in expert-id order
-        num_cand = tl.sum(cand.to(tl.int32), 0)
-        num_iter = tl.minimum(num_cand, num_pairs)
-        tl.debug_barrier()
-        # 3-5. candidate i <- i-th least recently used row not used by this step
-        num_admitted = 0
-        num_evicted = 0
-        prev_key = tl.full([], -1, tl.int64)
-        i = 0
-        while i < num_iter:
-            best = tl.full([], INT64_MAX, tl.int64)
-            for r_start in range(0, R, BLOCK_R):
-                rows = r_start + tl.arange(0, BLOCK_R)
-                r_in = rows < R
-                stamp = tl.load(stamp_ptr + rows, mask=r_in, other=0, volatile=True)
-                key = (stamp + 1) * R + rows
-                ok = r_in & (stamp != now) & (key > prev_key)
-                if PROTECT:  # free, own layer's, or idle since before the previous cycle began
-                    owner = tl.load(owner_ptr + rows, mask=r_in, other=-1, volatile=True)
-                    own = (owner >= base) & (owner < base + EM)
-                    ok = ok & ((owner < 0) | own | (stamp < prev_start))
-                best = tl.minimum(best, tl.min(tl.where(ok, key, INT64_MAX), 0))
-            found = best != INT64_MAX
-            row = best % R
-            expert = tl.sum(tl.where(cand & (cand_rank == i), e_offs, 0), 0).to(tl.int64)
-            old = tl.load(owner_ptr + row, mask=found, other=-1, volatile=True)
-            tl.store(
-                l2p_ptr + tl.where(old >= 0, old, 0), (R + old % EM).to(tl.int32), mask=found & (old >= 0)
-            )
-            tl.store(l2p_ptr + base + expert, row.to(tl.int32), mask=found)
-            tl.store(owner_ptr + row, base + expert, mask=found)
-            tl.store(stamp_ptr + row, now, mask=found)
-            tl.store(victims_ptr + i, row.to(tl.int32), mask=found)
-            tl.store(codes_ptr + i, (R + expert).to(tl.int32), mask=found)
-            tl.store(valid_ptr + i, 1, mask=found)
-            num_admitted += found.to(tl.int32)
-            num_evicted += (found & (old >= 0)).to(tl.int32)
-            prev_key = best
-            i = tl.where(found, i + 1, num_iter)  # no free-able row left: the rest read the host view
-        # 6. counters
-        num_hits = tl.sum(hit.to(tl.int64), 0)
-        num_misses = tl.sum(miss.to(tl.int64), 0)
-        tl.store(counters_ptr + 0, tl.load(counters_ptr + 0) + num_hits)
-        tl.store(counters_ptr + 1, tl.load(counters_ptr + 1) + num_misses)
-        tl.store(counters_ptr + 2, tl.load(counters_ptr + 2) + num_admitted)
-        tl.store(counters_ptr + 3, tl.load(counters_ptr + 3) + num_misses - num_admitted)
-        tl.store(counters_ptr + 4, tl.load(counters_ptr + 4) + num_evicted)
+        _plan_lru_body(
+            ids_ptr,
+            num_routed,
+            l2p_ptr,
+            owner_ptr,
+            stamp_ptr,
+            clock_ptr,
+            counters_ptr,
+            counts_ptr,
+            victims_ptr,
+            codes_ptr,
+            valid_ptr,
+            cycle_ptr,
+            tel_counts_ptr,
+            tel_routed_ptr,
+            tel_flags_ptr,
+            tel_max,
+            layer,
+            base,
+            E,
+            EM,
+            R,
+            num_pairs,
+            block_m,
+            min_reads,
+            BLOCK_TK,
+            BLOCK_E,
+            BLOCK_R,
+            PROTECT,
+            TELEMETRY,
+            COUNT_IN_REGISTERS,
+        )
 
 
 def plan_lru(
@@ -346,16 +287,42 @@ def plan_lru(
         raise RuntimeError("plan_lru needs Triton")
     args = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
     _check(*args, layer, num_experts, max_experts, num_rows, block_m, min_reads, cycle, telemetry)
+    kernel_args, meta = kernel_arguments(
+        *args, layer, num_experts, max_experts, num_rows, block_m, min_reads, cycle, telemetry
+    )
+    _plan_lru_kernel[(1,)](*kernel_args, **meta, num_warps=4)
+
+
+def kernel_arguments(
+    ids: torch.Tensor,
+    l2p: torch.Tensor,
+    row_owner: torch.Tensor,
+    row_stamp: torch.Tensor,
+    clock: torch.Tensor,
+    counters: torch.Tensor,
+    counts: torch.Tensor,
+    victims: torch.Tensor,
+    codes: torch.Tensor,
+    valid: torch.Tensor,
+    layer: int,
+    num_experts: int,
+    max_experts: int,
+    num_rows: int,
+    block_m: int,
+    min_reads: int,
+    cycle: torch.Tensor | None,
+    telemetry: Telemetry | None,
+) -> tuple[list[object], dict[str, object]]:
+    """The arguments of `_plan_lru_body` (positional, then constexpr keywords) for checked inputs; shared with
+    the one-launch plan + copy (`plan_copy.py`)."""
+    assert triton is not None
     num_routed, num_pairs = ids.shape[0], victims.shape[0]
     if num_pairs > max_experts:
         raise ValueError(
             f"num_pairs={num_pairs} > max_experts={max_experts}: a step admits at most E experts"
         )
-    block_e = triton.next_power_of_2(max_experts)
-    block_tk = min(1024, triton.next_power_of_2(max(num_routed, 1)))
-    block_r = min(ROW_BLOCK, triton.next_power_of_2(num_rows))
     tel_ptrs = (telemetry[0], telemetry[1].view(torch.int8), telemetry[2]) if telemetry is not None else ()
-    _plan_lru_kernel[(1,)](
+    kernel_args: list[object] = [
         ids,
         num_routed,
         l2p,
@@ -378,10 +345,15 @@ def plan_lru(
         num_pairs,
         block_m,
         min_reads,
-        BLOCK_TK=block_tk,
-        BLOCK_E=block_e,
-        BLOCK_R=block_r,
-        PROTECT=cycle is not None,
-        TELEMETRY=telemetry is not None,
-        num_warps=4,
-    )
+    ]
+    block_tk = min(1024, triton.next_power_of_2(max(num_routed, 1)))
+    block_e = triton.next_power_of_2(max_experts)
+    meta: dict[str, object] = {
+        "BLOCK_TK": block_tk,
+        "BLOCK_E": block_e,
+        "BLOCK_R": min(ROW_BLOCK, triton.next_power_of_2(num_rows)),
+        "PROTECT": cycle is not None,
+        "TELEMETRY": telemetry is not None,
+        "COUNT_IN_REGISTERS": block_tk >= num_routed and block_tk * block_e <= MAX_COUNT_MATRIX,
+    }
+    return kernel_args, meta

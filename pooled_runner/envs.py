@@ -50,6 +50,24 @@ def torch_planner() -> bool:
     return _get_bool("TORCH_PLANNER", False)
 
 
+def plan_split_copy() -> bool:
+    """POOLED_RUNNER_PLAN_SPLIT_COPY: run the fused planner's admission copy as its own launch (`plan_lru` then
+    `gather_rows_multi`) instead of inside the plan launch (`kernels/plan_copy.py`; A/B and fallback)."""
+    return _get_bool("PLAN_SPLIT_COPY", False)
+
+
+def plan_cooperative() -> bool:
+    """POOLED_RUNNER_PLAN_COOPERATIVE: launch the one-launch plan + copy as a cooperative grid where Triton
+    supports it (default on: the driver then guarantees that its programs are co-resident)."""
+    return _get_bool("PLAN_COOPERATIVE", True)
+
+
+def plan_pdl() -> bool:
+    """POOLED_RUNNER_PLAN_PDL: launch the one-launch plan + copy as a programmatic dependent launch (it may start
+    while the previous kernel drains; default off until measured)."""
+    return _get_bool("PLAN_PDL", False)
+
+
 def cache_dir() -> str:
     """POOLED_RUNNER_CACHE_DIR: where generated checkpoints (the embedded model) are kept."""
     return _get_str("CACHE_DIR", "~/.cache/pooled_runner")

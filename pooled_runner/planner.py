@@ -28,6 +28,7 @@ import torch
 
 from pooled_runner import envs
 from pooled_runner.cycle_lru import CycleLRUPolicy
+from pooled_runner.kernels.plan_copy import COPY_PROGRAMS, MAX_FUSED_OPERANDS, SYNC_WORDS, plan_lru_copy
 from pooled_runner.kernels.plan_lru import plan_lru
 from pooled_runner.kernels.row_gather import MAX_MULTI_OPERANDS, MULTI_CHUNK_PROGRAMS, gather_rows_multi
 from pooled_runner.planner_twin import FREE, residency_from_pool, table_problems
@@ -54,6 +55,12 @@ class DevicePlanner:
         interpreter (tests).
       gather_chunks: programs per admitted expert and operand in the admission copy (more stream the pinned
         bank at a higher PCIe rate; unused ones exit at once).
+      one_launch: the fused plan and its admission copy in one launch (`kernels/plan_copy.py`, `copy_programs`
+        programs) instead of two (`plan_lru`, then `gather_rows_multi` per 4 operands). None = with `fused`,
+        a bank and <= 8 operands, unless POOLED_RUNNER_PLAN_SPLIT_COPY is set. cooperative: launch it as a
+        cooperative grid (None: POOLED_RUNNER_PLAN_COOPERATIVE, default on where Triton supports it). pdl: as a
+        programmatic dependent launch (None: POOLED_RUNNER_PLAN_PDL, default off). plan_warps: its warps per
+        program.
     """
 
     def __init__(
@@ -66,6 +73,11 @@ class DevicePlanner:
         debug_checks: bool | None = None,
         fused: bool | None = None,
         gather_chunks: int = MULTI_CHUNK_PROGRAMS,
+        one_launch: bool | None = None,
+        copy_programs: int = COPY_PROGRAMS,
+        cooperative: bool | None = None,
+        pdl: bool | None = None,
+        plan_warps: int = 4,
     ):
         if max_routed < 1 or block_m < 1 or min_reads_to_admit < 1:
             raise ValueError(
@@ -117,6 +129,18 @@ class DevicePlanner:
         self._victims32 = torch.zeros(max_pairs, dtype=torch.int32, device=dev)
         self._codes32 = torch.zeros(max_pairs, dtype=torch.int32, device=dev)
         self._valid32 = torch.zeros(max_pairs, dtype=torch.int32, device=dev)
+        can_one = self.fused and self._bank_flat is not None and len(self._rows_flat) <= MAX_FUSED_OPERANDS
+        if one_launch and not can_one:
+            raise ValueError(
+                f"one_launch needs the fused planner (fused={self.fused}), a bank and <= {MAX_FUSED_OPERANDS} "
+                f"operands ({len(self._rows_flat)})"
+            )
+        self.one_launch = can_one and (not envs.plan_split_copy() if one_launch is None else one_launch)
+        self.copy_programs = copy_programs
+        self._cooperative = envs.plan_cooperative() if cooperative is None else cooperative
+        self._pdl = envs.plan_pdl() if pdl is None else pdl
+        self._plan_warps = plan_warps
+        self._sync32 = torch.zeros(SYNC_WORDS, dtype=torch.int32, device=dev)  # zero between launches
         self.load_from_pool()
 
     # ----------------------------------------------------------------------------------------------
@@ -205,7 +229,8 @@ class DevicePlanner:
     def _plan_fused(
         self, layer: int, topk_ids: torch.Tensor, E: int, num_pairs: int, telemetry: RouteTelemetry | None
     ) -> None:
-        """LRU in one launch (`plan_lru`), then the admitted rows' gather (one launch per operand)."""
+        """LRU and the admitted rows' copy in one launch (`plan_lru_copy`), or in two (`plan_lru`, then
+        `gather_rows_multi` per four operands)."""
         ids = topk_ids.reshape(-1)  # [T*K]
         if ids.dtype not in (torch.int32, torch.int64):
             ids = ids.to(torch.int64)
@@ -215,7 +240,7 @@ class DevicePlanner:
             self._valid32[:num_pairs],
         )
         R, EM = self.num_rows, self.max_experts
-        plan_lru(
+        plan_args = (
             ids.contiguous(),
             self.pool.l2p_gpu.view(-1),
             self.row_owner,
@@ -235,7 +260,23 @@ class DevicePlanner:
             self.policy.cycle if isinstance(self.policy, CycleLRUPolicy) else None,
             telemetry.fused_target(layer) if telemetry is not None else None,
         )
-        self._gather(layer, victims, codes, valid)
+        if not self.one_launch:
+            plan_lru(*plan_args)
+            self._gather(layer, victims, codes, valid)
+            return
+        assert self._bank_flat is not None and self.pool.bank is not None
+        plan_lru_copy(
+            *plan_args,
+            list(self._rows_flat.values()),
+            [self._bank_flat[n] for n in self._rows_flat],
+            self.pool.bank.layer_offsets[layer],
+            self._sync32,
+            num_programs=self.copy_programs,
+            chunk_programs=self.gather_chunks,
+            cooperative=self._cooperative,
+            pdl=self._pdl,
+            num_warps=self._plan_warps,
+        )
 
     def _gather(self, layer: int, victims: torch.Tensor, codes: torch.Tensor, valid: torch.Tensor) -> None:
         """Copy the admitted experts (`codes` = R + expert, where `valid`) from the bank into their rows: one

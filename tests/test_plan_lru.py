@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from pooled_runner.kernels import plan_lru as plan_lru_module
 from pooled_runner.kernels.plan_lru import plan_lru, plan_lru_reference
 
 
@@ -67,7 +68,9 @@ def run(
 
 
 @pytest.mark.parametrize("trial", range(24))
-def test_plan_lru_equals_reference(trial: int) -> None:
+def test_plan_lru_equals_reference(trial: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    if trial % 4 < 2:  # token counts by atomics in global memory, not in registers (the path of wide steps)
+        monkeypatch.setattr(plan_lru_module, "MAX_COUNT_MATRIX", 0)
     rnd = random.Random(trial)
     L, E = rnd.randint(1, 3), rnd.choice([1, 3, 7, 16, 33])
     EM, R = E + rnd.randint(0, 2), rnd.choice([1, 2, 5, 9, 33, 70])

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pooled_runner import envs
 from pooled_runner.bank import ExpertBank
 from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.formats.base import OperandSpec
@@ -30,7 +31,7 @@ def make_pool(layers: list[int], rows: int, seed: int = 0) -> ExpertPool:
 def policy_pair(name: str) -> tuple:
     if name in ("lru", "lru-fused"):
         return LRUPolicy(), LRUPolicy()
-    if name in ("lru-cycle", "lru-cycle-fused"):
+    if name in ("lru-cycle", "lru-cycle-fused", "lru-cycle-split"):
         return CycleLRUPolicy(), CycleLRUPolicy()
     if name == "aging":
         kw = dict(decay_steps=3, correlated_steps=1, recent_steps=1, recent_bonus=2)
@@ -66,7 +67,9 @@ def random_ids(T: int, K: int, E: int, g: torch.Generator) -> torch.Tensor:
     return ids
 
 
-@pytest.mark.parametrize("policy", ["lru", "lru-fused", "lru-cycle", "lru-cycle-fused", "freq", "aging"])
+@pytest.mark.parametrize(
+    "policy", ["lru", "lru-fused", "lru-cycle", "lru-cycle-fused", "lru-cycle-split", "freq", "aging"]
+)
 @pytest.mark.parametrize(
     ("layers", "rows", "K", "max_T"),
     [([5, 7, 3], 6, 2, 3), ([1], 1, 1, 2), ([9, 9], 17, 3, 4), ([13, 4, 6, 11], 9, 4, 5), ([8], 3, 3, 1)],
@@ -75,8 +78,13 @@ def test_device_planner_equals_twin(policy, layers, rows, K, max_T):
     pool = make_pool(layers, rows, seed=rows)
     pool.fill([(len(layers) - 1, 0), (0, layers[0] - 1)])
     dev_policy, host_policy = policy_pair(policy)
-    fused = policy.endswith("-fused")  # the single-launch kernel, under the Triton interpreter on the CPU
-    planner = DevicePlanner(pool, dev_policy, max_routed=max_T * K, debug_checks=True, fused=fused)
+    # the fused kernels under the Triton interpreter on the CPU: plan + copy in one launch, or split in two
+    fused = policy.endswith(("-fused", "-split"))
+    one_launch = False if policy.endswith("-split") else None
+    planner = DevicePlanner(
+        pool, dev_policy, max_routed=max_T * K, debug_checks=True, fused=fused, one_launch=one_launch
+    )
+    assert planner.one_launch == (fused and one_launch is None and not envs.plan_split_copy())
     twin = HostTwin(pool, host_policy)
     assert_same_state(planner, twin, "start")
     g = torch.Generator().manual_seed(sum(layers) + rows)

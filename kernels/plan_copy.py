@@ -1,0 +1,409 @@
+"""Plan + admission copy of one decode step of one layer in ONE launch (`plan_lru` then `gather_rows_multi`).
+
+In a replayed graph every launch costs 1.5-2.5 µs even with no work, and on a step where every routed expert
+hits, the admission copy has none: this kernel saves that launch. A grid of P programs:
+  - program 0 runs the whole plan (`plan_lru._plan_lru_body`: tables, counters, telemetry, admitted pairs),
+    then publishes the number of admissions n: `sync = n + 1` (an atomic exchange after a CTA barrier, with
+    release semantics when n > 0, so every plan write is visible to whoever acquires it);
+  - programs 1..P-1 spin on `sync != 0` (volatile loads), then add 2^16 to it (one atomic, acquire: it reads n
+    and counts the arrival); the last arriver resets the word to 0 for the next launch (stream order: the next
+    launch starts after this one ends, so nobody reads the word in between);
+  - then all P programs copy their share of the admitted rows: items (pair, operand, chunk) over the n
+    admitted pairs (a prefix of the pair list), item i by program i mod P, chunk c of a row = its blocks
+    c, c + C, c + 2C, ... of COPY_BLOCK elements (`gather_rows_multi`'s chunking, with twice its block).
+Program 0 never waits for the others, so the scheme also runs under TRITON_INTERPRET=1 (programs one after the
+other in program-id order: program 0 has published before program 1 starts). On the GPU the spinners need
+program 0 to be resident: P is small (<= 32 by default, far below the SM count) and the launch is cooperative
+where this Triton supports it (`launch_cooperative_grid`: the driver refuses a grid that cannot be co-resident
+instead of letting it hang).
+
+Same results as `plan_lru` followed by `gather_rows_multi` over every operand group (the reference below is
+exactly that composition); `sync [1]` int32 must be zero before the launch and is zero after it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .plan_lru import Telemetry, _check, kernel_arguments, plan_lru_reference
+from .row_gather import MULTI_CHUNK_PROGRAMS, _check_args, gather_rows_reference
+
+try:  # Triton is optional for the CPU core
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None  # type: ignore[assignment]
+
+MAX_FUSED_OPERANDS = 8  # int4 with zero points and NVFP4 have 6
+COPY_PROGRAMS = 32  # P: co-resident on any recent GPU; each streams its items at a few GB/s from the bank
+# Elements per program per loop step: twice gather_rows_multi's block, so that each of the fewer programs keeps
+# twice the bytes in flight (a read of the pinned bank waits ~1-2 µs on PCIe).
+COPY_BLOCK = 4096
+SYNC_WORDS = 1  # low 16 bits: published admissions + 1 (0: not yet); high bits: arrivals of programs 1..P-1
+ARRIVAL = 1 << 16  # one arrival in the sync word
+
+
+def pdl_supported() -> bool:
+    """Whether this Triton has programmatic dependent launch (`launch_pdl`, `gdc_wait`; Triton >= 3.4)."""
+    if triton is None:  # pragma: no cover
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    except ImportError:  # pragma: no cover
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def cooperative_launch_supported() -> bool:
+    """Whether this Triton's CUDA backend takes `launch_cooperative_grid` (Triton >= 3.3)."""
+    if triton is None:  # pragma: no cover
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover
+        return False
+    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def _check_copy(
+    rows: list[torch.Tensor],
+    hosts: list[torch.Tensor],
+    victims: torch.Tensor,
+    codes: torch.Tensor,
+    valid: torch.Tensor,
+    num_rows: int,
+    host_offset: int,
+    sync: torch.Tensor,
+    num_programs: int,
+    chunk_programs: int,
+) -> None:
+    if not 1 <= len(rows) <= MAX_FUSED_OPERANDS or len(hosts) != len(rows):
+        raise ValueError(
+            f"{len(rows)} row operands and {len(hosts)} host operands: expected 1..{MAX_FUSED_OPERANDS}, equal"
+        )
+    for dst, host in zip(rows, hosts):
+        _check_args(dst, victims, dst, host, codes, valid, num_rows, host_offset)
+    if sync.shape != (SYNC_WORDS,) or sync.dtype != torch.int32 or sync.device != victims.device:
+        raise ValueError(
+            f"sync: shape {tuple(sync.shape)} dtype {sync.dtype} on {sync.device}; expected "
+            f"[{SYNC_WORDS}] int32 on {victims.device}"
+        )
+    if num_programs < 1 or chunk_programs < 1:
+        raise ValueError(f"num_programs={num_programs}, chunk_programs={chunk_programs} must be >= 1")
+
+
+def plan_lru_copy_reference(
+    ids: torch.Tensor,
+    l2p: torch.Tensor,
+    row_owner: torch.Tensor,
+    row_stamp: torch.Tensor,
+    clock: torch.Tensor,
+    counters: torch.Tensor,
+    counts: torch.Tensor,
+    victims: torch.Tensor,
+    codes: torch.Tensor,
+    valid: torch.Tensor,
+    layer: int,
+    num_experts: int,
+    max_experts: int,
+    num_rows: int,
+    block_m: int,
+    min_reads: int,
+    cycle: torch.Tensor | None,
+    telemetry: Telemetry | None,
+    rows: list[torch.Tensor],
+    hosts: list[torch.Tensor],
+    host_offset: int,
+    sync: torch.Tensor,
+    num_programs: int = COPY_PROGRAMS,
+    chunk_programs: int = MULTI_CHUNK_PROGRAMS,
+    cooperative: bool | None = None,
+    pdl: bool = False,
+    num_warps: int = 4,
+) -> None:
+    """Reference of `plan_lru_copy`: `plan_lru_reference`, then each operand's admitted rows copied from the
+    bank (`gather_rows_reference`, the pool rows as the device source). Host-synchronizing; `sync` untouched."""
+    plan = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
+    sizes = (layer, num_experts, max_experts, num_rows, block_m, min_reads)
+    _check(*plan, *sizes, cycle, telemetry)
+    _check_copy(rows, hosts, victims, codes, valid, num_rows, host_offset, sync, num_programs, chunk_programs)
+    plan_lru_reference(*plan, *sizes, cycle, telemetry)
+    for dst, host in zip(rows, hosts):
+        gather_rows_reference(dst, victims, dst, host, codes, valid, num_rows, host_offset)
+
+
+if triton is not None:
+    from .plan_body import _plan_lru_body
+    from .row_gather import _copy_row
+
+    if pdl_supported():
+        from triton.language.extra.cuda import gdc_wait as _gdc_wait
+    else:  # pragma: no cover
+
+        @triton.jit
+        def _gdc_wait():
+            pass
+
+    _ARRIVAL = tl.constexpr(ARRIVAL)
+
+    @triton.jit
+    def _copy_slot(
+        SLOT: tl.constexpr,
+        NUM_OPS: tl.constexpr,
+        op,
+        rows_ptr,
+        host_ptr,
+        numel,
+        code,
+        dst_row,
+        num_rows,
+        host_offset,
+        chunk,
+        num_chunks,
+        BLOCK: tl.constexpr,
+    ):
+        if SLOT < NUM_OPS:  # noqa: SIM102 (constexpr prune; Triton has no `and` on tensors)
+            if op == SLOT:
+                _copy_row(
+                    rows_ptr,
+                    rows_ptr,
+                    host_ptr,
+                    code,
+                    dst_row,
+                    num_rows,
+                    host_offset,
+                    numel,
+                    chunk,
+                    num_chunks,
+                    BLOCK,
+                )
+
+    @triton.jit
+    def _wait_for_plan(sync_ptr, num_programs):
+        """Programs 1..P-1: wait until program 0 published, return the admissions; the last one resets."""
+        seen = tl.load(sync_ptr, volatile=True)
+        while seen == 0:
+            seen = tl.load(sync_ptr, volatile=True)
+        # one read-modify-write: acquires program 0's release (its pairs), counts this arrival in the high bits
+        word = tl.atomic_add(sync_ptr, _ARRIVAL, sem="acquire", scope="gpu")
+        if word // _ARRIVAL == num_programs - 2:  # the last arriver: every spinner has read it
+            tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+        return word % _ARRIVAL - 1
+
+    @triton.jit
+    def _plan_copy_kernel(
+        ids_ptr,
+        num_routed,
+        l2p_ptr,
+        owner_ptr,
+        stamp_ptr,
+        clock_ptr,
+        counters_ptr,
+        counts_ptr,
+        victims_ptr,
+        codes_ptr,
+        valid_ptr,
+        cycle_ptr,
+        tel_counts_ptr,
+        tel_routed_ptr,
+        tel_flags_ptr,
+        tel_max,
+        layer,
+        base,
+        E,
+        EM,
+        R,
+        num_pairs,
+        block_m,
+        min_reads,
+        sync_ptr,
+        host_offset,
+        num_chunks,
+        rows0,
+        host0,
+        numel0,
+        rows1,
+        host1,
+        numel1,
+        rows2,
+        host2,
+        numel2,
+        rows3,
+        host3,
+        numel3,
+        rows4,
+        host4,
+        numel4,
+        rows5,
+        host5,
+        numel5,
+        rows6,
+        host6,
+        numel6,
+        rows7,
+        host7,
+        numel7,
+        BLOCK_TK: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        PROTECT: tl.constexpr,
+        TELEMETRY: tl.constexpr,
+        COUNT_IN_REGISTERS: tl.constexpr,
+        NUM_OPS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        SPIN: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        if (
+            PDL
+        ):  # launched before the previous kernel ended: wait for it (its writes visible) before any access
+            _gdc_wait()
+        pid = tl.program_id(0)
+        num_programs = tl.num_programs(0)
+        num_admitted = tl.full([], 0, tl.int32)
+        if pid == 0:
+            num_admitted += _plan_lru_body(
+                ids_ptr,
+                num_routed,
+                l2p_ptr,
+                owner_ptr,
+                stamp_ptr,
+                clock_ptr,
+                counters_ptr,
+                counts_ptr,
+                victims_ptr,
+                codes_ptr,
+                valid_ptr,
+                cycle_ptr,
+                tel_counts_ptr,
+                tel_routed_ptr,
+                tel_flags_ptr,
+                tel_max,
+                layer,
+                base,
+                E,
+                EM,
+                R,
+                num_pairs,
+                block_m,
+                min_reads,
+                BLOCK_TK,
+                BLOCK_E,
+                BLOCK_R,
+                PROTECT,
+                TELEMETRY,
+                COUNT_IN_REGISTERS,
+            )
+            tl.debug_barrier()  # every thread's plan writes happen before the release below
+            if SPIN:  # with no admission the spinners read nothing of the plan: no release (no fence) needed
+                published = num_admitted + 1
+                tl.atomic_xchg(sync_ptr, published, sem="release", scope="gpu", mask=num_admitted > 0)
+                tl.atomic_xchg(sync_ptr, published, sem="relaxed", scope="gpu", mask=num_admitted == 0)
+        else:
+            num_admitted += _wait_for_plan(sync_ptr, num_programs)
+        per_pair = NUM_OPS * num_chunks
+        for item in range(pid, num_admitted * per_pair, num_programs):
+            pair = item // per_pair
+            op = item % per_pair // num_chunks
+            chunk = item % num_chunks
+            # volatile: written in this launch by program 0 (no stale L1 line)
+            if tl.load(valid_ptr + pair, volatile=True) != 0:
+                code = tl.load(codes_ptr + pair, volatile=True).to(tl.int64)
+                dst_row = tl.load(victims_ptr + pair, volatile=True).to(tl.int64)
+                # fmt: off
+                _copy_slot(0, NUM_OPS, op, rows0, host0, numel0,
+                           code, dst_row, R, host_offset, chunk, num_chunks, BLOCK)
+                _copy_slot(1, NUM_OPS, op, rows1, host1, numel1,
+                           code, dst_row, R, host_offset, chunk, num_chunks, BLOCK)
+                _copy_slot(2, NUM_OPS, op, rows2, host2, numel2,
+                           code, dst_row, R, host_offset, chunk, num_chunks, BLOCK)
+                _copy_slot(3, NUM_OPS, op, rows3, host3, numel3,
+                           code, dst_row, R, host_offset, chunk, num_chunks, BLOCK)
+                _copy_slot(4, NUM_OPS, op, rows4, host4, numel4,
+                           code, dst_row, R, host_offset, chunk, num_chunks, BLOCK)
+                _copy_slot(5, NUM_OPS, op, rows5, host5, numel5,
+                           code, dst_row, R, host_offset, chunk, num_chunks, BLOCK)
+                _copy_slot(6, NUM_OPS, op, rows6, host6, numel6,
+                           code, dst_row, R, host_offset, chunk, num_chunks, BLOCK)
+                _copy_slot(7, NUM_OPS, op, rows7, host7, numel7,
+                           code, dst_row, R, host_offset, chunk, num_chunks, BLOCK)
+                # fmt: on
+
+
+def plan_lru_copy(
+    ids: torch.Tensor,
+    l2p: torch.Tensor,
+    row_owner: torch.Tensor,
+    row_stamp: torch.Tensor,
+    clock: torch.Tensor,
+    counters: torch.Tensor,
+    counts: torch.Tensor,
+    victims: torch.Tensor,
+    codes: torch.Tensor,
+    valid: torch.Tensor,
+    layer: int,
+    num_experts: int,
+    max_experts: int,
+    num_rows: int,
+    block_m: int,
+    min_reads: int,
+    cycle: torch.Tensor | None,
+    telemetry: Telemetry | None,
+    rows: list[torch.Tensor],
+    hosts: list[torch.Tensor],
+    host_offset: int,
+    sync: torch.Tensor,
+    num_programs: int = COPY_PROGRAMS,
+    chunk_programs: int = MULTI_CHUNK_PROGRAMS,
+    cooperative: bool | None = None,
+    pdl: bool = False,
+    num_warps: int = 4,
+) -> None:
+    """`plan_lru(...)` then `gather_rows_multi(rows, hosts, victims, codes, valid, num_rows, host_offset)` (every
+    operand) in one launch (module docstring). The plan arguments are `plan_lru`'s; `rows[i] [R, n_i]` pool rows
+    of operand i on the device, `hosts[i] [N, n_i]` its bank rows (page-locked on CUDA: not checked here, the
+    caller checks once before capture), 1..8 operands; `host_offset` the layer's first bank row; `sync [1]` int32
+    zero. `num_programs` P (capped at the work: pairs x operands x chunks), `chunk_programs` C as in
+    `gather_rows_multi`. `cooperative` (None/True: on CUDA where Triton supports it, else a plain grid) launches
+    cooperatively; `pdl` (CUDA, where supported; then a plain grid) as a programmatic dependent launch: it may
+    start while the previous kernel drains, every program waiting for it (`griddepcontrol.wait`) before its first
+    access; `num_warps` per program (fewer: shorter
+    reductions in the plan, the same bytes in flight in the copy). Graph-safe:
+    no host sync, no allocation. Runs on CUDA or under the Triton interpreter."""
+    if triton is None:  # pragma: no cover
+        raise RuntimeError("plan_lru_copy needs Triton")
+    plan = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
+    sizes = (layer, num_experts, max_experts, num_rows, block_m, min_reads)
+    _check(*plan, *sizes, cycle, telemetry)
+    _check_copy(rows, hosts, victims, codes, valid, num_rows, host_offset, sync, num_programs, chunk_programs)
+    kernel_args, meta = kernel_arguments(*plan, *sizes, cycle, telemetry)
+    num_pairs, max_numel = victims.shape[0], max(r.shape[1] for r in rows)
+    chunks = max(1, min(chunk_programs, triton.cdiv(max_numel, COPY_BLOCK)))
+    programs = max(1, min(num_programs, num_pairs * len(rows) * chunks))
+    assert num_pairs + 1 < ARRIVAL and programs < 1 << 15, (num_pairs, programs)  # the sync word's fields
+    ops: list[object] = []
+    for i in range(MAX_FUSED_OPERANDS):
+        j = min(i, len(rows) - 1)  # unused slots repeat the last operand (never read: NUM_OPS prunes them)
+        ops += [rows[j], hosts[j], rows[j].shape[1]]
+    if num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"num_warps={num_warps}: expected 1, 2, 4 or 8")
+    launch: dict[str, object] = {"num_warps": num_warps}
+    pdl = pdl and ids.is_cuda and pdl_supported()
+    if pdl:  # (not also cooperative: that combination is untested)
+        launch["launch_pdl"] = True
+    elif cooperative is not False and ids.is_cuda and programs > 1 and cooperative_launch_supported():
+        launch["launch_cooperative_grid"] = True
+    _plan_copy_kernel[(programs,)](
+        *kernel_args,
+        sync,
+        host_offset,
+        chunks,
+        *ops,
+        **meta,
+        NUM_OPS=len(rows),
+        BLOCK=COPY_BLOCK,
+        SPIN=programs > 1,
+        PDL=pdl,
+        **launch,
+    )
