@@ -111,6 +111,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer formats and M values")
     ap.add_argument("--commit", default="", help="commit to print (default: git rev-parse HEAD)")
     ap.add_argument("--variants", action="store_true", help="decode kernel variants side by side")
+    ap.add_argument("--formats", default="", help="comma list: only these formats (default: all)")
+    ap.add_argument("--shapes", default="", help=f"comma list of {', '.join(SHAPES)} (default: all)")
     ap.add_argument("--budget", type=float, default=150.0, help="--variants: seconds before the sweep stops")
     args = ap.parse_args()
     if args.variants:
@@ -143,7 +145,12 @@ def main() -> None:
     ms = [1, 2, 4, 8, 16, 64, 512, 4096]
     if args.quick:  # the decode rows the kernel work targets, and a prefill row per format
         formats, ms = ["bf16", "int4-g128", "nvfp4", "fp8"], [1, 8, 16, 512]
-    for shape, (H, I, E, K) in SHAPES.items():
+    if args.formats:
+        formats = [f for f in formats if f in args.formats.split(",")]
+    shapes = {k: v for k, v in SHAPES.items() if not args.shapes or k in args.shapes.split(",")}
+    if not formats or not shapes:
+        raise SystemExit(f"--formats {args.formats!r} / --shapes {args.shapes!r} select nothing")
+    for shape, (H, I, E, K) in shapes.items():
         for name in formats:
             fmt_obj = make_format(name, torch.bfloat16)
             fmt = kernel_format(fmt_obj)

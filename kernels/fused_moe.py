@@ -74,8 +74,10 @@ def pick_configs(
         bn2 = 64
         # packed formats stage their packed words (int4/NVFP4 gemm1 BN 64: 60 KiB for 4 stages, sm_90 compile)
         stages = 4
-        # NVFP4: K tiles of 64 (H200, e87d7f6, DeepSeek-like M=1 tile sweep: 240.5 µs vs 266.8 at 128)
+        # NVFP4: gemm1 N tiles of 32 and K tiles of 64, the best of the H200 tile sweep (e87d7f6, DeepSeek-like
+        # M=1: 240.5 µs vs 266.8 with (32, 64, 128)); K tiles of 64 alone with N tiles of 64 gave 298 (f2411ff)
         bk = 64 if weight_fmt == FMT_NVFP4 else 128
+        bn1 = 32 if weight_fmt == FMT_NVFP4 else bn1
         return (
             GemmConfig(16, bn1, bk, group_m=1, num_warps=4, num_stages=stages),
             GemmConfig(16, bn2, bk, group_m=1, num_warps=4, num_stages=stages),
