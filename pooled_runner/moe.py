@@ -24,9 +24,9 @@ from pooled_runner.guard import TORCH, KernelBackend, check_tensors
 from pooled_runner.lanes import takes_decode_path
 from pooled_runner.pool import ExpertPool, PoolStats
 from pooled_runner.routing import check_routing
-from pooled_runner.staging import LayerStager, check_fits
+from pooled_runner.staging import LayerStager, make_stager
 from pooled_runner.telemetry import RouteTelemetry, capturing
-from pooled_runner.torch_path import combine, expert_mlp
+from pooled_runner.torch_path import torch_forward
 
 if TYPE_CHECKING:
     from pooled_runner.gpu_path import GpuPath
@@ -227,7 +227,14 @@ class PooledMoE:
         )
         filled = self.pool.fill(priority)
         if self.config.prefill_staging:
-            self.stager = self._make_stager(device)
+            self.stager = make_stager(
+                self.operands,
+                self.bank,
+                self.pool.num_rows,
+                max(self.num_experts_per_layer),
+                self.config,
+                device,
+            )
         logger.info(
             "expert pool: %d rows (%.3f GiB on %s), %d filled, %d layers, %d experts",
             self.pool.num_rows,
@@ -237,30 +244,6 @@ class PooledMoE:
             len(self.num_experts_per_layer),
             total,
         )
-
-    def _make_stager(self, device: torch.device) -> LayerStager:
-        """Allocate the ring of chunk buffers now (before an engine sizes its KV cache), or refuse."""
-        assert self.bank is not None and self.pool is not None
-        max_experts = max(self.num_experts_per_layer)
-        # A chunk larger than the largest layer would only waste VRAM: the default (16) is cut to E on small
-        # models; LayerStager itself refuses C > E.
-        chunk = min(self.config.staging_chunk_experts, max_experts)
-        needed = LayerStager.buffer_bytes(self.operands, chunk)
-        if device.type == "cuda":
-            check_fits(needed, torch.cuda.mem_get_info(device)[0])
-        stager = LayerStager(
-            self.operands, self.bank, self.pool.num_rows, device, self.config.staging_min_tokens, chunk
-        )
-        logger.info(
-            "prefill staging: %d chunk buffers of %d experts, %d bytes (%.3f GiB) on %s, steps >= %d tokens",
-            stager.num_buffers,
-            chunk,
-            stager.nbytes,
-            stager.nbytes / (1 << 30),
-            device,
-            self.config.staging_min_tokens,
-        )
-        return stager
 
     def _staged_source(self, layer: int, num_tokens: int) -> LayerStager | None:
         """The stager when this step is staged (its layers stream their non-resident experts), else None.
@@ -407,40 +390,7 @@ class PooledMoE:
             )
         if self.telemetry is not None:
             self.telemetry.record(layer, topk_ids)
-        T, K = topk_ids.shape
-        expert_out = torch.zeros(
-            (T, K, self.hidden_size), dtype=self.dtype, device=hidden.device
-        )  # [T, K, H]
-        ids = topk_ids.long()  # [T, K]
-        experts = torch.unique(ids[ids >= 0]).tolist()
-        codes = pool.plan_step(layer, experts, admit_misses=admit_misses, staged=staged is not None)
-        if staged is not None:  # resident experts from their rows, then chunk by chunk from the ring
-            for p in staged.layer_passes(layer, experts, with_tables=False):
-                for expert, slot in p.slots.items():
-                    rows = (
-                        pool.weights_at(layer, slot)
-                        if p.rows is None
-                        else {n: t[slot] for n, t in p.rows.items()}
-                    )
-                    self._expert_out(expert_out, hidden, ids, expert, rows)
-        else:
-            for expert, code in zip(experts, codes):
-                self._expert_out(expert_out, hidden, ids, expert, pool.weights_at(layer, code))
-        return combine(expert_out, topk_ids, topk_weights)
-
-    def _expert_out(
-        self,
-        expert_out: torch.Tensor,
-        hidden: torch.Tensor,
-        ids: torch.Tensor,
-        expert: int,
-        rows: dict[str, torch.Tensor],
-    ) -> None:
-        """Fill `expert_out [T, K, H]` at the (token, slot) pairs routed to `expert` (torch path)."""
-        token_idx, slot_idx = (ids == expert).nonzero(as_tuple=True)
-        w13, w2 = self.format.expert_weights(rows)
-        x = hidden[token_idx]
-        expert_out[token_idx, slot_idx] = expert_mlp(x, w13.to(x.device), w2.to(x.device))
+        return torch_forward(pool, self.format, layer, hidden, topk_ids, topk_weights, staged, admit_misses)
 
     def _use_kernels(self, pool: ExpertPool) -> bool:
         """The Triton kernel path on a CUDA pool with a bf16/fp16 dtype, unless forced to the torch path."""

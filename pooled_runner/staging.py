@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pooled_runner.bank import ExpertBank
+from pooled_runner.config import PoolConfig
 from pooled_runner.formats.base import OperandSpec
 
 logger = logging.getLogger("pooled_runner")
@@ -344,3 +345,31 @@ class LayerStager:
         if not self.is_cuda:
             return host.to(self.device)
         return host.pin_memory().to(self.device, non_blocking=True)
+
+
+def make_stager(
+    operands: tuple[OperandSpec, ...],
+    bank: ExpertBank,
+    num_rows: int,
+    max_experts: int,
+    config: PoolConfig,
+    device: torch.device,
+) -> LayerStager:
+    """The pool's stager, its ring allocated now (before an engine sizes its KV cache), or MemoryError."""
+    # A chunk larger than the largest layer would only waste VRAM: the default (16) is cut to E on small
+    # models; LayerStager itself refuses C > E.
+    chunk = min(config.staging_chunk_experts, max_experts)
+    needed = LayerStager.buffer_bytes(operands, chunk)
+    if device.type == "cuda":
+        check_fits(needed, torch.cuda.mem_get_info(device)[0])
+    stager = LayerStager(operands, bank, num_rows, device, config.staging_min_tokens, chunk)
+    logger.info(
+        "prefill staging: %d chunk buffers of %d experts, %d bytes (%.3f GiB) on %s, steps >= %d tokens",
+        stager.num_buffers,
+        chunk,
+        stager.nbytes,
+        stager.nbytes / (1 << 30),
+        device,
+        config.staging_min_tokens,
+    )
+    return stager

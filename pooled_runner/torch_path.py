@@ -8,7 +8,14 @@ bit-identical outputs, and so does a per-token dense loop.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from pooled_runner.formats.base import WeightFormat
+    from pooled_runner.pool import ExpertPool
+    from pooled_runner.staging import LayerStager
 
 # Elements of the largest temporary product in `batch_invariant_linear` (bounds its memory).
 _MAX_PRODUCT_NUMEL = 1 << 22
@@ -48,3 +55,49 @@ def combine(expert_out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         term = topk_weights[:, k, None].float() * expert_out[:, k].float()  # [T, H]
         acc += torch.where(routed, term, torch.zeros_like(term))
     return acc.to(expert_out.dtype)
+
+
+def torch_forward(
+    pool: ExpertPool,
+    fmt: WeightFormat,
+    layer: int,
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    staged: LayerStager | None,
+    admit_misses: bool,
+) -> torch.Tensor:
+    """`PooledMoE.forward` off the kernel path: plan on the host (`ExpertPool.plan_step`), then each routed
+    expert's MLP from its row, its host row, or (staged steps) its staging slot; `[T, H]` as `combine`."""
+    T, K = topk_ids.shape
+    expert_out = torch.zeros((T, K, hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)  # [T, K, H]
+    ids = topk_ids.long()  # [T, K]
+    experts = torch.unique(ids[ids >= 0]).tolist()
+    codes = pool.plan_step(layer, experts, admit_misses=admit_misses, staged=staged is not None)
+    if staged is not None:  # resident experts from their rows, then chunk by chunk from the ring
+        for p in staged.layer_passes(layer, experts, with_tables=False):
+            for expert, slot in p.slots.items():
+                rows = (
+                    pool.weights_at(layer, slot)
+                    if p.rows is None
+                    else {n: t[slot] for n, t in p.rows.items()}
+                )
+                _expert_out(expert_out, hidden, ids, expert, fmt.expert_weights(rows))
+    else:
+        for expert, code in zip(experts, codes):
+            _expert_out(expert_out, hidden, ids, expert, fmt.expert_weights(pool.weights_at(layer, code)))
+    return combine(expert_out, topk_ids, topk_weights)
+
+
+def _expert_out(
+    expert_out: torch.Tensor,
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    expert: int,
+    weights: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """Fill `expert_out [T, K, H]` at the (token, slot) pairs routed to `expert`; weights = (w13, w2) dense."""
+    token_idx, slot_idx = (ids == expert).nonzero(as_tuple=True)
+    w13, w2 = weights
+    x = hidden[token_idx]
+    expert_out[token_idx, slot_idx] = expert_mlp(x, w13.to(x.device), w2.to(x.device))
