@@ -75,7 +75,8 @@ class DraftPruner:
         self._armed = False
         self._active = False  # the current step is a pruned verify step
         self._last_layer: int | None = None
-        self._num_tokens = 0  # width of the current verify step
+        self._num_tokens = 0  # width of the current step
+        self._verify_tokens = 0  # width of the last verify step (armed) Python ran, eagerly or under capture
 
     def arm(self, num_spec: int, max_tokens: int) -> None:
         """Mark the next step a verify step with `num_spec` drafts per request; reset `lane_alive` to all live.
@@ -107,6 +108,8 @@ class DraftPruner:
         if self._last_layer is None or layer <= self._last_layer:  # a new step
             self._active, self._armed = self._armed, False
             self._num_tokens = num_tokens
+            if self._active:
+                self._verify_tokens = num_tokens
         self._last_layer = layer
         if self._active and num_tokens != self._num_tokens:
             raise ValueError(f"layer {layer}: {num_tokens} tokens in a verify step of {self._num_tokens}")
@@ -155,12 +158,18 @@ class DraftPruner:
             self.max_draft_misses,
         )
 
-    def lane_alive(self) -> torch.Tensor:
+    def lane_alive(self, num_tokens: int | None = None) -> torch.Tensor:
         """`[T]` bool device view of the last verify step's live lanes (stable address; a replayed graph
-        updates it). Read it after the step (outside capture). RuntimeError before any verify step."""
-        if self.lane_alive_gpu is None or not self._num_tokens:
+        updates it). T: `num_tokens`, else the width of the last verify step Python ran (eagerly or while
+        capturing); pass it after replaying a graph of another width. Steps that were not armed leave it alone.
+        Read it after the step (outside capture). RuntimeError before any verify step; ValueError for a width
+        beyond the buffer."""
+        if self.lane_alive_gpu is None or not self._verify_tokens:
             raise RuntimeError("no verify step has run with draft pruning armed")
-        return self.lane_alive_gpu[: self._num_tokens]
+        T = self._verify_tokens if num_tokens is None else num_tokens
+        if not 0 < T <= self.lane_alive_gpu.shape[0]:
+            raise ValueError(f"num_tokens={T}: expected 1..{self.lane_alive_gpu.shape[0]}")
+        return self.lane_alive_gpu[:T]
 
 
 def prune_reference(

@@ -114,12 +114,12 @@ class PooledMoE:
             )
         self.draft_pruner.arm(num_spec, self.decode_lanes)
 
-    def draft_lane_alive(self) -> torch.Tensor:
+    def draft_lane_alive(self, num_tokens: int | None = None) -> torch.Tensor:
         """`[T]` bool device view: the last verify step's live lanes (emit up to the last live lane of each
-        request). Reading it is the caller's sync, outside capture."""
+        request); T as `DraftPruner.lane_alive`. Reading it is the caller's sync, outside capture."""
         if self.draft_pruner is None:
             raise RuntimeError("draft pruning is off (PoolConfig.draft_pruning)")
-        return self.draft_pruner.lane_alive()
+        return self.draft_pruner.lane_alive(num_tokens)
 
     def takes_decode_path(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` tokens is a decode-path step (within the lanes)."""

@@ -132,11 +132,15 @@ def test_unmarked_steps_are_not_pruned():
         ids = verify_routing(2, 3, g)
         pruned.forward(layer, torch.randn(8, H, generator=g), ids, torch.rand(8, K, generator=g))
     marked = pruned.draft_lane_alive().clone()
-    for layer in range(LAYERS):
-        x, ids, w = torch.randn(8, H, generator=g), verify_routing(2, 3, g), torch.rand(8, K, generator=g)
+    for layer in range(LAYERS):  # an unmarked step of another width (4 tokens)
+        x, ids, w = torch.randn(4, H, generator=g), verify_routing(1, 3, g), torch.rand(4, K, generator=g)
         out = pruned.forward(layer, x, ids, w)
         assert torch.equal(out, resident.forward(layer, x, ids, w)), f"layer {layer}: unmarked step changed"
     assert torch.equal(pruned.draft_lane_alive(), marked), "lane_alive changed outside a verify step"
+    # e.g. after replaying a graph 4 tokens wide
+    assert torch.equal(pruned.draft_lane_alive(num_tokens=4), marked[:4])
+    with pytest.raises(ValueError, match="num_tokens=0"):
+        pruned.draft_lane_alive(num_tokens=0)
     with pytest.raises(RuntimeError, match="draft_pruning=True"):
         twin.begin_verify_step(3)
     with pytest.raises(RuntimeError, match="draft pruning is off"):
