@@ -264,25 +264,36 @@ def test_fused_combine_and_inline_align_equal_align_path(name, H, I, dtype, T, K
         assert int(gemv._COUNTERS[x.device].abs().sum()) == 0
 
 
-@pytest.mark.parametrize(("name", "H", "I", "dtype"), [FORMATS[0], FORMATS[2], FORMATS[7]])
-@pytest.mark.parametrize(("T", "K", "E"), [(1, 8, 9), (1, 3, 7), (2, 5, 7)])
-def test_default_decode_variant_equals_align_path(name, H, I, dtype, T, K, E):
-    """The default decode kernels (inline up to INLINE_DEFAULT_MAX_PAIRS pairs except NVFP4, else align): the
-    align path's output bitwise, on both sides of the switch point."""
+@pytest.mark.parametrize(
+    ("fmt_case", "T", "K", "E", "expected"),
+    [
+        (0, 1, 8, 9, "inline"),  # bf16, 8 pairs: the switch point
+        (0, 1, 3, 7, "inline"),
+        (0, 2, 5, 7, "align"),  # 10 pairs
+        (2, 1, 8, 9, "inline"),  # int4
+        (2, 2, 5, 7, "align"),
+        (7, 1, 3, 7, "align"),  # NVFP4 never takes inline by default
+    ],
+)
+def test_default_decode_variant_dispatch_and_output(fmt_case, T, K, E, expected, monkeypatch):
+    """The default decode kernels: inline (no align launch) up to INLINE_DEFAULT_MAX_PAIRS pairs except NVFP4,
+    else the align path; the output is the explicit align path's bitwise either way."""
     from pooled_runner.kernels import fused_moe
-    from pooled_runner.kernels.dequant import FMT_NVFP4
 
+    name, H, I, dtype = FORMATS[fmt_case]
     g = torch.Generator().manual_seed(T * 13 + K + E)
     fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, 3, g, dtype)
     fmt = kernel_format(fmt_obj)
-    expected = "inline" if fmt.fmt != FMT_NVFP4 and T * K <= fused_moe.INLINE_DEFAULT_MAX_PAIRS else "align"
-    assert fused_moe.default_variant(fmt.fmt, T * K) == expected
     w13, w2 = make_projections(fmt, pool, bank, H, I)
     x = torch.randn(T, H, generator=g).to(dtype)
     ids, w = random_routing(T, K, E, g, pad_prob=0.2)
     cfgs = (GemmConfig(16, 16, 32, num_stages=1), GemmConfig(16, 16, 32, num_stages=1))
     base = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, cfgs, variant="align")
+    calls = []
+    real_align = fused_moe.align_blocks
+    monkeypatch.setattr(fused_moe, "align_blocks", lambda *a, **kw: calls.append(1) or real_align(*a, **kw))
     out = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, cfgs)
+    assert len(calls) == (0 if expected == "inline" else 1), f"{name} {T}x{K}: align launches {len(calls)}"
     assert torch.equal(out, base), f"default {expected}: max diff {(out.float() - base.float()).abs().max()}"
 
 
