@@ -1,5 +1,5 @@
 """Per-device int32 workspace of the kernels that synchronize programs of one launch: arrival counters of the
-fused combines (`gemv._down_tile`, `moe_gemm._arrive_and_combine`) and the sync words of the one-launch GEMV
+fused combines (`gemv._down_tile`, `decode_align._arrive_and_combine`) and the sync words of the one-launch GEMV
 kernel. Zero between launches: each kernel resets what it uses (one stream at a time per device), except the
 sticky error word 0 (`spin_timeouts`).
 """
@@ -12,6 +12,8 @@ MAX_SYNC_PAIRS = 128  # routed pairs a synchronizing launch may have (per-pair w
 SYNC_WORDS = 2 + 2 * MAX_SYNC_PAIRS  # [0] error, [1] ticket, ready and passed counts per pair; then arrivals
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+# Buffers replaced by a larger one stay alive: graphs captured before the growth keep their addresses.
+_RETIRED: list[torch.Tensor] = []
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
@@ -20,9 +22,15 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     size; make that first use happen before graph capture (warm-up), as for compilation."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < SYNC_WORDS + n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"kernel workspace of {SYNC_WORDS + n} words first needed during a CUDA graph capture: run one "
+                "eager step of this width before capturing (warm-up)"
+            )
         new = torch.zeros(max(SYNC_WORDS + n, 4096), dtype=torch.int32, device=device)
         if buf is not None:
             new[0] = buf[0]
+            _RETIRED.append(buf)
         buf = new
         _COUNTERS[device] = buf
     return buf

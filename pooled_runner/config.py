@@ -88,14 +88,14 @@ class PoolConfig:
             out.append(f"weight_format={self.weight_format!r} is not one of {sorted(FORMATS)}")
         if self.staging_min_tokens < 1:
             out.append(f"staging_min_tokens={self.staging_min_tokens} must be >= 1")
-        if not isinstance(self.staging_chunk_experts, int) or self.staging_chunk_experts < 1:
+        if type(self.staging_chunk_experts) is not int or self.staging_chunk_experts < 1:  # not bool either
             out.append(
                 f"staging_chunk_experts={self.staging_chunk_experts!r} must be an integer >= 1 "
                 "(--moe-expert-pool-staging-chunk-experts N)"
             )
-        if self.max_draft_misses < 0:
+        if type(self.max_draft_misses) is not int or self.max_draft_misses < 0:
             out.append(
-                f"max_draft_misses={self.max_draft_misses} must be >= 0 (--moe-expert-pool-max-draft-misses N)"
+                f"max_draft_misses={self.max_draft_misses!r} must be an integer >= 0 (--moe-expert-pool-max-draft-misses N)"
             )
         if self.device != AUTO:
             try:

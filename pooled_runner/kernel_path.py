@@ -57,8 +57,9 @@ class KernelPath:
     ) -> tuple[Projection, Projection]:
         """(w13, w2) of one layer: pool rows + the source of host codes, validated on first use.
 
-        `host_view` replaces the bank's host view of the layer (a prefill staging buffer, `[E_max, ...]`
-        on the device, host row e at index e); None reads the pinned bank in place.
+        `host_view` replaces the source of host codes `R + i` (a prefill staging chunk buffer `[C, ...]` on the
+        device, read at slot i through the pass's location table); None reads the pinned bank in place (host
+        row e of the layer at code R + e).
         """
         if host_view is None and self.bank is not None:
             host_view = self.bank.layer(layer)

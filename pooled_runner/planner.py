@@ -84,6 +84,11 @@ class DevicePlanner:
                 f"max_routed={max_routed}, block_m={block_m}, min_reads_to_admit={min_reads_to_admit} "
                 "must all be >= 1"
             )
+        if gather_chunks < 1 or copy_programs < 1 or plan_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(
+                f"gather_chunks={gather_chunks}, copy_programs={copy_programs} must be >= 1 and "
+                f"plan_warps={plan_warps} a power of two <= 32"
+            )
         self.pool = pool
         pool.device_planned = True  # its host bookkeeping is stale until store_to_pool()
         self.policy: Policy = policy if policy is not None else CycleLRUPolicy()

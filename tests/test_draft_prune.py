@@ -197,8 +197,9 @@ def test_config_flags():
         )
     )  # fmt: skip
     assert (on.draft_pruning, on.max_draft_misses) == (True, 2)
-    with pytest.raises(ValueError, match="max_draft_misses=-1 must be >= 0"):
-        PoolConfig(pool_rows=4, device="cpu", max_draft_misses=-1)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=f"max_draft_misses={bad!r} must be an integer >= 0"):
+            PoolConfig(pool_rows=4, device="cpu", max_draft_misses=bad)
 
 
 def test_emitted_per_request():

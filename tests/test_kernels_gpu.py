@@ -360,7 +360,7 @@ def test_gemv_graph_replay_equals_eager(name, mode):
 @pytest.mark.parametrize("M", [1, 64])
 @pytest.mark.parametrize("name", ["int4-g128", "int4-g64-zp", "int4-g32"])
 def test_int4_half_math_equals_fp32_tiles(name, M, monkeypatch):
-    """moe_gemm.HALF_INT4 (int4 MMA tiles in packed bf16 math): bitwise the default fp32-math tiles."""
+    """moe_gemm.HALF_INT4 (int4 MMA tiles in packed bf16 math, the default): bitwise the fp32-math tiles."""
     from pooled_runner.kernels import moe_gemm
 
     from tests.kernel_helpers import build_layer

@@ -200,6 +200,15 @@ def test_workspace_bound_fails_loudly_and_changes_nothing(fused):
         planner.plan(1, torch.zeros(1, 2, dtype=torch.int64))
 
 
+@pytest.mark.parametrize(
+    "kwargs", [{"copy_programs": 0}, {"gather_chunks": 0}, {"plan_warps": 3}, {"plan_warps": 64}]
+)
+def test_bad_launch_shapes_refused_at_construction(kwargs):
+    """Launch parameters are checked when the planner is built, not at its first (maybe captured) step."""
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        DevicePlanner(make_pool([6], rows=3), LRUPolicy(), **kwargs)
+
+
 class _TableWritingPolicy(LRUPolicy):
     """A buggy policy: its observe() writes a location code (two experts then claim row 0)."""
 

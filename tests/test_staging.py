@@ -210,6 +210,8 @@ def test_bad_chunk_sizes_are_refused_naming_the_flag():
         ValueError, match=r"staging_chunk_experts=0 .*--moe-expert-pool-staging-chunk-experts"
     ):
         PoolConfig(pool_rows=4, device="cpu", staging_chunk_experts=0)
+    with pytest.raises(ValueError, match=r"staging_chunk_experts=True must be an integer"):
+        PoolConfig(pool_rows=4, device="cpu", staging_chunk_experts=True)
     moe, _ = _build(rows=4, staging=True)
     for bad in (0, 12):
         with pytest.raises(
