@@ -145,7 +145,7 @@ class LayerStager:
         chunk_experts: int = 16,
         prefetch: bool = True,
         num_buffers: int = NUM_BUFFERS,
-        copy_kernel: bool | None = None,
+        copy_kernel: bool = False,
     ):
         max_experts = max(bank.num_experts_per_layer)
         check_chunk_experts(chunk_experts, max_experts)
@@ -162,11 +162,11 @@ class LayerStager:
             for _ in range(num_buffers)
         ]
         self.is_cuda = device.type == "cuda"
-        # How a chunk is copied: copy-engine memcpys (one per run of consecutive experts per operand), or one SM
-        # gather launch per four operands (`gather_rows_multi`, reading the pinned bank through its device
-        # address). None: the gather for formats of more than two operands on CUDA, whose many small per-run
-        # copies (scales) cost more to issue than to move (H200, bd5b5ff: int4 staging at 1.9-2.0x its bound).
-        self.copy_kernel = (self.is_cuda and len(operands) > 2) if copy_kernel is None else copy_kernel
+        # How a chunk is copied: copy-engine memcpys (one per run of consecutive experts per operand; the
+        # default), or one SM gather launch per four operands (`gather_rows_multi` from the pinned bank). The
+        # gather was tried as the default for packed formats, whose per-run scale copies are small, and lost on
+        # the H200 (ccf4f9b, Qwen3-like int4-g128 at 25%: 79.5-95.5 ms per step vs 63.2-68.1 with memcpys).
+        self.copy_kernel = copy_kernel
         self._bank_flat = {n: t.view(t.shape[0], -1) for n, t in bank.tensors_host.items()}
         self._valid = torch.ones(chunk_experts, dtype=torch.int32, device=device)
         self.copy_stream = torch.cuda.Stream(device=device) if self.is_cuda and prefetch else None

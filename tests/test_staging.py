@@ -117,11 +117,11 @@ def test_chunked_staging_equals_unstaged_and_dense(rows, chunk, E):
 
 @pytest.mark.parametrize("rows, chunk, E", [(7, 4, 11), (5, 1, 9)])
 def test_gather_copy_mode_equals_memcpy_mode(rows, chunk, E):
-    """The SM-gather chunk copy (`copy_kernel`, the CUDA default for formats of > 2 operands; the Triton
-    interpreter here) stages the same rows: outputs equal the unstaged step and the dense reference."""
+    """The SM-gather chunk copy (`copy_kernel`, opt-in; the Triton interpreter here) stages the same rows:
+    outputs equal the unstaged step and the dense reference."""
     staged, weights = _build(rows, True, chunk=chunk, E=E)
     plain, _ = _build(rows, False, chunk=chunk, E=E)
-    assert staged.stager is not None and not staged.stager.copy_kernel  # the CPU default: memcpy
+    assert staged.stager is not None and not staged.stager.copy_kernel  # the default: memcpy
     staged.stager = LayerStager(
         staged.operands, staged.bank, staged.pool.num_rows, torch.device("cpu"), 8, chunk, copy_kernel=True
     )

@@ -89,12 +89,12 @@ def _real_shape_stack(
 
 @pytest.mark.parametrize("copy_kernel", [False, True])
 def test_chunked_staging_at_a_qwen3_like_shape_equals_the_unstaged_step(copy_kernel):
-    """copy_kernel: chunks copied by the SM gather (the default for formats of > 2 operands) or by memcpys."""
+    """copy_kernel: chunks copied by the SM gather (opt-in) or by memcpys (the default)."""
     dims = (2048, 768, 128, 8, 3)  # H, I, E, top-k, layers
     rows = 96  # 25% of the experts, layer-major: layer 0 holds 96, layers 1-2 none
     staged = _real_shape_stack(True, rows, 16, dims)
     assert staged.stager is not None and staged.stager.chunk_experts == 16
-    assert not staged.stager.copy_kernel  # bf16: two operands, memcpys by default
+    assert not staged.stager.copy_kernel  # memcpys by default
     if copy_kernel:
         old = staged.stager
         staged.stager = LayerStager(

@@ -17,7 +17,7 @@ from pooled_runner.staging import LayerStager
     [
         ("bf16", 40, 24, 2, 0.3, False),
         ("int4-g32", 64, 32, 3, 0.4, False),
-        ("int4-g32", 64, 32, 3, 0.4, True),  # the SM-gather chunk copy (CUDA default with > 2 operands)
+        ("int4-g32", 64, 32, 3, 0.4, True),  # the SM-gather chunk copy (opt-in)
         ("bf16", 40, 24, 7, 0.05, True),
     ],
 )
