@@ -78,6 +78,11 @@ class PoolConfig:
             problems.append("device is 'auto': call PoolConfig.resolve() before use")
         if problems:
             raise ValueError("invalid PoolConfig: " + "; ".join(problems))
+        if self.max_draft_misses and not self.draft_pruning:
+            logger.warning(
+                "max_draft_misses=%d has no effect without draft pruning (--moe-expert-pool-draft-pruning)",
+                self.max_draft_misses,
+            )
 
     def problems(self) -> list[str]:
         """Every problem with the values, each naming the fix (empty when valid)."""

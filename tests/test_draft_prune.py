@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 import math
 
 import pytest
@@ -181,7 +182,7 @@ def test_pruner_state_per_step(fused):
         DraftPruner(torch.device("cpu"), max_draft_misses=-1)
 
 
-def test_config_flags():
+def test_config_flags(caplog):
     parser = argparse.ArgumentParser()
     add_cli_arguments(parser)
     default = config_from_cli(
@@ -197,6 +198,9 @@ def test_config_flags():
         )
     )  # fmt: skip
     assert (on.draft_pruning, on.max_draft_misses) == (True, 2)
+    with caplog.at_level(logging.WARNING, logger="pooled_runner"):
+        PoolConfig(pool_rows=4, device="cpu", max_draft_misses=3)
+    assert "max_draft_misses=3 has no effect without draft pruning" in caplog.text
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match=f"max_draft_misses={bad!r} must be an integer >= 0"):
             PoolConfig(pool_rows=4, device="cpu", max_draft_misses=bad)
