@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
-import subprocess
 import sys
 import time
 
 import torch
-import triton
 from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe
 from pooled_runner.kernels.gemv import GemvConfig, gemv_configs
 from pooled_runner.kernels.operands import kernel_format
 
-from bench.common import read_bandwidth
-from bench.kernels import SHAPES, time_graph, write
+from bench.common import write
+from bench.kernels import SHAPES, measured_header, time_graph
 from pooled_runner.formats import make_format
 
 # (shape, format, decode widths M, share of the step's experts read through the pinned host view): the cases
@@ -137,24 +134,8 @@ def variants_main(args: argparse.Namespace) -> None:
     (graph replay) and % of the HBM read bandwidth measured here; max |difference| to the default's output
     relative to its max |value|; then GEMV tiles swept at M = 1 while the budget lasts."""
     t_start = time.perf_counter()
-    torch.manual_seed(0)
     g = torch.Generator(device="cuda").manual_seed(0)
-    hbm = read_bandwidth(torch.empty(4 << 30, dtype=torch.uint8, device="cuda"))
-    pinned = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
-    zero_copy = read_bandwidth(pinned, reps=2)
-    del pinned
-    commit = (
-        args.commit
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    )
-    lines = [
-        f"date {datetime.date.today()}, GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"triton {triton.__version__}, commit {commit or 'n/a'}",
-        f"measured: HBM read {hbm:.0f} GB/s, pinned zero-copy read {zero_copy:.1f} GB/s",
-        "",
-    ]
+    hbm, zero_copy, lines = measured_header(args.commit)
     header_done = False
     sweep_cases = []
     for shape, name, ms, host in VARIANT_CASES:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import subprocess
 import sys
 import time
 
@@ -29,7 +28,7 @@ from pooled_runner.kernels.decode import DECODE_MAX_PAIRS
 from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe
 from pooled_runner.kernels.operands import kernel_format
 
-from bench.common import read_bandwidth
+from bench.common import commit_id, read_bandwidth, write
 from pooled_runner.formats import make_format
 
 SHAPES = {"deepseek": (7168, 2048, 256, 8), "qwen3": (2048, 768, 128, 8)}
@@ -120,23 +119,9 @@ def main() -> None:
 
         variants_main(args)
         return
-    torch.manual_seed(0)
     g = torch.Generator(device="cuda").manual_seed(0)
-    hbm = read_bandwidth(torch.empty(4 << 30, dtype=torch.uint8, device="cuda"))
-    pinned = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
-    zero_copy = read_bandwidth(pinned, reps=2)
-    del pinned
-    commit = (
-        args.commit
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    )
-    lines = [
-        f"date {datetime.date.today()}, GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"triton {triton.__version__}, commit {commit or 'n/a'}",
-        f"measured: HBM read {hbm:.0f} GB/s, pinned zero-copy read {zero_copy:.1f} GB/s",
-        "",
+    hbm, zero_copy, lines = measured_header(args.commit)
+    lines += [
         "| shape | format | M | host rows | µs | GB/s | % of bound | vs torch grouped | vs stock SGLang* |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -294,10 +279,21 @@ def sweep_decode_path(g: torch.Generator) -> list[str]:
     return out
 
 
-def write(path: str | None, lines: list[str]) -> None:
-    if path:
-        with open(path, "w") as f:
-            f.write("\n".join(lines) + "\n")
+def measured_header(commit: str) -> tuple[float, float, list[str]]:
+    """Seed torch, measure the HBM and pinned zero-copy read bandwidths here, and return them with the
+    results' header lines (date, GPU, versions, commit, bandwidths, a blank line)."""
+    torch.manual_seed(0)
+    hbm = read_bandwidth(torch.empty(4 << 30, dtype=torch.uint8, device="cuda"))
+    pinned = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    zero_copy = read_bandwidth(pinned, reps=2)
+    del pinned
+    lines = [
+        f"date {datetime.date.today()}, GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"triton {triton.__version__}, commit {commit_id(commit)}",
+        f"measured: HBM read {hbm:.0f} GB/s, pinned zero-copy read {zero_copy:.1f} GB/s",
+        "",
+    ]
+    return hbm, zero_copy, lines
 
 
 if __name__ == "__main__":
