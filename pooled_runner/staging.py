@@ -31,7 +31,6 @@ import torch
 from pooled_runner.bank import ExpertBank
 from pooled_runner.config import PoolConfig
 from pooled_runner.formats.base import OperandSpec
-from pooled_runner.kernels.row_gather import MAX_MULTI_OPERANDS, gather_rows_multi
 
 logger = logging.getLogger("pooled_runner")
 
@@ -145,7 +144,6 @@ class LayerStager:
         chunk_experts: int = 16,
         prefetch: bool = True,
         num_buffers: int = NUM_BUFFERS,
-        copy_kernel: bool = False,
     ):
         max_experts = max(bank.num_experts_per_layer)
         check_chunk_experts(chunk_experts, max_experts)
@@ -162,13 +160,6 @@ class LayerStager:
             for _ in range(num_buffers)
         ]
         self.is_cuda = device.type == "cuda"
-        # How a chunk is copied: copy-engine memcpys (one per run of consecutive experts per operand; the
-        # default), or one SM gather launch per four operands (`gather_rows_multi` from the pinned bank). The
-        # gather was tried as the default for packed formats, whose per-run scale copies are small, and lost on
-        # the H200 (ccf4f9b, Qwen3-like int4-g128 at 25%: 79.5-95.5 ms per step vs 63.2-68.1 with memcpys).
-        self.copy_kernel = copy_kernel
-        self._bank_flat = {n: t.view(t.shape[0], -1) for n, t in bank.tensors_host.items()}
-        self._valid = torch.ones(chunk_experts, dtype=torch.int32, device=device)
         self.copy_stream = torch.cuda.Stream(device=device) if self.is_cuda and prefetch else None
         # Per buffer: recorded on the compute stream after the last pass that read it (a copy into it waits).
         self._read_done: list[torch.cuda.Event | None] = [None] * num_buffers
@@ -237,48 +228,23 @@ class LayerStager:
             if read_done is not None:
                 self.copy_stream.wait_event(read_done)
             with torch.cuda.stream(self.copy_stream):
-                self._copy(dst, src, chunk)
+                self._copy(dst, src, chunk.experts)
                 chunk.copied = torch.cuda.Event()
                 chunk.copied.record(self.copy_stream)
         else:  # on the compute stream (stream order after the last reader) or on the CPU
-            self._copy(dst, src, chunk)
+            self._copy(dst, src, chunk.experts)
         self._inflight.append(chunk)
         self.stats.chunks_staged += 1
         self.stats.rows_staged += len(chunk.experts)
         self.stats.bytes_staged += len(chunk.experts) * sum(s.row_bytes for s in self.operands)
 
-    def _copy(self, dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor], chunk: Chunk) -> None:
-        """`chunk.experts` of its layer into slots 0.. of buffer `dst` (`src`: the layer's bank rows)."""
-        if self.copy_kernel:
-            self._gather(dst, chunk)
-            return
+    def _copy(self, dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor], experts: list[int]) -> None:
         slot = 0
-        for run in consecutive_runs(chunk.experts):
+        for run in consecutive_runs(experts):
             lo, hi = run.start, run.start + run.length
             for name, t in dst.items():
                 t[slot : slot + run.length].copy_(src[name][lo:hi], non_blocking=self.is_cuda)
             slot += run.length
-
-    def _gather(self, dst: dict[str, torch.Tensor], chunk: Chunk) -> None:
-        """The chunk's rows by SM gather: slot s <- bank row of expert `chunk.experts[s]` (code C + expert)."""
-        C, n = self.chunk_experts, len(chunk.experts)
-        index_host = torch.tensor([list(range(n)), [C + e for e in chunk.experts]], dtype=torch.int32)
-        # on CUDA one small pinned copy, ordered on this stream before the gather
-        index = index_host.pin_memory().to(self.device, non_blocking=True) if self.is_cuda else index_host
-        names = list(dst)
-        offset = self.bank.layer_offsets[chunk.layer]
-        for i in range(0, len(names), MAX_MULTI_OPERANDS):
-            group = names[i : i + MAX_MULTI_OPERANDS]
-            gather_rows_multi(
-                [dst[name].view(C, -1) for name in group],
-                [self._bank_flat[name] for name in group],
-                index[0],
-                index[1],
-                self._valid[:n],
-                C,
-                offset,
-                force_triton=True,  # on the CPU too (Triton's interpreter): the tests run the kernel
-            )
 
     def _speculate(self, layer: int) -> Chunk | None:
         """The next chunk of `layer`'s non-resident experts, before its routing is known (prefetch)."""

@@ -115,22 +115,6 @@ def test_chunked_staging_equals_unstaged_and_dense(rows, chunk, E):
     assert staged.stager.nbytes == LayerStager.buffer_bytes(staged.operands, chunk)
 
 
-@pytest.mark.parametrize("rows, chunk, E", [(7, 4, 11), (5, 1, 9)])
-def test_gather_copy_mode_equals_memcpy_mode(rows, chunk, E):
-    """The SM-gather chunk copy (`copy_kernel`, opt-in; the Triton interpreter here) stages the same rows:
-    outputs equal the unstaged step and the dense reference."""
-    staged, weights = _build(rows, True, chunk=chunk, E=E)
-    plain, _ = _build(rows, False, chunk=chunk, E=E)
-    assert staged.stager is not None and not staged.stager.copy_kernel  # the default: memcpy
-    staged.stager = LayerStager(
-        staged.operands, staged.bank, staged.pool.num_rows, torch.device("cpu"), 8, chunk, copy_kernel=True
-    )
-    g = torch.Generator().manual_seed(5)
-    total = sum(_check_step(staged, plain, weights, T, g) for T in (30, 17))
-    s = staged.stager.stats
-    assert s.chunks_staged > 0 and s.rows_staged - s.rows_unused == total
-
-
 def test_layer_with_every_expert_resident_and_steps_routing_few_experts():
     E, L = 9, 3
     priority = [(0, e) for e in range(E)] + [(2, 0), (2, 4)]  # layer 0 fully resident, layer 1 none

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from pooled_runner import PoolConfig, PooledMoE
-from pooled_runner.staging import LayerStager
 from tests.reference import random_expert_weights, random_routing
 
 pytestmark = pytest.mark.gpu
@@ -87,19 +86,11 @@ def _real_shape_stack(
     return moe
 
 
-@pytest.mark.parametrize("copy_kernel", [False, True])
-def test_chunked_staging_at_a_qwen3_like_shape_equals_the_unstaged_step(copy_kernel):
-    """copy_kernel: chunks copied by the SM gather (opt-in) or by memcpys (the default)."""
+def test_chunked_staging_at_a_qwen3_like_shape_equals_the_unstaged_step():
     dims = (2048, 768, 128, 8, 3)  # H, I, E, top-k, layers
     rows = 96  # 25% of the experts, layer-major: layer 0 holds 96, layers 1-2 none
     staged = _real_shape_stack(True, rows, 16, dims)
     assert staged.stager is not None and staged.stager.chunk_experts == 16
-    assert not staged.stager.copy_kernel  # memcpys by default
-    if copy_kernel:
-        old = staged.stager
-        staged.stager = LayerStager(
-            old.operands, old.bank, old.num_rows, old.device, old.min_tokens, 16, copy_kernel=True
-        )
     plain = _real_shape_stack(False, rows, 16, dims)
     g = torch.Generator(device="cuda").manual_seed(7)
     for T in (2048, 600):  # two steps: the ring carries on from one step to the next

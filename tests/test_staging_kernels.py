@@ -13,22 +13,15 @@ from pooled_runner.staging import LayerStager
 
 
 @pytest.mark.parametrize(
-    "fmt, H, I, chunk, frac, copy_kernel",
-    [
-        ("bf16", 40, 24, 2, 0.3, False),
-        ("int4-g32", 64, 32, 3, 0.4, False),
-        ("int4-g32", 64, 32, 3, 0.4, True),  # the SM-gather chunk copy (opt-in)
-        ("bf16", 40, 24, 7, 0.05, True),
-    ],
+    "fmt, H, I, chunk, frac",
+    [("bf16", 40, 24, 2, 0.3), ("int4-g32", 64, 32, 3, 0.4), ("bf16", 40, 24, 7, 0.05)],
 )
-def test_kernel_staged_passes_equal_the_unstaged_kernel_step(fmt, H, I, chunk, frac, copy_kernel):
+def test_kernel_staged_passes_equal_the_unstaged_kernel_step(fmt, H, I, chunk, frac):
     E, K, L, T = 7, 3, 3, 20
     g = torch.Generator().manual_seed(11)
     moe = build((H, I, E, K, L), fmt, frac, "stage", g, "cpu", staging_min_tokens=4)
     assert moe.bank is not None and moe.pool is not None
-    moe.stager = LayerStager(
-        moe.operands, moe.bank, moe.pool.num_rows, torch.device("cpu"), 4, chunk, copy_kernel=copy_kernel
-    )
+    moe.stager = LayerStager(moe.operands, moe.bank, moe.pool.num_rows, torch.device("cpu"), 4, chunk)
     kernels = KernelPath(moe.format, moe.pool, moe.bank, H, I)
     assert moe.stager.begin_step(T, moe.pool.l2p_gpu)
     for layer in range(L):
