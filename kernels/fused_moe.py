@@ -202,12 +202,15 @@ def gemm2_ref(
     fmt: KernelFormat,
     num_pairs: int,
     config: GemmConfig,
+    y: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference of `gemm2`: rows of pairs not computed are 0."""
+    """Reference of `gemm2` (align path): rows of pairs not computed are 0, or, with `y` given, left as they
+    are in `y` (computed rows written into it, as `gemm2(..., y=y)` does)."""
     from pooled_runner.torch_path import batch_invariant_linear
 
     H = w2.weight.shape[1]
-    y = torch.zeros((max(num_pairs, 1), H), dtype=act.dtype)
+    out = y
+    y = torch.zeros((max(num_pairs, 1), H), dtype=act.dtype) if out is None else out.cpu().clone()
     sorted_pairs, codes, ac = align.sorted_pairs.cpu(), align.block_codes.cpu(), act.cpu()
     for b in range(int(align.num_post_padded.item()) // align.block_m):
         code = int(codes[b])
@@ -218,6 +221,9 @@ def gemm2_ref(
             continue
         w = dense_row(w2, fmt, code, act.dtype)
         y[pairs[keep].long()] = batch_invariant_linear(ac[slots[keep]], w).to(act.dtype)
+    if out is not None:
+        out.copy_(y)
+        return out
     return y.to(act.device)
 
 

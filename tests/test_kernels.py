@@ -194,6 +194,7 @@ def test_gemm_stages_match_reference(name, H, I, dtype):
     w13, w2 = make_projections(fmt, pool, bank, H, I)
     x = torch.randn(T, H, generator=g).to(dtype)
     ids, _ = random_routing(T, K, E, g)
+    ids[0, 0] = -1  # at least one pair not computed (its row of a given y stays as it was)
     cfg = GemmConfig(16, 16, 32, num_stages=1)
     al = align_blocks(ids, l2p, E, R, 16)
     computed = ((al.block_codes >= 0).repeat_interleave(16)) & (al.sorted_pairs < T * K)
@@ -202,6 +203,16 @@ def test_gemm_stages_match_reference(name, H, I, dtype):
     y, y_ref = gemm2(act_ref, al, w2, fmt, T * K, cfg), gemm2_ref(act_ref, al, w2, fmt, T * K, cfg)
     pairs = al.sorted_pairs[computed].long()
     assert_close(y[pairs], y_ref[pairs], f"{name} gemm2")
+    # into a given output (staging passes share one): computed rows written, the others left as they were
+    fill = torch.randn(T * K, H, generator=g).to(dtype)
+    y_in, y_in_ref = fill.clone(), fill.clone()
+    assert gemm2(act_ref, al, w2, fmt, T * K, cfg, y=y_in) is y_in
+    assert gemm2_ref(act_ref, al, w2, fmt, T * K, cfg, y=y_in_ref) is y_in_ref
+    untouched = torch.ones(T * K, dtype=torch.bool)
+    untouched[pairs] = False
+    assert untouched.any()
+    assert torch.equal(y_in[untouched], fill[untouched]) and torch.equal(y_in_ref[untouched], fill[untouched])
+    assert_close(y_in[pairs], y_in_ref[pairs], f"{name} gemm2 into y")
 
 
 @pytest.mark.parametrize(
