@@ -378,3 +378,44 @@ def test_int4_half_math_equals_fp32_tiles(name, M, monkeypatch):
     base = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="align")
     monkeypatch.setattr(moe_gemm, "HALF_INT4", True)
     assert torch.equal(fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="align"), base)
+
+
+@pytest.mark.parametrize("variant", ["inline", "align"])
+@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_l2_prefetch_changes_no_value(resident_layers, shape, M, variant, monkeypatch):
+    """gemm1's L2 prefetch of w2 (kernels/prefetch.py) is on at decode widths and leaves every output bit as it
+    is without it, eager and under graph replay with new routing."""
+    from pooled_runner.kernels import moe_gemm, prefetch
+
+    fused_moe, _ = _kernels()
+    H, I, E, K = SHAPES[shape]
+    _, _, l2p, fmt, p13, p2 = resident_layers[shape]
+    g = torch.Generator(device="cuda").manual_seed(300 + M)
+    x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+    ids, w = routing(M, K, E, g)
+    budget = prefetch.PREFETCH_L2_BYTES
+    assert (
+        moe_gemm._prefetch_args(p2, M * K, -(-I // 32), x)[3] > 0
+    )  # the prefetch is really issued at this width
+
+    def step(prefetch_bytes):
+        monkeypatch.setattr(prefetch, "PREFETCH_L2_BYTES", prefetch_bytes)
+        return fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant=variant)
+
+    with_pf = step(budget)
+    without = step(0)
+    assert moe_gemm._prefetch_args(p2, M * K, -(-I // 32), x)[3] == 0
+    assert torch.equal(with_pf, without), f"{shape} M={M} {variant}: eager output with prefetch differs"
+    step(budget)  # compiled and warm before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = step(budget)
+    new_ids, new_w = routing(M, K, E, g)
+    ids.copy_(new_ids)
+    w.copy_(new_w)
+    graph.replay()
+    torch.cuda.synchronize()
+    plain = step(0)
+    assert not torch.equal(plain, without), "new routing should change the output"
+    assert torch.equal(replayed, plain), f"{shape} M={M} {variant}: replay with prefetch differs"
