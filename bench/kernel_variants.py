@@ -22,8 +22,7 @@ from pooled_runner.formats import make_format
 # (shape, format, decode widths M, share of the step's experts read through the pinned host view): the cases
 # the decode-kernel work targets, and one with host rows
 VARIANT_CASES = [
-    ("qwen3", "bf16", (1, 4, 8, 16), "0"),
-    ("qwen3", "int4-g128", (1, 8), "0"),
+    ("qwen3", "bf16", (1, 4, 8), "0"),
     ("deepseek", "int4-g128", (1, 8), "0"),
     ("deepseek", "nvfp4", (1, 8), "0"),
     ("deepseek", "bf16", (1, 4, 8), "0"),
@@ -32,29 +31,35 @@ VARIANT_CASES = [
 
 
 def variant_specs(H: int, I: int, fmt: int, num_pairs: int) -> list[tuple[str, dict, str]]:
-    """(column, pooled_fused_moe keyword arguments, module switch): the default first, the default without
-    gemm1's L2 prefetch of w2 second (the 'before' of the ratio). Switches: "nopf" (kernels/prefetch.py's
-    PREFETCH_L2_BYTES = 0), "" none."""
+    """(column, pooled_fused_moe keyword arguments, module switch): the current default first, the default
+    before this work second (the align path with its phased one-program align). Switches: "phased" (that
+    align kernel), "fp32" (int4 MMA tiles in fp32 math: moe_gemm.HALF_INT4 off, the default before e87d7f6; int4
+    only), "" none."""
+    from pooled_runner.kernels.moe_gemm import GemmConfig
+
     base = gemv_configs(H, I, fmt, num_pairs)
+    bn32 = GemmConfig(16, 32, 128, group_m=1, num_warps=4, num_stages=4)
     return [
-        ("default", {}, ""),
-        ("default no-pf", {}, "nopf"),
         ("align", {"variant": "align"}, ""),
+        ("align before", {"variant": "align"}, "phased"),
         ("align-fc", {"variant": "align-fc"}, ""),
         ("inline", {"variant": "inline"}, ""),
-        ("inline no-pf", {"variant": "inline"}, "nopf"),
+        ("align BN32", {"variant": "align", "configs": (bn32, bn32)}, ""),
         ("gemv", {"variant": "gemv", "gemv_config": base}, ""),
+        ("int4 fp32", {"variant": "align"}, "fp32"),
+        ("inline int4 fp32", {"variant": "inline"}, "fp32"),
     ]
 
 
 def _with_switch(fn, switch: str):
     """`fn` with a module switch of `variant_specs` set while it runs (and while a graph captures it)."""
-    from pooled_runner.kernels import prefetch
+    from pooled_runner.kernels import align, moe_gemm
 
     if not switch:
         return fn
-    assert switch == "nopf", switch
-    module, name, value = prefetch, "PREFETCH_L2_BYTES", 0
+    module, name, value = (
+        (align, "TINY_MAX_PAIRS", -1) if switch == "phased" else (moe_gemm, "HALF_INT4", False)
+    )
 
     def run():
         saved = getattr(module, name)
@@ -171,6 +176,10 @@ def variants_main(args: argparse.Namespace) -> None:
             cells, times, diffs = [], [], []
             ref = None
             for col, kw, switch in specs:
+                if switch == "fp32" and name.split("-")[0] != "int4":
+                    cells.append("=")  # the same kernels as a column before
+                    diffs.append("=")
+                    continue
                 fn = functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, **kw)
                 us, out, err = _time_variant(_with_switch(fn, switch))
                 if us is None:
@@ -206,16 +215,18 @@ def variants_main(args: argparse.Namespace) -> None:
         "µs (% of the bound): bound = resident bytes / HBM read + host-view bytes / zero-copy read (both "
         "measured here); bytes = the step's distinct experts' weights + scales. Graph replay of one layer, "
         "softmax top-k of random logits; host rows 1/8: every 8th distinct expert is read through the pinned "
-        "host view. Columns: default = pooled_fused_moe's default kernels (inline up to 8 routed pairs except "
-        "NVFP4, else align), with gemm1 prefetching the routed experts' w2 into L2 (kernels/prefetch.py); "
-        "default no-pf = the same without that prefetch (the default before it); align = align + gemm1 + gemm2 "
-        "+ combine; align-fc = the combine fused into gemm2 (last arriver per token and N block); inline = gemm1 "
-        "+ gemm2 computing the align inside every program (<= 32 pairs, else as align-fc), combine fused; "
-        "inline no-pf = inline without the prefetch; gemv = kernels/gemv.py, two launches (more GEMV options in "
-        "the sweep). best vs before: 'default no-pf' time / the fastest column's. max diff vs default: max "
-        "|column - default| / max |default| for each column after the first, in order (the prefetch changes no "
-        "value, and align, align-fc and inline compute the same blocks: expect 0; gemv rounds differently: "
-        "~1e-2 is expected, > 1e-1 is a bug).",
+        "host view. Columns: align = the align path (align + gemm1 + gemm2 + combine; register-only align "
+        "kernel up to 64 pairs; the default above 8 pairs, and for NVFP4); align before = the same with the phased align kernel (the default before this "
+        "work); align-fc = align + gemm1 + gemm2 with the combine fused into gemm2 (last arriver per token and "
+        "N block); inline = gemm1 + gemm2 computing the align inside every program (<= 32 pairs, else as "
+        "align-fc), combine fused: two launches (the default up to 8 pairs, except NVFP4); align BN32 = the default path with 32-row N tiles in both "
+        "GEMMs (more programs); gemv = kernels/gemv.py, two launches (more GEMV options in the sweep). best vs "
+        "before: 'align before' time / the fastest column's. max diff vs default: max |column - align| / max "
+        "|align| for each column after the first, in order (align-fc, inline and int4 fp32 are bitwise the align "
+        "path's output under the interpreter: expect 0; other paths round differently: ~1e-2 is expected, > "
+        "1e-1 is a bug). int4 fp32 = int4 MMA tiles dequantized in fp32 math (moe_gemm.HALF_INT4 off; packed "
+        "half math is the default since e87d7f6), with the align path and with inline; '=' where the format "
+        "is not int4.",
     ]
     write(args.out, lines)
     lines += sweep_align(g, hbm, t_start, args.budget)

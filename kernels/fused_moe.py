@@ -138,7 +138,7 @@ def pooled_fused_moe(
             align = None
             if variant == "align-fc" or T * K > INLINE_MAX_PAIRS:
                 align = align_blocks(routing.topk_ids, l2p, num_experts, w13.num_rows, cfg1.block_m)
-            act = gemm1(hidden, align, w13, fmt, K, cfg1, routing, prefetch=w2)
+            act = gemm1(hidden, align, w13, fmt, K, cfg1, routing)
             return gemm2(act, align, w2, fmt, T * K, cfg2, routing, fuse_combine=True)
     if decode if decode is not None else (AUTO_DECODE_PATH and T * K <= DECODE_MAX_PAIRS):
         return decode_moe(hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt, configs)
@@ -146,7 +146,7 @@ def pooled_fused_moe(
     if cfg1.block_m != cfg2.block_m:
         raise ValueError(f"gemm1 block_m={cfg1.block_m} != gemm2 block_m={cfg2.block_m}")
     align = align_blocks(topk_ids.contiguous(), l2p, num_experts, w13.num_rows, cfg1.block_m)
-    act = gemm1(hidden, align, w13, fmt, K, cfg1, prefetch=w2)  # prefetch: decode widths only
+    act = gemm1(hidden, align, w13, fmt, K, cfg1)
     y = gemm2(act, align, w2, fmt, T * K, cfg2)
     return combine(y, topk_ids.contiguous(), topk_weights.contiguous(), l2p, num_experts)
 

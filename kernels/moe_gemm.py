@@ -29,7 +29,6 @@ from .decode_align import (
 )
 from .dequant import FMT_INT4, FMT_NVFP4, load_b_tile
 from .operands import KernelFormat, Projection
-from .prefetch import prefetch_bytes_per_program, prefetch_slice
 from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters
 
 
@@ -115,15 +114,12 @@ def _gemm1_kernel(
     wp, sp, zp, gp, wb, sb, zb, gb,
     w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
     num_pairs, num_rows, max_blocks, I, H, stride_x, stride_act, num_experts,
-    pf_ptr, pf_se, pf_row_bytes, pf_bytes,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
     NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, DOT_F32: tl.constexpr,
     INLINE_ALIGN: tl.constexpr = False, P_POW2: tl.constexpr = 16, HALF_INT4: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
-    num_pid_n = tl.cdiv(I, BLOCK_N)
-    pid_m, pid_n = _block_of(tl.program_id(0), num_pid_n, max_blocks, GROUP_M)
+    pid_m, pid_n = _block_of(tl.program_id(0), tl.cdiv(I, BLOCK_N), max_blocks, GROUP_M)
     if INLINE_ALIGN:
         blk, code, pair = _inline_block(
             pid_m, ids_ptr, l2p_ptr, num_pairs, num_experts, num_rows, BLOCK_M, P_POW2
@@ -141,9 +137,6 @@ def _gemm1_kernel(
     w_base, s_base, z_base, g_base = _row_bases(
         code, num_rows, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se
     )
-    if PREFETCH:  # noqa: SIM102 (constexpr branch)
-        if code < num_rows:  # this program's share of the expert's w2 bytes into L2 for gemm2 (prefetch.py)
-            prefetch_slice(pf_ptr + code.to(tl.int64) * pf_se, pid_n, num_pid_n, pf_row_bytes, pf_bytes, 128)
     offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = pair < num_pairs
     token = (pair // TOP_K).to(tl.int64)
@@ -285,15 +278,12 @@ def gemm1(
     top_k: int,
     config: GemmConfig,
     routing: DecodeRouting | None = None,
-    prefetch: Projection | None = None,
 ) -> torch.Tensor:
     """`act [max_blocks * block_m, I]` (compute dtype) for the aligned slots; padding slots are left unset.
 
     x: `[T, H]` bf16/fp16, row-major. w13: the `[2I, H]` projection in pool and host view.
     align None: the blocks are computed inside every program from `routing` (decode widths, <= INLINE_MAX_PAIRS
     pairs), at the same slots as `align_blocks` would place them.
-    prefetch: the layer's w2 projection: its pool-row weights of the routed experts are prefetched into L2 for
-    gemm2 (decode widths on CUDA, within `prefetch.PREFETCH_L2_BYTES`; values unchanged). None: no prefetch.
     """
     T, H = x.shape
     I = w13.weight.shape[1] // 2
@@ -306,33 +296,18 @@ def gemm1(
     act = torch.empty((max_blocks * config.block_m, I), dtype=x.dtype, device=x.device)
     ptrs, strides, native = _launch_args(w13, fmt)
     ids, l2p = (routing.topk_ids, routing.l2p) if routing is not None else (tables[0], tables[1])
-    num_pid_n = triton.cdiv(I, config.block_n)
-    pf = _prefetch_args(prefetch, T * top_k, num_pid_n, x)
-    _gemm1_kernel[(max_blocks * num_pid_n,)](
+    grid = (max_blocks * triton.cdiv(I, config.block_n),)
+    _gemm1_kernel[grid](
         x, act, *tables, ids, l2p,
         *ptrs, *strides,
-        T * top_k, w13.num_rows, max_blocks, I, H, x.stride(0), act.stride(0), num_experts, *pf,
+        T * top_k, w13.num_rows, max_blocks, I, H, x.stride(0), act.stride(0), num_experts,
         TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero,
         NATIVE_FP8=native, DOT_F32=interpreting(), COMPUTE=_TL_DTYPES[x.dtype],
         INLINE_ALIGN=align is None, P_POW2=routing.p_pow2() if routing is not None else 16,
-        HALF_INT4=_half_int4(fmt, x.dtype), PREFETCH=pf[3] > 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        HALF_INT4=_half_int4(fmt, x.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return act
-
-
-def _prefetch_args(w2: Projection | None, num_pairs: int, num_pid_n: int, x: torch.Tensor) -> list:
-    """gemm1's (pf_ptr, pf_se, pf_row_bytes, pf_bytes): w2's pool weights as bytes, its row stride and row size
-    in bytes, and the bytes per program (0: no prefetch; always 0 under the interpreter or without w2)."""
-    if w2 is None or interpreting() or not x.is_cuda:
-        return [x, 0, 0, 0]
-    w = w2.weight
-    if w.shape[0] == 0 or not w[0].is_contiguous():
-        return [x, 0, 0, 0]
-    row_bytes = w[0].numel() * w.element_size()
-    pf_bytes = prefetch_bytes_per_program(num_pairs, row_bytes, num_pid_n)
-    return [w.view(torch.uint8), w.stride(0) * w.element_size(), row_bytes, pf_bytes]
 
 
 def gemm2(

@@ -376,23 +376,3 @@ def test_operand_bad_input():
     x16 = torch.randn(2, 16).half()  # fp16 activations, bf16 weights
     with pytest.raises(ValueError, match="dtype"):
         pooled_fused_moe(x16, torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1), l2p, 3, w13, w2, fmt)
-
-
-def test_prefetch_budget_per_program():
-    """gemm1's w2 prefetch budget (kernels/prefetch.py): whole slices while the step's experts fit, cut to the
-    budget otherwise, line multiples, off above PREFETCH_MAX_PAIRS pairs, for a zero budget and under the
-    interpreter (the launcher's arguments)."""
-    from pooled_runner.kernels import moe_gemm
-    from pooled_runner.kernels.prefetch import LINE, PREFETCH_MAX_PAIRS, prefetch_bytes_per_program
-
-    row = 2048 * 768 * 2  # a Qwen3-like bf16 w2 row
-    assert prefetch_bytes_per_program(8, row, 24, budget=1 << 30) == -(-row // 24) // LINE * LINE
-    for pairs, progs, budget in [(8, 24, 24 << 20), (64, 24, 24 << 20), (7, 13, 5 << 20), (1, 1, 1000)]:
-        got = prefetch_bytes_per_program(pairs, row, progs, budget=budget)
-        assert got % LINE == 0 and 0 <= got <= -(-row // progs), (pairs, progs, got)
-        assert pairs * progs * got <= budget, (pairs, progs, budget, got)
-    assert prefetch_bytes_per_program(PREFETCH_MAX_PAIRS + 1, row, 24, budget=1 << 30) == 0
-    assert prefetch_bytes_per_program(8, row, 24, budget=0) == 0
-    assert prefetch_bytes_per_program(0, row, 24, budget=1 << 30) == 0
-    x = torch.randn(1, 8)
-    assert moe_gemm._prefetch_args(None, 8, 24, x)[3] == 0
