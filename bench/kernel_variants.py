@@ -138,7 +138,7 @@ def variants_main(args: argparse.Namespace) -> None:
     hbm, zero_copy, lines = measured_header(args.commit)
     header_done = False
     sweep_cases = []
-    for shape, name, ms, host in VARIANT_CASES:
+    for shape, name, ms, host in [] if args.sweeps_only else VARIANT_CASES:
         if time.perf_counter() - t_start > args.budget:
             lines.append(
                 f"| {shape} | {name} | {ms} | {host} | skipped: budget of {args.budget:.0f} s reached |"
@@ -237,39 +237,46 @@ def variants_main(args: argparse.Namespace) -> None:
     write(args.out, lines)
 
 
-# (shape, format, variant, module switch): the align-path decode cases whose tiles the sweep varies
+# (shape, format, variant, module switch, M): the align-path decode cases whose tiles the sweep varies, in order
 ALIGN_SWEEP_CASES = [
-    ("qwen3", "bf16", "inline", ""),
-    ("deepseek", "int4-g128", "align", ""),
-    ("deepseek", "nvfp4", "align", ""),
+    ("qwen3", "bf16", "align", "", 16),
+    ("deepseek", "int4-g128", "align", "", 8),
+    ("qwen3", "bf16", "align", "", 4),
+    ("deepseek", "bf16", "inline", "", 1),
+    ("deepseek", "int4-g128", "inline", "", 1),
+    ("qwen3", "bf16", "inline", "", 1),
+    ("deepseek", "nvfp4", "align", "", 1),
 ]
-# (BN1, BN2, BK, warps, stages); block_m 16, group_m 1 (pick_configs' decode tiles are (32 or 64, 64, 128, 4, 4))
+# (BN1, BN2, BK, warps, stages); block_m 16, group_m 1. pick_configs' decode tiles are (32 or 64, 64, 128, 4, 4)
+# (NVFP4 (32, 64, 64, 4, 4)); SGLang 0.5.23's tuned H200 tiles for the Qwen3-like layer are (64, 64, 64, 4, 5) at
+# M=1, (64, 64, 128, 4, 3) at M=8 and (64, 64, 256, 4, 2) at M=16 (its E=128,N=768 H200 config)
 ALIGN_SWEEP_TILES = [
     (32, 64, 128, 4, 4),
     (64, 64, 128, 4, 4),
+    (64, 64, 256, 4, 2),
+    (32, 64, 256, 4, 2),
+    (64, 64, 128, 4, 3),
     (32, 32, 128, 4, 4),
-    (16, 32, 128, 4, 4),
-    (32, 64, 64, 4, 4),
-    (64, 64, 64, 8, 4),
-    (32, 64, 256, 4, 3),
+    (32, 64, 64, 4, 5),
+    (64, 128, 128, 8, 3),
 ]
 
 
 def sweep_align(g, hbm: float, t_start: float, budget: float) -> list[str]:
-    """Align-path decode tiles at M = 1 (with the case's variant and switch) until `budget` seconds."""
+    """Decode tiles per case (its variant, switch and M; resident) until `budget` seconds from the start."""
     from pooled_runner.kernels.moe_gemm import GemmConfig
 
     out = [
         "",
-        "align-path tile sweep (M = 1, resident; µs per layer, % of HBM read):",
+        "align-path tile sweep (resident; µs per layer, % of HBM read):",
         "",
-        "| shape | format | variant | BN1 | BN2 | BK | warps | stages | µs | % HBM |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | format | M | variant | BN1 | BN2 | BK | warps | stages | µs | % HBM |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(out), flush=True)
-    for shape, name, variant, switch in ALIGN_SWEEP_CASES:
+    for shape, name, variant, switch, M in ALIGN_SWEEP_CASES:
         if time.perf_counter() - t_start > budget:
-            out.append(f"| {shape} | {name} | (budget of {budget:.0f} s reached) | | | | | | | |")
+            out.append(f"| {shape} | {name} | {M} | (budget of {budget:.0f} s reached) | | | | | | | |")
             break
         H, I, E, K = SHAPES[shape]
         fmt = kernel_format(make_format(name, torch.bfloat16))
@@ -277,19 +284,21 @@ def sweep_align(g, hbm: float, t_start: float, budget: float) -> list[str]:
         row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
         p13, p2 = make_projections(fmt, pool, None, H, I)
         l2p = torch.arange(E, dtype=torch.int32, device="cuda")
-        x = torch.randn(1, H, generator=g, device="cuda").bfloat16()
-        w, ids = torch.softmax(torch.randn(1, E, generator=g, device="cuda"), -1).topk(K, -1)
+        x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+        w, ids = torch.softmax(torch.randn(M, E, generator=g, device="cuda"), -1).topk(K, -1)
         nbytes = torch.unique(ids).numel() * row_bytes
         label = variant + (f" + {switch}" if switch else "")
         for bn1, bn2, bk, warps, stages in ALIGN_SWEEP_TILES:
             if time.perf_counter() - t_start > budget:
-                out.append(f"| {shape} | {name} | (budget of {budget:.0f} s reached) | | | | | | | |")
+                out.append(f"| {shape} | {name} | {M} | (budget of {budget:.0f} s reached) | | | | | | | |")
                 break
             cfgs = (GemmConfig(16, bn1, bk, 1, warps, stages), GemmConfig(16, bn2, bk, 1, warps, stages))
             fn = functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, cfgs, variant=variant)
             us, _, err = _time_variant(_with_switch(fn, switch))
             res = f"{us:.1f} | {100 * nbytes / (hbm * 1e9) / (us * 1e-6):.0f}%" if us else f"error: {err} |"
-            out.append(f"| {shape} | {name} | {label} | {bn1} | {bn2} | {bk} | {warps} | {stages} | {res} |")
+            out.append(
+                f"| {shape} | {name} | {M} | {label} | {bn1} | {bn2} | {bk} | {warps} | {stages} | {res} |"
+            )
             print(out[-1], flush=True)
         del pool, p13, p2
         torch.cuda.empty_cache()

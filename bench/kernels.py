@@ -113,6 +113,9 @@ def main() -> None:
     ap.add_argument("--formats", default="", help="comma list: only these formats (default: all)")
     ap.add_argument("--shapes", default="", help=f"comma list of {', '.join(SHAPES)} (default: all)")
     ap.add_argument("--budget", type=float, default=150.0, help="--variants: seconds before the sweep stops")
+    ap.add_argument(
+        "--sweeps-only", action="store_true", help="--variants: only the tile sweeps (no side-by-side table)"
+    )
     args = ap.parse_args()
     if args.variants:
         from bench.kernel_variants import variants_main
