@@ -70,10 +70,14 @@ def pick_configs(
         return GemmConfig(16, 16, 32, num_stages=1), GemmConfig(16, 16, 32, num_stages=1)
     if num_tokens <= 32:
         # Decode: memory-bound; N tiles small enough that top-k blocks cover the SMs (and one compile per shape).
-        bn1 = 32 if I <= 1024 else 64
+        # int4 gemm1 N tiles of 64 at both shapes; 3 pipeline stages for bf16, int4 and NVFP4: the H200 stage
+        # sweep (commit b977f9e, one layer, graph replay, 4 -> 3 stages) gave DeepSeek-like int4 M=1 190.3 -> 175.4
+        # µs and M=8 1069 -> 976 µs, Qwen3-like int4 M=8 (N tiles 32 -> 64) 129.0 -> 125.7 µs, Qwen3-like bf16
+        # M=8 135.5 -> 132.6 µs, NVFP4 M=8 1431 µs (1495 with 4 stages in that day's variants run), the other
+        # widths within 1% (Qwen3-like bf16 M=1 31.0 vs 31.2, M=16 208.3 vs 208.9). fp8 was not swept: keeps 4.
+        bn1 = 64 if I > 1024 or weight_fmt == FMT_INT4 else 32
         bn2 = 64
-        # packed formats stage their packed words (int4/NVFP4 gemm1 BN 64: 60 KiB for 4 stages, sm_90 compile)
-        stages = 4
+        stages = 4 if weight_fmt in (FMT_FP8_CHANNEL, FMT_FP8_BLOCK) else 3
         # NVFP4: gemm1 N tiles of 32 and K tiles of 64, the best of the H200 tile sweep (e87d7f6, DeepSeek-like
         # M=1: 240.5 µs vs 266.8 with (32, 64, 128)); K tiles of 64 alone with N tiles of 64 gave 298 (f2411ff)
         bk = 64 if weight_fmt == FMT_NVFP4 else 128
