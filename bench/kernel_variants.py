@@ -22,54 +22,33 @@ from pooled_runner.formats import make_format
 # (shape, format, decode widths M, share of the step's experts read through the pinned host view): the cases
 # the decode-kernel work targets, and one with host rows
 VARIANT_CASES = [
-    ("qwen3", "bf16", (1, 4, 8), "0"),
     ("deepseek", "int4-g128", (1, 8), "0"),
     ("deepseek", "nvfp4", (1, 8), "0"),
-    ("deepseek", "bf16", (1, 4, 8), "0"),
-    ("qwen3", "bf16", (1, 8), "1/8"),
+    ("qwen3", "bf16", (1, 4, 16), "0"),
+    ("qwen3", "int4-g128", (1, 8), "0"),
+    ("deepseek", "bf16", (1, 8), "0"),
+    ("deepseek", "fp8", (1, 8), "0"),
+    ("qwen3", "bf16", (1,), "1/8"),
 ]
 
 
-def variant_specs(H: int, I: int, fmt: int, num_pairs: int) -> list[tuple[str, dict, str]]:
-    """(column, pooled_fused_moe keyword arguments, module switch): the current default first, the default
-    before this work second (the align path with its phased one-program align). Switches: "phased" (that
-    align kernel), "fp32" (int4 MMA tiles in fp32 math: moe_gemm.HALF_INT4 off, the default before e87d7f6; int4
-    only), "" none."""
-    from pooled_runner.kernels.moe_gemm import GemmConfig
+def variant_specs(H: int, I: int, fmt: int, num_pairs: int) -> list[tuple[str, dict]]:
+    """(column, pooled_fused_moe keyword arguments): the default first (the 'before' of the ratio), then the
+    align and inline paths with their tiles as `pick_configs` gives them and swapped (`GemmConfig.swap_ab`),
+    then the GEMV path."""
+    from pooled_runner.kernels.fused_moe import pick_configs
 
     base = gemv_configs(H, I, fmt, num_pairs)
-    bn32 = GemmConfig(16, 32, 128, group_m=1, num_warps=4, num_stages=4)
+    plain = pick_configs(max(1, num_pairs // 8), 8, 0, H, I, fmt)
+    swapped = tuple(dataclasses.replace(c, swap_ab=True) for c in plain)
     return [
-        ("align", {"variant": "align"}, ""),
-        ("align before", {"variant": "align"}, "phased"),
-        ("align-fc", {"variant": "align-fc"}, ""),
-        ("inline", {"variant": "inline"}, ""),
-        ("align BN32", {"variant": "align", "configs": (bn32, bn32)}, ""),
-        ("gemv", {"variant": "gemv", "gemv_config": base}, ""),
-        ("int4 fp32", {"variant": "align"}, "fp32"),
-        ("inline int4 fp32", {"variant": "inline"}, "fp32"),
+        ("default", {}),
+        ("align", {"variant": "align", "configs": plain}),
+        ("align swap", {"variant": "align", "configs": swapped}),
+        ("inline", {"variant": "inline", "configs": plain}),
+        ("inline swap", {"variant": "inline", "configs": swapped}),
+        ("gemv", {"variant": "gemv", "gemv_config": base}),
     ]
-
-
-def _with_switch(fn, switch: str):
-    """`fn` with a module switch of `variant_specs` set while it runs (and while a graph captures it)."""
-    from pooled_runner.kernels import align, moe_gemm
-
-    if not switch:
-        return fn
-    module, name, value = (
-        (align, "TINY_MAX_PAIRS", -1) if switch == "phased" else (moe_gemm, "HALF_INT4", False)
-    )
-
-    def run():
-        saved = getattr(module, name)
-        setattr(module, name, value)
-        try:
-            return fn()
-        finally:
-            setattr(module, name, saved)
-
-    return run
 
 
 def sweep_configs(base: GemvConfig) -> list[GemvConfig]:
@@ -164,7 +143,7 @@ def variants_main(args: argparse.Namespace) -> None:
             bound_us = ((nbytes - num_host * row_bytes) / hbm + num_host * row_bytes / zero_copy) / 1e3
             specs = variant_specs(H, I, fmt.fmt, M * K)
             if not header_done:
-                cols = [c for c, _, _ in specs]
+                cols = [c for c, _ in specs]
                 lines += [
                     "| shape | format | M | host rows | MB | bound µs | "
                     + " | ".join(f"{c} µs (% bound)" for c in cols)
@@ -175,13 +154,9 @@ def variants_main(args: argparse.Namespace) -> None:
                 header_done = True
             cells, times, diffs = [], [], []
             ref = None
-            for col, kw, switch in specs:
-                if switch == "fp32" and name.split("-")[0] != "int4":
-                    cells.append("=")  # the same kernels as a column before
-                    diffs.append("=")
-                    continue
+            for col, kw in specs:
                 fn = functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, **kw)
-                us, out, err = _time_variant(_with_switch(fn, switch))
+                us, out, err = _time_variant(fn)
                 if us is None:
                     cells.append(f"error: {err}")
                     diffs.append("err")
@@ -193,7 +168,7 @@ def variants_main(args: argparse.Namespace) -> None:
                 else:
                     scale = ref.abs().max().item() or 1.0
                     diffs.append(f"{(out.float() - ref).abs().max().item() / scale:.0e}")
-            before = dict((c, t) for t, c in times).get(specs[1][0])
+            before = dict((c, t) for t, c in times).get(specs[0][0])
             best = ""
             if before and times:
                 us_best, col_best = min(times)
@@ -215,18 +190,15 @@ def variants_main(args: argparse.Namespace) -> None:
         "µs (% of the bound): bound = resident bytes / HBM read + host-view bytes / zero-copy read (both "
         "measured here); bytes = the step's distinct experts' weights + scales. Graph replay of one layer, "
         "softmax top-k of random logits; host rows 1/8: every 8th distinct expert is read through the pinned "
-        "host view. Columns: align = the align path (align + gemm1 + gemm2 + combine; register-only align "
-        "kernel up to 64 pairs; the default above 8 pairs, and for NVFP4); align before = the same with the phased align kernel (the default before this "
-        "work); align-fc = align + gemm1 + gemm2 with the combine fused into gemm2 (last arriver per token and "
-        "N block); inline = gemm1 + gemm2 computing the align inside every program (<= 32 pairs, else as "
-        "align-fc), combine fused: two launches (the default up to 8 pairs, except NVFP4); align BN32 = the default path with 32-row N tiles in both "
-        "GEMMs (more programs); gemv = kernels/gemv.py, two launches (more GEMV options in the sweep). best vs "
-        "before: 'align before' time / the fastest column's. max diff vs default: max |column - align| / max "
-        "|align| for each column after the first, in order (align-fc, inline and int4 fp32 are bitwise the align "
-        "path's output under the interpreter: expect 0; other paths round differently: ~1e-2 is expected, > "
-        "1e-1 is a bug). int4 fp32 = int4 MMA tiles dequantized in fp32 math (moe_gemm.HALF_INT4 off; packed "
-        "half math is the default since e87d7f6), with the align path and with inline; '=' where the format "
-        "is not int4.",
+        "host view. Columns: default = pooled_fused_moe's default kernels (inline up to 8 routed pairs except "
+        "NVFP4, else align); align = align + gemm1 + gemm2 + combine and inline = gemm1 + gemm2 computing the "
+        "align inside every program, combine fused (<= 32 pairs, else as align with the combine fused), both "
+        "with pick_configs' tiles; 'swap' = the same tiles with swapped operands (GemmConfig.swap_ab: the "
+        "weight tile is the MMA's left operand, acc^T = W @ x^T); gemv = kernels/gemv.py, two launches (more "
+        "GEMV options in the sweep). best vs before: the default's time / the fastest column's. max diff vs "
+        "default: max |column - default| / max |default| for each column after the first, in order (align and "
+        "inline at the default tiles compute the default's blocks: expect 0; swap and gemv sum in another "
+        "order: ~1e-2 is expected, > 1e-1 is a bug).",
     ]
     write(args.out, lines)
     lines += sweep_align(g, hbm, t_start, args.budget)
@@ -237,46 +209,44 @@ def variants_main(args: argparse.Namespace) -> None:
     write(args.out, lines)
 
 
-# (shape, format, variant, module switch, M): the align-path decode cases whose tiles the sweep varies, in order
+# (shape, format, variant, M): the decode cases whose tiles the sweep varies, in order
 ALIGN_SWEEP_CASES = [
-    ("qwen3", "bf16", "align", "", 16),
-    ("deepseek", "int4-g128", "align", "", 8),
-    ("qwen3", "bf16", "align", "", 4),
-    ("deepseek", "bf16", "inline", "", 1),
-    ("deepseek", "int4-g128", "inline", "", 1),
-    ("qwen3", "bf16", "inline", "", 1),
-    ("deepseek", "nvfp4", "align", "", 1),
+    ("deepseek", "int4-g128", "inline", 1),
+    ("deepseek", "int4-g128", "align", 8),
+    ("deepseek", "nvfp4", "align", 1),
+    ("qwen3", "bf16", "inline", 1),
+    ("qwen3", "bf16", "align", 16),
+    ("deepseek", "bf16", "inline", 1),
 ]
-# (BN1, BN2, BK, warps, stages); block_m 16, group_m 1. pick_configs' decode tiles are (32 or 64, 64, 128, 4, 4)
-# (NVFP4 (32, 64, 64, 4, 4)); SGLang 0.5.23's tuned H200 tiles for the Qwen3-like layer are (64, 64, 64, 4, 5) at
-# M=1, (64, 64, 128, 4, 3) at M=8 and (64, 64, 256, 4, 2) at M=16 (its E=128,N=768 H200 config)
+# (BN1, BN2, BK, warps, stages, swap_ab); block_m 16, group_m 1. pick_configs' decode tiles are (64, 64, 128, 4,
+# 3) for int4 and wide I, (32, 64, 128, 4, 3) for bf16 at I <= 1024, (32, 64, 64, 4, 3) for NVFP4; SGLang
+# 0.5.23's tuned H200 tiles for the Qwen3-like layer are (64, 64, 64, 4, 5) at M=1 and (64, 64, 256, 4, 2) at M=16
 ALIGN_SWEEP_TILES = [
-    (32, 64, 128, 4, 4),
-    (64, 64, 128, 4, 4),
-    (64, 64, 256, 4, 2),
-    (32, 64, 256, 4, 2),
-    (64, 64, 128, 4, 3),
-    (32, 32, 128, 4, 4),
-    (32, 64, 64, 4, 5),
-    (64, 128, 128, 8, 3),
+    (64, 64, 128, 4, 3, False),
+    (64, 64, 128, 4, 3, True),
+    (32, 64, 128, 4, 3, True),
+    (128, 128, 128, 4, 3, True),
+    (64, 64, 64, 4, 3, True),
+    (64, 64, 128, 4, 4, True),
+    (128, 64, 128, 8, 3, True),
 ]
 
 
 def sweep_align(g, hbm: float, t_start: float, budget: float) -> list[str]:
-    """Decode tiles per case (its variant, switch and M; resident) until `budget` seconds from the start."""
+    """Decode tiles per case (its variant and M; resident) until `budget` seconds from the start."""
     from pooled_runner.kernels.moe_gemm import GemmConfig
 
     out = [
         "",
         "align-path tile sweep (resident; µs per layer, % of HBM read):",
         "",
-        "| shape | format | M | variant | BN1 | BN2 | BK | warps | stages | µs | % HBM |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | format | M | variant | BN1 | BN2 | BK | warps | stages | swap | µs | % HBM |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(out), flush=True)
-    for shape, name, variant, switch, M in ALIGN_SWEEP_CASES:
+    for shape, name, variant, M in ALIGN_SWEEP_CASES:
         if time.perf_counter() - t_start > budget:
-            out.append(f"| {shape} | {name} | {M} | (budget of {budget:.0f} s reached) | | | | | | | |")
+            out.append(f"| {shape} | {name} | {M} | (budget of {budget:.0f} s reached) | | | | | | | | |")
             break
         H, I, E, K = SHAPES[shape]
         fmt = kernel_format(make_format(name, torch.bfloat16))
@@ -287,18 +257,19 @@ def sweep_align(g, hbm: float, t_start: float, budget: float) -> list[str]:
         x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
         w, ids = torch.softmax(torch.randn(M, E, generator=g, device="cuda"), -1).topk(K, -1)
         nbytes = torch.unique(ids).numel() * row_bytes
-        label = variant + (f" + {switch}" if switch else "")
-        for bn1, bn2, bk, warps, stages in ALIGN_SWEEP_TILES:
+        for bn1, bn2, bk, warps, stages, swap in ALIGN_SWEEP_TILES:
             if time.perf_counter() - t_start > budget:
-                out.append(f"| {shape} | {name} | {M} | (budget of {budget:.0f} s reached) | | | | | | | |")
+                out.append(f"| {shape} | {name} | {M} | (budget of {budget:.0f} s reached) | | | | | | | | |")
                 break
-            cfgs = (GemmConfig(16, bn1, bk, 1, warps, stages), GemmConfig(16, bn2, bk, 1, warps, stages))
-            fn = functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, cfgs, variant=variant)
-            us, _, err = _time_variant(_with_switch(fn, switch))
-            res = f"{us:.1f} | {100 * nbytes / (hbm * 1e9) / (us * 1e-6):.0f}%" if us else f"error: {err} |"
-            out.append(
-                f"| {shape} | {name} | {M} | {label} | {bn1} | {bn2} | {bk} | {warps} | {stages} | {res} |"
+            cfgs = (
+                GemmConfig(16, bn1, bk, 1, warps, stages, swap_ab=swap),
+                GemmConfig(16, bn2, bk, 1, warps, stages, swap_ab=swap),
             )
+            fn = functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, cfgs, variant=variant)
+            us, _, err = _time_variant(fn)
+            res = f"{us:.1f} | {100 * nbytes / (hbm * 1e9) / (us * 1e-6):.0f}%" if us else f"error: {err} |"
+            cells = f"{bn1} | {bn2} | {bk} | {warps} | {stages} | {'yes' if swap else 'no'}"
+            out.append(f"| {shape} | {name} | {M} | {variant} | {cells} | {res} |")
             print(out[-1], flush=True)
         del pool, p13, p2
         torch.cuda.empty_cache()

@@ -206,6 +206,39 @@ def _nvfp4_tile(w_base, s_base, g_base, offs_n, mask_n, k0, K, w_sn, s_sn,
 
 
 @triton.jit
+def load_w_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, mask_n, mask_k, k0, K, w_sn, s_sn, z_sn,
+                FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                COMPUTE: tl.constexpr, BLOCK_K: tl.constexpr, HALF_INT4: tl.constexpr = False):  # fmt: skip
+    """The weight tile N-major, `[BLOCK_N, BLOCK_K]` in the compute dtype: `load_b_tile` transposed (the
+    left operand of the swapped-operand GEMMs, `GemmConfig.swap_ab`). Arguments as `load_b_tile`."""
+    n = offs_n[:, None]
+    k = offs_k[None, :]
+    mask = mask_n[:, None] & mask_k[None, :]
+    if FMT == 0:
+        w = tl.load(w_base + n * w_sn + k, mask=mask, other=0.0).to(COMPUTE)
+    elif FMT == 1:
+        if HALF_INT4:
+            w = _int4_tile_h(w_base, s_base, z_base, offs_n, mask_n, k0, K, w_sn, s_sn, z_sn,
+                             BLOCK_K, GROUP, HAS_ZERO, COMPUTE)  # fmt: skip
+        else:
+            w = _int4_tile(w_base, s_base, z_base, offs_n, mask_n, k0, K, w_sn, s_sn, z_sn,
+                           BLOCK_K, GROUP, HAS_ZERO).to(COMPUTE)  # fmt: skip
+    elif FMT == 2:
+        q = tl.where(mask, e4m3_to_f32(tl.load(w_base + n * w_sn + k, mask=mask), NATIVE_FP8), 0.0)
+        s = tl.load(s_base + n, mask=mask_n[:, None], other=0.0)
+        w = (q * s).to(COMPUTE)
+    elif FMT == 3:
+        q = tl.where(mask, e4m3_to_f32(tl.load(w_base + n * w_sn + k, mask=mask), NATIVE_FP8), 0.0)
+        s = tl.load(s_base + (n // GROUP) * s_sn + k // GROUP, mask=mask, other=0.0)
+        w = (q * s).to(COMPUTE)
+    else:
+        w = _nvfp4_tile(w_base, s_base, g_base, offs_n, mask_n, k0, K, w_sn, s_sn, BLOCK_K, NATIVE_FP8).to(
+            COMPUTE
+        )
+    return w
+
+
+@triton.jit
 def load_b_tile(
     w_base,
     s_base,
@@ -229,32 +262,25 @@ def load_b_tile(
     HALF_INT4: tl.constexpr = False,
 ):
     """The `[BLOCK_K, BLOCK_N]` B tile in the compute dtype. HALF_INT4: int4 through `_int4_tile_h` (the same
-    values in packed half-precision ops) instead of fp32 math and a convert."""
+    values in packed half-precision ops) instead of fp32 math and a convert. Packed formats are expanded
+    N-major (`load_w_tile`) and transposed; the others load K-major."""
     n = offs_n[None, :]
     k = offs_k[:, None]
     mask = mask_n[None, :] & mask_k[:, None]
-    if FMT == 0:
+    if FMT == 1 or FMT == 4:
+        w = tl.trans(load_w_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, mask_n, mask_k, k0, K, w_sn,
+                                 s_sn, z_sn, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4))  # fmt: skip
+    elif FMT == 0:
         w = tl.load(w_base + n * w_sn + k, mask=mask, other=0.0).to(COMPUTE)
-    elif FMT == 1:
-        if HALF_INT4:
-            t = _int4_tile_h(w_base, s_base, z_base, offs_n, mask_n, k0, K, w_sn, s_sn, z_sn,
-                             BLOCK_K, GROUP, HAS_ZERO, COMPUTE)  # fmt: skip
-        else:
-            t = _int4_tile(w_base, s_base, z_base, offs_n, mask_n, k0, K, w_sn, s_sn, z_sn,
-                           BLOCK_K, GROUP, HAS_ZERO).to(COMPUTE)  # fmt: skip
-        w = tl.trans(t)
     elif FMT == 2:
         # fp8 loads take no `other` (an int/float -> fp8 constant cast is version-dependent): zero after decoding
         q = tl.where(mask, e4m3_to_f32(tl.load(w_base + n * w_sn + k, mask=mask), NATIVE_FP8), 0.0)
         s = tl.load(s_base + n, mask=mask_n[None, :], other=0.0)
         w = (q * s).to(COMPUTE)
-    elif FMT == 3:
+    else:
         q = tl.where(mask, e4m3_to_f32(tl.load(w_base + n * w_sn + k, mask=mask), NATIVE_FP8), 0.0)
         s = tl.load(s_base + (n // GROUP) * s_sn + k // GROUP, mask=mask, other=0.0)
         w = (q * s).to(COMPUTE)
-    else:
-        t = _nvfp4_tile(w_base, s_base, g_base, offs_n, mask_n, k0, K, w_sn, s_sn, BLOCK_K, NATIVE_FP8)
-        w = tl.trans(t.to(COMPUTE))
     return w
 
 
@@ -267,4 +293,5 @@ __all__ = [
     "e2m1_to_f32",
     "e4m3_to_f32",
     "load_b_tile",
+    "load_w_tile",
 ]

@@ -27,7 +27,7 @@ from .decode_align import (
     _inline_block,
     _zero_unrouted_tokens,
 )
-from .dequant import FMT_INT4, FMT_NVFP4, load_b_tile
+from .dequant import FMT_INT4, FMT_NVFP4, load_b_tile, load_w_tile
 from .operands import KernelFormat, Projection
 from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters
 
@@ -40,6 +40,10 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    # swapped operands: each program computes `acc^T [block_n, block_m] = W_tile [block_n, block_k] @ x^T`, so
+    # the (dequantized) weight tile is the left operand, which the MMA can take from registers, and only the
+    # few token rows pass through shared memory (decode tiles; same values, fp32 sums in another order)
+    swap_ab: bool = False
 
 
 # Decided when the kernels are imported (that is when triton.jit picks the interpreter), not per call.
@@ -118,6 +122,7 @@ def _gemm1_kernel(
     GROUP_M: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
     NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, DOT_F32: tl.constexpr,
     INLINE_ALIGN: tl.constexpr = False, P_POW2: tl.constexpr = 16, HALF_INT4: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
 ):  # fmt: skip
     pid_m, pid_n = _block_of(tl.program_id(0), tl.cdiv(I, BLOCK_N), max_blocks, GROUP_M)
     if INLINE_ALIGN:
@@ -142,27 +147,48 @@ def _gemm1_kernel(
     token = (pair // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:  # acc^T [BLOCK_N, BLOCK_M] = W_tile @ x^T (see GemmConfig.swap_ab)
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < H
-        a = tl.load(
-            x_ptr + token[:, None] * stride_x + offs_k[None, :],
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        bg = load_b_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, n_ok, k_ok, k0, H, w_sn, s_sn, z_sn,
-                         FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4)  # fmt: skip
-        bu = load_b_tile(w_base, s_base, z_base, g_base, offs_n + I, offs_k, n_ok, k_ok, k0, H, w_sn, s_sn,
-                         z_sn, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4)  # fmt: skip
-        acc_g = _mma(a, bg, acc_g, DOT_F32)
-        acc_u = _mma(a, bu, acc_u, DOT_F32)
+        if SWAP_AB:
+            xt = tl.load(
+                x_ptr + token[None, :] * stride_x + offs_k[:, None],
+                mask=row_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )
+            wg = load_w_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, n_ok, k_ok, k0, H, w_sn, s_sn,
+                             z_sn, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4)  # fmt: skip
+            wu = load_w_tile(w_base, s_base, z_base, g_base, offs_n + I, offs_k, n_ok, k_ok, k0, H, w_sn, s_sn,
+                             z_sn, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4)  # fmt: skip
+            acc_g = _mma(wg, xt, acc_g, DOT_F32)
+            acc_u = _mma(wu, xt, acc_u, DOT_F32)
+        else:
+            a = tl.load(
+                x_ptr + token[:, None] * stride_x + offs_k[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            bg = load_b_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, n_ok, k_ok, k0, H, w_sn, s_sn,
+                             z_sn, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4)  # fmt: skip
+            bu = load_b_tile(w_base, s_base, z_base, g_base, offs_n + I, offs_k, n_ok, k_ok, k0, H, w_sn, s_sn,
+                             z_sn, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4)  # fmt: skip
+            acc_g = _mma(a, bg, acc_g, DOT_F32)
+            acc_u = _mma(a, bu, acc_u, DOT_F32)
     gate = acc_g.to(COMPUTE).to(tl.float32)
     up = acc_u.to(COMPUTE).to(tl.float32)
     act = (gate * tl.sigmoid(gate) * up).to(COMPUTE)
-    ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_act + offs_n[None, :]
-    tl.store(ptrs, act, mask=row_ok[:, None] & n_ok[None, :])
+    if SWAP_AB:
+        ptrs = act_ptr + offs_m.to(tl.int64)[None, :] * stride_act + offs_n[:, None]
+        tl.store(ptrs, act, mask=row_ok[None, :] & n_ok[:, None])
+    else:
+        ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_act + offs_n[None, :]
+        tl.store(ptrs, act, mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -176,6 +202,7 @@ def _gemm2_kernel(
     NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, DOT_F32: tl.constexpr,
     INLINE_ALIGN: tl.constexpr = False, FUSE_COMBINE: tl.constexpr = False, P_POW2: tl.constexpr = 16,
     TOP_K: tl.constexpr = 1, K_POW2: tl.constexpr = 1, HALF_INT4: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
 ):  # fmt: skip
     num_nb = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _block_of(tl.program_id(0), num_nb, max_blocks, GROUP_M)
@@ -205,20 +232,37 @@ def _gemm2_kernel(
     slot = offs_m.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:  # acc^T [BLOCK_N, BLOCK_M] = W_tile @ act^T (see GemmConfig.swap_ab)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < I
-        a = tl.load(
-            act_ptr + slot[:, None] * stride_act + offs_k[None, :],
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        b = load_b_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, n_ok, k_ok, k0, I, w_sn, s_sn, z_sn,
-                        FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4)  # fmt: skip
-        acc = _mma(a, b, acc, DOT_F32)
-    ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
-    tl.store(ptrs, acc.to(COMPUTE), mask=row_ok[:, None] & n_ok[None, :])
+        if SWAP_AB:
+            at = tl.load(
+                act_ptr + slot[None, :] * stride_act + offs_k[:, None],
+                mask=row_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )
+            w = load_w_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, n_ok, k_ok, k0, I, w_sn, s_sn, z_sn,
+                            FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4)  # fmt: skip
+            acc = _mma(w, at, acc, DOT_F32)
+        else:
+            a = tl.load(
+                act_ptr + slot[:, None] * stride_act + offs_k[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            b = load_b_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, n_ok, k_ok, k0, I, w_sn, s_sn, z_sn,
+                            FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4)  # fmt: skip
+            acc = _mma(a, b, acc, DOT_F32)
+    if SWAP_AB:
+        ptrs = y_ptr + pair.to(tl.int64)[None, :] * stride_y + offs_n[:, None]
+        tl.store(ptrs, acc.to(COMPUTE), mask=row_ok[None, :] & n_ok[:, None])
+    else:
+        ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
+        tl.store(ptrs, acc.to(COMPUTE), mask=row_ok[:, None] & n_ok[None, :])
     if FUSE_COMBINE:
         _arrive_and_combine(y_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr, pair, row_ok, offs_n, n_ok, pid_n,
                             num_nb, num_experts, stride_y, stride_out, TOP_K, K_POW2, COMPUTE)  # fmt: skip
@@ -305,7 +349,8 @@ def gemm1(
         GROUP_M=config.group_m, FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero,
         NATIVE_FP8=native, DOT_F32=interpreting(), COMPUTE=_TL_DTYPES[x.dtype],
         INLINE_ALIGN=align is None, P_POW2=routing.p_pow2() if routing is not None else 16,
-        HALF_INT4=_half_int4(fmt, x.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+        HALF_INT4=_half_int4(fmt, x.dtype), SWAP_AB=config.swap_ab,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return act
 
@@ -376,6 +421,7 @@ def gemm2(
         NATIVE_FP8=native, DOT_F32=interpreting(), COMPUTE=_TL_DTYPES[act.dtype],
         INLINE_ALIGN=align is None, FUSE_COMBINE=fuse_combine,
         P_POW2=routing.p_pow2() if routing is not None else 16, TOP_K=K, K_POW2=triton.next_power_of_2(K),
-        HALF_INT4=_half_int4(fmt, act.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+        HALF_INT4=_half_int4(fmt, act.dtype), SWAP_AB=config.swap_ab,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out if fuse_combine else y

@@ -1,30 +1,29 @@
-"""bench/kernel_variants.py on the CPU: its columns and the module switches it times them under."""
+"""bench/kernel_variants.py on the CPU: its columns and sweep tiles."""
 
 from __future__ import annotations
 
-from pooled_runner.kernels import align, moe_gemm
-from pooled_runner.kernels.dequant import FMT_DENSE, FMT_INT4
+from pooled_runner.kernels.dequant import FMT_DENSE, FMT_INT4, FMT_NVFP4
 
-from bench.kernel_variants import _with_switch, variant_specs
+from bench.kernel_variants import ALIGN_SWEEP_CASES, ALIGN_SWEEP_TILES, variant_specs
 
 
-def test_variant_columns_unique_align_first():
-    for fmt in (FMT_DENSE, FMT_INT4):
+def test_variant_columns_unique_default_first_swap_paired():
+    for fmt in (FMT_DENSE, FMT_INT4, FMT_NVFP4):
         specs = variant_specs(2048, 768, fmt, 8)
-        names = [name for name, _, _ in specs]
-        assert names[0] == "align" and len(set(names)) == len(names), names
-        assert {switch for _, _, switch in specs} <= {"", "phased", "fp32"}
+        names = [name for name, _ in specs]
+        assert names[0] == "default" and len(set(names)) == len(names), names
+        kw = dict(specs)
+        for path in ("align", "inline"):
+            plain, swapped = kw[path]["configs"], kw[f"{path} swap"]["configs"]
+            assert all(not c.swap_ab for c in plain) and all(c.swap_ab for c in swapped)
+            # the same tiles, only the operand order differs
+            assert [(c.block_m, c.block_n, c.block_k, c.num_stages) for c in plain] == [
+                (c.block_m, c.block_n, c.block_k, c.num_stages) for c in swapped
+            ]
 
 
-def test_switches_apply_while_running_and_restore():
-    seen = []
-
-    def probe():
-        seen.append((moe_gemm.HALF_INT4, align.TINY_MAX_PAIRS))
-        return len(seen)
-
-    half0, tiny0 = moe_gemm.HALF_INT4, align.TINY_MAX_PAIRS
-    assert _with_switch(probe, "")() == 1 and seen[-1] == (half0, tiny0)
-    assert _with_switch(probe, "fp32")() == 2 and seen[-1] == (False, tiny0)
-    assert _with_switch(probe, "phased")() == 3 and seen[-1] == (half0, -1)
-    assert (moe_gemm.HALF_INT4, align.TINY_MAX_PAIRS) == (half0, tiny0)
+def test_sweep_tiles_and_cases_well_formed():
+    assert len(set(ALIGN_SWEEP_TILES)) == len(ALIGN_SWEEP_TILES)
+    for bn1, bn2, bk, warps, stages, swap in ALIGN_SWEEP_TILES:
+        assert min(bn1, bn2) >= 16 and bk >= 16 and warps in (4, 8) and stages >= 1 and isinstance(swap, bool)
+    assert all(variant in ("align", "inline") and M >= 1 for _, _, variant, M in ALIGN_SWEEP_CASES)
