@@ -36,15 +36,18 @@ VARIANTS = ("align", "align-fc", "inline", "gemv", "mma")
 DECODE_VARIANT = envs.moe_decode_kernel()
 
 # `default_variant`: on the H200 (2026-11-30, commit e87d7f6, bench/kernels.py --variants) "inline" beat "align"
-# at M=1 top-8 (8 pairs) for bf16 (Qwen3-like 30.5 vs 31.6 µs, DeepSeek-like 177.1 vs 187.4 µs) and int4 with
-# half-math tiles (189.9 vs 196.3 µs), lost by 1-2% at 32 pairs (M=4) and lost for NVFP4 (310.6 vs 293.2 µs);
-# M=2 was not measured. "gemv" was slower everywhere.
+# at M=1 top-8 (8 pairs) for bf16 (Qwen3-like 30.5 vs 31.6 µs, DeepSeek-like 177.1 vs 187.4 µs) and lost by 1-2%
+# at 32 pairs (M=4). Quantized formats take the align path with swapped-operand tiles (`pick_configs`): at commit
+# cce651e, M=1, DeepSeek-like int4 align + swap 160.4 µs vs inline 174.7 (inline + swap 174.2), NVFP4 226.8 vs
+# align 241.0, fp8 153.7 vs inline 162.0; the Qwen3-like int4 layer moved within noise (34.6 vs 34.3). "gemv" was
+# slower everywhere except the Qwen3-like int4 layer at M=1 (30.8 µs).
 INLINE_DEFAULT_MAX_PAIRS = 8
 
 
 def default_variant(weight_fmt: int, num_pairs: int) -> str:
-    """The decode kernels used when neither the caller nor POOLED_RUNNER_MOE_DECODE names one."""
-    if weight_fmt != FMT_NVFP4 and num_pairs <= INLINE_DEFAULT_MAX_PAIRS:
+    """The decode kernels used when neither the caller nor POOLED_RUNNER_MOE_DECODE names one: inline up to
+    INLINE_DEFAULT_MAX_PAIRS routed pairs for dense weights, else the align path."""
+    if weight_fmt == FMT_DENSE and num_pairs <= INLINE_DEFAULT_MAX_PAIRS:
         return "inline"
     return "align"
 
@@ -78,13 +81,18 @@ def pick_configs(
         bn1 = 64 if I > 1024 or weight_fmt == FMT_INT4 else 32
         bn2 = 64
         stages = 4 if weight_fmt in (FMT_FP8_CHANNEL, FMT_FP8_BLOCK) else 3
+        # quantized weights: swapped operands (the dequantized tile is the MMA's left operand: no trip through
+        # shared memory). H200 at cce651e, align path: DeepSeek-like int4 M=8 1098.8 -> 954.5 µs, fp8 M=8 980.5 ->
+        # 864.8, NVFP4 M=1 241.0 -> 226.8, Qwen3-like int4 M=8 126.1 -> 113.8; dense bf16 gained nothing (Qwen3-like
+        # M=4 90.2 -> 96.2: it stays unswapped)
+        swap = weight_fmt != FMT_DENSE
         # NVFP4: gemm1 N tiles of 32 and K tiles of 64, the best of the H200 tile sweep (e87d7f6, DeepSeek-like
         # M=1: 240.5 µs vs 266.8 with (32, 64, 128)); K tiles of 64 alone with N tiles of 64 gave 298 (f2411ff)
         bk = 64 if weight_fmt == FMT_NVFP4 else 128
         bn1 = 32 if weight_fmt == FMT_NVFP4 else bn1
         return (
-            GemmConfig(16, bn1, bk, group_m=1, num_warps=4, num_stages=stages),
-            GemmConfig(16, bn2, bk, group_m=1, num_warps=4, num_stages=stages),
+            GemmConfig(16, bn1, bk, group_m=1, num_warps=4, num_stages=stages, swap_ab=swap),
+            GemmConfig(16, bn2, bk, group_m=1, num_warps=4, num_stages=stages, swap_ab=swap),
         )
     block_m = 32 if num_tokens <= 128 else 64 if num_tokens <= 1024 else 128
     warps = 8 if block_m == 128 else 4

@@ -282,14 +282,15 @@ def test_fused_combine_and_inline_align_equal_align_path(name, H, I, dtype, T, K
         (0, 1, 8, 9, "inline"),  # bf16, 8 pairs: the switch point
         (0, 1, 3, 7, "inline"),
         (0, 2, 5, 7, "align"),  # 10 pairs
-        (2, 1, 8, 9, "inline"),  # int4
+        (2, 1, 8, 9, "align"),  # int4: quantized formats never take inline by default
         (2, 2, 5, 7, "align"),
-        (7, 1, 3, 7, "align"),  # NVFP4 never takes inline by default
+        (7, 1, 3, 7, "align"),  # NVFP4
+        (5, 1, 3, 7, "align"),  # fp8
     ],
 )
 def test_default_decode_variant_dispatch_and_output(fmt_case, T, K, E, expected, monkeypatch):
-    """The default decode kernels: inline (no align launch) up to INLINE_DEFAULT_MAX_PAIRS pairs except NVFP4,
-    else the align path; the output is the explicit align path's bitwise either way."""
+    """The default decode kernels: inline (no align launch) up to INLINE_DEFAULT_MAX_PAIRS pairs for dense
+    weights, else the align path; the output is the explicit align path's bitwise either way."""
     from pooled_runner.kernels import fused_moe
 
     name, H, I, dtype = FORMATS[fmt_case]
