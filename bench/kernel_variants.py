@@ -39,8 +39,9 @@ def variant_specs(H: int, I: int, fmt: int, num_pairs: int) -> list[tuple[str, d
     from pooled_runner.kernels.fused_moe import pick_configs
 
     base = gemv_configs(H, I, fmt, num_pairs)
-    plain = pick_configs(max(1, num_pairs // 8), 8, 0, H, I, fmt)
-    swapped = tuple(dataclasses.replace(c, swap_ab=True) for c in plain)
+    tiles = pick_configs(max(1, num_pairs // 8), 8, 0, H, I, fmt)
+    plain = tuple(dataclasses.replace(c, swap_ab=False) for c in tiles)
+    swapped = tuple(dataclasses.replace(c, swap_ab=True) for c in tiles)
     return [
         ("default", {}),
         ("align", {"variant": "align", "configs": plain}),
