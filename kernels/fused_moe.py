@@ -37,17 +37,28 @@ DECODE_VARIANT = envs.moe_decode_kernel()
 
 # `default_variant`: on the H200 (2026-11-30, commit e87d7f6, bench/kernels.py --variants) "inline" beat "align"
 # at M=1 top-8 (8 pairs) for bf16 (Qwen3-like 30.5 vs 31.6 µs, DeepSeek-like 177.1 vs 187.4 µs) and lost by 1-2%
-# at 32 pairs (M=4). Quantized formats take the align path with swapped-operand tiles (`pick_configs`): at commit
+# at 32 pairs (M=4). Where the decode tiles are swapped (`swapped_tiles`) the align path wins instead: at commit
 # cce651e, M=1, DeepSeek-like int4 align + swap 160.4 µs vs inline 174.7 (inline + swap 174.2), NVFP4 226.8 vs
 # align 241.0, fp8 153.7 vs inline 162.0; the Qwen3-like int4 layer moved within noise (34.6 vs 34.3). "gemv" was
 # slower everywhere except the Qwen3-like int4 layer at M=1 (30.8 µs).
 INLINE_DEFAULT_MAX_PAIRS = 8
 
 
-def default_variant(weight_fmt: int, num_pairs: int) -> str:
+def swapped_tiles(weight_fmt: int, intermediate_size: int) -> bool:
+    """Whether decode tiles swap their operands (`GemmConfig.swap_ab`) by default. Measured on the H200 (align
+    path, commits cce651e and 0c605d1): int4 DeepSeek-like M=8 1098.8 -> 954.5 µs, Qwen3-like M=8 126.1 -> 113.8;
+    NVFP4 DeepSeek-like M=1 241.0 -> 226.8; fp8 DeepSeek-like (64-wide gemm1 tiles, I > 1024) M=8 980.5 -> 864.8
+    but Qwen3-like (32-wide) M=8 131.7 -> 144.5 µs: fp8 swaps only there; dense bf16 gained nothing (Qwen3-like
+    M=4 90.2 -> 96.2): never."""
+    if weight_fmt in (FMT_FP8_CHANNEL, FMT_FP8_BLOCK):
+        return intermediate_size > 1024
+    return weight_fmt in (FMT_INT4, FMT_NVFP4)
+
+
+def default_variant(weight_fmt: int, num_pairs: int, intermediate_size: int) -> str:
     """The decode kernels used when neither the caller nor POOLED_RUNNER_MOE_DECODE names one: inline up to
-    INLINE_DEFAULT_MAX_PAIRS routed pairs for dense weights, else the align path."""
-    if weight_fmt == FMT_DENSE and num_pairs <= INLINE_DEFAULT_MAX_PAIRS:
+    INLINE_DEFAULT_MAX_PAIRS routed pairs where the tiles are not swapped, else the align path."""
+    if num_pairs <= INLINE_DEFAULT_MAX_PAIRS and not swapped_tiles(weight_fmt, intermediate_size):
         return "inline"
     return "align"
 
@@ -81,11 +92,8 @@ def pick_configs(
         bn1 = 64 if I > 1024 or weight_fmt == FMT_INT4 else 32
         bn2 = 64
         stages = 4 if weight_fmt in (FMT_FP8_CHANNEL, FMT_FP8_BLOCK) else 3
-        # quantized weights: swapped operands (the dequantized tile is the MMA's left operand: no trip through
-        # shared memory). H200 at cce651e, align path: DeepSeek-like int4 M=8 1098.8 -> 954.5 µs, fp8 M=8 980.5 ->
-        # 864.8, NVFP4 M=1 241.0 -> 226.8, Qwen3-like int4 M=8 126.1 -> 113.8; dense bf16 gained nothing (Qwen3-like
-        # M=4 90.2 -> 96.2: it stays unswapped)
-        swap = weight_fmt != FMT_DENSE
+        # swapped operands for quantized weights (the dequantized tile is the MMA's left operand): `swapped_tiles`
+        swap = swapped_tiles(weight_fmt, I)
         # NVFP4: gemm1 N tiles of 32 and K tiles of 64, the best of the H200 tile sweep (e87d7f6, DeepSeek-like
         # M=1: 240.5 µs vs 266.8 with (32, 64, 128)); K tiles of 64 alone with N tiles of 64 gave 298 (f2411ff)
         bk = 64 if weight_fmt == FMT_NVFP4 else 128
@@ -136,7 +144,7 @@ def pooled_fused_moe(
         raise ValueError(f"hidden: shape {tuple(hidden.shape)}, expected [{T}, H]")
     if T == 0:
         return torch.empty((0, H), dtype=hidden.dtype, device=hidden.device)
-    variant = variant or DECODE_VARIANT or default_variant(fmt.fmt, T * K)
+    variant = variant or DECODE_VARIANT or default_variant(fmt.fmt, T * K, I)
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
     if decode is None and T * K <= GEMV_MAX_PAIRS:

@@ -282,15 +282,16 @@ def test_fused_combine_and_inline_align_equal_align_path(name, H, I, dtype, T, K
         (0, 1, 8, 9, "inline"),  # bf16, 8 pairs: the switch point
         (0, 1, 3, 7, "inline"),
         (0, 2, 5, 7, "align"),  # 10 pairs
-        (2, 1, 8, 9, "align"),  # int4: quantized formats never take inline by default
+        (2, 1, 8, 9, "align"),  # int4: swapped tiles, never inline by default
         (2, 2, 5, 7, "align"),
         (7, 1, 3, 7, "align"),  # NVFP4
-        (5, 1, 3, 7, "align"),  # fp8
+        (5, 1, 3, 7, "inline"),  # fp8 at I <= 1024: unswapped tiles
     ],
 )
 def test_default_decode_variant_dispatch_and_output(fmt_case, T, K, E, expected, monkeypatch):
-    """The default decode kernels: inline (no align launch) up to INLINE_DEFAULT_MAX_PAIRS pairs for dense
-    weights, else the align path; the output is the explicit align path's bitwise either way."""
+    """The default decode kernels: inline (no align launch) up to INLINE_DEFAULT_MAX_PAIRS pairs where the decode
+    tiles are not swapped (dense, fp8 at I <= 1024), else the align path; the output is the explicit align
+    path's bitwise either way."""
     from pooled_runner.kernels import fused_moe
 
     name, H, I, dtype = FORMATS[fmt_case]
@@ -401,3 +402,18 @@ def test_swapped_operand_gemms_match_reference(name, H, I, dtype, T, K, E, R):
         assert_close(out, ref, f"swap_ab {variant} {name} T={T} K={K} E={E} R={R}")
         base = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, plain, variant=variant)
         assert_close(out, base, f"swap_ab vs plain {variant} {name} T={T}", rel=1e-2)
+
+
+def test_swapped_tiles_and_default_variant_rules():
+    """Which formats and shapes swap their decode tiles, and that swapped tiles never take inline by default."""
+    from pooled_runner.kernels.dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NVFP4
+    from pooled_runner.kernels.fused_moe import INLINE_DEFAULT_MAX_PAIRS, default_variant, swapped_tiles
+
+    expected = {FMT_DENSE: (False, False), FMT_INT4: (True, True), FMT_NVFP4: (True, True)}
+    expected |= {FMT_FP8_CHANNEL: (False, True), FMT_FP8_BLOCK: (False, True)}
+    for fmt, (small_i, large_i) in expected.items():
+        assert (swapped_tiles(fmt, 768), swapped_tiles(fmt, 2048)) == (small_i, large_i), fmt
+        for I in (768, 2048):
+            for pairs in (1, INLINE_DEFAULT_MAX_PAIRS, INLINE_DEFAULT_MAX_PAIRS + 1):
+                inline = pairs <= INLINE_DEFAULT_MAX_PAIRS and not swapped_tiles(fmt, I)
+                assert default_variant(fmt, pairs, I) == ("inline" if inline else "align"), (fmt, I, pairs)
