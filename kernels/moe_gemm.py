@@ -11,7 +11,6 @@ Blocks past `num_post_padded`, blocks with code -1 and padding slots are skipped
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +26,12 @@ from .decode_align import (
     _inline_block,
     _zero_unrouted_tokens,
 )
-from .dequant import FMT_INT4, FMT_NVFP4, load_b_tile, load_w_tile
+from .dequant import FMT_INT4, load_b_tile, load_w_tile
+from .gemm_args import _TL_DTYPES as _TL_DTYPES  # re-exported (gemv)
+from .gemm_args import _check_act_inputs as _check_act_inputs  # re-exported (gemv)
+from .gemm_args import _check_dense_dtype as _check_dense_dtype  # re-exported (gemv)
+from .gemm_args import _launch_args
+from .gemm_args import interpreting as interpreting  # re-exported
 from .operands import KernelFormat, Projection
 from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters
 
@@ -44,18 +48,6 @@ class GemmConfig:
     # the (dequantized) weight tile is the left operand, which the MMA can take from registers, and only the
     # few token rows pass through shared memory (decode tiles; same values, fp32 sums in another order)
     swap_ab: bool = False
-
-
-# Decided when the kernels are imported (that is when triton.jit picks the interpreter), not per call.
-_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def interpreting() -> bool:
-    """Whether these kernels were imported under TRITON_INTERPRET=1 (CPU tests)."""
-    return _INTERPRETING
-
-
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -269,39 +261,6 @@ def _gemm2_kernel(
 
 
 # ------------------------------------------------------------------------------------------------------------
-def _as_kernel_tensor(t: torch.Tensor, native_fp8: bool) -> torch.Tensor:
-    if t.dtype == torch.float8_e4m3fn and not native_fp8:
-        return t.view(torch.uint8)
-    return t
-
-
-def _launch_args(proj: Projection, fmt: KernelFormat) -> tuple[list[torch.Tensor], list[int], bool]:
-    native_fp8 = not interpreting()
-    ptrs = [_as_kernel_tensor(t, native_fp8) for t in proj.pointers()]
-    strides = proj.row_strides()
-    if fmt.fmt == FMT_NVFP4:
-        # the packed bytes read as int32 words (8 values each; K % 16 == 0, rows 4-byte aligned): one load per
-        # word in the kernel, the same nibble order as int4
-        ptrs[0], ptrs[4] = ptrs[0].view(torch.int32), ptrs[4].view(torch.int32)
-        strides[0] //= 4
-        strides[4] //= 4
-    return ptrs, strides, native_fp8
-
-
-def _check_act_inputs(x: torch.Tensor, dtype: torch.dtype, name: str, k: int) -> None:
-    if x.dtype not in _TL_DTYPES:
-        raise ValueError(f"{name}: dtype {x.dtype}, expected bf16 or fp16")
-    if x.dtype != dtype:
-        raise ValueError(f"{name}: dtype {x.dtype} differs from the compute dtype {dtype}")
-    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
-        raise ValueError(f"{name}: shape {tuple(x.shape)} strides {x.stride()}, expected [*, {k}] row-major")
-
-
-def _check_dense_dtype(fmt: KernelFormat, proj: Projection, dtype: torch.dtype) -> None:
-    if fmt.fmt == 0 and proj.weight.dtype != dtype:
-        raise ValueError(f"dense weights are {proj.weight.dtype}, activations {dtype}: expected one dtype")
-
-
 # int4 MMA tiles dequantized in the compute dtype with packed half ops (`dequant._int4_tile_h`: the same values
 # as the fp32 path, about half the instructions per value on sm_90). On by default: on the H200 (2026-11-30,
 # commit e87d7f6, bench/kernels.py --variants) bitwise the fp32 tiles' output and 1.08-1.09x faster on the

@@ -1,0 +1,56 @@
+"""Launcher-side helpers of the pooled GEMMs (`moe_gemm.py`, `gemv.py`): whether the kernels run under Triton's
+interpreter, the compute dtypes, the projections' pointer and stride arguments, and the activation checks."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton.language as tl
+
+from .dequant import FMT_NVFP4
+from .operands import KernelFormat, Projection
+
+# Decided when the kernels are imported (that is when triton.jit picks the interpreter), not per call.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def interpreting() -> bool:
+    """Whether these kernels were imported under TRITON_INTERPRET=1 (CPU tests)."""
+    return _INTERPRETING
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _as_kernel_tensor(t: torch.Tensor, native_fp8: bool) -> torch.Tensor:
+    if t.dtype == torch.float8_e4m3fn and not native_fp8:
+        return t.view(torch.uint8)
+    return t
+
+
+def _launch_args(proj: Projection, fmt: KernelFormat) -> tuple[list[torch.Tensor], list[int], bool]:
+    native_fp8 = not interpreting()
+    ptrs = [_as_kernel_tensor(t, native_fp8) for t in proj.pointers()]
+    strides = proj.row_strides()
+    if fmt.fmt == FMT_NVFP4:
+        # the packed bytes read as int32 words (8 values each; K % 16 == 0, rows 4-byte aligned): one load per
+        # word in the kernel, the same nibble order as int4
+        ptrs[0], ptrs[4] = ptrs[0].view(torch.int32), ptrs[4].view(torch.int32)
+        strides[0] //= 4
+        strides[4] //= 4
+    return ptrs, strides, native_fp8
+
+
+def _check_act_inputs(x: torch.Tensor, dtype: torch.dtype, name: str, k: int) -> None:
+    if x.dtype not in _TL_DTYPES:
+        raise ValueError(f"{name}: dtype {x.dtype}, expected bf16 or fp16")
+    if x.dtype != dtype:
+        raise ValueError(f"{name}: dtype {x.dtype} differs from the compute dtype {dtype}")
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"{name}: shape {tuple(x.shape)} strides {x.stride()}, expected [*, {k}] row-major")
+
+
+def _check_dense_dtype(fmt: KernelFormat, proj: Projection, dtype: torch.dtype) -> None:
+    if fmt.fmt == 0 and proj.weight.dtype != dtype:
+        raise ValueError(f"dense weights are {proj.weight.dtype}, activations {dtype}: expected one dtype")
