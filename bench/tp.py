@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import datetime
 import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.tp_stack (the two-process stack shared with tests/test_tp_gpu.py)
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench.common import measure_bandwidths  # noqa: E402
+from bench.common import commit_id, measure_bandwidths  # noqa: E402
 from tests.tp_stack import StackSpec, launch  # noqa: E402
 
 GB = 1e9
@@ -40,15 +39,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def bound_ms(result: dict, bw: object) -> float:
@@ -78,6 +68,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--commit", default="", help="commit to print (default: git rev-parse HEAD)")
     args = parser.parse_args()
     if torch.cuda.device_count() < args.world:
         print(f"needs {args.world} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
@@ -87,7 +78,7 @@ def main() -> int:
     rows = max(args.top_k, int(total * args.rows_frac))
     lines = [
         f"date {datetime.date.today()}, GPU {torch.cuda.get_device_name(0)} x{args.world}, torch {torch.__version__}, "
-        f"commit {commit()}",
+        f"commit {commit_id(args.commit)}",
         f"measured: {bw.describe()}",
         f"stack: {args.layers} layers x {args.experts} experts, H {args.hidden}, I {args.intermediate}, "
         f"top-{args.top_k}, bf16, {rows} rows per rank ({args.rows_frac:.0%} of the experts), {args.steps} steps",
