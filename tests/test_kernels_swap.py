@@ -1,0 +1,75 @@
+"""Swapped-operand decode GEMMs (`GemmConfig.swap_ab`) and the decode-tile defaults that pick them, on the CPU
+under Triton's interpreter (the GPU runs test_kernels_swap_gpu.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+# As in test_kernels.py: the interpreter is chosen when triton.jit decorates the kernels.
+_saved = os.environ.get("TRITON_INTERPRET")
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe, pooled_fused_moe_ref
+    from pooled_runner.kernels.moe_gemm import GemmConfig, interpreting
+    from pooled_runner.kernels.operands import kernel_format
+finally:
+    if _saved is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
+
+from tests.kernel_helpers import assert_close, build_layer, random_routing  # noqa: E402
+from tests.test_kernels import FORMATS  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not interpreting(), reason="interpreter tests; the GPU runs test_kernels_swap_gpu.py"
+)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton also reads TRITON_INTERPRET at launch time: set it while each test of this module runs."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize(("name", "H", "I", "dtype"), FORMATS)
+@pytest.mark.parametrize(("T", "K", "E", "R"), [(1, 1, 1, 1), (3, 3, 7, 3), (5, 2, 6, 2)])
+def test_swapped_operand_gemms_match_reference(name, H, I, dtype, T, K, E, R):
+    """`GemmConfig.swap_ab` (weight tile as the left operand, `acc^T = W @ x^T`): every format, align and inline
+    decode paths, host rows and experts not here: the reference's output, and the unswapped kernels' within
+    rounding (fp32 sums in another order). Awkward sizes: K tiles past H/I, N tiles past I/H."""
+    g = torch.Generator().manual_seed(T * 13 + E + H)
+    fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, R, g, dtype, num_not_here=int(E > 3))
+    fmt = kernel_format(fmt_obj)
+    w13, w2 = make_projections(fmt, pool, bank if R < E else None, H, I)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids, w = random_routing(T, K, E, g)
+    ref = pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt)
+    plain = (GemmConfig(16, 16, 32, num_stages=1), GemmConfig(16, 16, 32, num_stages=1))
+    swapped = tuple(dataclasses.replace(c, swap_ab=True) for c in plain)
+    for variant in ("align", "inline"):
+        out = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, swapped, variant=variant)
+        assert out.dtype == dtype
+        assert_close(out, ref, f"swap_ab {variant} {name} T={T} K={K} E={E} R={R}")
+        base = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, plain, variant=variant)
+        assert_close(out, base, f"swap_ab vs plain {variant} {name} T={T}", rel=1e-2)
+
+
+def test_swapped_tiles_and_default_variant_rules():
+    """Which formats and shapes swap their decode tiles, and that swapped tiles never take inline by default."""
+    from pooled_runner.kernels.dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NVFP4
+    from pooled_runner.kernels.fused_moe import INLINE_DEFAULT_MAX_PAIRS, default_variant, swapped_tiles
+
+    expected = {FMT_DENSE: (False, False), FMT_INT4: (True, True), FMT_NVFP4: (True, True)}
+    expected |= {FMT_FP8_CHANNEL: (False, True), FMT_FP8_BLOCK: (False, True)}
+    for fmt, (small_i, large_i) in expected.items():
+        assert (swapped_tiles(fmt, 768), swapped_tiles(fmt, 2048)) == (small_i, large_i), fmt
+        for I in (768, 2048):
+            for pairs in (1, INLINE_DEFAULT_MAX_PAIRS, INLINE_DEFAULT_MAX_PAIRS + 1):
+                inline = pairs <= INLINE_DEFAULT_MAX_PAIRS and not swapped_tiles(fmt, I)
+                assert default_variant(fmt, pairs, I) == ("inline" if inline else "align"), (fmt, I, pairs)
