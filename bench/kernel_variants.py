@@ -110,7 +110,7 @@ def _time_variant(fn) -> tuple[float | None, torch.Tensor | None, str]:
 
 
 def variants_main(args: argparse.Namespace) -> None:
-    """Decode kernels side by side: per case, the default (align path) and each variant, in µs per layer
+    """Decode kernels side by side: per case, the default kernels and each variant, in µs per layer
     (graph replay) and % of the HBM read bandwidth measured here; max |difference| to the default's output
     relative to its max |value|; then GEMV tiles swept at M = 1 while the budget lasts."""
     t_start = time.perf_counter()
@@ -191,15 +191,16 @@ def variants_main(args: argparse.Namespace) -> None:
         "µs (% of the bound): bound = resident bytes / HBM read + host-view bytes / zero-copy read (both "
         "measured here); bytes = the step's distinct experts' weights + scales. Graph replay of one layer, "
         "softmax top-k of random logits; host rows 1/8: every 8th distinct expert is read through the pinned "
-        "host view. Columns: default = pooled_fused_moe's default kernels (inline up to 8 routed pairs except "
-        "NVFP4, else align); align = align + gemm1 + gemm2 + combine and inline = gemm1 + gemm2 computing the "
-        "align inside every program, combine fused (<= 32 pairs, else as align with the combine fused), both "
-        "with pick_configs' tiles; 'swap' = the same tiles with swapped operands (GemmConfig.swap_ab: the "
-        "weight tile is the MMA's left operand, acc^T = W @ x^T); gemv = kernels/gemv.py, two launches (more "
-        "GEMV options in the sweep). best vs before: the default's time / the fastest column's. max diff vs "
-        "default: max |column - default| / max |default| for each column after the first, in order (align and "
-        "inline at the default tiles compute the default's blocks: expect 0; swap and gemv sum in another "
-        "order: ~1e-2 is expected, > 1e-1 is a bug).",
+        "host view. Columns: default = pooled_fused_moe's default kernels (fused_moe.default_variant and "
+        "pick_configs: swapped tiles on the align path where fused_moe.swapped_tiles says so, else inline up "
+        "to 8 routed pairs, else align); align = align + gemm1 + gemm2 + combine and inline = gemm1 + gemm2 "
+        "computing the align inside every program, combine fused (<= 32 pairs, else as align with the combine "
+        "fused), both with pick_configs' tiles unswapped; 'swap' = the same tiles with swapped operands "
+        "(GemmConfig.swap_ab: the weight tile is the MMA's left operand, acc^T = W @ x^T); gemv = "
+        "kernels/gemv.py, two launches (more GEMV options in the sweep). best vs before: the default's time / "
+        "the fastest column's. max diff vs default: max |column - default| / max |default| for each column "
+        "after the first, in order (a column computing the default's kernels: 0; swapped against unswapped "
+        "tiles and gemv sum in another order: ~1e-3 to 1e-2 is expected, > 1e-1 is a bug).",
     ]
     write(args.out, lines)
     lines += sweep_align(g, hbm, t_start, args.budget)
@@ -212,19 +213,23 @@ def variants_main(args: argparse.Namespace) -> None:
 
 # (shape, format, variant, M): the decode cases whose tiles the sweep varies, in order
 ALIGN_SWEEP_CASES = [
-    ("deepseek", "int4-g128", "inline", 1),
+    ("deepseek", "int4-g128", "align", 1),
     ("deepseek", "int4-g128", "align", 8),
     ("deepseek", "nvfp4", "align", 1),
+    ("deepseek", "nvfp4", "align", 8),
     ("qwen3", "bf16", "inline", 1),
     ("qwen3", "bf16", "align", 16),
     ("deepseek", "bf16", "inline", 1),
 ]
 # (BN1, BN2, BK, warps, stages, swap_ab); block_m 16, group_m 1. pick_configs' decode tiles are (64, 64, 128, 4,
-# 3) for int4 and wide I, (32, 64, 128, 4, 3) for bf16 at I <= 1024, (32, 64, 64, 4, 3) for NVFP4; SGLang
+# 3) for int4 and wide I, (32, 64, 128, 4, 3) for bf16 at I <= 1024, (32, 64, 64, 4, 3) for NVFP4, with 4 stages
+# for fp8; swapped for int4, NVFP4 and fp8 at I > 1024 (fused_moe.swapped_tiles); SGLang
 # 0.5.23's tuned H200 tiles for the Qwen3-like layer are (64, 64, 64, 4, 5) at M=1 and (64, 64, 256, 4, 2) at M=16
 ALIGN_SWEEP_TILES = [
     (64, 64, 128, 4, 3, False),
     (64, 64, 128, 4, 3, True),
+    (32, 64, 64, 4, 3, True),
+    (32, 64, 64, 4, 4, True),
     (32, 64, 128, 4, 3, True),
     (128, 128, 128, 4, 3, True),
     (64, 64, 64, 4, 3, True),

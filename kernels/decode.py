@@ -18,15 +18,8 @@ import triton
 import triton.language as tl
 
 from .dequant import load_b_tile
-from .moe_gemm import (
-    _TL_DTYPES,
-    GemmConfig,
-    _check_act_inputs,
-    _check_dense_dtype,
-    _launch_args,
-    _mma,
-    interpreting,
-)
+from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _launch_args, interpreting
+from .moe_gemm import GemmConfig, _mma
 from .operands import KernelFormat, Projection
 
 DECODE_MAX_PAIRS = 64
@@ -199,6 +192,8 @@ def decode_moe(
     if tw.shape != (T, K):
         raise ValueError(f"topk_weights: shape {tuple(tw.shape)}, expected [{T}, {K}]")
     cfg1, cfg2 = configs or decode_configs(H, I)
+    if cfg1.swap_ab or cfg2.swap_ab:
+        raise ValueError("decode path (kernels/decode.py): no swapped-operand tiles; pass unswapped configs")
     dtype = _TL_DTYPES[hidden.dtype]
     act = torch.empty((max(num_pairs, 1), I), dtype=hidden.dtype, device=hidden.device)
     out = torch.empty((T, H), dtype=hidden.dtype, device=hidden.device)

@@ -1,5 +1,6 @@
-"""In-kernel weight tile loaders: one `[BLOCK_K, BLOCK_N]` B tile of a projection row, dequantized to the
-compute dtype, for every format (constexpr FMT). Offsets inside a row are int32 (a row is < 2^31 elements,
+"""In-kernel weight tile loaders: one tile of a projection row dequantized to the compute dtype, for every format
+(constexpr FMT): K-major `[BLOCK_K, BLOCK_N]` B tiles (`load_b_tile`) or N-major `[BLOCK_N, BLOCK_K]` tiles for the
+swapped-operand GEMMs (`load_w_tile`). Offsets inside a row are int32 (a row is < 2^31 elements,
 checked by the launchers); the row base pointers carry the int64 row offset.
 
 Packed formats (int4, NVFP4) load their packed words once per tile and expand them in registers.

@@ -37,10 +37,11 @@ DECODE_VARIANT = envs.moe_decode_kernel()
 
 # `default_variant`: on the H200 (2026-11-30, commit e87d7f6, bench/kernels.py --variants) "inline" beat "align"
 # at M=1 top-8 (8 pairs) for bf16 (Qwen3-like 30.5 vs 31.6 µs, DeepSeek-like 177.1 vs 187.4 µs) and lost by 1-2%
-# at 32 pairs (M=4). Where the decode tiles are swapped (`swapped_tiles`) the align path wins instead: at commit
-# cce651e, M=1, DeepSeek-like int4 align + swap 160.4 µs vs inline 174.7 (inline + swap 174.2), NVFP4 226.8 vs
-# align 241.0, fp8 153.7 vs inline 162.0; the Qwen3-like int4 layer moved within noise (34.6 vs 34.3). "gemv" was
-# slower everywhere except the Qwen3-like int4 layer at M=1 (30.8 µs).
+# at 32 pairs (M=4). Where the decode tiles are swapped (`swapped_tiles`) the default is align + swap: at commit
+# cce651e, M=1, DeepSeek-like int4 align + swap 160.4 µs vs inline + swap 174.2 (unswapped inline 174.7); for NVFP4
+# (226.8 vs inline + swap 224.4) and fp8 (153.7 vs 153.8) the two are a tie, and one rule is kept; the Qwen3-like
+# int4 layer moved within noise (34.6 vs inline 34.3). "gemv" was slower everywhere except the Qwen3-like int4
+# layer at M=1 (30.8 µs).
 INLINE_DEFAULT_MAX_PAIRS = 8
 
 
@@ -55,10 +56,14 @@ def swapped_tiles(weight_fmt: int, intermediate_size: int) -> bool:
     return weight_fmt in (FMT_INT4, FMT_NVFP4)
 
 
-def default_variant(weight_fmt: int, num_pairs: int, intermediate_size: int) -> str:
+def default_variant(
+    weight_fmt: int, num_pairs: int, intermediate_size: int, configs: tuple[GemmConfig, ...] | None = None
+) -> str:
     """The decode kernels used when neither the caller nor POOLED_RUNNER_MOE_DECODE names one: inline up to
-    INLINE_DEFAULT_MAX_PAIRS routed pairs where the tiles are not swapped, else the align path."""
-    if num_pairs <= INLINE_DEFAULT_MAX_PAIRS and not swapped_tiles(weight_fmt, intermediate_size):
+    INLINE_DEFAULT_MAX_PAIRS routed pairs where the tiles are not swapped, else the align path. Swapped: those
+    of `configs` where the caller gives them, else `swapped_tiles`."""
+    swapped = any(c.swap_ab for c in configs) if configs else swapped_tiles(weight_fmt, intermediate_size)
+    if num_pairs <= INLINE_DEFAULT_MAX_PAIRS and not swapped:
         return "inline"
     return "align"
 
@@ -87,8 +92,10 @@ def pick_configs(
         # int4 gemm1 N tiles of 64 at both shapes; 3 pipeline stages for bf16, int4 and NVFP4: the H200 stage
         # sweep (commit b977f9e, one layer, graph replay, 4 -> 3 stages) gave DeepSeek-like int4 M=1 190.3 -> 175.4
         # µs and M=8 1069 -> 976 µs, Qwen3-like int4 M=8 (N tiles 32 -> 64) 129.0 -> 125.7 µs, Qwen3-like bf16
-        # M=8 135.5 -> 132.6 µs, NVFP4 M=8 1431 µs (1495 with 4 stages in that day's variants run), the other
-        # widths within 1% (Qwen3-like bf16 M=1 31.0 vs 31.2, M=16 208.3 vs 208.9). fp8 was not swept: keeps 4.
+        # M=8 135.5 -> 132.6 µs, the other widths within 1% (Qwen3-like bf16 M=1 31.0 vs 31.2, M=16 208.3 vs
+        # 208.9). NVFP4's own tiles (32, 64, 64) were not swept at both stage counts in one run: the evidence is
+        # across runs only (M=8 924 GB/s with 4 stages at 9222d96, 949 with 3 at 6b3b1c3), weak. fp8 was not
+        # swept: it keeps 4.
         bn1 = 64 if I > 1024 or weight_fmt == FMT_INT4 else 32
         bn2 = 64
         stages = 4 if weight_fmt in (FMT_FP8_CHANNEL, FMT_FP8_BLOCK) else 3
@@ -144,7 +151,7 @@ def pooled_fused_moe(
         raise ValueError(f"hidden: shape {tuple(hidden.shape)}, expected [{T}, H]")
     if T == 0:
         return torch.empty((0, H), dtype=hidden.dtype, device=hidden.device)
-    variant = variant or DECODE_VARIANT or default_variant(fmt.fmt, T * K, I)
+    variant = variant or DECODE_VARIANT or default_variant(fmt.fmt, T * K, I, configs)
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
     if decode is None and T * K <= GEMV_MAX_PAIRS:

@@ -47,9 +47,9 @@ import triton.language as tl
 
 from .combine import combine
 from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NVFP4
+from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, interpreting
 from .gemv_tiles import _down_tile, _gate_up_tile
 from .gemv_tiles import _slot_pair as _slot_pair  # re-exported: the tests call it
-from .moe_gemm import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, interpreting
 from .operands import KernelFormat, Projection
 from .workspace import _COUNTERS as _COUNTERS  # re-exported: tests and the bench read the workspace here
 from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters

@@ -8,9 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype
 from .gemv import _VALUES_PER_WORD, SPIN_LIMIT, GemvConfig, _check_gemv, _pairs_pow2, _word_args
 from .gemv_tiles import _down_tile, _gate_up_tile, _slot_pair
-from .moe_gemm import _TL_DTYPES, _check_act_inputs, _check_dense_dtype
 from .operands import KernelFormat, Projection
 from .workspace import SYNC_WORDS, _counters
 

@@ -27,10 +27,7 @@ from .decode_align import (
     _zero_unrouted_tokens,
 )
 from .dequant import FMT_INT4, load_b_tile, load_w_tile
-from .gemm_args import _TL_DTYPES as _TL_DTYPES  # re-exported (gemv)
-from .gemm_args import _check_act_inputs as _check_act_inputs  # re-exported (gemv)
-from .gemm_args import _check_dense_dtype as _check_dense_dtype  # re-exported (gemv)
-from .gemm_args import _launch_args
+from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _launch_args
 from .gemm_args import interpreting as interpreting  # re-exported
 from .operands import KernelFormat, Projection
 from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters

@@ -276,21 +276,22 @@ def test_fused_combine_and_inline_align_equal_align_path(name, H, I, dtype, T, K
 
 
 @pytest.mark.parametrize(
-    ("fmt_case", "T", "K", "E", "expected"),
+    ("fmt_case", "T", "K", "E", "swap", "expected"),
     [
-        (0, 1, 8, 9, "inline"),  # bf16, 8 pairs: the switch point
-        (0, 1, 3, 7, "inline"),
-        (0, 2, 5, 7, "align"),  # 10 pairs
-        (2, 1, 8, 9, "align"),  # int4: swapped tiles, never inline by default
-        (2, 2, 5, 7, "align"),
-        (7, 1, 3, 7, "align"),  # NVFP4
-        (5, 1, 3, 7, "inline"),  # fp8 at I <= 1024: unswapped tiles
+        (0, 1, 8, 9, False, "inline"),  # bf16, 8 pairs: the switch point
+        (0, 1, 3, 7, False, "inline"),
+        (0, 2, 5, 7, False, "align"),  # 10 pairs
+        (2, 1, 8, 9, True, "align"),  # int4 with swapped tiles (its default): never inline
+        (2, 1, 8, 9, False, "inline"),  # int4 with unswapped tiles given by the caller
+        (2, 2, 5, 7, False, "align"),
+        (7, 1, 3, 7, True, "align"),  # NVFP4, swapped
+        (5, 1, 3, 7, False, "inline"),  # fp8, unswapped (its default at I <= 1024)
     ],
 )
-def test_default_decode_variant_dispatch_and_output(fmt_case, T, K, E, expected, monkeypatch):
-    """The default decode kernels: inline (no align launch) up to INLINE_DEFAULT_MAX_PAIRS pairs where the decode
-    tiles are not swapped (dense, fp8 at I <= 1024), else the align path; the output is the explicit align
-    path's bitwise either way."""
+def test_default_decode_variant_dispatch_and_output(fmt_case, T, K, E, swap, expected, monkeypatch):
+    """The default decode kernels with the caller's tiles: inline (no align launch) up to
+    INLINE_DEFAULT_MAX_PAIRS pairs where the tiles are not swapped, else the align path; the output is the
+    explicit align path's (same tiles) bitwise either way."""
     from pooled_runner.kernels import fused_moe
 
     name, H, I, dtype = FORMATS[fmt_case]
@@ -300,7 +301,8 @@ def test_default_decode_variant_dispatch_and_output(fmt_case, T, K, E, expected,
     w13, w2 = make_projections(fmt, pool, bank, H, I)
     x = torch.randn(T, H, generator=g).to(dtype)
     ids, w = random_routing(T, K, E, g, pad_prob=0.2)
-    cfgs = (GemmConfig(16, 16, 32, num_stages=1), GemmConfig(16, 16, 32, num_stages=1))
+    cfg = GemmConfig(16, 16, 32, num_stages=1, swap_ab=swap)
+    cfgs = (cfg, cfg)
     base = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, cfgs, variant="align")
     calls = []
     real_align = fused_moe.align_blocks

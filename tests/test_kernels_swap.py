@@ -61,15 +61,38 @@ def test_swapped_operand_gemms_match_reference(name, H, I, dtype, T, K, E, R):
 
 
 def test_swapped_tiles_and_default_variant_rules():
-    """Which formats and shapes swap their decode tiles, and that swapped tiles never take inline by default."""
+    """Which formats and shapes swap their decode tiles, and the default variant that follows (stated here, not
+    recomputed): swapped tiles never take inline; caller-given tiles decide over the format's rule."""
     from pooled_runner.kernels.dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NVFP4
-    from pooled_runner.kernels.fused_moe import INLINE_DEFAULT_MAX_PAIRS, default_variant, swapped_tiles
+    from pooled_runner.kernels.fused_moe import default_variant, swapped_tiles
 
     expected = {FMT_DENSE: (False, False), FMT_INT4: (True, True), FMT_NVFP4: (True, True)}
     expected |= {FMT_FP8_CHANNEL: (False, True), FMT_FP8_BLOCK: (False, True)}
     for fmt, (small_i, large_i) in expected.items():
         assert (swapped_tiles(fmt, 768), swapped_tiles(fmt, 2048)) == (small_i, large_i), fmt
-        for I in (768, 2048):
-            for pairs in (1, INLINE_DEFAULT_MAX_PAIRS, INLINE_DEFAULT_MAX_PAIRS + 1):
-                inline = pairs <= INLINE_DEFAULT_MAX_PAIRS and not swapped_tiles(fmt, I)
-                assert default_variant(fmt, pairs, I) == ("inline" if inline else "align"), (fmt, I, pairs)
+    # (format, routed pairs, I) -> default variant
+    table = [
+        (FMT_DENSE, 1, 768, "inline"), (FMT_DENSE, 8, 2048, "inline"), (FMT_DENSE, 9, 768, "align"),
+        (FMT_INT4, 1, 768, "align"), (FMT_INT4, 8, 2048, "align"), (FMT_NVFP4, 1, 768, "align"),
+        (FMT_FP8_CHANNEL, 8, 768, "inline"), (FMT_FP8_CHANNEL, 8, 2048, "align"),
+        (FMT_FP8_BLOCK, 9, 768, "align"),
+    ]  # fmt: skip
+    for fmt, pairs, I, variant in table:
+        assert default_variant(fmt, pairs, I) == variant, (fmt, pairs, I)
+    plain, swapped = GemmConfig(16, 32, 64), GemmConfig(16, 32, 64, swap_ab=True)
+    assert default_variant(FMT_INT4, 8, 2048, (plain, plain)) == "inline"
+    assert default_variant(FMT_DENSE, 8, 768, (swapped, swapped)) == "align"
+    assert default_variant(FMT_DENSE, 9, 768, (plain, plain)) == "align"
+
+
+def test_decode_path_refuses_swapped_tiles():
+    """kernels/decode.py has no swapped-operand kernels: swapped tiles are refused, not silently unswapped."""
+    g = torch.Generator().manual_seed(5)
+    fmt_obj, pool, bank, l2p = build_layer("bf16", 40, 24, 5, 3, g)
+    fmt = kernel_format(fmt_obj)
+    w13, w2 = make_projections(fmt, pool, bank, 40, 24)
+    x = torch.randn(2, 40, generator=g).bfloat16()
+    ids, w = random_routing(2, 2, 5, g)
+    cfg = GemmConfig(16, 16, 32, num_stages=1, swap_ab=True)
+    with pytest.raises(ValueError, match="swapped"):
+        pooled_fused_moe(x, ids, w, l2p, 5, w13, w2, fmt, (cfg, cfg), decode=True)
