@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-# The interpreter is chosen when triton.jit decorates the kernels: set it for this import only, then restore,
-# so nothing else in the session (servers, other Triton users) inherits it.
-_saved = os.environ.get("TRITON_INTERPRET")
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
+from tests.interpreter import interpreter_imports
+
+with interpreter_imports():
     import triton
     import triton.language as tl
     from pooled_runner.kernels.align import SMALL_MAX_PAIRS, align_blocks, align_blocks_ref
@@ -38,15 +33,11 @@ try:
         else:
             v = e2m1_to_f32(raw.to(tl.int32))
         tl.store(out_ptr + offs, v)
-finally:
-    if _saved is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
 
-from pooled_runner.formats import Int4Format, make_format  # noqa: E402
-from pooled_runner.formats.quant import E2M1_VALUES, pack_int4, unpack_int4  # noqa: E402
-from tests.kernel_helpers import assert_close, build_layer, random_routing  # noqa: E402
+
+from pooled_runner.formats import Int4Format, make_format
+from pooled_runner.formats.quant import E2M1_VALUES, pack_int4, unpack_int4
+from tests.kernel_helpers import assert_close, build_layer, random_routing
 
 pytestmark = pytest.mark.skipif(
     not interpreting(), reason="interpreter tests; the GPU runs test_kernels_gpu.py"

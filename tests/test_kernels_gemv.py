@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-_saved = os.environ.get("TRITON_INTERPRET")
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
+from tests.interpreter import interpreter_imports
+
+with interpreter_imports():
     import triton
     import triton.language as tl
     from pooled_runner.kernels import gemv
@@ -33,13 +30,9 @@ try:
         pair, code = gemv._slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2)
         tl.store(out_ptr + 2 * slot, pair)
         tl.store(out_ptr + 2 * slot + 1, code)
-finally:
-    if _saved is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
 
-from tests.kernel_helpers import assert_close, build_layer, random_routing  # noqa: E402
+
+from tests.kernel_helpers import assert_close, build_layer, random_routing
 
 pytestmark = pytest.mark.skipif(
     not interpreting(), reason="interpreter tests; the GPU runs test_kernels_gpu.py"

@@ -4,27 +4,19 @@ under Triton's interpreter (the GPU runs test_kernels_swap_gpu.py)."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
 
-# As in test_kernels.py: the interpreter is chosen when triton.jit decorates the kernels.
-_saved = os.environ.get("TRITON_INTERPRET")
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
+from tests.interpreter import interpreter_imports
+
+with interpreter_imports():
     from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe, pooled_fused_moe_ref
     from pooled_runner.kernels.moe_gemm import GemmConfig, interpreting
     from pooled_runner.kernels.operands import kernel_format
-finally:
-    if _saved is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
 
-from tests.kernel_helpers import assert_close, build_layer, random_routing  # noqa: E402
-from tests.test_kernels import FORMATS  # noqa: E402
+from tests.kernel_helpers import assert_close, build_layer, random_routing
+from tests.test_kernels import FORMATS
 
 pytestmark = pytest.mark.skipif(
     not interpreting(), reason="interpreter tests; the GPU runs test_kernels_swap_gpu.py"
