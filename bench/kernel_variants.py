@@ -16,7 +16,7 @@ from pooled_runner.kernels.gemv import GemvConfig, gemv_configs
 from pooled_runner.kernels.operands import kernel_format
 
 from bench.common import write
-from bench.kernels import SHAPES, measured_header, time_graph
+from bench.kernels import SHAPES, measured_header, random_rows, time_graph
 from pooled_runner.formats import make_format
 
 # (shape, format, decode widths M, share of the step's experts read through the pinned host view): the cases
@@ -71,26 +71,26 @@ def sweep_configs(base: GemvConfig) -> list[GemvConfig]:
     ]
 
 
-def fast_rows(
-    name: str, H: int, I: int, num: int, device: str, g: torch.Generator
-) -> dict[str, torch.Tensor]:
-    """`random_rows` without fp32 temporaries (DeepSeek-size bf16 pools are 22 GB)."""
-    specs = make_format(name, torch.bfloat16).operands(H, I)
-    rows = {}
-    for s in specs:
-        shape = (num, *s.row_shape)
-        if s.dtype in (torch.bfloat16, torch.float16):
-            t = torch.empty(shape, dtype=s.dtype, device=device).normal_(0.0, 0.02, generator=g)
-        elif s.dtype == torch.float32:
-            t = torch.rand(shape, generator=g, device=device) * 0.01 + 0.001
-        elif s.dtype == torch.float8_e4m3fn:
-            t = (torch.rand(shape, generator=g, device=device) + 0.5).to(torch.float8_e4m3fn)
-        elif s.dtype == torch.int32:
-            t = torch.randint(-(2**31), 2**31 - 1, shape, generator=g, device=device, dtype=torch.int32)
-        else:
-            t = torch.randint(0, 255, shape, generator=g, device=device).to(s.dtype)
-        rows[s.name] = t
-    return rows
+@dataclasses.dataclass
+class DecodeLayer:
+    """One resident bench layer and one routed decode step of it."""
+
+    args: tuple  # pooled_fused_moe's (hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt)
+    nbytes: int  # the step's distinct experts' bytes (weights + scales)
+
+
+def resident_layer(shape: str, name: str, M: int, g: torch.Generator) -> DecodeLayer:
+    """A layer of `shape` in format `name` with every expert in a pool row, and M tokens routed by softmax top-k
+    of random logits (CUDA)."""
+    H, I, E, K = SHAPES[shape]
+    fmt = kernel_format(make_format(name, torch.bfloat16))
+    pool = random_rows(name, H, I, E, "cuda", g)
+    row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
+    p13, p2 = make_projections(fmt, pool, None, H, I)
+    l2p = torch.arange(E, dtype=torch.int32, device="cuda")
+    x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+    w, ids = torch.softmax(torch.randn(M, E, generator=g, device="cuda"), -1).topk(K, -1)
+    return DecodeLayer((x, ids, w, l2p, E, p13, p2, fmt), torch.unique(ids).numel() * row_bytes)
 
 
 def _time_variant(fn) -> tuple[float | None, torch.Tensor | None, str]:
@@ -126,7 +126,7 @@ def variants_main(args: argparse.Namespace) -> None:
             continue
         H, I, E, K = SHAPES[shape]
         fmt = kernel_format(make_format(name, torch.bfloat16))
-        pool = fast_rows(name, H, I, E, "cuda", g)
+        pool = random_rows(name, H, I, E, "cuda", g)
         row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
         bank = None
         if host != "0":
@@ -254,15 +254,7 @@ def sweep_align(g, hbm: float, t_start: float, budget: float) -> list[str]:
         if time.perf_counter() - t_start > budget:
             out.append(f"| {shape} | {name} | {M} | (budget of {budget:.0f} s reached) | | | | | | | | |")
             break
-        H, I, E, K = SHAPES[shape]
-        fmt = kernel_format(make_format(name, torch.bfloat16))
-        pool = fast_rows(name, H, I, E, "cuda", g)
-        row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
-        p13, p2 = make_projections(fmt, pool, None, H, I)
-        l2p = torch.arange(E, dtype=torch.int32, device="cuda")
-        x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
-        w, ids = torch.softmax(torch.randn(M, E, generator=g, device="cuda"), -1).topk(K, -1)
-        nbytes = torch.unique(ids).numel() * row_bytes
+        layer = resident_layer(shape, name, M, g)
         for bn1, bn2, bk, warps, stages, swap in ALIGN_SWEEP_TILES:
             if time.perf_counter() - t_start > budget:
                 out.append(f"| {shape} | {name} | {M} | (budget of {budget:.0f} s reached) | | | | | | | | |")
@@ -271,13 +263,17 @@ def sweep_align(g, hbm: float, t_start: float, budget: float) -> list[str]:
                 GemmConfig(16, bn1, bk, 1, warps, stages, swap_ab=swap),
                 GemmConfig(16, bn2, bk, 1, warps, stages, swap_ab=swap),
             )
-            fn = functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, cfgs, variant=variant)
+            fn = functools.partial(pooled_fused_moe, *layer.args, cfgs, variant=variant)
             us, _, err = _time_variant(fn)
-            res = f"{us:.1f} | {100 * nbytes / (hbm * 1e9) / (us * 1e-6):.0f}%" if us else f"error: {err} |"
+            res = (
+                f"{us:.1f} | {100 * layer.nbytes / (hbm * 1e9) / (us * 1e-6):.0f}%"
+                if us
+                else f"error: {err} |"
+            )
             cells = f"{bn1} | {bn2} | {bk} | {warps} | {stages} | {'yes' if swap else 'no'}"
             out.append(f"| {shape} | {name} | {M} | {variant} | {cells} | {res} |")
             print(out[-1], flush=True)
-        del pool, p13, p2
+        del layer
         torch.cuda.empty_cache()
     return out
 
@@ -295,30 +291,25 @@ def sweep_gemv(g, hbm: float, cases, t_start: float, budget: float) -> list[str]
     for shape, name in cases:
         if time.perf_counter() - t_start > budget:
             break
-        H, I, E, K = SHAPES[shape]
-        fmt = kernel_format(make_format(name, torch.bfloat16))
-        pool = fast_rows(name, H, I, E, "cuda", g)
-        row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
-        p13, p2 = make_projections(fmt, pool, None, H, I)
-        l2p = torch.arange(E, dtype=torch.int32, device="cuda")
-        x = torch.randn(1, H, generator=g, device="cuda").bfloat16()
-        w, ids = torch.softmax(torch.randn(1, E, generator=g, device="cuda"), -1).topk(K, -1)
-        nbytes = torch.unique(ids).numel() * row_bytes
-        for cfg in sweep_configs(gemv_configs(H, I, fmt.fmt, K)):
+        H, I, _, K = SHAPES[shape]
+        layer = resident_layer(shape, name, 1, g)
+        for cfg in sweep_configs(gemv_configs(H, I, layer.args[-1].fmt, K)):
             if time.perf_counter() - t_start > budget:
                 out.append(f"| {shape} | {name} | (budget of {budget:.0f} s reached) | | | | | | | | |")
                 break
-            fn = functools.partial(
-                pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=cfg
-            )
+            fn = functools.partial(pooled_fused_moe, *layer.args, variant="gemv", gemv_config=cfg)
             us, _, err = _time_variant(fn)
-            res = f"{us:.1f} | {100 * nbytes / (hbm * 1e9) / (us * 1e-6):.0f}%" if us else f"error: {err} |"
+            res = (
+                f"{us:.1f} | {100 * layer.nbytes / (hbm * 1e9) / (us * 1e-6):.0f}%"
+                if us
+                else f"error: {err} |"
+            )
             out.append(
                 f"| {shape} | {name} | {cfg.block_n1} | {cfg.block_k1} | {cfg.block_n2} | {cfg.block_k2} | "
                 f"{cfg.num_warps} | {cfg.stages if cfg.stages >= 2 else cfg.prefetch} | {1 if cfg.one_launch else 2} | "
                 f"{res} |"
             )
             print(out[-1], flush=True)
-        del pool, p13, p2
+        del layer
         torch.cuda.empty_cache()
     return out

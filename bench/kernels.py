@@ -38,20 +38,22 @@ STOCK_SGLANG_US = {("qwen3", 1): 31.7, ("qwen3", 4): 76.0, ("qwen3", 16): 197.0,
 def random_rows(
     name: str, H: int, I: int, num: int, device: str, g: torch.Generator
 ) -> dict[str, torch.Tensor]:
-    """`num` rows of random operands of format `name` (valid codes; values do not matter for speed)."""
+    """`num` rows of random operands of format `name` (valid codes; values do not matter for speed), made in
+    their own dtype (no fp32 temporaries: DeepSeek-size bf16 pools are 22 GB)."""
     specs = make_format(name, torch.bfloat16).operands(H, I)
     rows = {}
     for s in specs:
         shape = (num, *s.row_shape)
-        if s.dtype == torch.bfloat16:
-            t = torch.randn(shape, generator=g, device=device).mul_(0.02).bfloat16()
+        if s.dtype in (torch.bfloat16, torch.float16):
+            t = torch.empty(shape, dtype=s.dtype, device=device).normal_(0.0, 0.02, generator=g)
         elif s.dtype == torch.float32:
             t = torch.rand(shape, generator=g, device=device) * 0.01 + 0.001
         elif s.dtype == torch.float8_e4m3fn:
             t = (torch.rand(shape, generator=g, device=device) + 0.5).to(torch.float8_e4m3fn)
+        elif s.dtype == torch.int32:
+            t = torch.randint(-(2**31), 2**31 - 1, shape, generator=g, device=device, dtype=torch.int32)
         else:
-            info = torch.iinfo(s.dtype)
-            t = torch.randint(0, min(info.max, 255), shape, generator=g, device=device).to(s.dtype)
+            t = torch.randint(0, 255, shape, generator=g, device=device).to(s.dtype)
         rows[s.name] = t
     return rows
 

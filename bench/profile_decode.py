@@ -13,12 +13,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe
-from pooled_runner.kernels.operands import kernel_format
+from pooled_runner.kernels.fused_moe import pooled_fused_moe
 
-from bench.kernel_variants import fast_rows
+from bench.kernel_variants import resident_layer
 from bench.kernels import SHAPES
-from pooled_runner.formats import make_format
 
 
 def main() -> None:
@@ -31,16 +29,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    H, I, E, K = SHAPES[args.shape]
-    fmt = kernel_format(make_format(args.format, torch.bfloat16))
-    pool = fast_rows(args.format, H, I, E, "cuda", g)
-    p13, p2 = make_projections(fmt, pool, None, H, I)
-    x = torch.randn(args.m, H, generator=g, device="cuda").bfloat16()
-    w, ids = torch.softmax(torch.randn(args.m, E, generator=g, device="cuda"), -1).topk(K, -1)
-    l2p = torch.arange(E, dtype=torch.int32, device="cuda")
+    layer = resident_layer(args.shape, args.format, args.m, g)
 
     def step() -> torch.Tensor:
-        return pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant=args.variant)
+        return pooled_fused_moe(*layer.args, variant=args.variant)
 
     for _ in range(args.warmup):
         step()
