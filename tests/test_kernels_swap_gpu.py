@@ -56,3 +56,46 @@ def test_swapped_operand_gemms_real_shapes(name, shape, M, variant):
     assert_close(out, ref, f"swap_ab {variant} {name} {shape} M={M}")
     base = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, plain, variant=variant)
     assert_close(out, base, f"swap_ab vs plain {variant} {name} {shape} M={M}", rel=1e-2)
+
+
+SLICE_CASES = [
+    ("int4-g128", "deepseek", 1, "align"),
+    ("int4-g128-zp", "qwen3", 8, "align"),
+    ("int4-g64", "qwen3", 4, "inline"),
+    ("nvfp4", "deepseek", 8, "align"),
+    ("nvfp4", "qwen3", 1, "inline"),
+]
+
+
+@pytest.mark.parametrize(("name", "shape", "M", "variant"), SLICE_CASES)
+def test_k_sliced_packed_tiles_real_shapes(name, shape, M, variant):
+    """`GemmConfig.slice_k` (packed tiles as 8 K-slices, K tiles of 128) at the real shapes: the independent
+    fp32 reference's output, and the unsliced swapped tiles' within rounding."""
+    from pooled_runner.kernels.fused_moe import dense_row, pick_configs
+
+    fused_moe, operands = _kernels()
+    H, I, E, K = SHAPES[shape]
+    E = 8 if M == 1 else 16
+    cpu = torch.Generator().manual_seed(len(name) + 3 * M + H)
+    fmt_obj, pool, _, l2p = build_layer(name, H, I, E, E, cpu, device="cuda", num_not_here=0)
+    fmt = operands.kernel_format(fmt_obj)
+    p13, p2 = fused_moe.make_projections(fmt, pool, None, H, I)
+    g = torch.Generator(device="cuda").manual_seed(M + 1)
+    x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+    ids, w = routing(M, K, E, g)
+    tiles = pick_configs(M, K, E, H, I, fmt.fmt)
+    swapped = tuple(dataclasses.replace(c, block_k=128, swap_ab=True, slice_k=False) for c in tiles)
+    sliced = tuple(dataclasses.replace(c, slice_k=True) for c in swapped)
+    poison_allocator()
+    out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, sliced, variant=variant)
+    codes = l2p.cpu()
+    ref = gpu_reference(
+        x,
+        ids,
+        w,
+        lambda e: dense_row(p13, fmt, int(codes[e]), torch.bfloat16).cuda(),
+        lambda e: dense_row(p2, fmt, int(codes[e]), torch.bfloat16).cuda(),
+    )
+    assert_close(out, ref, f"slice_k {variant} {name} {shape} M={M}")
+    base = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, swapped, variant=variant)
+    assert_close(out, base, f"slice_k vs swapped {variant} {name} {shape} M={M}", rel=1e-2)
