@@ -203,7 +203,7 @@ def variants_main(args: argparse.Namespace) -> None:
         "tiles and gemv sum in another order: ~1e-3 to 1e-2 is expected, > 1e-1 is a bug).",
     ]
     write(args.out, lines)
-    lines += sweep_align(g, hbm, t_start, args.budget, args.shapes, args.formats)
+    lines += sweep_align(g, hbm, t_start, args.budget)
     write(args.out, lines)
     # the targets first: Qwen3-like bf16 (launch-bound) and the packed formats; DeepSeek-like bf16 last
     sweep_cases.sort(key=lambda c: c == ("deepseek", "bf16"))
@@ -215,73 +215,53 @@ def variants_main(args: argparse.Namespace) -> None:
 ALIGN_SWEEP_CASES = [
     ("deepseek", "int4-g128", "align", 1),
     ("deepseek", "int4-g128", "align", 8),
-    ("deepseek", "int4-g128", "align", 16),
-    ("qwen3", "int4-g128", "align", 8),
     ("deepseek", "nvfp4", "align", 1),
     ("deepseek", "nvfp4", "align", 8),
     ("qwen3", "bf16", "inline", 1),
     ("qwen3", "bf16", "align", 16),
     ("deepseek", "bf16", "inline", 1),
 ]
-# (BN1, BN2, BK, warps, stages, swap_ab, slice_k); block_m 16, group_m 1. pick_configs' decode tiles are (64, 64, 128, 4,
+# (BN1, BN2, BK, warps, stages, swap_ab); block_m 16, group_m 1. pick_configs' decode tiles are (64, 64, 128, 4,
 # 3) for int4 and wide I, (32, 64, 128, 4, 3) for bf16 at I <= 1024, (32, 64, 64, 4, 3) for NVFP4, with 4 stages
 # for fp8; swapped for int4, NVFP4 and fp8 at I > 1024 (fused_moe.swapped_tiles); SGLang
 # 0.5.23's tuned H200 tiles for the Qwen3-like layer are (64, 64, 64, 4, 5) at M=1 and (64, 64, 256, 4, 2) at M=16
 ALIGN_SWEEP_TILES = [
-    (64, 64, 128, 4, 3, False, False),
-    (64, 64, 128, 4, 3, True, False),
-    (64, 64, 128, 4, 3, True, True),
-    (32, 64, 128, 4, 3, True, True),
-    (64, 64, 256, 4, 3, True, True),
-    (64, 64, 128, 4, 4, True, True),
-    (128, 64, 128, 8, 3, True, True),
-    (32, 64, 64, 4, 3, True, False),
-    (32, 64, 64, 4, 4, True, False),
-    (32, 64, 128, 4, 3, True, False),
-    (128, 128, 128, 4, 3, True, False),
-    (64, 64, 64, 4, 3, True, False),
-    (64, 64, 128, 4, 4, True, False),
-    (128, 64, 128, 8, 3, True, False),
+    (64, 64, 128, 4, 3, False),
+    (64, 64, 128, 4, 3, True),
+    (32, 64, 64, 4, 3, True),
+    (32, 64, 64, 4, 4, True),
+    (32, 64, 128, 4, 3, True),
+    (128, 128, 128, 4, 3, True),
+    (64, 64, 64, 4, 3, True),
+    (64, 64, 128, 4, 4, True),
+    (128, 64, 128, 8, 3, True),
 ]
 
 
-def sweep_align(
-    g, hbm: float, t_start: float, budget: float, shapes: str = "", formats: str = ""
-) -> list[str]:
-    """Decode tiles per case (its variant and M; resident) until `budget` seconds from the start; `shapes` and
-    `formats` (comma lists, empty: all) pick the cases. slice_k tiles are run only for the packed formats."""
+def sweep_align(g, hbm: float, t_start: float, budget: float) -> list[str]:
+    """Decode tiles per case (its variant and M; resident) until `budget` seconds from the start."""
     from pooled_runner.kernels.moe_gemm import GemmConfig
 
     out = [
         "",
         "align-path tile sweep (resident; µs per layer, % of HBM read):",
         "",
-        "| shape | format | M | variant | BN1 | BN2 | BK | warps | stages | swap | K-sliced | µs | % HBM |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | format | M | variant | BN1 | BN2 | BK | warps | stages | swap | µs | % HBM |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(out), flush=True)
-    cases = [
-        c
-        for c in ALIGN_SWEEP_CASES
-        if (not shapes or c[0] in shapes.split(",")) and (not formats or c[1] in formats.split(","))
-    ]
-    for shape, name, variant, M in cases:
+    for shape, name, variant, M in ALIGN_SWEEP_CASES:
         if time.perf_counter() - t_start > budget:
-            out.append(f"| {shape} | {name} | {M} | (budget of {budget:.0f} s reached) | | | | | | | | | |")
+            out.append(f"| {shape} | {name} | {M} | (budget of {budget:.0f} s reached) | | | | | | | | |")
             break
         layer = resident_layer(shape, name, M, g)
-        packed = name.startswith(("int4", "nvfp4"))
-        for bn1, bn2, bk, warps, stages, swap, sliced in ALIGN_SWEEP_TILES:
-            if sliced and not packed:
-                continue
+        for bn1, bn2, bk, warps, stages, swap in ALIGN_SWEEP_TILES:
             if time.perf_counter() - t_start > budget:
-                out.append(
-                    f"| {shape} | {name} | {M} | (budget of {budget:.0f} s reached) | | | | | | | | | |"
-                )
+                out.append(f"| {shape} | {name} | {M} | (budget of {budget:.0f} s reached) | | | | | | | | |")
                 break
             cfgs = (
-                GemmConfig(16, bn1, bk, 1, warps, stages, swap_ab=swap, slice_k=sliced),
-                GemmConfig(16, bn2, bk, 1, warps, stages, swap_ab=swap, slice_k=sliced),
+                GemmConfig(16, bn1, bk, 1, warps, stages, swap_ab=swap),
+                GemmConfig(16, bn2, bk, 1, warps, stages, swap_ab=swap),
             )
             fn = functools.partial(pooled_fused_moe, *layer.args, cfgs, variant=variant)
             us, _, err = _time_variant(fn)
@@ -290,7 +270,7 @@ def sweep_align(
                 if us
                 else f"error: {err} |"
             )
-            cells = f"{bn1} | {bn2} | {bk} | {warps} | {stages} | {'yes' if swap else 'no'} | {'yes' if sliced else 'no'}"
+            cells = f"{bn1} | {bn2} | {bk} | {warps} | {stages} | {'yes' if swap else 'no'}"
             out.append(f"| {shape} | {name} | {M} | {variant} | {cells} | {res} |")
             print(out[-1], flush=True)
         del layer

@@ -207,77 +207,6 @@ def _nvfp4_tile(w_base, s_base, g_base, offs_n, mask_n, k0, K, w_sn, s_sn,
 
 
 @triton.jit
-def load_packed(w_base, s_base, z_base, g_base, offs_n, mask_n, k0, K, w_sn, s_sn, z_sn,
-                FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                COMPUTE: tl.constexpr, BLOCK_K: tl.constexpr, HALF_INT4: tl.constexpr):  # fmt: skip
-    """One packed tile (int4 or NVFP4) for `packed_slice`, without expanding it: `(words [BLOCK_N, BLOCK_K/8]
-    int32, scale, offset)`, the scale and offset per word (or per row, broadcast). int4: offset = M + zero point
-    (`_int4_tile_h`, HALF_INT4) or 2^23 + zero point (`_int4_tile`); NVFP4: scale = e4m3 scale * 2^14 (fp32),
-    offset = the expert's fp32 global scale."""
-    KW: tl.constexpr = BLOCK_K // 8
-    kw = k0 // 8 + tl.arange(0, KW)
-    wmask = mask_n[:, None] & (kw < K // 8)[None, :]
-    words = tl.load(w_base + offs_n[:, None] * w_sn + kw[None, :], mask=wmask, other=0)
-    if FMT == 1:
-        if HALF_INT4:
-            S_DT: tl.constexpr = COMPUTE
-            if COMPUTE == tl.bfloat16:
-                MAGIC_F: tl.constexpr = 128.0
-            else:
-                MAGIC_F: tl.constexpr = 1024.0
-        else:
-            S_DT: tl.constexpr = tl.float32
-            MAGIC_F: tl.constexpr = 8388608.0
-        kg = (kw * 8) // GROUP
-        if GROUP % BLOCK_K == 0:  # the tile lies in one group: one scale (and zero point) per row
-            s = tl.load(s_base + offs_n * s_sn + k0 // GROUP, mask=mask_n, other=0.0).to(S_DT)[:, None]
-        else:
-            s = tl.load(s_base + offs_n[:, None] * s_sn + kg[None, :], mask=wmask, other=0.0).to(S_DT)
-        if HAS_ZERO:
-            if GROUP % BLOCK_K == 0:
-                z = tl.load(z_base + offs_n * z_sn + k0 // GROUP, mask=mask_n, other=0).to(tl.float32)[
-                    :, None
-                ]
-            else:
-                z = tl.load(z_base + offs_n[:, None] * z_sn + kg[None, :], mask=wmask, other=0).to(tl.float32)
-            off = (z + MAGIC_F).to(S_DT)  # exact
-        else:
-            off = tl.full((1, 1), MAGIC_F + 8.0, S_DT)
-    else:
-        # one e4m3 scale per two words, read per word (the repeated address is an L1 hit)
-        raw_s = tl.load(s_base + offs_n[:, None] * s_sn + (kw // 2)[None, :], mask=wmask)
-        s = tl.where(wmask, e4m3_to_f32(raw_s, NATIVE_FP8) * 16384.0, 0.0)  # exact (a power of two)
-        off = tl.load(g_base)
-    return words, s, off
-
-
-@triton.jit
-def packed_slice(words, s, off, J: tl.constexpr, FMT: tl.constexpr, COMPUTE: tl.constexpr,
-                 HALF_INT4: tl.constexpr):  # fmt: skip
-    """Values `8 * kw + J` of a `load_packed` tile, `[BLOCK_N, BLOCK_K/8]` in the compute dtype: the tile as 8
-    K-slices, each the left operand of its own MMA against the matching rows `k0 + 8 * kw + J` of the token
-    operand (`GemmConfig.slice_k`), so no interleave; the same values as `load_w_tile` (same ops, same order)."""
-    if FMT == 1:
-        if HALF_INT4:
-            if COMPUTE == tl.bfloat16:
-                MAGIC: tl.constexpr = 0x4300
-            else:
-                MAGIC: tl.constexpr = 0x6400
-            w = ((((words >> (4 * J)) & 0xF) | MAGIC).to(tl.int16).to(COMPUTE, bitcast=True) - off) * s
-        else:
-            q = (((words >> (4 * J)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-            w = ((q - off) * s).to(COMPUTE)
-    else:
-        p = _e2m1_pair(words, J % 4)
-        if J < 4:  # noqa: SIM108 (constexpr branch)
-            v = _fp16_lo(p)
-        else:
-            v = _fp16_hi(p)
-        w = ((v * s) * off).to(COMPUTE)
-    return w
-
-
-@triton.jit
 def load_w_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, mask_n, mask_k, k0, K, w_sn, s_sn, z_sn,
                 FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
                 COMPUTE: tl.constexpr, BLOCK_K: tl.constexpr, HALF_INT4: tl.constexpr = False):  # fmt: skip
@@ -365,7 +294,5 @@ __all__ = [
     "e2m1_to_f32",
     "e4m3_to_f32",
     "load_b_tile",
-    "load_packed",
     "load_w_tile",
-    "packed_slice",
 ]

@@ -26,7 +26,7 @@ from .decode_align import (
     _inline_block,
     _zero_unrouted_tokens,
 )
-from .dequant import FMT_INT4, FMT_NVFP4, load_b_tile, load_packed, load_w_tile, packed_slice
+from .dequant import FMT_INT4, load_b_tile, load_w_tile
 from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _launch_args
 from .gemm_args import interpreting as interpreting  # re-exported
 from .operands import KernelFormat, Projection
@@ -45,14 +45,6 @@ class GemmConfig:
     # the (dequantized) weight tile is the left operand, which the MMA can take from registers, and only the
     # few token rows pass through shared memory (decode tiles; same values, fp32 sums in another order)
     swap_ab: bool = False
-    # with swap_ab, packed formats (int4, NVFP4) and block_k >= 128: the weight tile as 8 K-slices of
-    # block_k / 8 values (value 8 * kw + j of each word in slice j, `dequant.packed_slice`), each an MMA against
-    # the token rows k0 + 8 * kw + j: no interleave of the expanded nibbles (register shuffles / shared memory)
-    slice_k: bool = False
-
-    def __post_init__(self) -> None:
-        if self.slice_k and (not self.swap_ab or self.block_k < 128):
-            raise ValueError(f"GemmConfig slice_k needs swap_ab and block_k >= 128 (MMA K >= 16): {self}")
 
 
 @triton.jit
@@ -62,16 +54,6 @@ def _mma(a, b, acc, DOT_F32: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _token_slice(x_ptr, row, stride_x, row_ok, k0, K, J: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`[BLOCK_K / 8, BLOCK_M]`: columns `k0 + 8 * kw + J` of the token rows `row`, transposed (the right operand
-    of K-slice J, `dequant.packed_slice`)."""
-    k = k0 + 8 * tl.arange(0, BLOCK_K // 8) + J
-    return tl.load(
-        x_ptr + row[None, :] * stride_x + k[:, None], mask=row_ok[None, :] & (k < K)[:, None], other=0.0
-    )
 
 
 @triton.jit
@@ -129,7 +111,7 @@ def _gemm1_kernel(
     GROUP_M: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
     NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, DOT_F32: tl.constexpr,
     INLINE_ALIGN: tl.constexpr = False, P_POW2: tl.constexpr = 16, HALF_INT4: tl.constexpr = False,
-    SWAP_AB: tl.constexpr = False, SLICE_K: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
 ):  # fmt: skip
     pid_m, pid_n = _block_of(tl.program_id(0), tl.cdiv(I, BLOCK_N), max_blocks, GROUP_M)
     if INLINE_ALIGN:
@@ -163,16 +145,7 @@ def _gemm1_kernel(
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < H
-        if SLICE_K:  # the packed tiles as 8 K-slices (GemmConfig.slice_k)
-            gw, gs, go = load_packed(w_base, s_base, z_base, g_base, offs_n, n_ok, k0, H, w_sn, s_sn, z_sn,
-                                     FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4)  # fmt: skip
-            uw, us, uo = load_packed(w_base, s_base, z_base, g_base, offs_n + I, n_ok, k0, H, w_sn, s_sn, z_sn,
-                                     FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4)  # fmt: skip
-            for j in tl.static_range(8):
-                xj = _token_slice(x_ptr, token, stride_x, row_ok, k0, H, j, BLOCK_K)
-                acc_g = _mma(packed_slice(gw, gs, go, j, FMT, COMPUTE, HALF_INT4), xj, acc_g, DOT_F32)
-                acc_u = _mma(packed_slice(uw, us, uo, j, FMT, COMPUTE, HALF_INT4), xj, acc_u, DOT_F32)
-        elif SWAP_AB:
+        if SWAP_AB:
             xt = tl.load(
                 x_ptr + token[None, :] * stride_x + offs_k[:, None],
                 mask=row_ok[None, :] & k_ok[:, None],
@@ -218,7 +191,7 @@ def _gemm2_kernel(
     NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, DOT_F32: tl.constexpr,
     INLINE_ALIGN: tl.constexpr = False, FUSE_COMBINE: tl.constexpr = False, P_POW2: tl.constexpr = 16,
     TOP_K: tl.constexpr = 1, K_POW2: tl.constexpr = 1, HALF_INT4: tl.constexpr = False,
-    SWAP_AB: tl.constexpr = False, SLICE_K: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
 ):  # fmt: skip
     num_nb = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _block_of(tl.program_id(0), num_nb, max_blocks, GROUP_M)
@@ -255,13 +228,7 @@ def _gemm2_kernel(
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < I
-        if SLICE_K:  # the packed tile as 8 K-slices (GemmConfig.slice_k)
-            pw, ps, po = load_packed(w_base, s_base, z_base, g_base, offs_n, n_ok, k0, I, w_sn, s_sn, z_sn,
-                                     FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, BLOCK_K, HALF_INT4)  # fmt: skip
-            for j in tl.static_range(8):
-                aj = _token_slice(act_ptr, slot, stride_act, row_ok, k0, I, j, BLOCK_K)
-                acc = _mma(packed_slice(pw, ps, po, j, FMT, COMPUTE, HALF_INT4), aj, acc, DOT_F32)
-        elif SWAP_AB:
+        if SWAP_AB:
             at = tl.load(
                 act_ptr + slot[None, :] * stride_act + offs_k[:, None],
                 mask=row_ok[None, :] & k_ok[:, None],
@@ -303,11 +270,6 @@ def _half_int4(fmt: KernelFormat, dtype: torch.dtype) -> bool:
     return HALF_INT4 and fmt.fmt == FMT_INT4 and (not interpreting() or dtype == torch.float16)
 
 
-def _slice_k(config: GemmConfig, fmt: KernelFormat) -> bool:
-    """`GemmConfig.slice_k` where it applies: packed formats only (the others load their tiles as they are)."""
-    return config.slice_k and fmt.fmt in (FMT_INT4, FMT_NVFP4)
-
-
 def gemm1(
     x: torch.Tensor,
     align: AlignOutput | None,
@@ -343,7 +305,7 @@ def gemm1(
         GROUP_M=config.group_m, FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero,
         NATIVE_FP8=native, DOT_F32=interpreting(), COMPUTE=_TL_DTYPES[x.dtype],
         INLINE_ALIGN=align is None, P_POW2=routing.p_pow2() if routing is not None else 16,
-        HALF_INT4=_half_int4(fmt, x.dtype), SWAP_AB=config.swap_ab, SLICE_K=_slice_k(config, fmt),
+        HALF_INT4=_half_int4(fmt, x.dtype), SWAP_AB=config.swap_ab,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return act
@@ -415,7 +377,7 @@ def gemm2(
         NATIVE_FP8=native, DOT_F32=interpreting(), COMPUTE=_TL_DTYPES[act.dtype],
         INLINE_ALIGN=align is None, FUSE_COMBINE=fuse_combine,
         P_POW2=routing.p_pow2() if routing is not None else 16, TOP_K=K, K_POW2=triton.next_power_of_2(K),
-        HALF_INT4=_half_int4(fmt, act.dtype), SWAP_AB=config.swap_ab, SLICE_K=_slice_k(config, fmt),
+        HALF_INT4=_half_int4(fmt, act.dtype), SWAP_AB=config.swap_ab,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out if fuse_combine else y

@@ -12,7 +12,7 @@ from tests.interpreter import interpreter_imports
 
 with interpreter_imports():
     from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe, pooled_fused_moe_ref
-    from pooled_runner.kernels.moe_gemm import GemmConfig, _slice_k, interpreting
+    from pooled_runner.kernels.moe_gemm import GemmConfig, interpreting
     from pooled_runner.kernels.operands import kernel_format
 
 from tests.kernel_helpers import assert_close, build_layer, random_routing
@@ -88,48 +88,3 @@ def test_decode_path_refuses_swapped_tiles():
     cfg = GemmConfig(16, 16, 32, num_stages=1, swap_ab=True)
     with pytest.raises(ValueError, match="swapped"):
         pooled_fused_moe(x, ids, w, l2p, 5, w13, w2, fmt, (cfg, cfg), decode=True)
-
-
-PACKED = [
-    ("int4-g32", 160, 96, torch.bfloat16),
-    ("int4-g64-zp", 64, 64, torch.float16),
-    ("int4-g128-zp", 384, 128, torch.float16),
-    ("int4-g128", 128, 256, torch.bfloat16),
-    ("nvfp4", 144, 48, torch.bfloat16),
-]
-
-
-@pytest.mark.parametrize(("name", "H", "I", "dtype"), PACKED)
-@pytest.mark.parametrize(
-    ("T", "K", "E", "R", "block_k"), [(1, 1, 1, 1, 128), (3, 3, 7, 3, 256), (5, 2, 6, 2, 128)]
-)
-def test_k_sliced_packed_tiles_match_reference(name, H, I, dtype, T, K, E, R, block_k):
-    """`GemmConfig.slice_k` (packed tiles as 8 K-slices, each its own MMA against the matching token columns):
-    int4 with and without zero points, groups inside and across K tiles (one scale per word), in both compute
-    dtypes (fp16 takes the packed-half int4 math), and NVFP4; align and inline; host rows, experts not here;
-    K tiles past H and I. The reference's output, and the unsliced swapped kernels' within rounding."""
-    g = torch.Generator().manual_seed(T * 31 + E + H + block_k)
-    fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, R, g, dtype, num_not_here=int(E > 3))
-    fmt = kernel_format(fmt_obj)
-    w13, w2 = make_projections(fmt, pool, bank if R < E else None, H, I)
-    x = torch.randn(T, H, generator=g).to(dtype)
-    ids, w = random_routing(T, K, E, g)
-    ref = pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt)
-    swapped = (GemmConfig(16, 16, block_k, num_stages=1, swap_ab=True),) * 2
-    sliced = tuple(dataclasses.replace(c, slice_k=True) for c in swapped)
-    assert all(_slice_k(c, fmt) for c in sliced)  # the launchers take the sliced kernels for this format
-    for variant in ("align", "inline"):
-        out = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, sliced, variant=variant)
-        assert out.dtype == dtype
-        assert_close(out, ref, f"slice_k {variant} {name} T={T} K={K} E={E} R={R} BK={block_k}")
-        base = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, swapped, variant=variant)
-        assert_close(out, base, f"slice_k vs swapped {variant} {name} T={T}", rel=1e-2)
-
-
-def test_k_sliced_tiles_need_swapped_wide_k():
-    """slice_k without swap_ab or with K tiles under 128 (MMA K of 16 per slice) is refused at construction."""
-    with pytest.raises(ValueError, match="slice_k"):
-        GemmConfig(16, 64, 128, slice_k=True)
-    with pytest.raises(ValueError, match="slice_k"):
-        GemmConfig(16, 64, 64, swap_ab=True, slice_k=True)
-    assert GemmConfig(16, 64, 128, swap_ab=True, slice_k=True).slice_k
