@@ -1,0 +1,109 @@
+"""`python -m bench.kernel_pdl`: one pooled layer's decode and prefill kernels with gemm2 launched plainly, as a
+programmatic dependent of gemm1 (PDL, `kernels/pdl.py`), and with PDL plus an L2 prefetch of the first bytes of
+each gemm2 program's weight tile. Seeded, warmed up, graph replay; each setting is timed twice, in alternating
+order, and the faster kept; outputs compared bitwise to the plain launches. Prints % of the HBM read bandwidth
+measured in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import torch
+from pooled_runner.kernels import pdl
+from pooled_runner.kernels.fused_moe import pooled_fused_moe
+
+from bench.common import write
+from bench.kernel_variants import _time_variant, resident_layer
+from bench.kernels import measured_header
+
+# (shape, format, M): the decode widths the kernel targets name, and one prefill width
+PDL_CASES = [
+    ("qwen3", "bf16", 1),
+    ("qwen3", "bf16", 4),
+    ("qwen3", "bf16", 16),
+    ("qwen3", "int4-g128", 1),
+    ("qwen3", "int4-g128", 8),
+    ("deepseek", "bf16", 1),
+    ("deepseek", "bf16", 8),
+    ("deepseek", "int4-g128", 1),
+    ("deepseek", "int4-g128", 8),
+    ("deepseek", "nvfp4", 1),
+    ("deepseek", "fp8", 8),
+    ("qwen3", "bf16", 512),
+]
+# (column, PDL_GEMM2, PDL_PREFETCH_BYTES)
+SETTINGS = [
+    ("plain", False, 0),
+    ("PDL", True, 0),
+    ("PDL + 16 KiB", True, 16384),
+    ("PDL + 64 KiB", True, 65536),
+]
+
+
+def _timed(fn, on: bool, pf: int) -> tuple[float | None, torch.Tensor | None, str]:
+    old = pdl.PDL_GEMM2, pdl.PDL_PREFETCH_BYTES
+    pdl.PDL_GEMM2, pdl.PDL_PREFETCH_BYTES = on, pf
+    try:
+        return _time_variant(fn)
+    finally:
+        pdl.PDL_GEMM2, pdl.PDL_PREFETCH_BYTES = old
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default="", help="commit to print (default: git rev-parse HEAD)")
+    ap.add_argument(
+        "--budget", type=float, default=200.0, help="seconds before the remaining cases are skipped"
+    )
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hbm, _, lines = measured_header(args.commit)
+    cols = " | ".join(f"{name} µs (% HBM)" for name, _, _ in SETTINGS)
+    lines += [f"| shape | format | M | MB | {cols} | best vs plain | bitwise = plain |"]
+    lines += ["|---" * (6 + len(SETTINGS)) + "|"]
+    print("\n".join(lines), flush=True)
+    for shape, name, M in PDL_CASES:
+        if time.perf_counter() - t_start > args.budget:
+            lines.append(f"| {shape} | {name} | {M} | skipped: budget of {args.budget:.0f} s reached |")
+            continue
+        layer = resident_layer(shape, name, M, g)
+        fn = functools.partial(pooled_fused_moe, *layer.args)
+        best: dict[str, float] = {}
+        outs: dict[str, torch.Tensor] = {}
+        for _ in range(2):
+            for col, on, pf in SETTINGS:
+                us, out, err = _timed(fn, on, pf)
+                if us is None:
+                    best[col] = float("nan")
+                    print(f"  {shape} {name} M={M} {col}: {err}", flush=True)
+                    continue
+                best[col] = min(best.get(col, us), us)
+                outs[col] = out
+        cells = " | ".join(
+            f"{best[c]:.1f} ({100 * layer.nbytes / (hbm * 1e9) / (best[c] * 1e-6):.0f}%)"
+            for c, _, _ in SETTINGS
+        )
+        fastest = min((c for c, _, _ in SETTINGS), key=lambda c: best[c])
+        same = all(torch.equal(outs[c], outs["plain"]) for c in outs)
+        lines.append(
+            f"| {shape} | {name} | {M} | {layer.nbytes / 1e6:.1f} | {cells} | "
+            f"{best['plain'] / best[fastest]:.3f}x ({fastest}) | {'yes' if same else 'NO'} |"
+        )
+        print(lines[-1], flush=True)
+        del layer, fn, outs
+        torch.cuda.empty_cache()
+    lines += [
+        "",
+        "plain: gemm2 launched after gemm1 completes; PDL: gemm2 launched as gemm1's programmatic dependent "
+        "(kernels/pdl.py); + N KiB: each gemm2 program also asks L2 for the first N KiB of its weight tile "
+        "before waiting on gemm1. Best of two alternating timings each.",
+    ]
+    write(args.out, lines)
+
+
+if __name__ == "__main__":
+    main()

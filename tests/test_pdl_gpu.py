@@ -1,0 +1,83 @@
+"""GPU tests of gemm2 as a programmatic dependent of gemm1 (`kernels/pdl.py`; run by scripts/gpu_check.sh,
+skipped without CUDA): the outputs are bitwise those of the launches without PDL, eager and under graph replay
+with new routing each step, with host rows, experts not here (programs that leave early) and padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernel_helpers import assert_close, build_layer
+from tests.test_kernels_gpu import SHAPES, _kernels, gpu_reference, poison_allocator, routing
+
+pytestmark = pytest.mark.gpu
+
+PDL_CASES = [
+    ("bf16", 1, "inline"),
+    ("bf16", 8, "align"),
+    ("bf16", 16, "align-fc"),
+    ("bf16", 64, None),
+    ("int4-g128", 1, "align"),
+    ("int4-g64-zp", 4, "inline"),
+    ("nvfp4", 8, "align"),
+    ("fp8", 2, "align"),
+]
+
+
+def _layer(name: str):
+    fused_moe, operands = _kernels()
+    H, I, E, K = SHAPES["qwen3"]
+    E = 24  # quantized on the CPU: a few at the real H and I
+    cpu = torch.Generator().manual_seed(len(name) + 11)
+    fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, 16, cpu, device="cuda", num_not_here=3)
+    fmt = operands.kernel_format(fmt_obj)
+    bank = {k: v.pin_memory() for k, v in bank.items()}
+    p13, p2 = fused_moe.make_projections(fmt, pool, bank, H, I)
+    return fmt, p13, p2, l2p, H, E, K
+
+
+@pytest.mark.parametrize(("name", "M", "variant"), PDL_CASES)
+def test_pdl_gemm2_equals_plain_launches(monkeypatch, name, M, variant):
+    """PDL on: eager and graph replay (routing, weights and tokens changed before every replay, one padded
+    route) give bitwise the output of the launches without PDL, which match the fp32 reference."""
+    from pooled_runner.kernels import pdl
+    from pooled_runner.kernels.fused_moe import dense_row
+
+    fused_moe, _ = _kernels()
+    fmt, p13, p2, l2p, H, E, K = _layer(name)
+    g = torch.Generator(device="cuda").manual_seed(M + 3)
+    x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+    ids, w = routing(M, K, E, g)
+    assert pdl.pdl_enabled(x), "PDL is off on this GPU: the test would compare a path with itself"
+
+    def run(on: bool) -> torch.Tensor:
+        monkeypatch.setattr(pdl, "PDL_GEMM2", on)
+        return fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant=variant)
+
+    poison_allocator()
+    plain = run(False)
+    codes = l2p.cpu()
+    ref = gpu_reference(
+        x,
+        ids,
+        w,
+        lambda e: dense_row(p13, fmt, int(codes[e]), torch.bfloat16).cuda(),
+        lambda e: dense_row(p2, fmt, int(codes[e]), torch.bfloat16).cuda(),
+        routed_here=codes >= 0,
+    )
+    assert_close(plain, ref, f"no PDL {name} M={M} {variant}")
+    assert torch.equal(run(True), plain), f"PDL eager differs {name} M={M} {variant}"
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    monkeypatch.setattr(pdl, "PDL_GEMM2", True)
+    with torch.cuda.graph(graph):
+        out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant=variant)
+    for step in range(3):
+        new_ids, new_w = routing(M, K, E, g)
+        new_ids[0, step % K] = -1  # a padded route
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        x.copy_(torch.randn(M, H, generator=g, device="cuda").bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run(False)), f"step {step}: PDL replay differs {name} M={M} {variant}"
