@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - older Triton
         pass
 
 
-LINE = 128  # bytes per L2 line asked for
+LINE = tl.constexpr(128)  # bytes per L2 line asked for
 
 
 @triton.jit

@@ -63,7 +63,7 @@ def test_pdl_gemm2_equals_plain_launches(monkeypatch, name, M, variant):
         w,
         lambda e: dense_row(p13, fmt, int(codes[e]), torch.bfloat16).cuda(),
         lambda e: dense_row(p2, fmt, int(codes[e]), torch.bfloat16).cuda(),
-        routed_here=codes >= 0,
+        routed_here=l2p >= 0,
     )
     assert_close(plain, ref, f"no PDL {name} M={M} {variant}")
     assert torch.equal(run(True), plain), f"PDL eager differs {name} M={M} {variant}"
