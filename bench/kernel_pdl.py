@@ -1,6 +1,5 @@
-"""`python -m bench.kernel_pdl`: one pooled layer's decode and prefill kernels with gemm2 launched plainly, as a
-programmatic dependent of gemm1 (PDL, `kernels/pdl.py`), and with PDL plus an L2 prefetch of the first bytes of
-each gemm2 program's weight tile. Seeded, warmed up, graph replay; each setting is timed twice, in alternating
+"""`python -m bench.kernel_pdl`: one pooled layer's decode and prefill kernels with gemm2 launched plainly and as
+a programmatic dependent of gemm1 (PDL, `kernels/pdl.py`; every format, PDL_SKIP_FORMATS included). Seeded, warmed up, graph replay; each setting is timed twice, in alternating
 order, and the faster kept; outputs compared bitwise to the plain launches. Prints % of the HBM read bandwidth
 measured in the same run."""
 
@@ -33,22 +32,17 @@ PDL_CASES = [
     ("deepseek", "fp8", 8),
     ("qwen3", "bf16", 512),
 ]
-# (column, PDL_GEMM2, PDL_PREFETCH_BYTES)
-SETTINGS = [
-    ("plain", False, 0),
-    ("PDL", True, 0),
-    ("PDL + 16 KiB", True, 16384),
-    ("PDL + 64 KiB", True, 65536),
-]
+# (column, PDL_GEMM2)
+SETTINGS = [("plain", False), ("PDL", True)]
 
 
-def _timed(fn, on: bool, pf: int) -> tuple[float | None, torch.Tensor | None, str]:
-    old = pdl.PDL_GEMM2, pdl.PDL_PREFETCH_BYTES
-    pdl.PDL_GEMM2, pdl.PDL_PREFETCH_BYTES = on, pf
+def _timed(fn, on: bool) -> tuple[float | None, torch.Tensor | None, str]:
+    old = pdl.PDL_GEMM2, pdl.PDL_SKIP_FORMATS
+    pdl.PDL_GEMM2, pdl.PDL_SKIP_FORMATS = on, ()
     try:
         return _time_variant(fn)
     finally:
-        pdl.PDL_GEMM2, pdl.PDL_PREFETCH_BYTES = old
+        pdl.PDL_GEMM2, pdl.PDL_SKIP_FORMATS = old
 
 
 def main() -> None:
@@ -62,7 +56,7 @@ def main() -> None:
     t_start = time.perf_counter()
     g = torch.Generator(device="cuda").manual_seed(0)
     hbm, _, lines = measured_header(args.commit)
-    cols = " | ".join(f"{name} µs (% HBM)" for name, _, _ in SETTINGS)
+    cols = " | ".join(f"{name} µs (% HBM)" for name, _ in SETTINGS)
     lines += [f"| shape | format | M | MB | {cols} | best vs plain | bitwise = plain |"]
     lines += ["|---" * (6 + len(SETTINGS)) + "|"]
     print("\n".join(lines), flush=True)
@@ -75,8 +69,8 @@ def main() -> None:
         best: dict[str, float] = {}
         outs: dict[str, torch.Tensor] = {}
         for _ in range(2):
-            for col, on, pf in SETTINGS:
-                us, out, err = _timed(fn, on, pf)
+            for col, on in SETTINGS:
+                us, out, err = _timed(fn, on)
                 if us is None:
                     best[col] = float("nan")
                     print(f"  {shape} {name} M={M} {col}: {err}", flush=True)
@@ -84,10 +78,9 @@ def main() -> None:
                 best[col] = min(best.get(col, us), us)
                 outs[col] = out
         cells = " | ".join(
-            f"{best[c]:.1f} ({100 * layer.nbytes / (hbm * 1e9) / (best[c] * 1e-6):.0f}%)"
-            for c, _, _ in SETTINGS
+            f"{best[c]:.1f} ({100 * layer.nbytes / (hbm * 1e9) / (best[c] * 1e-6):.0f}%)" for c, _ in SETTINGS
         )
-        fastest = min((c for c, _, _ in SETTINGS), key=lambda c: best[c])
+        fastest = min((c for c, _ in SETTINGS), key=lambda c: best[c])
         same = all(torch.equal(outs[c], outs["plain"]) for c in outs)
         lines.append(
             f"| {shape} | {name} | {M} | {layer.nbytes / 1e6:.1f} | {cells} | "
@@ -99,8 +92,7 @@ def main() -> None:
     lines += [
         "",
         "plain: gemm2 launched after gemm1 completes; PDL: gemm2 launched as gemm1's programmatic dependent "
-        "(kernels/pdl.py); + N KiB: each gemm2 program also asks L2 for the first N KiB of its weight tile "
-        "before waiting on gemm1. Best of two alternating timings each.",
+        "(kernels/pdl.py). Best of two alternating timings each.",
     ]
     write(args.out, lines)
 

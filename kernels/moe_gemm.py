@@ -193,7 +193,7 @@ def _gemm2_kernel(
     NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, DOT_F32: tl.constexpr,
     INLINE_ALIGN: tl.constexpr = False, FUSE_COMBINE: tl.constexpr = False, P_POW2: tl.constexpr = 16,
     TOP_K: tl.constexpr = 1, K_POW2: tl.constexpr = 1, HALF_INT4: tl.constexpr = False,
-    SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False, PF_BYTES: tl.constexpr = 0,
+    SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     num_nb = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _block_of(tl.program_id(0), num_nb, max_blocks, GROUP_M)
@@ -222,9 +222,6 @@ def _gemm2_kernel(
     w_base, s_base, z_base, g_base = _row_bases(
         code, num_rows, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se
     )
-    if PF_BYTES > 0:  # noqa: SIM102 (constexpr branch)
-        if code < num_rows:  # pool rows only: a host row's bytes would cross PCIe twice
-            pdl.prefetch_tile(w_base, pid_n * BLOCK_N, w_sn, H, BLOCK_N, PF_BYTES)
     pdl.wait(PDL)
     offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = pair < num_pairs
@@ -315,7 +312,7 @@ def gemm1(
         GROUP_M=config.group_m, FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero,
         NATIVE_FP8=native, DOT_F32=interpreting(), COMPUTE=_TL_DTYPES[x.dtype],
         INLINE_ALIGN=align is None, P_POW2=routing.p_pow2() if routing is not None else 16,
-        HALF_INT4=_half_int4(fmt, x.dtype), SWAP_AB=config.swap_ab, PDL=pdl.pdl_enabled(x),
+        HALF_INT4=_half_int4(fmt, x.dtype), SWAP_AB=config.swap_ab, PDL=pdl.pdl_enabled(x, fmt.fmt),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return act
@@ -364,7 +361,9 @@ def gemm2(
         )
     ptrs, strides, native = _launch_args(w2, fmt)
     num_nb = triton.cdiv(H, config.block_n)
-    use_pdl = pdl.pdl_enabled(act)  # a programmatic dependent of the kernel before it (gemm1): kernels/pdl.py
+    use_pdl = pdl.pdl_enabled(
+        act, fmt.fmt
+    )  # a programmatic dependent of the kernel before it (gemm1): kernels/pdl.py
     if fuse_combine:
         if routing is None or routing.topk_weights is None or num_pairs > MAX_SYNC_PAIRS:
             raise ValueError(
@@ -389,7 +388,6 @@ def gemm2(
         INLINE_ALIGN=align is None, FUSE_COMBINE=fuse_combine,
         P_POW2=routing.p_pow2() if routing is not None else 16, TOP_K=K, K_POW2=triton.next_power_of_2(K),
         HALF_INT4=_half_int4(fmt, act.dtype), SWAP_AB=config.swap_ab, PDL=use_pdl,
-        PF_BYTES=pdl.PDL_PREFETCH_BYTES if use_pdl else 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip
     return out if fuse_combine else y

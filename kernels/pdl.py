@@ -3,8 +3,8 @@
 Why: at decode widths a layer is a few microseconds of DRAM time, and every kernel boundary costs a launch, a
 ramp-up and gemm1's tail, where DRAM sits partly idle (Qwen3-like bf16 M=1 on the H200: ~30 µs per layer against
 a 17 µs bound). With PDL, gemm1 lets gemm2 launch as soon as all of gemm1's programs run (`trigger`); gemm2's
-programs then find their block and expert, ask L2 for the first bytes of their weight tile (weights do not
-depend on gemm1) and only then wait for gemm1's writes (`wait`) before reading `act`. Every gemm2 program waits,
+programs then find their block and expert and only then wait for gemm1's writes (`wait`) before reading `act`:
+the launch and the programs' start overlap gemm1's tail. Every gemm2 program waits,
 including those that leave early, so that gemm2's completion still implies gemm1's (kernels after it rely on the
 stream order). Values are unchanged.
 
@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dequant import FMT_NVFP4
 from .gemm_args import interpreting
 
 try:  # Triton >= 3.4
@@ -35,9 +36,6 @@ except ImportError:  # pragma: no cover - older Triton
         pass
 
 
-LINE = tl.constexpr(128)  # bytes per L2 line asked for
-
-
 @triton.jit
 def trigger(PDL: tl.constexpr):
     """In gemm1, first thing: the dependent gemm2 may launch once every gemm1 program has passed here."""
@@ -52,40 +50,23 @@ def wait(PDL: tl.constexpr):
         gdc_wait()
 
 
-@triton.jit
-def _prefetch_lines(ptrs):
-    """Ask L2 for the 128-byte line at each pointer (no register result waits on it)."""
-    return tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def prefetch_tile(w_base, offs_n0, w_sn, num_n, BLOCK_N: tl.constexpr, PF_BYTES: tl.constexpr):
-    """Ask L2 for up to PF_BYTES of the weight rows `[offs_n0, offs_n0 + BLOCK_N)` (each `w_sn` elements; rows
-    past `num_n` are not asked for): the first lines of every row, the part gemm2's first K tiles read."""
-    ELEM: tl.constexpr = w_base.dtype.element_ty.primitive_bitwidth // 8
-    row_bytes = w_sn * ELEM
-    per_row = tl.minimum(tl.cdiv(PF_BYTES // BLOCK_N, LINE) * LINE, row_bytes)
-    base = (w_base + offs_n0 * w_sn).to(tl.pointer_type(tl.int8))
-    rows = tl.minimum(BLOCK_N, num_n - offs_n0)
-    for off in range(0, per_row, LINE):
-        r = tl.arange(0, BLOCK_N)
-        _prefetch_lines(base + tl.minimum(r, rows - 1).to(tl.int64) * row_bytes + off)
-
-
-# gemm2 launched as a programmatic dependent of gemm1 (decided by the H200 measurement in BENCHMARKS.md)
+# gemm2 launched as a programmatic dependent of gemm1, except for NVFP4. Measured on the H200 (2026-11-30,
+# commit d1274c4, bench/kernel_pdl.py, one layer, graph replay, plain -> PDL): Qwen3-like bf16 M=1 30.6 -> 28.7
+# µs, M=4 92.6 -> 89.8, M=16 200.4 -> 198.7, M=512 337.7 -> 334.2; Qwen3-like int4 M=8 116.0 -> 113.8;
+# DeepSeek-like int4 M=1 163.4 -> 161.7, fp8 M=8 892.1 -> 888.5; the rest within 0.5% -- but DeepSeek-like NVFP4
+# M=1 226.0 -> 246.8 (in both runs). Asking L2 for the first 16 or 64 KiB of each gemm2 program's weight tile
+# before the wait gained nothing over PDL alone (64 KiB lost up to 7%): not kept.
 PDL_GEMM2 = True
-# bytes of its weight tile each gemm2 program asks L2 for before waiting (0: none)
-PDL_PREFETCH_BYTES = 16384
+PDL_SKIP_FORMATS = (FMT_NVFP4,)
 
 
-def pdl_enabled(t: torch.Tensor) -> bool:
-    """Whether the GEMMs on `t`'s device launch gemm2 with PDL: PDL_GEMM2, compiled (not interpreted), on a
-    CUDA device of compute capability >= 9.0, with a Triton that has the GDC intrinsics."""
-    if not (PDL_GEMM2 and _HAVE_GDC and t.is_cuda) or interpreting():
+def pdl_enabled(t: torch.Tensor, weight_fmt: int) -> bool:
+    """Whether the GEMMs on `t`'s device launch gemm2 with PDL for weights of format `weight_fmt`: PDL_GEMM2,
+    not in PDL_SKIP_FORMATS, compiled (not interpreted), on a CUDA device of compute capability >= 9.0, with a
+    Triton that has the GDC intrinsics."""
+    if not (PDL_GEMM2 and _HAVE_GDC and t.is_cuda) or interpreting() or weight_fmt in PDL_SKIP_FORMATS:
         return False
     return torch.cuda.get_device_capability(t.device)[0] >= 9
 
 
-__all__ = ["PDL_GEMM2", "PDL_PREFETCH_BYTES", "pdl_enabled", "prefetch_tile", "trigger", "wait"]
+__all__ = ["PDL_GEMM2", "PDL_SKIP_FORMATS", "pdl_enabled", "trigger", "wait"]

@@ -48,7 +48,11 @@ def test_pdl_gemm2_equals_plain_launches(monkeypatch, name, M, variant):
     g = torch.Generator(device="cuda").manual_seed(M + 3)
     x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
     ids, w = routing(M, K, E, g)
-    assert pdl.pdl_enabled(x), "PDL is off on this GPU: the test would compare a path with itself"
+    monkeypatch.setattr(
+        pdl, "PDL_SKIP_FORMATS", ()
+    )  # every format's PDL path is checked, the skipped ones too
+    monkeypatch.setattr(pdl, "PDL_GEMM2", True)
+    assert pdl.pdl_enabled(x, fmt.fmt), "PDL is off on this GPU: the test would compare a path with itself"
 
     def run(on: bool) -> torch.Tensor:
         monkeypatch.setattr(pdl, "PDL_GEMM2", on)
