@@ -96,7 +96,11 @@ def pick_configs(
         # 208.9). NVFP4's own tiles (32, 64, 64) were not swept at both stage counts in one run: the evidence is
         # across runs only (M=8 924 GB/s with 4 stages at 9222d96, 949 with 3 at 6b3b1c3), weak. fp8 was not
         # swept: it keeps 4.
-        bn1 = 64 if I > 1024 or weight_fmt == FMT_INT4 else 32
+        # Dense gemm1 N tiles of 32 only at 1-2 tokens on narrow experts: H200 sweep (commit 99e5bff, Qwen3-like
+        # bf16, gemm2 with PDL, N tiles 32 -> 64) M=1 28.5 -> 29.6 µs, M=2 49.5 -> 50.2, M=4 90.1 -> 82.3, M=8
+        # 127.8 -> 126.2; DeepSeek-like M=4 642.5 -> 633.1 (already 64 there: I > 1024)
+        wide = I > 1024 or weight_fmt == FMT_INT4 or (weight_fmt == FMT_DENSE and num_tokens > 2)
+        bn1 = 64 if wide else 32
         bn2 = 64
         stages = 4 if weight_fmt in (FMT_FP8_CHANNEL, FMT_FP8_BLOCK) else 3
         # swapped operands for quantized weights (the dequantized tile is the MMA's left operand): `swapped_tiles`
