@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pooled_runner import envs
+
 from .dequant import FMT_NVFP4
 from .gemm_args import interpreting
 
@@ -56,7 +58,7 @@ def wait(PDL: tl.constexpr):
 # DeepSeek-like int4 M=1 163.4 -> 161.7, fp8 M=8 892.1 -> 888.5; the rest within 0.5% -- but DeepSeek-like NVFP4
 # M=1 226.0 -> 246.8 (in both runs). Asking L2 for the first 16 or 64 KiB of each gemm2 program's weight tile
 # before the wait gained nothing over PDL alone (64 KiB lost up to 7%): not kept.
-PDL_GEMM2 = True
+PDL_GEMM2 = envs.moe_pdl()  # POOLED_RUNNER_MOE_PDL=0 turns it off
 PDL_SKIP_FORMATS = (FMT_NVFP4,)
 
 

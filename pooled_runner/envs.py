@@ -68,6 +68,12 @@ def plan_pdl() -> bool:
     return _get_bool("PLAN_PDL", False)
 
 
+def moe_pdl() -> bool:
+    """POOLED_RUNNER_MOE_PDL: launch the MoE's gemm2 as a programmatic dependent of gemm1 on sm_90+ (default on,
+    except for the formats where it measured slower: `kernels/pdl.py`). Read once, at import."""
+    return _get_bool("MOE_PDL", True)
+
+
 def cache_dir() -> str:
     """POOLED_RUNNER_CACHE_DIR: where generated checkpoints (the embedded model) are kept."""
     return _get_str("CACHE_DIR", "~/.cache/pooled_runner")

@@ -47,3 +47,18 @@ def test_pdl_gate(monkeypatch, capability):
             assert not any(pdl.pdl_enabled(t, f) for f in FORMATS), name
     monkeypatch.setattr(pdl, "interpreting", lambda: True)
     assert not any(pdl.pdl_enabled(t, f) for f in FORMATS)
+
+
+def test_moe_pdl_knob(monkeypatch):
+    """POOLED_RUNNER_MOE_PDL: on unless set false; a value that is no boolean is refused, naming the knob."""
+    from pooled_runner import envs
+
+    monkeypatch.delenv("POOLED_RUNNER_MOE_PDL", raising=False)
+    assert envs.moe_pdl()
+    monkeypatch.setenv("POOLED_RUNNER_MOE_PDL", "0")
+    assert not envs.moe_pdl()
+    monkeypatch.setenv("POOLED_RUNNER_MOE_PDL", "1")
+    assert envs.moe_pdl()
+    monkeypatch.setenv("POOLED_RUNNER_MOE_PDL", "maybe")
+    with pytest.raises(ValueError, match="POOLED_RUNNER_MOE_PDL"):
+        envs.moe_pdl()
