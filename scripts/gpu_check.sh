@@ -7,7 +7,9 @@
 # QUICK=1: only the kernel GPU tests and the quick benchmark (decode rows, a prefill row, the decode sweep),
 # then the decode kernel variants side by side (bench_variants, ~150 s).
 # Each step has a time cap so one slow step cannot eat the others' time; add new steps with `step`.
-# SKIP="name ..." leaves steps out; ONLY="name ..." runs only those; GPU_TESTS="files" narrows gpu_tests.
+# SKIP="name ..." leaves steps out; ONLY="name ..." runs only those; GPU_TESTS="files" narrows gpu_tests (and
+# then gpu_tests_stack does not run). One device call runs at most 10 minutes: run the steps in a few calls
+# (e.g. ONLY="gpu_tests bench_kernels", then ONLY="gpu_tests_stack bench_decode").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_out}"
@@ -31,13 +33,20 @@ step() {  # step NAME CAP_SECONDS COMMAND...   (SKIP="name ..." leaves steps out
   case " $* " in *" pytest "*) [ "$rc" = 0 ] || FAILED_TESTS+=("$name") ;; esac
 }
 
+# the kernel-level GPU tests (step gpu_tests); the others (planner, staging, transformers, TP) are gpu_tests_stack
+KERNEL_TESTS="tests/test_kernels_gpu.py tests/test_kernels_swap_gpu.py tests/test_pdl_gpu.py"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || true
 if [ "${QUICK:-0}" = 1 ]; then
-  step gpu_tests "${GPU_TESTS_CAP:-220}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests/test_kernels_gpu.py tests/test_kernels_swap_gpu.py
+  step gpu_tests "${GPU_TESTS_CAP:-300}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 $KERNEL_TESTS
   step bench_kernels "${BENCH_KERNELS_CAP:-170}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_variants "${BENCH_VARIANTS_CAP:-200}" "$PY" -m bench.kernels --variants --budget 150 --out "$OUT/bench_variants.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
 else
-  step gpu_tests "${GPU_TESTS_CAP:-330}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 ${GPU_TESTS:-tests}
+  if [ -n "${GPU_TESTS:-}" ]; then
+    step gpu_tests "${GPU_TESTS_CAP:-330}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 $GPU_TESTS
+  else  # two steps: all GPU tests together outgrew one 10-minute device call (H200, 2026-11-30: > 540 s)
+    step gpu_tests "${GPU_TESTS_CAP:-300}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 $KERNEL_TESTS
+    step gpu_tests_stack "${GPU_TESTS_STACK_CAP:-330}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests $(for f in $KERNEL_TESTS; do printf -- '--ignore=%s ' "$f"; done)
+  fi
   step bench_kernels "${BENCH_KERNELS_CAP:-200}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_variants "${BENCH_VARIANTS_CAP:-200}" "$PY" -m bench.kernels --variants --budget 150 --out "$OUT/bench_variants.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_pdl "${BENCH_PDL_CAP:-150}" "$PY" -m bench.kernel_pdl --budget 110 --out "$OUT/bench_pdl.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
