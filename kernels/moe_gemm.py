@@ -337,6 +337,11 @@ def gemm2(
     align None: blocks computed in the programs from `routing` (as `gemm1`). fuse_combine (decode widths,
     `routing` with topk_weights): returns `out [T, H]` = `combine(y, ...)`, summed by the last of each token's
     routed-here pairs to finish an N block (arrival counters in `gemv`'s workspace, reset by the kernel).
+
+    PDL (`kernels/pdl.py`, sm_90+): gemm2 may start before the kernel before it (gemm1) ends. Until its wait it
+    reads only the routing tables (align output, or topk ids and l2p) and, with fuse_combine, zeroes rows of
+    its fresh `out`; so between gemm1's launch and this call nothing may write those tables, and only `act` may
+    be pending from gemm1 (every caller launches gemm1 then gemm2 back to back).
     """
     H = w2.weight.shape[1]
     I = act.shape[1]
@@ -361,9 +366,9 @@ def gemm2(
         )
     ptrs, strides, native = _launch_args(w2, fmt)
     num_nb = triton.cdiv(H, config.block_n)
-    use_pdl = pdl.pdl_enabled(
-        act, fmt.fmt
-    )  # a programmatic dependent of the kernel before it (gemm1): kernels/pdl.py
+    # a programmatic dependent of the kernel before it on the stream (gemm1, or the workspace fill of a first
+    # fused-combine call at this size, itself launched after gemm1 completed): kernels/pdl.py
+    use_pdl = pdl.pdl_enabled(act, fmt.fmt)
     if fuse_combine:
         if routing is None or routing.topk_weights is None or num_pairs > MAX_SYNC_PAIRS:
             raise ValueError(

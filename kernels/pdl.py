@@ -21,13 +21,11 @@ from pooled_runner import envs
 
 from .dequant import FMT_NVFP4
 from .gemm_args import interpreting
+from .plan_copy import pdl_supported
 
 try:  # Triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    _HAVE_GDC = True
 except ImportError:  # pragma: no cover - older Triton
-    _HAVE_GDC = False
 
     @triton.jit
     def gdc_launch_dependents():
@@ -36,6 +34,10 @@ except ImportError:  # pragma: no cover - older Triton
     @triton.jit
     def gdc_wait():
         pass
+
+
+# the GDC intrinsics and the launcher's `launch_pdl` option (as the one-launch plan + copy's PDL variant)
+_HAVE_GDC = pdl_supported()
 
 
 @triton.jit
@@ -55,8 +57,8 @@ def wait(PDL: tl.constexpr):
 # gemm2 launched as a programmatic dependent of gemm1, except for NVFP4. Measured on the H200 (2026-11-30,
 # commit d1274c4, bench/kernel_pdl.py, one layer, graph replay, plain -> PDL): Qwen3-like bf16 M=1 30.6 -> 28.7
 # µs, M=4 92.6 -> 89.8, M=16 200.4 -> 198.7, M=512 337.7 -> 334.2; Qwen3-like int4 M=8 116.0 -> 113.8;
-# DeepSeek-like int4 M=1 163.4 -> 161.7, fp8 M=8 892.1 -> 888.5; the rest within 0.5% -- but DeepSeek-like NVFP4
-# M=1 226.0 -> 246.8 (in both runs). Asking L2 for the first 16 or 64 KiB of each gemm2 program's weight tile
+# DeepSeek-like int4 M=1 163.4 -> 161.7, fp8 M=8 892.1 -> 888.5; the rest within 0.7% (Qwen3-like int4 M=1 34.1 ->
+# 34.3) -- but DeepSeek-like NVFP4 M=1 226.0 -> 246.8 (in both runs). Asking L2 for the first 16 or 64 KiB of each gemm2 program's weight tile
 # before the wait gained nothing over PDL alone (64 KiB lost up to 7%): not kept.
 PDL_GEMM2 = envs.moe_pdl()  # POOLED_RUNNER_MOE_PDL=0 turns it off
 PDL_SKIP_FORMATS = (FMT_NVFP4,)
@@ -64,9 +66,11 @@ PDL_SKIP_FORMATS = (FMT_NVFP4,)
 
 def pdl_enabled(t: torch.Tensor, weight_fmt: int) -> bool:
     """Whether the GEMMs on `t`'s device launch gemm2 with PDL for weights of format `weight_fmt`: PDL_GEMM2,
-    not in PDL_SKIP_FORMATS, compiled (not interpreted), on a CUDA device of compute capability >= 9.0, with a
-    Triton that has the GDC intrinsics."""
+    not in PDL_SKIP_FORMATS, compiled (not interpreted), on an NVIDIA (not ROCm) device of compute capability
+    >= 9.0, with a Triton that has the GDC intrinsics and `launch_pdl`."""
     if not (PDL_GEMM2 and _HAVE_GDC and t.is_cuda) or interpreting() or weight_fmt in PDL_SKIP_FORMATS:
+        return False
+    if torch.version.hip is not None:  # griddepcontrol is PTX
         return False
     return torch.cuda.get_device_capability(t.device)[0] >= 9
 

@@ -34,6 +34,9 @@ def test_pdl_gate(monkeypatch, capability):
     format but those in PDL_SKIP_FORMATS (NVFP4); never with the switch off, under the interpreter or without
     Triton's GDC intrinsics."""
     t = SimpleNamespace(is_cuda=True, device="cuda:0")
+    monkeypatch.setattr(pdl, "PDL_GEMM2", True)  # (the knob may be set in this environment)
+    monkeypatch.setattr(pdl, "PDL_SKIP_FORMATS", (FMT_NVFP4,))
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(pdl, "interpreting", lambda: False)
     monkeypatch.setattr(pdl, "_HAVE_GDC", True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -45,8 +48,51 @@ def test_pdl_gate(monkeypatch, capability):
         with monkeypatch.context() as m:
             m.setattr(pdl, name, value)
             assert not any(pdl.pdl_enabled(t, f) for f in FORMATS), name
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # ROCm: griddepcontrol is PTX
+    assert not any(pdl.pdl_enabled(t, f) for f in FORMATS)
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(pdl, "interpreting", lambda: True)
     assert not any(pdl.pdl_enabled(t, f) for f in FORMATS)
+
+
+class _Recorder:
+    """Stands in for a jitted kernel: `kernel[grid](*args, **kwargs)` records the keyword arguments."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(kwargs)
+
+
+@pytest.mark.parametrize("on", [False, True])
+@pytest.mark.parametrize("variant", ["align", "align-fc", "inline"])
+def test_launchers_pass_pdl_to_both_gemms(monkeypatch, on, variant):
+    """The launchers' wiring: with the gate open, gemm1 is compiled to trigger (PDL) and gemm2 to wait and is
+    launched with `launch_pdl`; with it shut, neither, and no `launch_pdl` at all (the interpreter's launcher
+    would not take it). Kernels replaced by recorders; the align and combine kernels run."""
+    from pooled_runner.kernels import moe_gemm
+    from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe
+    from pooled_runner.kernels.operands import kernel_format
+
+    from tests.kernel_helpers import build_layer, random_routing
+
+    g = torch.Generator().manual_seed(3)
+    fmt_obj, pool, bank, l2p = build_layer("bf16", 32, 16, 5, 3, g)
+    fmt = kernel_format(fmt_obj)
+    w13, w2 = make_projections(fmt, pool, bank, 32, 16)
+    x = torch.randn(2, 32, generator=g).bfloat16()
+    ids, w = random_routing(2, 2, 5, g)
+    k1, k2 = _Recorder(), _Recorder()
+    monkeypatch.setattr(moe_gemm, "_gemm1_kernel", k1)
+    monkeypatch.setattr(moe_gemm, "_gemm2_kernel", k2)
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda t, fmt: on)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pooled_fused_moe(x, ids, w, l2p, 5, w13, w2, fmt, variant=variant)
+    assert len(k1.calls) == 1 and len(k2.calls) == 1, (k1.calls, k2.calls)
+    assert k1.calls[0]["PDL"] is on and k2.calls[0]["PDL"] is on
+    assert "launch_pdl" not in k1.calls[0]
+    assert k2.calls[0].get("launch_pdl", False) is on and ("launch_pdl" in k2.calls[0]) == on
 
 
 def test_moe_pdl_knob(monkeypatch):

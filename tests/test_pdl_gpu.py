@@ -15,7 +15,8 @@ pytestmark = pytest.mark.gpu
 PDL_CASES = [
     ("bf16", 1, "inline"),
     ("bf16", 8, "align"),
-    ("bf16", 16, "align-fc"),
+    ("bf16", 8, "align-fc"),
+    ("bf16", 16, "align"),
     ("bf16", 64, None),
     ("int4-g128", 1, "align"),
     ("int4-g64-zp", 4, "inline"),
@@ -58,8 +59,24 @@ def test_pdl_gemm2_equals_plain_launches(monkeypatch, name, M, variant):
         monkeypatch.setattr(pdl, "PDL_GEMM2", on)
         return fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant=variant)
 
+    # the path each case names: (align tables, combine fused into gemm2) of its gemm2 call
+    paths = []
+    gemm2 = fused_moe.gemm2
+
+    def spy(act, align, *args, **kwargs):
+        paths.append((align is not None, bool(kwargs.get("fuse_combine", False))))
+        return gemm2(act, align, *args, **kwargs)
+
+    monkeypatch.setattr(fused_moe, "gemm2", spy)
+    expected = {
+        "inline": (False, True),
+        "align-fc": (True, True),
+        "align": (True, False),
+        None: (True, False),
+    }
     poison_allocator()
     plain = run(False)
+    assert paths == [expected[variant]], (variant, paths)
     codes = l2p.cpu()
     ref = gpu_reference(
         x,
@@ -70,7 +87,15 @@ def test_pdl_gemm2_equals_plain_launches(monkeypatch, name, M, variant):
         routed_here=l2p >= 0,
     )
     assert_close(plain, ref, f"no PDL {name} M={M} {variant}")
-    assert torch.equal(run(True), plain), f"PDL eager differs {name} M={M} {variant}"
+    # other tokens first, so that the blocks the PDL run gets back from the caching allocator (its `act`) do not
+    # already hold this step's values: a gemm2 reading act before gemm1 wrote it would show
+    saved = x.clone()
+    x.copy_(torch.randn(M, H, generator=g, device="cuda").bfloat16())
+    run(False)
+    x.copy_(saved)
+    eager = run(True)
+    assert_close(eager, ref, f"PDL {name} M={M} {variant}")
+    assert torch.equal(eager, plain), f"PDL eager differs {name} M={M} {variant}"
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     monkeypatch.setattr(pdl, "PDL_GEMM2", True)
