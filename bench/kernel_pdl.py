@@ -77,11 +77,15 @@ def main() -> None:
                 best[col] = min(best.get(col, us), us)
                 outs[col] = out
         if "plain" not in best or len(best) < 2:
-            lines.append(f"| {shape} | {name} | {M} | error: {sorted(set(dict(SETTINGS)) - set(best))} failed |")
+            lines.append(
+                f"| {shape} | {name} | {M} | error: {sorted(set(dict(SETTINGS)) - set(best))} failed |"
+            )
             print(lines[-1], flush=True)
             continue
         cells = " | ".join(
-            f"{best[c]:.1f} ({100 * layer.nbytes / (hbm * 1e9) / (best[c] * 1e-6):.0f}%)" if c in best else "error"
+            f"{best[c]:.1f} ({100 * layer.nbytes / (hbm * 1e9) / (best[c] * 1e-6):.0f}%)"
+            if c in best
+            else "error"
             for c, _ in SETTINGS
         )
         fastest = min(best, key=lambda c: best[c])

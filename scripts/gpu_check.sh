@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check, one script: the GPU tests (pytest -m gpu) and every benchmark, as steps (a device call
-# runs at most 10 minutes: pick steps with ONLY, see below). Results (markdown, JSON, PNG) under $OUT (default ./gpu_out); each step's log under $OUT/logs/, packed at the end into one
+# runs at most 10 minutes: pick steps with ONLY, see below). Results (markdown, JSON, PNG) under $OUT (default
+# ./gpu_out); each step's log under $OUT/logs/, packed at the end into one
 # $OUT/logs.tar.gz (a device run returns at most 8 files: MAX_FILES); a short table last, after the failure
 # summary of any failing pytest step. Usage: bash scripts/gpu_check.sh
 # GIT_COMMIT names the commit in the bench header where the copy has no .git.
