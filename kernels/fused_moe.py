@@ -98,7 +98,9 @@ def pick_configs(
         # swept: it keeps 4.
         # Dense gemm1 N tiles of 32 only at 1-2 tokens on narrow experts: H200 sweep (commit 99e5bff, Qwen3-like
         # bf16, gemm2 with PDL, N tiles 32 -> 64) M=1 28.5 -> 29.6 µs, M=2 49.5 -> 50.2, M=4 90.1 -> 82.3, M=8
-        # 127.8 -> 126.2; DeepSeek-like M=4 642.5 -> 633.1 (already 64 there: I > 1024)
+        # 127.8 -> 126.2; DeepSeek-like M=4 642.5 -> 633.1 (already 64 there: I > 1024). 9-32 tokens were not
+        # swept in one run (Qwen3-like M=16: 204.0 µs with 64 at 47d58cb, 204.6 with 32 at 6b3b1c3, no PDL); fp16
+        # follows bf16 unmeasured
         wide = I > 1024 or weight_fmt == FMT_INT4 or (weight_fmt == FMT_DENSE and num_tokens > 2)
         bn1 = 64 if wide else 32
         bn2 = 64
