@@ -1,17 +1,21 @@
-"""Programmatic dependent launch (PDL, sm_90+) between gemm1 and gemm2.
+"""Programmatic dependent launch (PDL, sm_90+): the one home of the grid-dependency controls (`trigger`, `wait`)
+and of the check whether this Triton has them; used between gemm1 and gemm2 and by the one-launch plan + copy.
 
-Why: at decode widths a layer is a few microseconds of DRAM time, and every kernel boundary costs a launch, a
-ramp-up and gemm1's tail, where DRAM sits partly idle (Qwen3-like bf16 M=1 on the H200: ~30 µs per layer against
-a 17 µs bound). With PDL, gemm1 lets gemm2 launch as soon as all of gemm1's programs run (`trigger`); gemm2's
-programs then find their block and expert and only then wait for gemm1's writes (`wait`) before reading `act`:
-the launch and the programs' start overlap gemm1's tail. Every gemm2 program waits,
+Why between the GEMMs: at decode widths a layer is a few microseconds of DRAM time, and every kernel boundary
+costs a launch, a ramp-up and gemm1's tail, where DRAM sits partly idle (Qwen3-like bf16 M=1 on the H200: ~30 µs
+per layer against a 17 µs bound). With PDL, gemm1 lets gemm2 launch as soon as all of gemm1's programs run
+(`trigger`); gemm2's programs then find their block and expert and only then wait for gemm1's writes (`wait`)
+before reading `act`: the launch and the programs' start overlap gemm1's tail. Every gemm2 program waits,
 including those that leave early, so that gemm2's completion still implies gemm1's (kernels after it rely on the
 stream order). Values are unchanged.
 
-Off under the interpreter, off the GPU and where Triton lacks the GDC intrinsics (they came with Triton 3.4).
+Off under the interpreter, on ROCm, below sm_90, for the formats in PDL_SKIP_FORMATS and where Triton lacks the
+GDC intrinsics or `launch_pdl` (both came with Triton 3.4).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -21,7 +25,6 @@ from pooled_runner import envs
 
 from .dequant import FMT_NVFP4
 from .gemm_args import interpreting
-from .plan_copy import pdl_supported
 
 try:  # Triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -36,7 +39,17 @@ except ImportError:  # pragma: no cover - older Triton
         pass
 
 
-# the GDC intrinsics and the launcher's `launch_pdl` option (as the one-launch plan + copy's PDL variant)
+@functools.cache
+def pdl_supported() -> bool:
+    """Whether this Triton has programmatic dependent launch (`launch_pdl`, `gdc_wait`; Triton >= 3.4)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    except ImportError:  # pragma: no cover
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
 _HAVE_GDC = pdl_supported()
 
 
@@ -57,9 +70,10 @@ def wait(PDL: tl.constexpr):
 # gemm2 launched as a programmatic dependent of gemm1, except for NVFP4. Measured on the H200 (2026-11-30,
 # commit d1274c4, bench/kernel_pdl.py, one layer, graph replay, plain -> PDL): Qwen3-like bf16 M=1 30.6 -> 28.7
 # µs, M=4 92.6 -> 89.8, M=16 200.4 -> 198.7, M=512 337.7 -> 334.2; Qwen3-like int4 M=8 116.0 -> 113.8;
-# DeepSeek-like int4 M=1 163.4 -> 161.7, fp8 M=8 892.1 -> 888.5; the rest within 0.7% (Qwen3-like int4 M=1 34.1 ->
-# 34.3) -- but DeepSeek-like NVFP4 M=1 226.0 -> 246.8 (in both runs). Asking L2 for the first 16 or 64 KiB of each gemm2 program's weight tile
-# before the wait gained nothing over PDL alone (64 KiB lost up to 7%): not kept.
+# DeepSeek-like int4 M=1 163.4 -> 161.7, fp8 M=8 892.1 -> 888.5; the rest within 0.7% (Qwen3-like int4 M=1
+# 34.1 -> 34.3) -- but DeepSeek-like NVFP4 M=1 226.0 -> 246.8 (in both runs). Asking L2 for the first 16 or 64
+# KiB of each gemm2 program's weight tile before the wait gained nothing over PDL alone (64 KiB lost up to 7%):
+# not kept.
 PDL_GEMM2 = envs.moe_pdl()  # POOLED_RUNNER_MOE_PDL=0 turns it off
 PDL_SKIP_FORMATS = (FMT_NVFP4,)
 
@@ -72,7 +86,13 @@ def pdl_enabled(t: torch.Tensor, weight_fmt: int) -> bool:
         return False
     if torch.version.hip is not None:  # griddepcontrol is PTX
         return False
-    return torch.cuda.get_device_capability(t.device)[0] >= 9
+    return _capability_major(t.device) >= 9
 
 
-__all__ = ["PDL_GEMM2", "PDL_SKIP_FORMATS", "pdl_enabled", "trigger", "wait"]
+@functools.cache
+def _capability_major(device: torch.device) -> int:
+    """The device's compute capability major, asked once per device (the launchers ask on every call)."""
+    return torch.cuda.get_device_capability(device)[0]
+
+
+__all__ = ["PDL_GEMM2", "PDL_SKIP_FORMATS", "pdl_enabled", "pdl_supported", "trigger", "wait"]

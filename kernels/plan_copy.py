@@ -43,18 +43,6 @@ SYNC_WORDS = 1  # low 16 bits: published admissions + 1 (0: not yet); high bits:
 ARRIVAL = 1 << 16  # one arrival in the sync word
 
 
-def pdl_supported() -> bool:
-    """Whether this Triton has programmatic dependent launch (`launch_pdl`, `gdc_wait`; Triton >= 3.4)."""
-    if triton is None:  # pragma: no cover
-        return False
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-        from triton.language.extra.cuda import gdc_wait  # noqa: F401
-    except ImportError:  # pragma: no cover
-        return False
-    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
-
-
 def cooperative_launch_supported() -> bool:
     """Whether this Triton's CUDA backend takes `launch_cooperative_grid` (Triton >= 3.3)."""
     if triton is None:  # pragma: no cover
@@ -134,16 +122,10 @@ def plan_lru_copy_reference(
 
 
 if triton is not None:
+    from .pdl import pdl_supported
+    from .pdl import wait as _pdl_wait
     from .plan_body import _plan_lru_body
     from .row_gather import _copy_row
-
-    if pdl_supported():
-        from triton.language.extra.cuda import gdc_wait as _gdc_wait
-    else:  # pragma: no cover
-
-        @triton.jit
-        def _gdc_wait():
-            pass
 
     _ARRIVAL = tl.constexpr(ARRIVAL)
 
@@ -255,10 +237,8 @@ if triton is not None:
         SPIN: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        if (
-            PDL
-        ):  # launched before the previous kernel ended: wait for it (its writes visible) before any access
-            _gdc_wait()
+        # launched before the previous kernel ended: wait for it (its writes visible) before any access
+        _pdl_wait(PDL)
         pid = tl.program_id(0)
         num_programs = tl.num_programs(0)
         num_admitted = tl.full([], 0, tl.int32)

@@ -66,3 +66,18 @@ def random_routing(T: int, K: int, E: int, g: torch.Generator, pad_prob: float =
     ids = ids.long().reshape(T, K)
     ids[torch.rand(T, K, generator=g) < pad_prob] = -1
     return ids, torch.rand(T, K, generator=g) + 0.05
+
+
+def small_layer_args(H: int, I: int, E: int, R: int, T: int, K: int, seed: int) -> tuple:
+    """`pooled_fused_moe`'s first arguments `(x, ids, w, l2p, E, w13, w2, fmt)` for a small bf16 layer of E
+    experts, R in pool rows and one not here (`build_layer`), and T tokens routed to K of them (CPU)."""
+    from pooled_runner.kernels.fused_moe import make_projections
+    from pooled_runner.kernels.operands import kernel_format
+
+    g = torch.Generator().manual_seed(seed)
+    fmt_obj, pool, bank, l2p = build_layer("bf16", H, I, E, R, g)
+    fmt = kernel_format(fmt_obj)
+    w13, w2 = make_projections(fmt, pool, bank, H, I)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids, w = random_routing(T, K, E, g)
+    return x, ids, w, l2p, E, w13, w2, fmt

@@ -15,7 +15,7 @@ with interpreter_imports():
     from pooled_runner.kernels.moe_gemm import GemmConfig, interpreting
     from pooled_runner.kernels.operands import kernel_format
 
-from tests.kernel_helpers import assert_close, build_layer, random_routing
+from tests.kernel_helpers import assert_close, build_layer, random_routing, small_layer_args
 from tests.test_kernels import FORMATS
 
 pytestmark = pytest.mark.skipif(
@@ -79,12 +79,7 @@ def test_swapped_tiles_and_default_variant_rules():
 
 def test_decode_path_refuses_swapped_tiles():
     """kernels/decode.py has no swapped-operand kernels: swapped tiles are refused, not silently unswapped."""
-    g = torch.Generator().manual_seed(5)
-    fmt_obj, pool, bank, l2p = build_layer("bf16", 40, 24, 5, 3, g)
-    fmt = kernel_format(fmt_obj)
-    w13, w2 = make_projections(fmt, pool, bank, 40, 24)
-    x = torch.randn(2, 40, generator=g).bfloat16()
-    ids, w = random_routing(2, 2, 5, g)
+    args = small_layer_args(40, 24, 5, 3, 2, 2, seed=5)
     cfg = GemmConfig(16, 16, 32, num_stages=1, swap_ab=True)
     with pytest.raises(ValueError, match="swapped"):
-        pooled_fused_moe(x, ids, w, l2p, 5, w13, w2, fmt, (cfg, cfg), decode=True)
+        pooled_fused_moe(*args, (cfg, cfg), decode=True)

@@ -39,7 +39,7 @@ def test_pdl_gate(monkeypatch, capability):
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(pdl, "interpreting", lambda: False)
     monkeypatch.setattr(pdl, "_HAVE_GDC", True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(pdl, "_capability_major", lambda device: capability[0])
     expected = {f: capability[0] >= 9 and f != FMT_NVFP4 for f in FORMATS}
     assert {f: pdl.pdl_enabled(t, f) for f in FORMATS} == expected
     monkeypatch.setattr(pdl, "PDL_SKIP_FORMATS", ())
@@ -72,23 +72,17 @@ def test_launchers_pass_pdl_to_both_gemms(monkeypatch, on, variant):
     launched with `launch_pdl`; with it shut, neither, and no `launch_pdl` at all (the interpreter's launcher
     would not take it). Kernels replaced by recorders; the align and combine kernels run."""
     from pooled_runner.kernels import moe_gemm
-    from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe
-    from pooled_runner.kernels.operands import kernel_format
+    from pooled_runner.kernels.fused_moe import pooled_fused_moe
 
-    from tests.kernel_helpers import build_layer, random_routing
+    from tests.kernel_helpers import small_layer_args
 
-    g = torch.Generator().manual_seed(3)
-    fmt_obj, pool, bank, l2p = build_layer("bf16", 32, 16, 5, 3, g)
-    fmt = kernel_format(fmt_obj)
-    w13, w2 = make_projections(fmt, pool, bank, 32, 16)
-    x = torch.randn(2, 32, generator=g).bfloat16()
-    ids, w = random_routing(2, 2, 5, g)
+    args = small_layer_args(32, 16, 5, 3, 2, 2, seed=3)
     k1, k2 = _Recorder(), _Recorder()
     monkeypatch.setattr(moe_gemm, "_gemm1_kernel", k1)
     monkeypatch.setattr(moe_gemm, "_gemm2_kernel", k2)
     monkeypatch.setattr(pdl, "pdl_enabled", lambda t, fmt: on)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    pooled_fused_moe(x, ids, w, l2p, 5, w13, w2, fmt, variant=variant)
+    pooled_fused_moe(*args, variant=variant)
     assert len(k1.calls) == 1 and len(k2.calls) == 1, (k1.calls, k2.calls)
     assert k1.calls[0]["PDL"] is on and k2.calls[0]["PDL"] is on
     assert "launch_pdl" not in k1.calls[0]
