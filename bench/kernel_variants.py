@@ -78,6 +78,10 @@ class DecodeLayer:
     args: tuple  # pooled_fused_moe's (hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt)
     nbytes: int  # the step's distinct experts' bytes (weights + scales)
 
+    def pct_hbm(self, us: float, hbm_gbs: float) -> float:
+        """% of the HBM read bandwidth `hbm_gbs` (GB/s) that reading `nbytes` in `us` µs achieves."""
+        return 100 * self.nbytes / (hbm_gbs * 1e9) / (us * 1e-6)
+
 
 def resident_layer(shape: str, name: str, M: int, g: torch.Generator) -> DecodeLayer:
     """A layer of `shape` in format `name` with every expert in a pool row, and M tokens routed by softmax top-k
@@ -265,11 +269,7 @@ def sweep_align(g, hbm: float, t_start: float, budget: float) -> list[str]:
             )
             fn = functools.partial(pooled_fused_moe, *layer.args, cfgs, variant=variant)
             us, _, err = _time_variant(fn)
-            res = (
-                f"{us:.1f} | {100 * layer.nbytes / (hbm * 1e9) / (us * 1e-6):.0f}%"
-                if us
-                else f"error: {err} |"
-            )
+            res = f"{us:.1f} | {layer.pct_hbm(us, hbm):.0f}%" if us else f"error: {err} |"
             cells = f"{bn1} | {bn2} | {bk} | {warps} | {stages} | {'yes' if swap else 'no'}"
             out.append(f"| {shape} | {name} | {M} | {variant} | {cells} | {res} |")
             print(out[-1], flush=True)
@@ -299,11 +299,7 @@ def sweep_gemv(g, hbm: float, cases, t_start: float, budget: float) -> list[str]
                 break
             fn = functools.partial(pooled_fused_moe, *layer.args, variant="gemv", gemv_config=cfg)
             us, _, err = _time_variant(fn)
-            res = (
-                f"{us:.1f} | {100 * layer.nbytes / (hbm * 1e9) / (us * 1e-6):.0f}%"
-                if us
-                else f"error: {err} |"
-            )
+            res = f"{us:.1f} | {layer.pct_hbm(us, hbm):.0f}%" if us else f"error: {err} |"
             out.append(
                 f"| {shape} | {name} | {cfg.block_n1} | {cfg.block_k1} | {cfg.block_n2} | {cfg.block_k2} | "
                 f"{cfg.num_warps} | {cfg.stages if cfg.stages >= 2 else cfg.prefetch} | {1 if cfg.one_launch else 2} | "
