@@ -18,6 +18,10 @@ LOGS="$OUT/logs"
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
+# a fresh device machine has the image's packages but not this project: install it (no registry there)
+if ! "$PY" -c "import pooled_runner.kernels" 2>/dev/null; then
+  "$PY" -m pip install -q --no-build-isolation --no-deps -e . || { echo "pip install -e . failed"; exit 1; }
+fi
 SUMMARY=()
 FAILED_TESTS=()  # logs of pytest steps that failed
 
