@@ -114,7 +114,10 @@ def _gemm1_kernel(
     INLINE_ALIGN: tl.constexpr = False, P_POW2: tl.constexpr = 16, HALF_INT4: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    pdl.trigger(PDL)  # gemm2 may launch once every gemm1 program runs (kernels/pdl.py)
+    # a programmatic dependent of the kernel before it (the plan + copy on planned decode steps): wait for it
+    # first, then let gemm2 launch (it reads the location table before its own wait) (kernels/pdl.py)
+    pdl.wait(PDL)
+    pdl.trigger(PDL)
     pid_m, pid_n = _block_of(tl.program_id(0), tl.cdiv(I, BLOCK_N), max_blocks, GROUP_M)
     if INLINE_ALIGN:
         blk, code, pair = _inline_block(
@@ -304,6 +307,7 @@ def gemm1(
     ptrs, strides, native = _launch_args(w13, fmt)
     ids, l2p = (routing.topk_ids, routing.l2p) if routing is not None else (tables[0], tables[1])
     grid = (max_blocks * triton.cdiv(I, config.block_n),)
+    use_pdl = pdl.pdl_enabled(x, fmt.fmt)  # also a programmatic dependent of the kernel before it
     _gemm1_kernel[grid](
         x, act, *tables, ids, l2p,
         *ptrs, *strides,
@@ -312,8 +316,8 @@ def gemm1(
         GROUP_M=config.group_m, FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero,
         NATIVE_FP8=native, DOT_F32=interpreting(), COMPUTE=_TL_DTYPES[x.dtype],
         INLINE_ALIGN=align is None, P_POW2=routing.p_pow2() if routing is not None else 16,
-        HALF_INT4=_half_int4(fmt, x.dtype), SWAP_AB=config.swap_ab, PDL=pdl.pdl_enabled(x, fmt.fmt),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        HALF_INT4=_half_int4(fmt, x.dtype), SWAP_AB=config.swap_ab, PDL=use_pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip
     return act
 

@@ -9,6 +9,12 @@ before reading `act`: the launch and the programs' start overlap gemm1's tail. E
 including those that leave early, so that gemm2's completion still implies gemm1's (kernels after it rely on the
 stream order). Values are unchanged.
 
+gemm1 is itself PDL-launched after the kernel before it, and waits for it first thing, before its own trigger:
+on a device-planned decode step that kernel is the one-launch plan + copy (`plan_copy.py`), which triggers right
+away, so gemm1's launch overlaps the plan instead of following it. Waiting before the trigger keeps gemm2 (which
+reads the location table before its own wait) from launching before the plan is complete and visible. After a
+kernel that does not trigger (a torch op, the align kernel) the launch simply follows its end, as without PDL.
+
 Off under the interpreter, on ROCm, below sm_90, for the formats in PDL_SKIP_FORMATS and where Triton lacks the
 GDC intrinsics or `launch_pdl` (both came with Triton 3.4).
 """
@@ -55,14 +61,15 @@ _HAVE_GDC = pdl_supported()
 
 @triton.jit
 def trigger(PDL: tl.constexpr):
-    """In gemm1, first thing: the dependent gemm2 may launch once every gemm1 program has passed here."""
+    """In gemm1 (after its wait) and the plan + copy: the dependent may launch once every program passed here."""
     if PDL:
         gdc_launch_dependents()
 
 
 @triton.jit
 def wait(PDL: tl.constexpr):
-    """In gemm2, before reading anything gemm1 writes (and before any early exit): gemm1 done and visible."""
+    """In gemm2, before reading anything gemm1 writes (and before any early exit): gemm1 done and visible.
+    In gemm1 and the plan + copy kernel, first thing: the kernel before it done and visible."""
     if PDL:
         gdc_wait()
 
@@ -78,15 +85,20 @@ PDL_GEMM2 = envs.moe_pdl()  # POOLED_RUNNER_MOE_PDL=0 turns it off
 PDL_SKIP_FORMATS = (FMT_NVFP4,)
 
 
-def pdl_enabled(t: torch.Tensor, weight_fmt: int) -> bool:
-    """Whether the GEMMs on `t`'s device launch gemm2 with PDL for weights of format `weight_fmt`: PDL_GEMM2,
-    not in PDL_SKIP_FORMATS, compiled (not interpreted), on an NVIDIA (not ROCm) device of compute capability
-    >= 9.0, with a Triton that has the GDC intrinsics and `launch_pdl`."""
-    if not (PDL_GEMM2 and _HAVE_GDC and t.is_cuda) or interpreting() or weight_fmt in PDL_SKIP_FORMATS:
+def pdl_available(t: torch.Tensor) -> bool:
+    """Whether kernels on `t`'s device can use PDL at all: compiled (not interpreted), on an NVIDIA (not ROCm)
+    device of compute capability >= 9.0, with a Triton that has the GDC intrinsics and `launch_pdl`."""
+    if not (_HAVE_GDC and t.is_cuda) or interpreting():
         return False
     if torch.version.hip is not None:  # griddepcontrol is PTX
         return False
     return _capability_major(t.device) >= 9
+
+
+def pdl_enabled(t: torch.Tensor, weight_fmt: int) -> bool:
+    """Whether the GEMMs on `t`'s device are PDL-launched for weights of format `weight_fmt` (gemm2 after gemm1,
+    gemm1 after the kernel before it): PDL_GEMM2, not in PDL_SKIP_FORMATS, and `pdl_available(t)`."""
+    return PDL_GEMM2 and weight_fmt not in PDL_SKIP_FORMATS and pdl_available(t)
 
 
 @functools.cache
@@ -95,4 +107,12 @@ def _capability_major(device: torch.device) -> int:
     return torch.cuda.get_device_capability(device)[0]
 
 
-__all__ = ["PDL_GEMM2", "PDL_SKIP_FORMATS", "pdl_enabled", "pdl_supported", "trigger", "wait"]
+__all__ = [
+    "PDL_GEMM2",
+    "PDL_SKIP_FORMATS",
+    "pdl_available",
+    "pdl_enabled",
+    "pdl_supported",
+    "trigger",
+    "wait",
+]

@@ -122,7 +122,8 @@ def plan_lru_copy_reference(
 
 
 if triton is not None:
-    from .pdl import pdl_supported
+    from .pdl import pdl_available, pdl_supported
+    from .pdl import trigger as _pdl_trigger
     from .pdl import wait as _pdl_wait
     from .plan_body import _plan_lru_body
     from .row_gather import _copy_row
@@ -236,9 +237,12 @@ if triton is not None:
         BLOCK: tl.constexpr,
         SPIN: tl.constexpr,
         PDL: tl.constexpr,
+        TRIGGER: tl.constexpr,
     ):
         # launched before the previous kernel ended: wait for it (its writes visible) before any access
         _pdl_wait(PDL)
+        # the MoE's gemm1 (PDL-launched, kernels/pdl.py) may launch now; it waits for this whole grid to end
+        _pdl_trigger(TRIGGER)
         pid = tl.program_id(0)
         num_programs = tl.num_programs(0)
         num_admitted = tl.full([], 0, tl.int32)
@@ -385,5 +389,6 @@ def plan_lru_copy(
         BLOCK=COPY_BLOCK,
         SPIN=programs > 1,
         PDL=pdl,
+        TRIGGER=pdl_available(ids),
         **launch,
     )

@@ -68,9 +68,10 @@ class _Recorder:
 @pytest.mark.parametrize("on", [False, True])
 @pytest.mark.parametrize("variant", ["align", "align-fc", "inline"])
 def test_launchers_pass_pdl_to_both_gemms(monkeypatch, on, variant):
-    """The launchers' wiring: with the gate open, gemm1 is compiled to trigger (PDL) and gemm2 to wait and is
-    launched with `launch_pdl`; with it shut, neither, and no `launch_pdl` at all (the interpreter's launcher
-    would not take it). Kernels replaced by recorders; the align and combine kernels run."""
+    """The launchers' wiring: with the gate open, both GEMMs are compiled with PDL (gemm1 waits for the kernel
+    before it, then triggers; gemm2 waits for gemm1) and launched with `launch_pdl`; with it shut, neither, and
+    no `launch_pdl` at all (the interpreter's launcher would not take it). Kernels replaced by recorders; the
+    align and combine kernels run."""
     from pooled_runner.kernels import moe_gemm
     from pooled_runner.kernels.fused_moe import pooled_fused_moe
 
@@ -85,8 +86,8 @@ def test_launchers_pass_pdl_to_both_gemms(monkeypatch, on, variant):
     pooled_fused_moe(*args, variant=variant)
     assert len(k1.calls) == 1 and len(k2.calls) == 1, (k1.calls, k2.calls)
     assert k1.calls[0]["PDL"] is on and k2.calls[0]["PDL"] is on
-    assert "launch_pdl" not in k1.calls[0]
-    assert k2.calls[0].get("launch_pdl", False) is on and ("launch_pdl" in k2.calls[0]) == on
+    for k in (k1, k2):
+        assert k.calls[0].get("launch_pdl", False) is on and ("launch_pdl" in k.calls[0]) == on
 
 
 def test_moe_pdl_knob(monkeypatch):
@@ -102,3 +103,28 @@ def test_moe_pdl_knob(monkeypatch):
     monkeypatch.setenv("POOLED_RUNNER_MOE_PDL", "maybe")
     with pytest.raises(ValueError, match="POOLED_RUNNER_MOE_PDL"):
         envs.moe_pdl()
+
+
+@pytest.mark.parametrize("available", [False, True])
+def test_plan_copy_triggers_the_moe_where_pdl_is_available(monkeypatch, available):
+    """The one-launch plan + copy is compiled to let its dependent (the MoE's PDL-launched gemm1) launch early
+    exactly where PDL is available on the tensors' device; it is itself launched plainly unless asked (`pdl`).
+    Kernel replaced by a recorder."""
+    from pooled_runner.kernels import plan_copy
+
+    from tests.test_plan_copy import random_rows
+    from tests.test_plan_lru import random_state
+
+    state = random_state(1, 4, 4, 3, 0)
+    out = [torch.zeros(2, dtype=torch.int32) for _ in range(3)]
+    args: tuple = (torch.tensor([0, 1]), state["l2p"], state["row_owner"], state["row_stamp"], state["clock"])
+    args += (state["counters"], torch.zeros(4, dtype=torch.int32), *out, 0, 4, 4, 3, 16, 1, None, None)
+    rows, hosts = random_rows(2, 3, 4, torch.Generator().manual_seed(0))
+    sync = torch.zeros(plan_copy.SYNC_WORDS, dtype=torch.int32)
+    k = _Recorder()
+    monkeypatch.setattr(plan_copy, "_plan_copy_kernel", k)
+    monkeypatch.setattr(plan_copy, "pdl_available", lambda t: available)
+    plan_copy.plan_lru_copy(*args, rows, hosts, 0, sync)
+    assert len(k.calls) == 1
+    assert k.calls[0]["TRIGGER"] is available and k.calls[0]["PDL"] is False
+    assert "launch_pdl" not in k.calls[0]
