@@ -112,10 +112,14 @@ RESIDENT_PER_LAYER = ROWS // L
 
 # --planners: name -> (label, DevicePlanner keywords)
 PLANNERS: dict[str, tuple[str, dict[str, object]]] = {
-    "one": ("fused, one launch", {"fused": True, "one_launch": True}),
+    "one": ("fused, one launch (the default: PDL, cooperative)", {"fused": True, "one_launch": True}),
+    "one-coop": (
+        "fused, one launch, cooperative, no PDL",
+        {"fused": True, "one_launch": True, "cooperative": True, "pdl": False},
+    ),
     "one-nc": (
-        "fused, one launch, not cooperative",
-        {"fused": True, "one_launch": True, "cooperative": False},
+        "fused, one launch, not cooperative, no PDL",
+        {"fused": True, "one_launch": True, "cooperative": False, "pdl": False},
     ),
     "one-pdl": (
         "fused, one launch, PDL, not cooperative",
@@ -329,8 +333,9 @@ def main() -> None:
     ap.add_argument(
         "--planners",
         default="one,two,ops",
-        help="overhead rows: comma list of one (plan + copy in one launch), one-nc (the same, not a cooperative "
-        "launch), one-pdl (one-nc as a programmatic dependent launch), one-w1 (one with 1 warp per program), "
+        help="overhead rows: comma list of one (plan + copy in one launch, the default launch), one-coop "
+        "(cooperative, no PDL), one-nc (neither), one-pdl (PDL, not cooperative), one-w1 (one with 1 warp per "
+        "program), "
         "two (plan, then copy), ops (torch)",
     )
     ap.add_argument(

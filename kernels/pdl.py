@@ -9,11 +9,13 @@ before reading `act`: the launch and the programs' start overlap gemm1's tail. E
 including those that leave early, so that gemm2's completion still implies gemm1's (kernels after it rely on the
 stream order). Values are unchanged.
 
-gemm1 is itself PDL-launched after the kernel before it, and waits for it first thing, before its own trigger:
-on a device-planned decode step that kernel is the one-launch plan + copy (`plan_copy.py`), which triggers right
-away, so gemm1's launch overlaps the plan instead of following it. Waiting before the trigger keeps gemm2 (which
-reads the location table before its own wait) from launching before the plan is complete and visible. After a
-kernel that does not trigger (a torch op, the align kernel) the launch simply follows its end, as without PDL.
+gemm1 is itself PDL-launched after the kernel before it (the previous layer's gemm2, the plan + copy, the align
+kernel), and waits for it first thing, before its own trigger (gemm2 reads the location table before its own
+wait, so it must not launch before the kernel that writes the table is complete). None of those kernels
+triggers, so gemm1 still launches only at their end; measured on the H200 (2026-11-30, commit fdfa2b0,
+bench/planner.py --quick, 6 Qwen3-like bf16 layers, M=1, graph replay), the MoE went from 184.7 to 166.2 µs, and
+with the device planner from 205.3 to 190.5 µs (183.4 with the plan + copy itself PDL-launched). Letting the
+plan + copy trigger at its start (so that gemm1 launches during the plan) was slower: 194.5-199.0 µs.
 
 Off under the interpreter, on ROCm, below sm_90, for the formats in PDL_SKIP_FORMATS and where Triton lacks the
 GDC intrinsics or `launch_pdl` (both came with Triton 3.4).
@@ -61,7 +63,7 @@ _HAVE_GDC = pdl_supported()
 
 @triton.jit
 def trigger(PDL: tl.constexpr):
-    """In gemm1 (after its wait) and the plan + copy: the dependent may launch once every program passed here."""
+    """In gemm1, after its wait: the dependent gemm2 may launch once every gemm1 program has passed here."""
     if PDL:
         gdc_launch_dependents()
 
@@ -69,7 +71,7 @@ def trigger(PDL: tl.constexpr):
 @triton.jit
 def wait(PDL: tl.constexpr):
     """In gemm2, before reading anything gemm1 writes (and before any early exit): gemm1 done and visible.
-    In gemm1 and the plan + copy kernel, first thing: the kernel before it done and visible."""
+    In gemm1 and the plan + copy, first thing: the kernel before it done and visible."""
     if PDL:
         gdc_wait()
 

@@ -122,8 +122,7 @@ def plan_lru_copy_reference(
 
 
 if triton is not None:
-    from .pdl import pdl_available, pdl_supported
-    from .pdl import trigger as _pdl_trigger
+    from .pdl import pdl_available
     from .pdl import wait as _pdl_wait
     from .plan_body import _plan_lru_body
     from .row_gather import _copy_row
@@ -237,12 +236,9 @@ if triton is not None:
         BLOCK: tl.constexpr,
         SPIN: tl.constexpr,
         PDL: tl.constexpr,
-        TRIGGER: tl.constexpr,
     ):
         # launched before the previous kernel ended: wait for it (its writes visible) before any access
         _pdl_wait(PDL)
-        # the MoE's gemm1 (PDL-launched, kernels/pdl.py) may launch now; it waits for this whole grid to end
-        _pdl_trigger(TRIGGER)
         pid = tl.program_id(0)
         num_programs = tl.num_programs(0)
         num_admitted = tl.full([], 0, tl.int32)
@@ -350,7 +346,7 @@ def plan_lru_copy(
     caller checks once before capture), 1..8 operands; `host_offset` the layer's first bank row; `sync [1]` int32
     zero. `num_programs` P (capped at the work: pairs x operands x chunks), `chunk_programs` C as in
     `gather_rows_multi`. `cooperative` (None/True: on CUDA where Triton supports it, else a plain grid) launches
-    cooperatively; `pdl` (CUDA, where supported; then a plain grid) as a programmatic dependent launch: it may
+    cooperatively; `pdl` (where `pdl.pdl_available`; both may be set) as a programmatic dependent launch: it may
     start while the previous kernel drains, every program waiting for it (`griddepcontrol.wait`) before its first
     access; `num_warps` per program (fewer: shorter
     reductions in the plan, the same bytes in flight in the copy). Graph-safe:
@@ -373,10 +369,10 @@ def plan_lru_copy(
     if num_warps not in (1, 2, 4, 8):
         raise ValueError(f"num_warps={num_warps}: expected 1, 2, 4 or 8")
     launch: dict[str, object] = {"num_warps": num_warps}
-    pdl = pdl and ids.is_cuda and pdl_supported()
-    if pdl:  # (not also cooperative: that combination is untested)
+    pdl = pdl and pdl_available(ids)
+    if pdl:
         launch["launch_pdl"] = True
-    elif cooperative is not False and ids.is_cuda and programs > 1 and cooperative_launch_supported():
+    if cooperative is not False and ids.is_cuda and programs > 1 and cooperative_launch_supported():
         launch["launch_cooperative_grid"] = True
     _plan_copy_kernel[(programs,)](
         *kernel_args,
@@ -389,6 +385,5 @@ def plan_lru_copy(
         BLOCK=COPY_BLOCK,
         SPIN=programs > 1,
         PDL=pdl,
-        TRIGGER=pdl_available(ids),
         **launch,
     )

@@ -63,9 +63,10 @@ def plan_cooperative() -> bool:
 
 
 def plan_pdl() -> bool:
-    """POOLED_RUNNER_PLAN_PDL: launch the one-launch plan + copy as a programmatic dependent launch (it may start
-    while the previous kernel drains; default off until measured)."""
-    return _get_bool("PLAN_PDL", False)
+    """POOLED_RUNNER_PLAN_PDL: launch the one-launch plan + copy as a programmatic dependent launch (still
+    cooperative unless POOLED_RUNNER_PLAN_COOPERATIVE=0) where the device has PDL (sm_90+; default on:
+    `kernels/pdl.py`)."""
+    return _get_bool("PLAN_PDL", True)
 
 
 def moe_pdl() -> bool:

@@ -59,7 +59,8 @@ class DevicePlanner:
         programs) instead of two (`plan_lru`, then `gather_rows_multi` per 4 operands). None = with `fused`,
         a bank and <= 8 operands, unless POOLED_RUNNER_PLAN_SPLIT_COPY is set. cooperative: launch it as a
         cooperative grid (None: POOLED_RUNNER_PLAN_COOPERATIVE, default on where Triton supports it). pdl: as a
-        programmatic dependent launch (None: POOLED_RUNNER_PLAN_PDL, default off). plan_warps: its warps per
+        programmatic dependent launch where PDL is available, cooperative or not (None:
+        POOLED_RUNNER_PLAN_PDL, default on). plan_warps: its warps per
         program.
     """
 

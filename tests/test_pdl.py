@@ -106,9 +106,10 @@ def test_moe_pdl_knob(monkeypatch):
 
 
 @pytest.mark.parametrize("available", [False, True])
-def test_plan_copy_triggers_the_moe_where_pdl_is_available(monkeypatch, available):
-    """The one-launch plan + copy is compiled to let its dependent (the MoE's PDL-launched gemm1) launch early
-    exactly where PDL is available on the tensors' device; it is itself launched plainly unless asked (`pdl`).
+@pytest.mark.parametrize("asked", [False, True])
+def test_plan_copy_is_a_programmatic_dependent_where_asked_and_available(monkeypatch, available, asked):
+    """The one-launch plan + copy is compiled to wait (PDL) and launched with `launch_pdl` exactly when asked and
+    `pdl_available` on its tensors' device; otherwise neither (no `launch_pdl` for the interpreter's launcher).
     Kernel replaced by a recorder."""
     from pooled_runner.kernels import plan_copy
 
@@ -124,7 +125,7 @@ def test_plan_copy_triggers_the_moe_where_pdl_is_available(monkeypatch, availabl
     k = _Recorder()
     monkeypatch.setattr(plan_copy, "_plan_copy_kernel", k)
     monkeypatch.setattr(plan_copy, "pdl_available", lambda t: available)
-    plan_copy.plan_lru_copy(*args, rows, hosts, 0, sync)
+    plan_copy.plan_lru_copy(*args, rows, hosts, 0, sync, pdl=asked)
     assert len(k.calls) == 1
-    assert k.calls[0]["TRIGGER"] is available and k.calls[0]["PDL"] is False
-    assert "launch_pdl" not in k.calls[0]
+    on = asked and available
+    assert k.calls[0]["PDL"] is on and ("launch_pdl" in k.calls[0]) == on

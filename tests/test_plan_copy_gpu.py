@@ -131,7 +131,9 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize(
-    ("cooperative", "pdl"), [("1", "0"), ("0", "0"), ("0", "1")], ids=["cooperative", "plain", "pdl"]
+    ("cooperative", "pdl"),
+    [("1", "1"), ("1", "0"), ("0", "0"), ("0", "1")],
+    ids=["pdl-cooperative", "cooperative", "plain", "pdl"],
 )
 def test_one_launch_plan_copy_replays_like_two_launches(cooperative: str, pdl: str) -> None:
     env = dict(os.environ, POOLED_RUNNER_PLAN_COOPERATIVE=cooperative, POOLED_RUNNER_PLAN_PDL=pdl)
