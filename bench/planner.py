@@ -112,10 +112,10 @@ RESIDENT_PER_LAYER = ROWS // L
 
 # --planners: name -> (label, DevicePlanner keywords)
 PLANNERS: dict[str, tuple[str, dict[str, object]]] = {
-    "one": ("fused, one launch (the default: PDL, cooperative)", {"fused": True, "one_launch": True}),
-    "one-coop": (
-        "fused, one launch, cooperative, no PDL",
-        {"fused": True, "one_launch": True, "cooperative": True, "pdl": False},
+    "one": ("fused, one launch (the default: cooperative, no PDL)", {"fused": True, "one_launch": True}),
+    "one-coop-pdl": (
+        "fused, one launch, cooperative, PDL",
+        {"fused": True, "one_launch": True, "cooperative": True, "pdl": True},
     ),
     "one-nc": (
         "fused, one launch, not cooperative, no PDL",
@@ -333,8 +333,8 @@ def main() -> None:
     ap.add_argument(
         "--planners",
         default="one,two,ops",
-        help="overhead rows: comma list of one (plan + copy in one launch, the default launch), one-coop "
-        "(cooperative, no PDL), one-nc (neither), one-pdl (PDL, not cooperative), one-w1 (one with 1 warp per "
+        help="overhead rows: comma list of one (plan + copy in one launch, the default launch), one-coop-pdl "
+        "(cooperative and PDL), one-nc (neither), one-pdl (PDL, not cooperative), one-w1 (one with 1 warp per "
         "program), "
         "two (plan, then copy), ops (torch)",
     )

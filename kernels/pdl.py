@@ -14,8 +14,9 @@ kernel), and waits for it first thing, before its own trigger (gemm2 reads the l
 wait, so it must not launch before the kernel that writes the table is complete). None of those kernels
 triggers, so gemm1 still launches only at their end; measured on the H200 (2026-11-30, commit fdfa2b0,
 bench/planner.py --quick, 6 Qwen3-like bf16 layers, M=1, graph replay), the MoE went from 184.7 to 166.2 µs, and
-with the device planner from 205.3 to 190.5 µs (183.4 with the plan + copy itself PDL-launched). Letting the
-plan + copy trigger at its start (so that gemm1 launches during the plan) was slower: 194.5-199.0 µs.
+with the device planner from 205.3 to 190.5 µs (183.4 with the plan + copy itself PDL-launched as a plain grid:
+not the default, see `envs.plan_pdl`). Letting the plan + copy trigger at its start (so that gemm1 launches
+during the plan) was slower: 194.5-199.0 µs.
 
 Off under the interpreter, on ROCm, below sm_90, for the formats in PDL_SKIP_FORMATS and where Triton lacks the
 GDC intrinsics or `launch_pdl` (both came with Triton 3.4).

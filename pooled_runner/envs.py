@@ -64,9 +64,11 @@ def plan_cooperative() -> bool:
 
 def plan_pdl() -> bool:
     """POOLED_RUNNER_PLAN_PDL: launch the one-launch plan + copy as a programmatic dependent launch (still
-    cooperative unless POOLED_RUNNER_PLAN_COOPERATIVE=0) where the device has PDL (sm_90+; default on:
-    `kernels/pdl.py`)."""
-    return _get_bool("PLAN_PDL", True)
+    cooperative unless POOLED_RUNNER_PLAN_COOPERATIVE=0) where the device has PDL (sm_90+). Default off: with the
+    cooperative launch it gained nothing on the H200 (6 Qwen3-like bf16 layers at M=1, commit a020463: 190.4 vs
+    192.1 µs); as a plain grid it was faster (184.4) but DESIGN.md §5 wants a grid whose programs wait on one
+    another launched cooperatively."""
+    return _get_bool("PLAN_PDL", False)
 
 
 def moe_pdl() -> bool:

@@ -60,7 +60,7 @@ class DevicePlanner:
         a bank and <= 8 operands, unless POOLED_RUNNER_PLAN_SPLIT_COPY is set. cooperative: launch it as a
         cooperative grid (None: POOLED_RUNNER_PLAN_COOPERATIVE, default on where Triton supports it). pdl: as a
         programmatic dependent launch where PDL is available, cooperative or not (None:
-        POOLED_RUNNER_PLAN_PDL, default on). plan_warps: its warps per
+        POOLED_RUNNER_PLAN_PDL, default off). plan_warps: its warps per
         program.
     """
 
