@@ -114,9 +114,7 @@ def _gemm1_kernel(
     INLINE_ALIGN: tl.constexpr = False, P_POW2: tl.constexpr = 16, HALF_INT4: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    # a programmatic dependent of the kernel before it (the plan + copy on planned decode steps): wait for it
-    # first, then let gemm2 launch (it reads the location table before its own wait) (kernels/pdl.py)
-    pdl.wait(PDL)
+    pdl.wait(PDL)  # the kernel before it; then gemm2 (reads l2p before its wait) may launch: kernels/pdl.py
     pdl.trigger(PDL)
     pid_m, pid_n = _block_of(tl.program_id(0), tl.cdiv(I, BLOCK_N), max_blocks, GROUP_M)
     if INLINE_ALIGN:
@@ -309,8 +307,7 @@ def gemm1(
     grid = (max_blocks * triton.cdiv(I, config.block_n),)
     use_pdl = pdl.pdl_enabled(x, fmt.fmt)  # also a programmatic dependent of the kernel before it
     _gemm1_kernel[grid](
-        x, act, *tables, ids, l2p,
-        *ptrs, *strides,
+        x, act, *tables, ids, l2p, *ptrs, *strides,
         T * top_k, w13.num_rows, max_blocks, I, H, x.stride(0), act.stride(0), num_experts,
         TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero,
