@@ -9,8 +9,9 @@ GPU (default): Qwen3-30B-like layers (H 2048, I 768, E 128, top-8, bf16), 6 pool
   - trace: a skew-dominated synthetic trace replayed step by step (ids copied into the captured step's static
     buffer, then replay) with LRU and the frequency policy; time per step against the DESIGN.md §4 bound at the
     achieved hit rate, `hits x row / B_hbm + misses x row / B_zero_copy` (bandwidths measured in this run).
-CPU (`--quality`): hit rates of LRU, the frequency policy and Belady (MIN with bypass) on synthetic traces
-(24 layers, 128 experts, top-8, per-layer Zipf skew, token-to-token reuse, popularity drift), 25% and 50% rows.
+CPU (`--quality`): hit rates of LRU, the frequency, aging and adaptive policies and Belady (MIN with bypass) on
+synthetic traces (24 layers, 128 experts, top-8, per-layer Zipf skew, token-to-token reuse, popularity drift), 25%
+and 50% rows.
 
 Usage: python bench/planner.py [--out results.md] [--quick] [--planners one,two,ops] [--copy-programs 32,64]  (GPU)
        python bench/planner.py --quality [--out quality.md]        (CPU)
@@ -34,6 +35,7 @@ from bench.traces import Trace, belady_hit_rate, policy_hit_rate, synthetic_trac
 from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.planner import DevicePlanner
 from pooled_runner.policies import AgingFreqPolicy, FreqDecayPolicy, LRUPolicy, Policy
+from pooled_runner.policy_adaptive import AdaptivePolicy
 from pooled_runner.telemetry import RouteTelemetry
 
 # Synthetic trace families: (skew range, reuse, drift_every). Skew-dominated first, then recency-dominated.
@@ -67,9 +69,10 @@ def quality(args: argparse.Namespace) -> None:
         f"commit {args.commit or commit_of_checkout()}; {steps} decode steps of {args.tokens} token(s), "
         f"first {warmup} not counted",
         "",
-        "| trace | rows | Belady | LRU | lru-cycle | freq | aging | LRU / Belady | lru-cycle / Belady | "
-        "freq / Belady | aging / Belady | lru-cycle miss / LRU miss | freq miss / LRU miss | aging miss / LRU miss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| trace | rows | Belady | LRU | lru-cycle | freq | aging | adaptive | LRU / Belady | lru-cycle / Belady | "
+        "freq / Belady | aging / Belady | adaptive / Belady | lru-cycle miss / LRU miss | freq miss / LRU miss | "
+        "aging miss / LRU miss | adaptive miss / LRU miss | Belady miss / LRU miss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     write(args.out, lines)
     for i, (name, spec) in enumerate(TRACES.items()):
@@ -82,14 +85,16 @@ def quality(args: argparse.Namespace) -> None:
             cyc = policy_hit_rate(trace, rows, CycleLRUPolicy(), warmup)
             freq = policy_hit_rate(trace, rows, FreqDecayPolicy(), warmup)
             aging = policy_hit_rate(trace, rows, AgingFreqPolicy(), warmup)
+            ada = policy_hit_rate(trace, rows, AdaptivePolicy(rows), warmup)
 
-            def miss_ratio(rate: float, lru: float = lru) -> str:
-                return f"{(1 - rate) / (1 - lru):.2f}" if lru < 1 else "n/a"
+            def miss_ratio(rate: float, lru: float = lru, digits: int = 2) -> str:
+                return f"{(1 - rate) / (1 - lru):.{digits}f}" if lru < 1 else "n/a"
 
             lines.append(
                 f"| {name} | {frac:.0%} | {best:.3f} | {lru:.3f} | {cyc:.3f} | {freq:.3f} | {aging:.3f} | "
-                f"{lru / best:.2f} | {cyc / best:.2f} | {freq / best:.2f} | {aging / best:.2f} | "
-                f"{miss_ratio(cyc)} | {miss_ratio(freq)} | {miss_ratio(aging)} |"
+                f"{ada:.3f} | {lru / best:.2f} | {cyc / best:.2f} | {freq / best:.2f} | {aging / best:.2f} | "
+                f"{ada / best:.2f} | {miss_ratio(cyc)} | {miss_ratio(freq)} | {miss_ratio(aging)} | "
+                f"{miss_ratio(ada, digits=3)} | {miss_ratio(best)} |"
             )
             write(args.out, lines)
     lines += [
@@ -97,8 +102,9 @@ def quality(args: argparse.Namespace) -> None:
         "lru-cycle = cycle-protected LRU (the default; a row used by another layer within the last decode cycle "
         "is not evicted); freq = `FreqDecayPolicy()` defaults (counters of uncorrelated routings halved every 128 steps, +32 for "
         "experts routed in the last step, value admission); aging = `AgingFreqPolicy()` defaults (LFU with "
-        "dynamic aging: key = inflation + count, inflation = largest evicted key). Belady = offline MIN with "
-        "bypass per tick.",
+        "dynamic aging: key = inflation + count, inflation = largest evicted key); adaptive = "
+        "`AdaptivePolicy(rows)` defaults (LRU or chain-start frequency, whichever an idealized shadow cache of "
+        "the pool's size misses less on; see policy_adaptive.py). Belady = offline MIN with bypass per tick.",
     ]
     write(args.out, lines)
 

@@ -40,7 +40,7 @@ class CycleLRUPolicy:
         self._max_experts = max_experts
         self.cycle = torch.tensor([NO_LAYER, FAR, FAR], dtype=torch.int64, device=device)
 
-    def clock_reset(self) -> None:
+    def clock_reset(self, shift: int) -> None:
         """The planner renumbered its clock (a boundary, outside capture): forget the cycle starts."""
         if self.cycle is not None:
             self.cycle.copy_(torch.tensor([NO_LAYER, FAR, FAR], dtype=torch.int64))

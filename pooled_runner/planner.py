@@ -156,11 +156,14 @@ class DevicePlanner:
         pool's LRU order, clock n, and `l2p_gpu` = `l2p_host`. A planner that changed the tables must
         `store_to_pool()` first."""
         owner, stamp = residency_from_pool(self.pool)
+        old_clock = int(self.clock.item())  # a boundary: syncing is allowed
         self.pool.l2p_gpu.copy_(self.pool.l2p_host)
         self.row_owner[: self.num_rows].copy_(torch.tensor(owner, dtype=torch.int64))
         self.row_stamp[: self.num_rows].copy_(torch.tensor(stamp, dtype=torch.int64))
         self.clock.fill_(max([*stamp, 0]))
-        self.policy.clock_reset()  # stamps were renumbered: clock-valued policy state is stale
+        self.policy.clock_reset(
+            max([*stamp, 0]) - old_clock
+        )  # stamps were renumbered: shift clock-valued state
 
     def store_to_pool(self) -> None:
         """Push the device tables into the pool's host bookkeeping (syncs); LRU order = (stamp, row)."""

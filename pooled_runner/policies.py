@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from pooled_runner.cycle_lru import CycleLRUPolicy
+from pooled_runner.policy_adaptive import AdaptivePolicy
 
 NEVER = -(1 << 40)  # "never routed" tick: far enough back that every age test passes
 
@@ -31,8 +32,9 @@ class Policy(Protocol):
 
     def bind(self, num_layers: int, max_experts: int, device: torch.device) -> None: ...
 
-    def clock_reset(self) -> None:
-        """The planner renumbered its clock at a boundary (outside capture): forget clock-valued state."""
+    def clock_reset(self, shift: int) -> None:
+        """The planner renumbered its clock at a boundary (outside capture): tick t of the old numbering is
+        t + shift in the new one. Shift or forget clock-valued state."""
         ...
 
     def observe(self, layer: int, present: torch.Tensor, now: torch.Tensor) -> None:
@@ -84,7 +86,7 @@ class LRUPolicy:
 
     name = "lru"
 
-    def clock_reset(self) -> None:
+    def clock_reset(self, shift: int) -> None:
         pass
 
     def bind(self, num_layers: int, max_experts: int, device: torch.device) -> None:
@@ -176,7 +178,7 @@ class FreqDecayPolicy:
         L = num_layers
         self._ticks = (self.decay_steps * L, self.recent_steps * L, self.correlated_steps * L)
 
-    def clock_reset(self) -> None:  # its clock-valued ticks are kept: an approximation after a renumbering
+    def clock_reset(self, shift: int) -> None:  # its ticks are kept unshifted: an approximation
         pass
 
     def bind(self, num_layers: int, max_experts: int, device: torch.device) -> None:
@@ -301,7 +303,7 @@ class AgingFreqPolicy:
         L = num_layers
         self._ticks = (self.decay_steps * L, self.correlated_steps * L, self.recent_steps * L)
 
-    def clock_reset(self) -> None:  # its clock-valued ticks are kept: an approximation after a renumbering
+    def clock_reset(self, shift: int) -> None:  # its ticks are kept unshifted: an approximation
         pass
 
     def bind(self, num_layers: int, max_experts: int, device: torch.device) -> None:
@@ -395,6 +397,7 @@ POLICIES: dict[str, type] = {
     "lru-cycle": CycleLRUPolicy,
     "freq": FreqDecayPolicy,
     "aging": AgingFreqPolicy,
+    "adaptive": AdaptivePolicy,  # needs num_rows=
 }
 
 
