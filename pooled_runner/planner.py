@@ -160,10 +160,9 @@ class DevicePlanner:
         self.pool.l2p_gpu.copy_(self.pool.l2p_host)
         self.row_owner[: self.num_rows].copy_(torch.tensor(owner, dtype=torch.int64))
         self.row_stamp[: self.num_rows].copy_(torch.tensor(stamp, dtype=torch.int64))
-        self.clock.fill_(max([*stamp, 0]))
-        self.policy.clock_reset(
-            max([*stamp, 0]) - old_clock
-        )  # stamps were renumbered: shift clock-valued state
+        new_clock = max([*stamp, 0])
+        self.clock.fill_(new_clock)
+        self.policy.clock_reset(new_clock - old_clock)  # stamps were renumbered: shift clock-valued state
 
     def store_to_pool(self) -> None:
         """Push the device tables into the pool's host bookkeeping (syncs); LRU order = (stamp, row)."""

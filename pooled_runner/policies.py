@@ -178,8 +178,11 @@ class FreqDecayPolicy:
         L = num_layers
         self._ticks = (self.decay_steps * L, self.recent_steps * L, self.correlated_steps * L)
 
-    def clock_reset(self, shift: int) -> None:  # its ticks are kept unshifted: an approximation
-        pass
+    def clock_reset(self, shift: int) -> None:
+        """The planner renumbered its clock: move the last-use ticks with it (ages survive a host-planned step;
+        the decay's phase, `now % decay_steps`, moves by `shift`)."""
+        if self.last_use is not None:
+            self.last_use.copy_(torch.where(self.last_use == NEVER, NEVER, self.last_use + shift))
 
     def bind(self, num_layers: int, max_experts: int, device: torch.device) -> None:
         self._set_ticks(num_layers, max_experts)
@@ -303,8 +306,11 @@ class AgingFreqPolicy:
         L = num_layers
         self._ticks = (self.decay_steps * L, self.correlated_steps * L, self.recent_steps * L)
 
-    def clock_reset(self, shift: int) -> None:  # its ticks are kept unshifted: an approximation
-        pass
+    def clock_reset(self, shift: int) -> None:
+        """The planner renumbered its clock: move the last-use ticks with it (ages survive a host-planned step;
+        the decay's phase, `now % decay_steps`, moves by `shift`)."""
+        if self.last_use is not None:
+            self.last_use.copy_(torch.where(self.last_use == NEVER, NEVER, self.last_use + shift))
 
     def bind(self, num_layers: int, max_experts: int, device: torch.device) -> None:
         self._set(num_layers, max_experts)

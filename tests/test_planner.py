@@ -13,7 +13,7 @@ from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.formats.base import OperandSpec
 from pooled_runner.planner import DevicePlanner
 from pooled_runner.planner_twin import HostTwin
-from pooled_runner.policies import AgingFreqPolicy, FreqDecayPolicy, LRUPolicy, make_policy
+from pooled_runner.policies import NEVER, AgingFreqPolicy, FreqDecayPolicy, LRUPolicy, make_policy
 from pooled_runner.pool import ExpertPool
 from pooled_runner.telemetry import RouteTelemetry
 
@@ -342,3 +342,26 @@ def test_planner_records_telemetry_like_record(fused):
     assert (a.poisoned, a.overflowed) == (b.poisoned, b.overflowed) == (True, False)
     with pytest.raises(ValueError, match="telemetry counts"):
         planner.plan(0, torch.tensor([[1]]), RouteTelemetry([9], torch.device("cpu")))
+
+
+@pytest.mark.parametrize("make", [FreqDecayPolicy, AgingFreqPolicy], ids=["freq", "aging"])
+def test_last_use_ticks_follow_the_clock_renumbering(make):
+    """A host-planned step renumbers the planner's clock (`load_from_pool`); the policy's last-use ticks move
+    with it (`clock_reset(shift)`), so every expert's age is unchanged and never-routed ones stay never."""
+    pool = make_pool([7, 5, 6], 6, seed=3)
+    policy = make(decay_steps=1000)
+    planner = DevicePlanner(pool, policy, max_routed=6)
+    g = torch.Generator().manual_seed(12)
+    for step in range(40):
+        layer = step % 3
+        planner.plan(layer, random_ids(2, 3, pool.num_experts_per_layer[layer], g))
+    last = policy.state_tensors()["last_use"].clone()
+    clock = int(planner.clock)
+    planner.store_to_pool()
+    planner.load_from_pool()
+    assert int(planner.clock) != clock  # 40 ticks renumbered to the pool's <= 6 stamps
+    never = last == NEVER
+    assert bool(never.any()) and bool((~never).any())
+    now = policy.state_tensors()["last_use"]
+    assert torch.equal(now[never], last[never])
+    assert torch.equal(now[~never] - int(planner.clock), last[~never] - clock)

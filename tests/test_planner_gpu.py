@@ -19,6 +19,7 @@ from pooled_runner import PoolConfig, PooledMoE
 from pooled_runner.planner import DevicePlanner
 from pooled_runner.planner_twin import HostTwin
 from pooled_runner.policies import AgingFreqPolicy, FreqDecayPolicy, LRUPolicy
+from pooled_runner.policy_adaptive import AdaptivePolicy
 from pooled_runner.telemetry import RouteTelemetry
 
 pytestmark = pytest.mark.gpu
@@ -38,6 +39,8 @@ WIDTHS["mtp_bs3_ns3"] = 12
 def make_policy(name: str):
     if name == "aging":
         return AgingFreqPolicy(decay_steps=3)
+    if name == "adaptive":
+        return AdaptivePolicy(ROWS, decay_shift=2, duel_shift=1, margin_shift=1)
     return (
         LRUPolicy() if name in ("lru", "lru-ops") else FreqDecayPolicy(decay_steps=4, recent_bonus=2, cap=6)
     )
@@ -51,6 +54,8 @@ CASES = [(w, "lru") for w in WIDTHS] + [
     ("mtp_bs3_ns3", "freq"),
     ("M2", "aging"),
     ("mtp_bs2_ns1", "aging"),
+    ("M1", "adaptive"),  # (added after the session's last GPU call: not yet run on a GPU)
+    ("mtp_bs3_ns3", "adaptive"),
 ]
 
 
