@@ -13,7 +13,7 @@ gemm1 is itself PDL-launched after the kernel before it (the previous layer's ge
 kernel), and waits for it first thing, before its own trigger (gemm2 reads the location table before its own
 wait, so it must not launch before the kernel that writes the table is complete). None of those kernels
 triggers, so gemm1 still launches only at their end; measured on the H200 (2026-11-30, commit fdfa2b0,
-bench/planner.py --quick, 6 Qwen3-like bf16 layers, M=1, graph replay), the MoE went from 184.7 to 166.2 µs, and
+bench/planner.py --quick, 6 Qwen3-like bf16 layers, M=1, graph replay), the MoE went from 184.7 to 166.5 µs, and
 with the device planner from 205.3 to 190.5 µs (183.4 with the plan + copy itself PDL-launched as a plain grid:
 not the default, see `envs.plan_pdl`). Letting the plan + copy trigger at its start (so that gemm1 launches
 during the plan) was slower: 194.5-199.0 µs.

@@ -1,5 +1,6 @@
-"""Which launches of gemm2 are programmatic dependents of gemm1 (`kernels/pdl.py`), on the CPU: the gating rule
-(device capability, format, switches, Triton support). The launches themselves run in tests/test_pdl_gpu.py."""
+"""Which launches are programmatic dependents (`kernels/pdl.py`), on the CPU: the gating rule (device capability,
+format, switches, Triton support) and the launchers' wiring (gemm1 after the kernel before it, gemm2 after gemm1,
+the one-launch plan + copy when asked). The launches themselves run in tests/test_pdl_gpu.py."""
 
 from __future__ import annotations
 
