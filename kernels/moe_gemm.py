@@ -291,7 +291,8 @@ def gemm1(
 
     x: `[T, H]` bf16/fp16, row-major. w13: the `[2I, H]` projection in pool and host view.
     align None: the blocks are computed inside every program from `routing` (decode widths, <= INLINE_MAX_PAIRS
-    pairs), at the same slots as `align_blocks` would place them. PDL (`kernels/pdl.py`): waits for the kernel before it first.
+    pairs), at the same slots as `align_blocks` would place them. PDL (`kernels/pdl.py`): first waits for the
+    kernel before it.
     """
     T, H = x.shape
     I = w13.weight.shape[1] // 2
