@@ -408,7 +408,9 @@ POLICIES: dict[str, type] = {
 
 
 def make_policy(name: str, **kwargs: int) -> Policy:
-    """A fresh policy by name (a key of `POLICIES`)."""
+    """A fresh policy by name (a key of `POLICIES`); "adaptive" needs `num_rows=` (the pool's rows)."""
     if name not in POLICIES:
         raise ValueError(f"policy {name!r} is not one of {sorted(POLICIES)}")
+    if name == "adaptive" and "num_rows" not in kwargs:
+        raise ValueError("policy 'adaptive' needs num_rows= (the pool's row count: its shadow caches' size)")
     return POLICIES[name](**kwargs)  # type: ignore[no-any-return]

@@ -365,3 +365,17 @@ def test_last_use_ticks_follow_the_clock_renumbering(make):
     now = policy.state_tensors()["last_use"]
     assert torch.equal(now[never], last[never])
     assert torch.equal(now[~never] - int(planner.clock), last[~never] - clock)
+
+
+def test_make_policy_names_what_is_missing():
+    """Every registered name builds its policy; unknown names and an adaptive policy without its pool size are
+    refused with a message naming the fix."""
+    from pooled_runner.policies import POLICIES
+
+    for name in POLICIES:
+        kwargs = {"num_rows": 5} if name == "adaptive" else {}
+        assert type(make_policy(name, **kwargs)) is POLICIES[name]
+    with pytest.raises(ValueError, match="not one of"):
+        make_policy("mru")
+    with pytest.raises(ValueError, match="num_rows="):
+        make_policy("adaptive")
