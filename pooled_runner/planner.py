@@ -32,7 +32,7 @@ from pooled_runner.kernels.plan_copy import COPY_PROGRAMS, MAX_FUSED_OPERANDS, S
 from pooled_runner.kernels.plan_lru import plan_lru
 from pooled_runner.kernels.row_gather import MAX_MULTI_OPERANDS, MULTI_CHUNK_PROGRAMS, gather_rows_multi
 from pooled_runner.planner_twin import FREE, residency_from_pool, table_problems
-from pooled_runner.policies import LRUPolicy, Policy
+from pooled_runner.policies import LRUPolicy, Policy, check_policy_rows
 from pooled_runner.pool import ExpertPool
 from pooled_runner.telemetry import RouteTelemetry
 
@@ -122,6 +122,7 @@ class DevicePlanner:
                     raise ValueError(
                         f"bank operand {name!r} is not page-locked: the row gather cannot read it"
                     )
+        check_policy_rows(self.policy, self.num_rows)
         self.policy.bind(L, EM, dev)
         is_lru = type(self.policy) in (LRUPolicy, CycleLRUPolicy)
         if fused and not is_lru:

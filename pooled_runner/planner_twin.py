@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pooled_runner.policies import Policy
+from pooled_runner.policies import Policy, check_policy_rows
 from pooled_runner.pool import ExpertPool
 
 INT64_MIN = torch.iinfo(torch.int64).min
@@ -73,6 +73,7 @@ class HostTwin:
         self.num_experts_per_layer = list(pool.num_experts_per_layer)
         self.block_m, self.min_reads_to_admit = block_m, min_reads_to_admit
         self.policy = policy
+        check_policy_rows(policy, pool.num_rows)
         policy.host_reset(pool.num_layers, pool.max_experts)
         self.row_owner, self.row_stamp = residency_from_pool(pool)
         self.clock = max([*self.row_stamp, 0])

@@ -407,6 +407,15 @@ POLICIES: dict[str, type] = {
 }
 
 
+def check_policy_rows(policy: Policy, num_rows: int) -> None:
+    """Refuse a policy built for another pool size (those with a `num_rows`, e.g. the adaptive policy)."""
+    built_for = getattr(policy, "num_rows", num_rows)
+    if built_for != num_rows:
+        raise ValueError(
+            f"policy {policy.name!r} was built with num_rows={built_for}; the pool has {num_rows} rows"
+        )
+
+
 def make_policy(name: str, **kwargs: int) -> Policy:
     """A fresh policy by name (a key of `POLICIES`); "adaptive" needs `num_rows=` (the pool's rows)."""
     if name not in POLICIES:

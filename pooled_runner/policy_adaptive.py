@@ -14,7 +14,10 @@ Rule (all integer arithmetic; device and host forms agree exactly):
     mode: victims of lowest value first (ties: least recently used, then row index), candidates of highest count
     first, and a candidate displaces its victim only if `count + recent_bonus * ONE >= victim value`.
 
-The shadow caches need the pool's row count (`num_rows`; the device form checks it against the planner's).
+The shadow caches need the pool's row count (`num_rows`; the planner and the twin refuse another size). After
+the planner renumbers its clock (a host-planned step) the last-use ticks are shifted exactly, but the recent bonus
+of `victim_key` reads the rows' renumbered stamps 1..n: until the rows are used again, the L most recently used
+rows get the bonus rather than the rows used in the last L ticks.
 """
 
 from __future__ import annotations

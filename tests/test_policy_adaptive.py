@@ -65,9 +65,9 @@ def test_bad_parameters_and_pool_size():
             AdaptivePolicy(**kw)
     assert isinstance(make_policy("adaptive", num_rows=3), AdaptivePolicy)
     pool = make_pool([4, 4], 5)
-    planner = DevicePlanner(pool, AdaptivePolicy(num_rows=6), max_routed=4)
-    with pytest.raises(ValueError, match="num_rows"):
-        planner.plan(0, torch.tensor([[0, 1]]))
+    for build in (lambda p: DevicePlanner(pool, p, max_routed=4), lambda p: HostTwin(pool, p)):
+        with pytest.raises(ValueError, match="num_rows=6; the pool has 5 rows"):
+            build(AdaptivePolicy(num_rows=6))
     with pytest.raises(RuntimeError, match="bind"):
         AdaptivePolicy(3).observe(0, torch.zeros(2, dtype=torch.bool), torch.zeros(1, dtype=torch.int64))
 
