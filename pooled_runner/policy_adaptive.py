@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-NEVER = -(1 << 40)  # "never routed" tick
+from pooled_runner.policy_base import NEVER
+
 ONE = 1 << 16  # fixed-point unit of one chain start
 SCORE = 256  # fixed-point unit of one shadow miss
 
