@@ -48,7 +48,6 @@ except ImportError:  # pragma: no cover - older Triton
         pass
 
 
-@functools.cache
 def pdl_supported() -> bool:
     """Whether this Triton has programmatic dependent launch (`launch_pdl`, `gdc_wait`; Triton >= 3.4)."""
     try:

@@ -22,6 +22,7 @@ from pooled_runner.policy_adaptive import AdaptivePolicy
 from pooled_runner.policy_base import NEVER as NEVER  # re-exported
 from pooled_runner.policy_base import Policy as Policy  # re-exported
 from pooled_runner.policy_base import check_policy_rows as check_policy_rows  # re-exported
+from pooled_runner.policy_base import shift_ticks
 
 
 class LRUPolicy:
@@ -124,8 +125,7 @@ class FreqDecayPolicy:
     def clock_reset(self, shift: int) -> None:
         """The planner renumbered its clock: move the last-use ticks with it (ages survive a host-planned step;
         the decay's phase, `now % decay_steps`, moves by `shift`)."""
-        if self.last_use is not None:
-            self.last_use.copy_(torch.where(self.last_use == NEVER, NEVER, self.last_use + shift))
+        shift_ticks(self.last_use, shift)
 
     def bind(self, num_layers: int, max_experts: int, device: torch.device) -> None:
         self._set_ticks(num_layers, max_experts)
@@ -252,8 +252,7 @@ class AgingFreqPolicy:
     def clock_reset(self, shift: int) -> None:
         """The planner renumbered its clock: move the last-use ticks with it (ages survive a host-planned step;
         the decay's phase, `now % decay_steps`, moves by `shift`)."""
-        if self.last_use is not None:
-            self.last_use.copy_(torch.where(self.last_use == NEVER, NEVER, self.last_use + shift))
+        shift_ticks(self.last_use, shift)
 
     def bind(self, num_layers: int, max_experts: int, device: torch.device) -> None:
         self._set(num_layers, max_experts)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from pooled_runner.policy_base import NEVER
+from pooled_runner.policy_base import NEVER, shift_ticks
 
 ONE = 1 << 16  # fixed-point unit of one chain start
 SCORE = 256  # fixed-point unit of one shadow miss
@@ -67,8 +67,7 @@ class AdaptivePolicy:
     def clock_reset(self, shift: int) -> None:
         """The planner renumbered its clock (tick t is now t + shift): move the last-use ticks with it, so that
         ages, the shadow LRU order and chain starts survive a host-planned step."""
-        if self.last_use is not None:
-            self.last_use.copy_(torch.where(self.last_use == NEVER, NEVER, self.last_use + shift))
+        shift_ticks(self.last_use, shift)
 
     def bind(self, num_layers: int, max_experts: int, device: torch.device) -> None:
         self._layers, self._max_experts = num_layers, max_experts
@@ -114,10 +113,6 @@ class AdaptivePolicy:
     def victim_key(
         self, row_owner: torch.Tensor, row_stamp: torch.Tensor, now: torch.Tensor
     ) -> torch.Tensor | None:
-        if row_owner.shape[0] != self.num_rows:
-            raise ValueError(
-                f"AdaptivePolicy(num_rows={self.num_rows}) planned a pool of {row_owner.shape[0]} rows"
-            )
         count, _, _, mode = self._state()
         value = count[torch.where(row_owner >= 0, row_owner, count.shape[0] - 1)]
         value = value + self._bonus * ((now - row_stamp) < self._layers).to(torch.int64)

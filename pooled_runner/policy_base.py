@@ -67,6 +67,12 @@ class Policy(Protocol):
     def host_state(self) -> dict[str, list[int]]: ...
 
 
+def shift_ticks(ticks: torch.Tensor | None, shift: int) -> None:
+    """`clock_reset(shift)` for a tensor of clock ticks: every tick moves by `shift`, NEVER stays NEVER."""
+    if ticks is not None:
+        ticks.copy_(torch.where(ticks == NEVER, NEVER, ticks + shift))
+
+
 def check_policy_rows(policy: Policy, num_rows: int) -> None:
     """Refuse a policy built for another pool size (those with a `num_rows`, e.g. the adaptive policy)."""
     built_for = getattr(policy, "num_rows", num_rows)

@@ -67,6 +67,17 @@ def random_ids(T: int, K: int, E: int, g: torch.Generator) -> torch.Tensor:
     return ids
 
 
+def plan_both(planner: DevicePlanner, twin: HostTwin, layer: int, ids: torch.Tensor, where: str) -> None:
+    """One step through the device planner and its host twin: identical state, and the twin's codes of the
+    routed experts equal the device table's."""
+    planner.plan(layer, ids)
+    codes = twin.plan(layer, ids)
+    assert_same_state(planner, twin, where)
+    E = planner.pool.num_experts_per_layer[layer]
+    present = sorted({e for e in ids.flatten().tolist() if 0 <= e < E})
+    assert [int(planner.pool.l2p_gpu[layer, e]) for e in present] == codes
+
+
 @pytest.mark.parametrize(
     "policy", ["lru", "lru-fused", "lru-cycle", "lru-cycle-fused", "lru-cycle-split", "freq", "aging"]
 )
@@ -91,12 +102,9 @@ def test_device_planner_equals_twin(policy, layers, rows, K, max_T):
     for step in range(120):
         layer = step % len(layers)
         T = int(torch.randint(0, max_T + 1, (1,), generator=g))
-        ids = random_ids(T, min(K, layers[layer]), layers[layer], g)
-        planner.plan(layer, ids)
-        codes = twin.plan(layer, ids)
-        assert_same_state(planner, twin, f"step {step}")
-        present = sorted({e for e in ids.flatten().tolist() if 0 <= e < layers[layer]})
-        assert [int(planner.pool.l2p_gpu[layer, e]) for e in present] == codes
+        plan_both(
+            planner, twin, layer, random_ids(T, min(K, layers[layer]), layers[layer], g), f"step {step}"
+        )
     assert_rows_hold_owners(pool, planner)
     c = planner.counter_values()
     assert (c["hits"], c["misses"], c["admissions"]) == (twin.hits, twin.misses, twin.admissions)

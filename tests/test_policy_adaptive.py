@@ -10,7 +10,7 @@ from pooled_runner.planner import DevicePlanner
 from pooled_runner.planner_twin import HostTwin
 from pooled_runner.policies import LRUPolicy, make_policy
 from pooled_runner.policy_adaptive import AdaptivePolicy
-from tests.test_planner import assert_rows_hold_owners, assert_same_state, make_pool, random_ids
+from tests.test_planner import assert_rows_hold_owners, assert_same_state, make_pool, plan_both, random_ids
 
 
 def skewed_ids(T: int, K: int, E: int, g: torch.Generator) -> torch.Tensor:
@@ -44,12 +44,7 @@ def test_device_planner_equals_twin(layers, rows, K, max_T, kw, both_modes):
         layer = step % len(layers)
         T = int(torch.randint(0, max_T + 1, (1,), generator=g))
         make = skewed_ids if (step // 40) % 2 == 0 else random_ids  # phases: skewed, then uniform
-        ids = make(T, min(K, layers[layer]), layers[layer], g)
-        planner.plan(layer, ids)
-        codes = twin.plan(layer, ids)
-        assert_same_state(planner, twin, f"step {step}")
-        present = sorted({e for e in ids.flatten().tolist() if 0 <= e < layers[layer]})
-        assert [int(planner.pool.l2p_gpu[layer, e]) for e in present] == codes
+        plan_both(planner, twin, layer, make(T, min(K, layers[layer]), layers[layer], g), f"step {step}")
         modes.add(int(dev_policy.mode))
     assert_rows_hold_owners(pool, planner)
     c = planner.counter_values()
