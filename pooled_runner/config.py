@@ -21,6 +21,7 @@ from pooled_runner.formats import FORMATS
 logger = logging.getLogger("pooled_runner")
 
 AUTO = "auto"
+SPEC_GOVERNORS = ("off", "cost")  # PoolConfig.spec_governor
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class PoolConfig:
         acts only on steps the caller marks with `PooledMoE.begin_verify_step` and whose `draft_lane_alive()`
         it reads (the SGLang verify step does not yet: off for serving).
       max_draft_misses: with draft pruning, unpaid routes a draft lane may have in one step and stay alive.
+      spec_governor: "off" (SGLang's own speculation) or "cost": with SGLang's `--speculative-adaptive`, choose
+        each verify step's depth (0 included) by measured tokens per request per second (`spec_governor.py`).
     """
 
     pool_rows: int
@@ -52,6 +55,7 @@ class PoolConfig:
     telemetry: bool = False
     draft_pruning: bool = False
     max_draft_misses: int = 0
+    spec_governor: str = "off"
 
     # Help text for the CLI flag of each field; the flag name is `--moe-expert-pool-<field>` unless listed in
     # `_FLAG_NAMES`.
@@ -69,8 +73,14 @@ class PoolConfig:
         "token (only for callers that mark verify steps and read the live lanes; SGLang does not yet).",
         "max_draft_misses": "With draft pruning: routes to experts neither resident nor routed by a verified token that a draft "
         "lane may have in one verify step (all layers) and stay live.",
+        "spec_governor": "cost: with --speculative-adaptive, choose each verify step's number of draft tokens "
+        "(0 included) by measured tokens per request per second instead of by acceptance length alone.",
     }
     _FLAG_NAMES: ClassVar[dict[str, str]] = {"pool_rows": "--moe-expert-pool-rows"}
+    _CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "weight_format": tuple(sorted(FORMATS)),
+        "spec_governor": SPEC_GOVERNORS,
+    }
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -101,6 +111,11 @@ class PoolConfig:
         if type(self.max_draft_misses) is not int or self.max_draft_misses < 0:
             out.append(
                 f"max_draft_misses={self.max_draft_misses!r} must be an integer >= 0 (--moe-expert-pool-max-draft-misses N)"
+            )
+        if self.spec_governor not in SPEC_GOVERNORS:
+            out.append(
+                f"spec_governor={self.spec_governor!r} is not one of {list(SPEC_GOVERNORS)} "
+                "(--moe-expert-pool-spec-governor)"
             )
         if self.device != AUTO:
             try:
@@ -156,7 +171,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(name, dest=f.name, type=int, default=None, help=helptext)
         else:
             kind = type(f.default)
-            choices = sorted(FORMATS) if f.name == "weight_format" else None
+            choices = PoolConfig._CHOICES.get(f.name)
             group.add_argument(
                 name, dest=f.name, type=kind, default=f.default, choices=choices, help=helptext
             )

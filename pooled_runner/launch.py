@@ -164,6 +164,18 @@ def pool_problems(
     return out
 
 
+def spec_governor_problems(governor: str, argv: list[str]) -> list[str]:
+    """`--moe-expert-pool-spec-governor cost` decides SGLang's adaptive speculation: it needs it on."""
+    if governor != "cost":
+        return []
+    flag = flag_name("spec_governor")
+    if not _has_flag(argv, "--speculative-algorithm"):
+        return [f"{flag} cost chooses the speculative depth: add --speculative-algorithm (EAGLE or NEXTN)"]
+    if not _has_flag(argv, "--speculative-adaptive"):
+        return [f"{flag} cost decides SGLang's adaptive speculation: add --speculative-adaptive"]
+    return []
+
+
 def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bool) -> LaunchPlan:
     """Turn our parsed flags and SGLang's argv into a LaunchPlan; ValueError lists every problem at once."""
     argv = list(rest)
@@ -193,6 +205,7 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
         model_path = _flag_value(argv, *_MODEL_FLAGS)
         facts = read_model_facts(model_path) if model_path else None
         problems += pool_problems(rows, facts, tp_size, cpu=not cuda_available)
+        problems += spec_governor_problems(ours.spec_governor, argv)
         if ours.stats_interval <= 0:
             problems.append(f"--moe-expert-pool-stats-interval {ours.stats_interval}: must be positive")
         if not problems:

@@ -180,3 +180,29 @@ def test_speculative_flag_reaches_the_children(tmp_path: Path) -> None:
     assert p.serve.speculative and p.facts is not None and p.facts.top_k == 3
     assert ServeConfig.from_json(p.serve.to_json()) == p.serve
     assert not plan(["--model-path", str(model), "--moe-expert-pool-rows", "8"]).serve.speculative
+
+
+def test_cost_aware_speculation_needs_sglangs_adaptive_speculation(tmp_path: Path) -> None:
+    model = write_model(tmp_path, QWEN3_MOE)
+    base = [
+        "--model-path",
+        str(model),
+        "--moe-expert-pool-rows",
+        "8",
+        "--moe-expert-pool-spec-governor",
+        "cost",
+    ]
+    with pytest.raises(ValueError, match="add --speculative-algorithm"):
+        plan(base)
+    with pytest.raises(ValueError, match="decides SGLang's adaptive speculation: add --speculative-adaptive"):
+        plan([*base, "--speculative-algorithm", "EAGLE"])
+    p = plan([*base, "--speculative-algorithm", "EAGLE", "--speculative-adaptive"])
+    assert p.serve.pool is not None and p.serve.pool.spec_governor == "cost"
+    assert (
+        ServeConfig.from_json(p.serve.to_json()) == p.serve
+    )  # reaches the scheduler, which applies the patch
+    assert plan(["--model-path", str(model), "--moe-expert-pool-rows", "8"]).serve.pool.spec_governor == "off"
+    with pytest.raises(SystemExit):  # argparse refuses a value outside the choices
+        plan([*base[:-1], "fast"])
+    with pytest.raises(ValueError, match=r"spec_governor='fast' is not one of \['off', 'cost'\]"):
+        PoolConfig(pool_rows=4, device="cpu", spec_governor="fast")

@@ -21,15 +21,33 @@ def tokens_at(depth: int) -> float:
     return sum(ACCEPT**i for i in range(depth + 1))
 
 
-def run(governor: SpecGovernor, seconds_at, num_steps: int, rng: random.Random, noise: float = 0.05):
-    """Drive `governor` for `num_steps` steps of the cost model; returns (tokens, seconds, depths run)."""
+def sample_accepted(depth: int, rng: random.Random, accept: float = ACCEPT) -> int:
+    """Accepted drafts of one request: a chain, each draft accepted with `accept` while the chain lasts."""
+    n = 0
+    while n < depth and rng.random() < accept:
+        n += 1
+    return n
+
+
+def run(
+    governor: SpecGovernor,
+    seconds_at,
+    num_steps: int,
+    rng: random.Random,
+    noise: float = 0.05,
+    batch_size: int = 1,
+    accept: float = ACCEPT,
+):  # type: ignore[no-untyped-def]
+    """Drive `governor` for `num_steps` steps of the cost model (acceptance sampled per request); returns
+    (tokens per request, seconds, depths run)."""
     total_tokens = total_seconds = 0.0
     depths = []
     for step in range(num_steps):
         depth = governor.choose()
         seconds = seconds_at(depth, step) * (1.0 + noise * rng.uniform(-1.0, 1.0))
-        governor.observe(depth, tokens_at(depth), seconds)
-        total_tokens += tokens_at(depth)
+        accepted = [sample_accepted(depth, rng, accept) for _ in range(batch_size)]
+        governor.observe(depth, accepted, seconds)
+        total_tokens += 1.0 + sum(accepted) / batch_size
         total_seconds += seconds
         depths.append(depth)
     return total_tokens, total_seconds, depths
@@ -49,13 +67,15 @@ COST_MODELS = {
 
 
 @pytest.mark.parametrize("name", sorted(COST_MODELS))
-@pytest.mark.parametrize("seed", [3, 11])
-def test_runs_the_best_depth_and_pays_little_for_probes(name: str, seed: int) -> None:
+@pytest.mark.parametrize(("seed", "batch_size"), [(3, 1), (11, 4)])
+def test_runs_the_best_depth_and_pays_little_for_probes(name: str, seed: int, batch_size: int) -> None:
     costs_ms = COST_MODELS[name]
     rng = random.Random(seed * 7919 + len(name))
     governor = SpecGovernor(sorted(costs_ms), min_probe_interval=16, max_probe_interval=1024)
     num_steps = 3000
-    tokens, seconds, depths = run(governor, lambda d, _s: costs_ms[d] * 1e-3, num_steps, rng)
+    tokens, seconds, depths = run(
+        governor, lambda d, _s: costs_ms[d] * 1e-3, num_steps, rng, batch_size=batch_size
+    )
     best, rate = best_rate(costs_ms)
     assert governor.current == best, (name, governor.rates())
     off_best = sum(d != best for d in depths)
@@ -64,7 +84,7 @@ def test_runs_the_best_depth_and_pays_little_for_probes(name: str, seed: int) ->
     assert off_best <= 3 * max_probes, (name, off_best, governor.steps_at)
     achieved = (tokens / seconds) / (rate * 1e3)
     assert achieved >= 0.97, (name, achieved, governor.steps_at)
-    assert achieved <= 1.0 + 0.05  # noise only: nothing beats the best fixed depth of the model
+    assert achieved <= 1.0 + 0.05  # sampling noise only: nothing beats the best fixed depth of the model
 
 
 def test_follows_a_change_of_conditions() -> None:
@@ -97,30 +117,46 @@ def test_probe_intervals_double_while_probes_lose() -> None:
     assert set(gaps[3:]) == {34}, gaps
 
 
-def test_first_step_of_a_probe_and_long_steps_are_not_counted() -> None:
-    governor = SpecGovernor((0, 2), initial=2, probe_steps=3, max_step_seconds=0.5)
-    for seconds in (0.4, 0.010, 0.012):  # depth 2: the switch step (0.4 s) does not count
+def test_first_step_of_a_probe_and_long_steps_are_not_timed() -> None:
+    governor = SpecGovernor((0, 2), initial=2, probe_steps=3, max_step_seconds=0.5, acceptance_decay=1.0)
+    for accepted, seconds in (([2], 0.4), ([1], 0.010), ([0], 0.012)):  # the switch step (0.4 s) is not timed
         assert governor.choose() == 2
-        governor.observe(2, 2.0, seconds)
-    assert governor.rates()[2] == pytest.approx(4.0 / 0.022)
+        governor.observe(2, accepted, seconds)
+    # acceptance: 3 accepted drafts, 2 rejections (the chains of 1 and 0 stopped early) -> 0.6
+    assert governor.acceptance == pytest.approx(0.6)
+    assert governor.rates()[2] == pytest.approx((1.0 + 0.6 + 0.36) / 0.011)
     assert governor.choose() == 0
-    governor.observe(0, 1.0, 5.0)  # an idle gap: ignored, the probe goes on
+    governor.observe(0, [0], 5.0)  # an idle gap: not timed, the probe goes on
     assert governor.probing == 0
     for seconds in (0.003, 0.004, 0.004):
-        governor.observe(governor.choose(), 1.0, seconds)
-    assert governor.rates()[0] == pytest.approx(2.0 / 0.008)
+        governor.observe(governor.choose(), [0], seconds)
+    assert governor.rates()[0] == pytest.approx(1.0 / 0.004)
     assert governor.current == 0 and governor.probing is None
 
 
-def test_outcomes_of_stale_depths_change_no_estimate() -> None:
-    """Overlapped callers report a step chosen before a switch: counted, not learned from."""
-    governor = SpecGovernor((0, 1, 3), initial=3, probe_steps=2)
-    governor.observe(3, 2.0, 0.01)
-    governor.observe(3, 2.0, 0.01)
-    assert governor.probing == 1
-    before = governor.rates()
-    governor.observe(3, 2.0, 0.5)  # a step chosen before the probe of 1 began
-    assert governor.rates() == before and governor.steps_at[3] == 3
+def test_acceptance_is_estimated_from_every_depth_and_follows_changes() -> None:
+    rng = random.Random(23)
+    governor = SpecGovernor((0, 1, 3, 5), acceptance_decay=0.995)
+    costs = {0: 1.0, 1: 1.2, 3: 1.5, 5: 1.9}
+    run(governor, lambda d, _s: costs[d] * 1e-3, 1500, rng, batch_size=4, accept=0.7)
+    assert governor.acceptance == pytest.approx(0.7, abs=0.03)
+    run(governor, lambda d, _s: costs[d] * 1e-3, 1500, rng, batch_size=4, accept=0.3)
+    assert governor.acceptance == pytest.approx(0.3, abs=0.03)
+    assert governor.tokens_per_request(0) == 1.0
+    p = governor.acceptance
+    assert governor.tokens_per_request(3) == pytest.approx(1 + p + p * p + p**3)
+
+
+def test_outcomes_of_stale_depths_teach_acceptance_only() -> None:
+    """Overlapped callers report a step chosen before a switch: counted, no time learned from it."""
+    governor = SpecGovernor((0, 1, 3), initial=3, probe_steps=2, acceptance_decay=1.0)
+    governor.observe(3, [2], 0.01)
+    governor.observe(3, [3], 0.01)
+    assert governor.choose() == 1 and governor.probing == 1  # depth 3's neighbour
+    seconds_before = {d: arm.seconds for d, arm in governor._arms.items()}
+    governor.observe(3, [1], 0.5)  # a step chosen before the probe of 1 began
+    assert {d: arm.seconds for d, arm in governor._arms.items()} == seconds_before
+    assert governor.steps_at[3] == 3 and governor.acceptance == pytest.approx(6 / 8)
 
 
 @pytest.mark.parametrize(
@@ -130,6 +166,7 @@ def test_outcomes_of_stale_depths_change_no_estimate() -> None:
         ({"candidates": [-1, 0]}, "at least one depth"),
         ({"candidates": [0, 3], "initial": 2}, "initial=2"),
         ({"candidates": [0, 3], "ema_alpha": 0.0}, "ema_alpha"),
+        ({"candidates": [0, 3], "acceptance_decay": 1.5}, "acceptance_decay"),
         ({"candidates": [0, 3], "probe_steps": 1}, "probe_steps"),
         ({"candidates": [0, 3], "min_probe_interval": 8, "max_probe_interval": 4}, "probe intervals"),
         ({"candidates": [0, 3], "max_step_seconds": 0.0}, "max_step_seconds"),
@@ -144,9 +181,28 @@ def test_bad_parameters_are_refused(kwargs: dict, match: str) -> None:
 def test_bad_observations_are_refused() -> None:
     governor = SpecGovernor((0, 3))
     with pytest.raises(ValueError, match="not one of the candidates"):
-        governor.observe(2, 1.0, 0.01)
+        governor.observe(2, [0], 0.01)
     with pytest.raises(ValueError, match="seconds=0.0"):
-        governor.observe(3, 1.0, 0.0)
-    with pytest.raises(ValueError, match="tokens_per_request=0.5"):
-        governor.observe(3, 0.5, 0.01)
+        governor.observe(3, [1], 0.0)
+    with pytest.raises(ValueError, match=r"\[4\] not in 0..3"):
+        governor.observe(3, [4], 0.01)
+    with pytest.raises(ValueError, match=r"\[\] not in 0..3"):
+        governor.observe(3, [], 0.01)
+    with pytest.raises(ValueError, match=r"\[1\] not in 0..0"):
+        governor.observe(0, [1], 0.01)
     assert governor.num_steps == 0
+
+
+def test_walks_to_the_best_depth_and_probes_only_its_neighbours() -> None:
+    """From depth 7 down to 0 where drafting loses: 5, 7 (and 3) are measured on the way, then only 1 is probed."""
+    rng = random.Random(29)
+    costs = {0: 1.1, 1: 2.2, 3: 4.1, 5: 5.6, 7: 7.0}
+    governor = SpecGovernor(sorted(costs), probe_steps=3)
+    _, _, depths = run(governor, lambda d, _s: costs[d] * 1e-3, 2000, rng)
+    assert governor.current == 0
+    assert depths[:3] == [7, 7, 7]
+    first_zero = depths.index(0)
+    assert set(depths[:first_zero]) == {1, 3, 5, 7}  # the walk
+    assert set(depths[first_zero:]) == {0, 1}, sorted(set(depths[first_zero:]))
+    probes_of_1 = sum(1 for a, b in itertools.pairwise(depths[first_zero:]) if a == 0 and b == 1)
+    assert 5 <= probes_of_1 <= 12, probes_of_1  # intervals 16, 32, ..., 1024: about log2(2000 / 16)

@@ -19,7 +19,8 @@ logger = logging.getLogger("pooled_runner")
 
 
 def prepare_process(role: str) -> ServeConfig | None:
-    """Apply what this process needs: CPU patches without CUDA; the layer hook where the model is built."""
+    """Apply what this process needs: CPU patches without CUDA; in the scheduler, the layer and lanes hooks and
+    (`--moe-expert-pool-spec-governor cost`) the cost-aware adaptive speculation."""
     serve = ServeConfig.from_env()
     if serve is None:
         return None
@@ -36,6 +37,11 @@ def prepare_process(role: str) -> ServeConfig | None:
 
         install_layer_hook()
         install_lanes_hook()
+        if serve.pool.spec_governor == "cost":
+            from pooled_runner.patches import spec_cost_governor
+
+            spec_cost_governor.apply()
+            logger.info("applied %s (cost-aware speculative depth)", spec_cost_governor.__name__)
     return serve
 
 

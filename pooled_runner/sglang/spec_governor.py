@@ -1,0 +1,105 @@
+"""SGLang's adaptive speculation with a cost-aware rule: `CostAwareSpecParams`.
+
+SGLang 0.5.23 (`--speculative-adaptive`, EAGLE/NEXTN v2 worker) switches the number of draft steps among
+candidate depths, one pre-built runtime state per depth, from the acceptance length alone
+(`speculative/adaptive_spec_params.py`). With a pool the cost of a verify step grows with the distinct experts
+its draft lanes route (often read from the host), so a depth that SGLang's rule keeps can yield fewer tokens
+per second than no drafting. `CostAwareSpecParams` keeps SGLang's per-batch-size slots and candidates, adds
+depth 0 to every slot (drafting off must always be possible), and decides each slot's depth with a
+`pooled_runner.spec_governor.SpecGovernor` fed with tokens per request and the wall time between two verify
+completions. Installed by `pooled_runner.patches.spec_cost_governor` (`--moe-expert-pool-spec-governor cost`).
+
+Timing: the time between consecutive `on_verify_complete` calls is the step's time in a steady decode loop
+(with or without the overlap scheduler); a prefill or an idle gap in between inflates one sample, which the
+governor drops above `max_step_seconds` and otherwise averages out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
+
+from pooled_runner.spec_governor import SpecGovernor
+
+logger = logging.getLogger("pooled_runner")
+
+MAX_IN_FLIGHT = 4  # verify steps chosen but not yet completed that a slot remembers (overlap scheduling: 1-2)
+
+
+class GovernedStepSlot:
+    """One batch-size slot (the interface `AdaptiveSpeculativeParams` reads of `AdaptiveStepSlot`:
+    `candidate_steps`, `current_steps`), deciding with a `SpecGovernor`."""
+
+    def __init__(self, initial_steps: int, candidate_steps: list[int]) -> None:
+        self.candidate_steps = sorted(set(candidate_steps) | {0})
+        initial = initial_steps if initial_steps in self.candidate_steps else self.candidate_steps[-1]
+        self.governor = SpecGovernor(self.candidate_steps, initial=initial)
+        self._in_flight: deque[int] = deque(maxlen=MAX_IN_FLIGHT)
+
+    @property
+    def current_steps(self) -> int:
+        """The depth the governor runs outside probes (what SGLang's logs and state switches read)."""
+        return self.governor.current
+
+    def launch(self) -> int:
+        """The depth of the verify step about to run; remembered until its outcome arrives."""
+        depth = self.governor.choose()
+        self._in_flight.append(depth)
+        return depth
+
+    def complete(self, num_correct_drafts_per_req: list[int], seconds: float | None) -> None:
+        """The outcome of the oldest launched step: accepted drafts per request, and its time (None: unknown)."""
+        depth = self._in_flight.popleft() if self._in_flight else self.governor.choose()
+        if seconds is None or seconds <= 0.0 or not num_correct_drafts_per_req:
+            return
+        self.governor.observe(depth, num_correct_drafts_per_req, seconds)
+
+
+class CostAwareSpecParams(AdaptiveSpeculativeParams):
+    """`AdaptiveSpeculativeParams` whose slots choose the depth by measured tokens per request per second.
+
+    Same constructor as SGLang's (plus `clock`, for tests); the candidates of each slot are the adaptive
+    config's plus 0. `get_steps_for_batch` is called once per decode batch before its verify step (SGLang's
+    `activate_step_by_batch`) and `on_verify_complete` once per verify result; the latter returns None: the
+    next batch's `get_steps_for_batch` applies the governor's choice.
+    """
+
+    def __init__(
+        self, initial_steps: int, cfg_path: str | None = None, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        super().__init__(initial_steps=initial_steps, cfg_path=cfg_path)
+        upstream: dict[int, Any] = self._slots  # type: ignore[has-type]
+        governed = {
+            bs: GovernedStepSlot(initial_steps, list(slot.candidate_steps)) for bs, slot in upstream.items()
+        }
+        self._slots = governed
+        self._clock = clock
+        self._last_complete: float | None = None
+        logger.info(
+            "cost-aware speculation: depth per batch-size slot chosen by measured tokens/s; candidates %s",
+            {bs: slot.candidate_steps for bs, slot in governed.items()},
+        )
+
+    def get_steps_for_batch(self, batch_size: int) -> int:
+        return self._governed(batch_size).launch()
+
+    def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> int | None:
+        now = self._clock()
+        seconds = None if self._last_complete is None else now - self._last_complete
+        self._last_complete = now
+        self._governed(batch_size).complete(num_correct_drafts_per_req, seconds)
+        return None
+
+    def governors(self) -> dict[int, SpecGovernor]:
+        """Each batch-size slot's governor (for logs and tests)."""
+        return {bs: self._governed(bs).governor for bs in self._bs_list}
+
+    def _governed(self, batch_size: int) -> GovernedStepSlot:
+        slot = self._route(batch_size)
+        assert isinstance(slot, GovernedStepSlot), type(slot)
+        return slot

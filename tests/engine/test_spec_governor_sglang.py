@@ -1,0 +1,168 @@
+"""The cost-aware adaptive speculation inside SGLang's own `AdaptiveController` (no server, no model).
+
+SGLang's controller switches a worker between pre-built runtime states, one per depth; here the worker records
+the depth each verify step ran at and a cost model (step time per depth, acceptance 0.6 per draft, sampled)
+advances a fake clock. The reference: SGLang's own `AdaptiveSpeculativeParams` under the same model, and the
+best fixed depth of the model, computed directly.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+ACCEPT = 0.6
+
+
+@dataclass
+class FakeWorker:
+    """The `AdaptiveSpecWorker` protocol: runtime states per depth, the active depth, nothing else."""
+
+    speculative_num_steps: int
+    ran: list[int] = field(default_factory=list)
+
+    def build_adaptive_runtime_state(
+        self, speculative_num_steps, speculative_num_draft_tokens, cuda_graph_bs=None
+    ):  # type: ignore[no-untyped-def]
+        from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
+
+        assert speculative_num_draft_tokens == speculative_num_steps + 1
+        return SpecRuntimeState(
+            speculative_num_steps=speculative_num_steps,
+            speculative_num_draft_tokens=speculative_num_draft_tokens,
+            draft_attn_backend=None,
+            cuda_graph_runner=None,
+            target_attn_backend=None,
+            target_graph_runner=None,
+            draft_extend_attn_backend=None,
+            cuda_graph_runner_for_draft_extend=None,
+        )
+
+    def apply_runtime_state(self, state) -> None:  # type: ignore[no-untyped-def]
+        self.speculative_num_steps = state.speculative_num_steps
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def serve(
+    params, clock: FakeClock | None, step_ms: dict[int, float], num_steps: int, batch_size: int, seed: int
+):  # type: ignore[no-untyped-def]
+    """Run `num_steps` decode batches through SGLang's controller; returns (tokens per request, seconds, worker)."""
+    from sglang.srt.speculative.adaptive_runtime_state import AdaptiveController
+
+    worker = FakeWorker(speculative_num_steps=3)
+    controller = AdaptiveController(worker, params)
+    controller.init_states()
+    rng = random.Random(seed)
+    tokens = seconds = 0.0
+    for _ in range(num_steps):
+        controller.activate_step_by_batch(batch_size)
+        depth = worker.speculative_num_steps
+        worker.ran.append(depth)
+        accepted = []
+        for _req in range(batch_size):
+            n = 0
+            while n < depth and rng.random() < ACCEPT:
+                n += 1
+            accepted.append(n)
+        step_s = step_ms.get(depth, max(step_ms.values())) * 1e-3 * (1.0 + 0.04 * rng.uniform(-1.0, 1.0))
+        if clock is not None:
+            clock.now += step_s
+        controller.on_verify_complete(accepted, batch_size=batch_size)
+        tokens += 1.0 + sum(accepted) / batch_size
+        seconds += step_s
+    return tokens, seconds, worker
+
+
+def expected_rate(step_ms: dict[int, float], depth: int) -> float:
+    return sum(ACCEPT**i for i in range(depth + 1)) / (step_ms[depth] * 1e-3)
+
+
+# a small pool at bs 1: every draft depth costs more than it yields; SGLang's default slot (1, 3, 5, 7) has no 0
+DRAFTING_LOSES = {0: 1.1, 1: 2.2, 3: 4.1, 5: 5.6, 7: 7.0}
+DRAFTING_WINS = {0: 3.0, 1: 3.3, 3: 3.9, 5: 4.9, 7: 6.0}
+
+
+@pytest.mark.parametrize(("name", "step_ms"), [("loses", DRAFTING_LOSES), ("wins", DRAFTING_WINS)])
+def test_cost_aware_params_reach_the_best_depth_where_sglangs_rule_does_not(name: str, step_ms: dict) -> None:
+    from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
+
+    from pooled_runner.sglang.spec_governor import CostAwareSpecParams
+
+    clock = FakeClock()
+    ours = CostAwareSpecParams(initial_steps=3, clock=clock)
+    assert ours.governors()[1].candidates == (0, 1, 3, 5, 7)  # depth 0 added to SGLang's bs-1 slot
+    num_steps = 1500
+    tokens, seconds, worker = serve(ours, clock, step_ms, num_steps, batch_size=1, seed=7)
+    best = max(step_ms, key=lambda d: expected_rate(step_ms, d))
+    assert ours.governors()[1].current == best, ours.governors()[1].rates()
+    assert sum(d == best for d in worker.ran[-500:]) >= 480, worker.ran[-500:]
+    achieved = (tokens / seconds) / expected_rate(step_ms, best)
+    assert achieved >= 0.93, achieved  # probes and sampled acceptance included
+
+    upstream_tokens, upstream_seconds, upstream_worker = serve(
+        AdaptiveSpeculativeParams(initial_steps=3), None, step_ms, num_steps, batch_size=1, seed=7
+    )
+    assert 0 not in upstream_worker.ran  # SGLang's rule cannot turn drafting off at bs 1
+    if name == "loses":
+        assert tokens / seconds > 1.5 * upstream_tokens / upstream_seconds
+
+
+def test_steps_of_each_batch_size_are_learned_apart() -> None:
+    from pooled_runner.sglang.spec_governor import CostAwareSpecParams
+
+    clock = FakeClock()
+    params = CostAwareSpecParams(initial_steps=3, clock=clock)
+    serve(params, clock, DRAFTING_LOSES, 300, batch_size=1, seed=1)
+    governors = params.governors()
+    assert governors[1].num_steps == 300 - 1  # the first completion has no previous one to time against
+    assert all(g.num_steps == 0 for bs, g in governors.items() if bs != 1)
+
+
+def test_patch_replaces_the_workers_class_and_checks_the_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sglang
+    import sglang.srt.speculative.eagle_worker_v2 as worker_module
+    from pooled_runner.patches import spec_cost_governor
+    from pooled_runner.patches._check import PatchError
+
+    from pooled_runner.sglang.spec_governor import CostAwareSpecParams
+
+    monkeypatch.setattr(worker_module, "AdaptiveSpeculativeParams", worker_module.AdaptiveSpeculativeParams)
+    spec_cost_governor.apply()
+    assert worker_module.AdaptiveSpeculativeParams is CostAwareSpecParams
+    monkeypatch.setattr(sglang, "__version__", "0.5.24")
+    with pytest.raises(PatchError, match="written for sglang 0.5.23, found 0.5.24"):
+        spec_cost_governor.apply()
+
+
+def test_scheduler_process_applies_the_patch_for_cost_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sglang.srt.speculative.eagle_worker_v2 as worker_module
+    from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
+
+    import pooled_runner.sglang.layer as layer
+    import pooled_runner.sglang.spec as spec
+    from pooled_runner.config import PoolConfig
+    from pooled_runner.sglang.children import prepare_process
+    from pooled_runner.sglang.serve_config import ServeConfig
+    from pooled_runner.sglang.spec_governor import CostAwareSpecParams
+
+    monkeypatch.setattr(worker_module, "AdaptiveSpeculativeParams", AdaptiveSpeculativeParams)
+    monkeypatch.setattr(layer, "install_layer_hook", lambda: None)  # the model-building hooks: not under test
+    monkeypatch.setattr(spec, "install_lanes_hook", lambda: None)
+    for governor, expected in (("off", AdaptiveSpeculativeParams), ("cost", CostAwareSpecParams)):
+        pool = PoolConfig(pool_rows=8, device="cpu", prefill_staging=False, spec_governor=governor)
+        monkeypatch.setenv(
+            "POOLED_RUNNER_SERVE_CONFIG", ServeConfig(pool=pool, cpu=False, speculative=True).to_json()
+        )
+        prepare_process("detokenizer")
+        assert worker_module.AdaptiveSpeculativeParams is AdaptiveSpeculativeParams
+        prepare_process("scheduler")
+        assert worker_module.AdaptiveSpeculativeParams is expected, governor
