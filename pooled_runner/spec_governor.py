@@ -2,7 +2,7 @@
 
 With a pool, a verify step of `bs x (1 + d)` tokens reads the distinct experts of all its lanes; at small batch
 sizes and small pools each draft lane brings several experts of its own, often from the host, and a depth-3
-step can cost more than the 2.2 tokens it yields (DESIGN.md §7, docs/BENCHMARKS.md "How much MTP can gain").
+step can cost more than the 2.2 tokens it yields (docs/BENCHMARKS.md, "How much MTP can gain").
 SGLang 0.5.23's adaptive speculation picks the depth from the acceptance length alone; `SpecGovernor` picks the
 depth whose tokens per request per second is highest. A depth's seconds per step are measured on steps run at
 that depth; its tokens per request come from one acceptance estimate shared by every depth (accepted drafts over

@@ -39,10 +39,10 @@ def mtp_model() -> Path:
     return ensure_embedded_mtp_model("agree")
 
 
-def _generate(url: str, input_ids: list[int]) -> dict:
+def _generate(url: str, input_ids: list[int], new_tokens: int = NEW_TOKENS) -> dict:
     body = {
         "input_ids": input_ids,
-        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+        "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True},
     }
     r = requests.post(url + "/generate", json=body, timeout=600)
     r.raise_for_status()
@@ -98,3 +98,34 @@ def test_pooled_nextn_equals_plain_server_and_accepts_drafts(
     decode, prefill = _last_path_counts(log)
     assert decode.get(4, 0) > 0, (decode, prefill)  # verify steps ran, on the decode path
     assert all(width > 4 for width in prefill), prefill  # nothing within the lanes went to the prefill path
+
+
+def test_cost_aware_speculation_keeps_the_tokens_and_moves_the_depth(
+    mtp_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`--moe-expert-pool-spec-governor cost` with SGLang's `--speculative-adaptive`: the governor (patched into
+    the v2 worker) switches runtime states while greedy tokens stay the target's permutation chain."""
+    log_path = tmp_path_factory.mktemp("governed") / "server.log"
+    args = [
+        "--model-path", str(mtp_model), "--moe-expert-pool-rows", str(POOL_ROWS), "--dtype", "float32",
+        *SPEC_ARGS, "--speculative-adaptive", "--moe-expert-pool-spec-governor", "cost",
+    ]  # fmt: skip
+    with launched(args, log_path) as server:
+        outs = [_generate(server.url, ids, new_tokens=32) for ids in PROMPTS]
+        log = server.log()
+
+    from pooled_runner.sglang.embedded_mtp import permutation
+
+    sigma = permutation(json.loads((mtp_model / "config.json").read_text())["vocab_size"])
+    for ids, out in zip(PROMPTS, outs):
+        got = list(out["output_ids"])
+        chain = [int(sigma[t]) for t in [ids[-1], *got[:-1]]]
+        assert len(got) == 32 and got == chain, (
+            f"prompt {ids}: {got} is not the target's permutation chain {chain}"
+        )
+        assert float(out["meta_info"]["spec_accept_length"]) > 1.0, out["meta_info"]
+    assert "applied pooled_runner.patches.spec_cost_governor" in log
+    assert "candidates {1: [0, 1, 3, 5, 7]" in log  # SGLang's default bs-1 slot, plus depth 0
+    switches = re.findall(r"Switch adaptive runtime state: steps (\d+) -> (\d+)", log)
+    assert switches, "the governor never changed the depth (no probe ran)"
+    print(f"depth switches (probes and moves): {switches}")
