@@ -61,6 +61,8 @@ else
   step bench_decode "${BENCH_DECODE_CAP:-360}" "$PY" -m bench.decode --quick --out "$OUT/bench_decode.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # MTP: ours at num_spec 0 and 3, with and without draft-lane pruning (budgets 0 and 8 unpaid routes per step)
   step bench_decode_mtp "${BENCH_DECODE_MTP_CAP:-240}" "$PY" -m bench.decode --quick --mtp per-layer --families per-layer --ours-only --draft-budgets 0,8 --out "$OUT/bench_decode_mtp.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  # MTP with the cost-aware depth: ours at fixed depths 0/1/3 and governed, on one pool per fraction
+  step bench_spec_governed "${BENCH_SPEC_GOVERNED_CAP:-300}" "$PY" -m bench.spec_governed --quick --out "$OUT/bench_spec_governed.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # PNGs from the decode JSON and the prefill table (needs matplotlib; the step fails alone without it; a
   # plot whose input a skipped or failed step did not write is left out with a note)
   step bench_plot "${BENCH_PLOT_CAP:-60}" "$PY" -m bench.plot --decode "$OUT/bench_decode.json" --prefill "$OUT/bench_prefill.md" --out-dir "$OUT"

@@ -1,0 +1,237 @@
+"""Cost-aware speculation (issue #9's MTP target) on the GPU: ours with the draft depth fixed at 0, 1 or 3, and
+with `SpecGovernor` choosing it before every verify step, side by side on the same traces and harness.
+
+Stack and bank as bench/decode.py (Qwen3-30B-like, bf16, 8 layers with `--quick`); one pool per fraction
+(25/50/75% of all experts, rows filled as the decode bench fills them), shared by every policy of that fraction
+(each policy starts with `--warm` uncounted steps, so the pool follows its working set). Trace: the decode
+bench's per-layer skew family (Zipf 0.4-1.6, reuse 0.3), one lane of consecutive tokens per request. A verify
+step at depth d takes each request's next 1 + d tokens (request-major); acceptance is sampled per request (chain,
+`--accept` per draft, seeded) and the request advances by 1 + its accepted drafts, as a real verifier does, so
+drafted tokens overlap their neighbours' experts exactly as adjacent tokens of the trace do.
+
+Timing: one CUDA graph per depth (all on the same pool and device planner), replayed with the step's routing
+copied into its static ids; CUDA events around each replay (the governor needs every step's time, as a server
+reads each verify step's result), summed over the counted steps. tok/s/req = accepted tokens per request over
+the counted steps / their time. The governed row counts its walk and its probes.
+
+Usage: python -m bench.spec_governed [--quick] [--accept 0.6] [--out results.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from bench.baselines import Ours
+from bench.common import commit_id, print_table, write
+from bench.decode_steps import Shape, StepTimer, empty_cache, make_bank, make_ours, sync
+from bench.decode_traces import PER_LAYER, SYNTHETIC
+from bench.traces import synthetic_trace
+from pooled_runner.lanes import decode_lanes
+from pooled_runner.spec_governor import SpecGovernor
+
+DEPTHS = (0, 1, 3)
+POOLS = (0.25, 0.5, 0.75)
+BATCHES = (1, 4, 16)
+
+
+def request_lanes(shape: Shape, bs: int, tokens: int, device: torch.device) -> torch.Tensor:
+    """`[tokens, L, bs, K]` consecutive tokens per request (the decode bench's per-layer skew family)."""
+    spec = SYNTHETIC[PER_LAYER]
+    trace = synthetic_trace(tokens, shape.L, shape.E, shape.K, bs, seed=17 + bs, **spec)  # type: ignore[arg-type]
+    return trace.ids.long().to(device)
+
+
+def verify_ids(lanes: torch.Tensor, positions: list[int], depth: int) -> torch.Tensor:
+    """Each request's next `1 + depth` tokens from its position, request-major: `[L, bs * (1 + depth), K]`."""
+    n = 1 + depth
+    token = torch.tensor([p + j for p in positions for j in range(n)], device=lanes.device)
+    request = torch.arange(len(positions), device=lanes.device).repeat_interleave(n)
+    return lanes[token, :, request, :].permute(1, 0, 2)
+
+
+class DepthGraphs:
+    """One captured verify step per depth, all on one `Ours` (pool and device planner shared between them)."""
+
+    def __init__(self, system: Ours, shape: Shape, bs: int, depths: tuple[int, ...], first: torch.Tensor, g):  # type: ignore[no-untyped-def]
+        self.system, self.L = system, shape.L
+        self.cuda = first.is_cuda
+        self.static: dict[int, torch.Tensor] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.x: dict[int, torch.Tensor] = {}
+        self.w: dict[int, torch.Tensor] = {}
+        for d in depths:
+            width = bs * (1 + d)
+            self.x[d] = torch.randn(shape.L, width, shape.H, generator=g, device=first.device).bfloat16()
+            self.w[d] = torch.softmax(
+                torch.randn(shape.L, width, shape.K, generator=g, device=first.device), -1
+            )
+            self.static[d] = verify_ids(first, [0] * bs, d).clone()
+            self._eager(d)  # compiles; on CUDA the planner takes the tables at the first step
+            if self.cuda:
+                sync(first.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self._eager(d)
+                self.graphs[d] = graph
+
+    def _eager(self, d: int) -> None:
+        for layer in range(self.L):
+            self.system.forward(layer, self.x[d][layer], self.static[d][layer], self.w[d][layer])
+
+    def run(self, d: int, ids: torch.Tensor, timer: StepTimer) -> float:
+        """One verify step at depth `d` with routing `ids`; its milliseconds."""
+        self.static[d].copy_(ids)
+        timer.start()
+        if self.cuda:
+            self.graphs[d].replay()
+        else:
+            self._eager(d)
+        return timer.stop()
+
+
+@dataclass
+class PolicyRun:
+    policy: str
+    steps: int = 0
+    tokens: float = 0.0  # accepted tokens per request, summed over counted steps
+    ms: float = 0.0
+    at_depth: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def tok_s_req(self) -> float:
+        return self.tokens / (self.ms * 1e-3) if self.ms > 0 else math.nan
+
+
+def sample_accepted(depth: int, accept: float, rng: random.Random) -> int:
+    n = 0
+    while n < depth and rng.random() < accept:
+        n += 1
+    return n
+
+
+def run_policy(graphs: DepthGraphs, lanes: torch.Tensor, policy: str, num_steps: int, warm: int, accept: float, seed: int) -> PolicyRun:  # fmt: skip
+    """`policy` "depth N" (fixed) or "governed" over `num_steps` verify steps (the first `warm` not counted);
+    stops early when a request's lane has fewer than 1 + max depth tokens left."""
+    depths = tuple(sorted(graphs.static))
+    governor = SpecGovernor(depths) if policy == "governed" else None
+    fixed = None if governor else int(policy.split()[1])
+    rng = random.Random(seed)
+    bs = lanes.shape[2]
+    positions = [0] * bs
+    out = PolicyRun(policy)
+    timer = StepTimer(lanes.device)
+    for step in range(num_steps):
+        d = governor.choose() if governor is not None else fixed
+        assert d is not None
+        if max(positions) + 1 + max(depths) > lanes.shape[0]:
+            break
+        ms = graphs.run(d, verify_ids(lanes, positions, d), timer)
+        accepted = [sample_accepted(d, accept, rng) for _ in range(bs)]
+        if governor is not None:
+            governor.observe(d, accepted, ms * 1e-3)
+        positions = [p + 1 + a for p, a in zip(positions, accepted)]
+        if step >= warm:
+            out.steps += 1
+            out.tokens += 1.0 + sum(accepted) / bs
+            out.ms += ms
+            out.at_depth[d] = out.at_depth.get(d, 0) + 1
+    return out
+
+
+def run(
+    shape: Shape,
+    device: torch.device,
+    steps: dict[int, int],
+    warm: int,
+    accept: float,
+    pools: tuple[float, ...] = POOLS,
+    batches: tuple[int, ...] = BATCHES,
+    commit: str = "",
+) -> tuple[list[str], list[list]]:
+    """Every (pool, bs, policy): header lines and table rows."""
+    g = torch.Generator(device=device).manual_seed(0)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    header = [
+        f"date {datetime.date.today()}, GPU {where}, torch {torch.__version__}, commit {commit_id(commit)}",
+        f"shape: H {shape.H}, I {shape.I}, E {shape.E}, top-{shape.K}, bf16, {shape.L} MoE layers; trace "
+        f"'{PER_LAYER}'; acceptance {accept} per draft (chain, sampled); verify steps per policy "
+        f"{steps} (by bs), first {warm} not counted; depths {list(DEPTHS)}",
+    ]
+    print("\n".join(header), flush=True)
+    bank = make_bank(shape, device, g)
+    lanes = {bs: request_lanes(shape, bs, steps[bs] * (1 + max(DEPTHS)) + 1, device) for bs in batches}
+    rows = []
+    policies = [f"depth {d}" for d in DEPTHS] + ["governed"]
+    for frac in pools:
+        ours = make_ours(
+            bank, shape, int(frac * shape.L * shape.E), decode_lanes(max(batches), max(DEPTHS)), device
+        )
+        for bs in batches:
+            graphs = DepthGraphs(ours, shape, bs, DEPTHS, lanes[bs], g)
+            runs = {p: run_policy(graphs, lanes[bs], p, steps[bs], warm, accept, seed=bs) for p in policies}
+            base = runs["depth 0"].tok_s_req
+            best_fixed = max(runs[f"depth {d}"].tok_s_req for d in DEPTHS)
+            for p, r in runs.items():
+                mix = ", ".join(f"{d}: {r.at_depth.get(d, 0)}" for d in DEPTHS)
+                rows.append(
+                    [bs, f"{frac:.0%}", p, r.steps, r.tokens / max(r.steps, 1), r.ms / max(r.steps, 1),
+                     r.tok_s_req, r.tok_s_req / base, r.tok_s_req / best_fixed, mix]
+                )  # fmt: skip
+            print(f"done: pool {frac:.0%}, bs {bs}", flush=True)
+            del graphs
+        if ours.moe.bank is not None:
+            ours.moe.bank.close()
+        del ours
+        empty_cache(device)
+    bank.close()
+    return header, rows
+
+
+COLUMNS = [
+    "bs", "pool", "policy", "steps", "tok/req/step", "ms/step", "tok/s/req", "vs depth 0", "vs best fixed",
+    "steps at depth (0, 1, 3)",
+]  # fmt: skip
+
+
+def summary(rows: list[list]) -> str:
+    governed = [r for r in rows if r[2] == "governed"]
+    depth3 = [r for r in rows if r[2] == "depth 3"]
+    if not governed:
+        return "no governed rows"
+    lo, hi = min(r[7] for r in governed), max(r[7] for r in governed)
+    below = sum(r[7] < 1.0 for r in governed)
+    lo3, hi3 = min(r[7] for r in depth3), max(r[7] for r in depth3)
+    best = min(r[8] for r in governed)
+    return (
+        f"governed / depth 0: {lo:.3f}x to {hi:.3f}x over {len(governed)} (bs, pool) cases, below 1 in {below}; "
+        f"depth 3 / depth 0: {lo3:.2f}x to {hi3:.2f}x; governed / best fixed depth >= {best:.3f}x"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="8 layers (default 12)")
+    ap.add_argument("--accept", type=float, default=0.6)
+    ap.add_argument("--warm", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default="")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/spec_governed.py needs a CUDA GPU (tests run it on the CPU at a tiny shape)")
+    shape = Shape(L=8 if args.quick else 12)
+    steps = {1: 400, 4: 300, 16: 150}
+    header, rows = run(shape, torch.device("cuda"), steps, args.warm, args.accept, commit=args.commit)
+    text = print_table("Cost-aware speculation: fixed depths and the governor (ours)", COLUMNS, rows)
+    line = summary(rows)
+    print(line)
+    write(args.out, [*header, "", text, "", line])
+
+
+if __name__ == "__main__":
+    main()
