@@ -4,15 +4,19 @@ with `SpecGovernor` choosing it before every verify step, side by side on the sa
 Stack and bank as bench/decode.py (Qwen3-30B-like, bf16, 8 layers with `--quick`); one pool per fraction
 (25/50/75% of all experts, rows filled as the decode bench fills them), shared by every policy of that fraction
 (each policy starts with `--warm` uncounted steps, so the pool follows its working set). Trace: the decode
-bench's per-layer skew family (Zipf 0.4-1.6, reuse 0.3), one lane of consecutive tokens per request. A verify
-step at depth d takes each request's next 1 + d tokens (request-major); acceptance is sampled per request (chain,
-`--accept` per draft, seeded) and the request advances by 1 + its accepted drafts, as a real verifier does, so
-drafted tokens overlap their neighbours' experts exactly as adjacent tokens of the trace do.
+bench's per-layer skew family (Zipf 0.4-1.6, reuse 0.3), one lane of consecutive tokens per request (its true
+continuation) and one lane of other tokens from the same distribution (what rejected drafts route like). A
+verify step at depth d of a request at position p whose acceptance (chain, `--accept` per draft, sampled and
+seeded) will be a drafts: tokens p .. p + a from its true lane (the committed token and the drafts that are
+right), tokens p + a + 1 .. p + d from its other lane (wrong drafts route like some other token), request-major;
+the request then advances by 1 + a, as a real verifier's does. So right drafts overlap their neighbours'
+experts as adjacent tokens do, wrong ones do not, and the next step re-reads the corrected position.
 
 Timing: one CUDA graph per depth (all on the same pool and device planner), replayed with the step's routing
-copied into its static ids; CUDA events around each replay (the governor needs every step's time, as a server
-reads each verify step's result), summed over the counted steps. tok/s/req = accepted tokens per request over
-the counted steps / their time. The governed row counts its walk and its probes.
+copied into its static ids; CUDA events around each replay, read one step late (the governor is fed as an
+overlapped server feeds it: the next step is chosen and launched before the last one's time is known), so the
+GPU queue never drains; summed over the counted steps. tok/s/req = accepted tokens per request over the counted
+steps / their time. The governed row counts its walk and its probes.
 
 Usage: python -m bench.spec_governed [--quick] [--accept 0.6] [--out results.md]
 """
@@ -23,13 +27,15 @@ import argparse
 import datetime
 import math
 import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from bench.baselines import Ours
 from bench.common import commit_id, print_table, write
-from bench.decode_steps import Shape, StepTimer, empty_cache, make_bank, make_ours, sync
+from bench.decode_steps import Shape, empty_cache, make_bank, make_ours, sync
 from bench.decode_traces import PER_LAYER, SYNTHETIC
 from bench.traces import synthetic_trace
 from pooled_runner.lanes import decode_lanes
@@ -40,41 +46,41 @@ POOLS = (0.25, 0.5, 0.75)
 BATCHES = (1, 4, 16)
 
 
-def request_lanes(shape: Shape, bs: int, tokens: int, device: torch.device) -> torch.Tensor:
-    """`[tokens, L, bs, K]` consecutive tokens per request (the decode bench's per-layer skew family)."""
+def request_lanes(shape: Shape, bs: int, tokens: int) -> torch.Tensor:
+    """`[tokens, L, 2 * bs, K]` on the CPU (the decode bench's per-layer skew family): lane b < bs is request b's
+    true continuation, lane bs + b the tokens its wrong drafts route like (same layers' popularity)."""
     spec = SYNTHETIC[PER_LAYER]
-    trace = synthetic_trace(tokens, shape.L, shape.E, shape.K, bs, seed=17 + bs, **spec)  # type: ignore[arg-type]
-    return trace.ids.long().to(device)
+    trace = synthetic_trace(tokens, shape.L, shape.E, shape.K, 2 * bs, seed=17 + bs, **spec)  # type: ignore[arg-type]
+    return trace.ids.long()
 
 
-def verify_ids(lanes: torch.Tensor, positions: list[int], depth: int) -> torch.Tensor:
-    """Each request's next `1 + depth` tokens from its position, request-major: `[L, bs * (1 + depth), K]`."""
-    n = 1 + depth
-    token = torch.tensor([p + j for p in positions for j in range(n)], device=lanes.device)
-    request = torch.arange(len(positions), device=lanes.device).repeat_interleave(n)
-    return lanes[token, :, request, :].permute(1, 0, 2)
+def verify_ids(lanes: torch.Tensor, positions: list[int], depth: int, accepted: list[int]) -> torch.Tensor:
+    """A verify step's routing `[L, bs * (1 + depth), K]`, request-major: request b's tokens p .. p + a_b from its
+    true lane b, then p + a_b + 1 .. p + depth from its other lane bs + b (`lanes [tokens, L, 2 * bs, K]`)."""
+    n, bs = 1 + depth, len(positions)
+    token = torch.tensor([p + j for p in positions for j in range(n)])
+    lane = torch.tensor([b if j <= a else bs + b for b, a in enumerate(accepted) for j in range(n)])
+    return lanes[token, :, lane, :].permute(1, 0, 2)
 
 
 class DepthGraphs:
     """One captured verify step per depth, all on one `Ours` (pool and device planner shared between them)."""
 
-    def __init__(self, system: Ours, shape: Shape, bs: int, depths: tuple[int, ...], first: torch.Tensor, g):  # type: ignore[no-untyped-def]
-        self.system, self.L = system, shape.L
-        self.cuda = first.is_cuda
+    def __init__(self, system: Ours, shape: Shape, bs: int, depths: tuple[int, ...], lanes: torch.Tensor, device: torch.device, g):  # type: ignore[no-untyped-def]  # fmt: skip
+        self.system, self.L, self.device = system, shape.L, device
+        self.cuda = device.type == "cuda"
         self.static: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.x: dict[int, torch.Tensor] = {}
         self.w: dict[int, torch.Tensor] = {}
         for d in depths:
             width = bs * (1 + d)
-            self.x[d] = torch.randn(shape.L, width, shape.H, generator=g, device=first.device).bfloat16()
-            self.w[d] = torch.softmax(
-                torch.randn(shape.L, width, shape.K, generator=g, device=first.device), -1
-            )
-            self.static[d] = verify_ids(first, [0] * bs, d).clone()
+            self.x[d] = torch.randn(shape.L, width, shape.H, generator=g, device=device).bfloat16()
+            self.w[d] = torch.softmax(torch.randn(shape.L, width, shape.K, generator=g, device=device), -1)
+            self.static[d] = verify_ids(lanes, [0] * bs, d, [d] * bs).to(device)
             self._eager(d)  # compiles; on CUDA the planner takes the tables at the first step
             if self.cuda:
-                sync(first.device)
+                sync(device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     self._eager(d)
@@ -84,15 +90,26 @@ class DepthGraphs:
         for layer in range(self.L):
             self.system.forward(layer, self.x[d][layer], self.static[d][layer], self.w[d][layer])
 
-    def run(self, d: int, ids: torch.Tensor, timer: StepTimer) -> float:
-        """One verify step at depth `d` with routing `ids`; its milliseconds."""
-        self.static[d].copy_(ids)
-        timer.start()
-        if self.cuda:
-            self.graphs[d].replay()
-        else:
+    def launch(self, d: int, ids: torch.Tensor) -> Callable[[], float]:
+        """Enqueue one verify step at depth `d` with routing `ids` (CPU); returns a function giving its
+        milliseconds (on CUDA it waits for the step's end event: call it after enqueueing the next step)."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            self.static[d].copy_(ids)
             self._eager(d)
-        return timer.stop()
+            ms = (time.perf_counter() - t0) * 1e3
+            return lambda: ms
+        self.static[d].copy_(ids.pin_memory(), non_blocking=True)  # stream-ordered after the last replay
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.graphs[d].replay()
+        end.record()
+
+        def elapsed() -> float:
+            end.synchronize()
+            return start.elapsed_time(end)
+
+        return elapsed
 
 
 @dataclass
@@ -117,30 +134,42 @@ def sample_accepted(depth: int, accept: float, rng: random.Random) -> int:
 
 def run_policy(graphs: DepthGraphs, lanes: torch.Tensor, policy: str, num_steps: int, warm: int, accept: float, seed: int) -> PolicyRun:  # fmt: skip
     """`policy` "depth N" (fixed) or "governed" over `num_steps` verify steps (the first `warm` not counted);
-    stops early when a request's lane has fewer than 1 + max depth tokens left."""
+    stops early when a request's lanes have fewer than 1 + max depth tokens left. Each step's time is read
+    after the next step is enqueued (the governor's overlapped-caller contract)."""
     depths = tuple(sorted(graphs.static))
     governor = SpecGovernor(depths) if policy == "governed" else None
     fixed = None if governor else int(policy.split()[1])
     rng = random.Random(seed)
-    bs = lanes.shape[2]
+    bs = lanes.shape[2] // 2
     positions = [0] * bs
     out = PolicyRun(policy)
-    timer = StepTimer(lanes.device)
-    for step in range(num_steps):
-        d = governor.choose() if governor is not None else fixed
-        assert d is not None
-        if max(positions) + 1 + max(depths) > lanes.shape[0]:
-            break
-        ms = graphs.run(d, verify_ids(lanes, positions, d), timer)
-        accepted = [sample_accepted(d, accept, rng) for _ in range(bs)]
+    pending: tuple[int, int, list[int], Callable[[], float]] | None = None
+
+    def finish(step: int, d: int, accepted: list[int], elapsed: Callable[[], float]) -> None:
+        ms = elapsed()
         if governor is not None:
             governor.observe(d, accepted, ms * 1e-3)
-        positions = [p + 1 + a for p, a in zip(positions, accepted)]
         if step >= warm:
             out.steps += 1
             out.tokens += 1.0 + sum(accepted) / bs
             out.ms += ms
             out.at_depth[d] = out.at_depth.get(d, 0) + 1
+
+    for step in range(num_steps):
+        d = governor.choose() if governor is not None else fixed
+        assert d is not None
+        if max(positions) + 1 + max(depths) > lanes.shape[0]:
+            break
+        accepted = [
+            sample_accepted(d, accept, rng) for _ in range(bs)
+        ]  # known to the trace, not to the governor
+        elapsed = graphs.launch(d, verify_ids(lanes, positions, d, accepted))
+        positions = [p + 1 + a for p, a in zip(positions, accepted)]
+        if pending is not None:
+            finish(*pending)
+        pending = (step, d, accepted, elapsed)
+    if pending is not None:
+        finish(*pending)
     return out
 
 
@@ -165,7 +194,7 @@ def run(
     ]
     print("\n".join(header), flush=True)
     bank = make_bank(shape, device, g)
-    lanes = {bs: request_lanes(shape, bs, steps[bs] * (1 + max(DEPTHS)) + 1, device) for bs in batches}
+    lanes = {bs: request_lanes(shape, bs, steps[bs] * (1 + max(DEPTHS)) + 1) for bs in batches}
     rows = []
     policies = [f"depth {d}" for d in DEPTHS] + ["governed"]
     for frac in pools:
@@ -173,7 +202,7 @@ def run(
             bank, shape, int(frac * shape.L * shape.E), decode_lanes(max(batches), max(DEPTHS)), device
         )
         for bs in batches:
-            graphs = DepthGraphs(ours, shape, bs, DEPTHS, lanes[bs], g)
+            graphs = DepthGraphs(ours, shape, bs, DEPTHS, lanes[bs], device, g)
             runs = {p: run_policy(graphs, lanes[bs], p, steps[bs], warm, accept, seed=bs) for p in policies}
             base = runs["depth 0"].tok_s_req
             best_fixed = max(runs[f"depth {d}"].tok_s_req for d in DEPTHS)

@@ -13,15 +13,19 @@ from bench.decode_steps import Shape
 SHAPE = Shape(H=16, I=8, E=12, K=3, L=2)
 
 
-def test_verify_ids_take_each_requests_next_tokens_request_major() -> None:
+def test_verify_ids_take_right_drafts_from_the_true_lane_and_wrong_ones_from_the_other() -> None:
     g = torch.Generator().manual_seed(3)
-    lanes = torch.randint(0, 12, (23, 2, 3, 3), generator=g)  # [tokens, L, bs, K]
+    lanes = torch.randint(0, 12, (23, 2, 6, 3), generator=g)  # [tokens, L, 2 x bs, K], bs 3
     positions = [0, 5, 17]
-    for depth in (0, 1, 3):
-        got = spec_governed.verify_ids(lanes, positions, depth)
+    for depth, accepted in ((0, [0, 0, 0]), (1, [1, 0, 1]), (3, [0, 3, 2])):
+        got = spec_governed.verify_ids(lanes, positions, depth, accepted)
         assert got.shape == (2, 3 * (1 + depth), 3)
         for layer in range(2):
-            want = [lanes[p + j, layer, b] for b, p in enumerate(positions) for j in range(1 + depth)]
+            want = [
+                lanes[p + j, layer, b if j <= accepted[b] else 3 + b]
+                for b, p in enumerate(positions)
+                for j in range(1 + depth)
+            ]
             assert torch.equal(got[layer], torch.stack(want)), (depth, layer)
 
 
