@@ -10,12 +10,15 @@ accepted drafts plus rejections, per-draft chain acceptance, decayed), since a h
 size 1 cannot measure tokens per step (one request accepts 0..d drafts) but measures time well. The schedule:
 
 - it runs one depth (the current one), keeping an exponential average of its seconds per step;
-- it probes the current depth's neighbours in the candidate order (`probe_steps` steps each, the first of a
-  probe not timed: a switch of depth changes the working set, and the pool needs a step to follow): a neighbour
+- it probes the current depth's neighbours in the candidate order (`probe_steps` steps each, the first not
+  timed, see below): a neighbour
   never measured at once, a measured one after an interval that doubles each time its probe loses (up to
   `max_probe_interval` steps), so a losing depth costs less and less while a change of conditions (acceptance,
   hit rate, traffic) is still noticed;
-- a probe that wins by `margin` makes the probed depth current (its neighbours' intervals restart).
+- a probe that wins by `margin` makes the probed depth current (its neighbours' intervals restart);
+- a step whose depth differs from the step before is not timed, for the probed and the running depth alike: a
+  change of depth changes the working set, and the pool needs a step to follow (timing the step back from a
+  probe would make the running depth look slower than it is, and probes would win by mistake).
 Tokens per request per second rises with the depth and then falls (tokens grow less and less per draft, a
 step's cost grows with the experts each draft adds), so probing neighbours is a hill climb: from the initial
 depth it walks to the best one, and it never pays for probes of depths far from it.
@@ -52,8 +55,8 @@ class SpecGovernor:
     its time. A caller whose steps overlap (the next step chosen before the last one's outcome is known) passes
     each step's own depth: a time at a depth that is neither probed nor running (a step chosen before a
     switch) teaches its acceptance only. Bad outcomes (unknown depth, accepted outside 0..depth, time <= 0) are
-    refused with ValueError; a step longer than `max_step_seconds` (an idle gap, a prefill in between) teaches
-    its acceptance only.
+    refused with ValueError; a step longer than `max_step_seconds` (an idle gap, a prefill in between), or at
+    another depth than the step observed before it, teaches its acceptance only.
     """
 
     def __init__(
@@ -82,7 +85,7 @@ class SpecGovernor:
             raise ValueError(f"acceptance_decay={acceptance_decay} must be in (0, 1]")
         if probe_steps < 2:
             raise ValueError(
-                f"probe_steps={probe_steps} must be >= 2 (the first step of a probe is not counted)"
+                f"probe_steps={probe_steps} must be >= 2 (the first step of a probe is not timed)"
             )
         if not 1 <= min_probe_interval <= max_probe_interval:
             raise ValueError(
@@ -102,8 +105,9 @@ class SpecGovernor:
         self._arms = {d: _Arm(interval=min_probe_interval) for d in depths}
         self.current = initial  # the depth that runs outside probes
         self._probe: int | None = initial  # depth being measured now (None: running `current`)
-        self._probe_left = probe_steps
+        self._probe_timed = 0  # timed steps of the probe so far (it needs probe_steps - 1)
         self._probe_seconds = 0.0
+        self._last_depth: int | None = None  # depth of the last observed step (a change is not timed)
         self._accepted = 0.0  # decayed counts of accepted drafts and of rejections (a chain stopped early)
         self._rejected = 0.0
         self.num_steps = 0  # observed steps
@@ -134,7 +138,8 @@ class SpecGovernor:
         if depth > 0:
             self._accepted = self.acceptance_decay * self._accepted + sum(int(n) for n in accepted)
             self._rejected = self.acceptance_decay * self._rejected + sum(int(n) < depth for n in accepted)
-        if seconds > self.max_step_seconds:
+        changed, self._last_depth = depth != self._last_depth, depth
+        if seconds > self.max_step_seconds or changed:
             return
         if self._probe is not None:
             if depth == self._probe:
@@ -170,15 +175,13 @@ class SpecGovernor:
     # -- internals ----------------------------------------------------------------------------------------------
     def _start_probe(self, depth: int) -> None:
         self._probe = depth
-        self._probe_left = self.probe_steps
+        self._probe_timed = 0
         self._probe_seconds = 0.0
 
     def _probe_step(self, seconds: float) -> None:
-        first = self._probe_left == self.probe_steps
-        self._probe_left -= 1
-        if not first:  # the step after a switch pays the working set's change: not the depth's steady cost
-            self._probe_seconds += seconds
-        if self._probe_left > 0:
+        self._probe_timed += 1
+        self._probe_seconds += seconds
+        if self._probe_timed < self.probe_steps - 1:
             return
         depth = self._probe
         assert depth is not None

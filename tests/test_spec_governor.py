@@ -126,12 +126,32 @@ def test_first_step_of_a_probe_and_long_steps_are_not_timed() -> None:
     assert governor.acceptance == pytest.approx(0.6)
     assert governor.rates()[2] == pytest.approx((1.0 + 0.6 + 0.36) / 0.011)
     assert governor.choose() == 0
-    governor.observe(0, [0], 5.0)  # an idle gap: not timed, the probe goes on
+    governor.observe(0, [0], 0.9)  # the change of depth: not timed, the probe goes on
     assert governor.probing == 0
-    for seconds in (0.003, 0.004, 0.004):
+    governor.observe(0, [0], 5.0)  # an idle gap: not timed either
+    for seconds in (0.003, 0.004):
         governor.observe(governor.choose(), [0], seconds)
-    assert governor.rates()[0] == pytest.approx(1.0 / 0.004)
-    assert governor.current == 0 and governor.probing is None
+    assert governor.rates()[0] == pytest.approx(1.0 / 0.0035)  # the probe's two timed steps
+    assert governor.current == 0 and governor.probing is None  # 285.7 tokens/s beat depth 2's 178.2
+    governor.observe(governor.choose(), [0], 0.004)  # running: an exponential average (alpha 0.2)
+    assert governor.rates()[0] == pytest.approx(1.0 / (0.8 * 0.0035 + 0.2 * 0.004))
+
+
+def test_the_step_back_from_a_probe_is_not_timed() -> None:
+    """Back from a probe the pool refills the running depth's working set: that slow step must not count."""
+    governor = SpecGovernor((0, 1), initial=0, probe_steps=2, min_probe_interval=4, acceptance_decay=1.0)
+    for _ in range(3):  # the first step (a change from nothing) is not timed
+        governor.observe(governor.choose(), [0], 0.002)
+    assert governor.rates()[0] == pytest.approx(500.0)
+    while governor.choose() == 0:
+        governor.observe(0, [0], 0.002)
+    governor.observe(1, [1], 0.050)  # the probe of 1: its first step is not timed
+    governor.observe(1, [0], 0.005)  # timed: 1.5 tokens (acceptance 0.5) in 5 ms = 300 tokens/s, loses
+    assert governor.choose() == 0 and governor.current == 0
+    governor.observe(0, [0], 0.020)  # the step back: ten times slower, not timed
+    assert governor.rates()[0] == pytest.approx(500.0)
+    governor.observe(0, [0], 0.002)
+    assert governor.rates()[0] == pytest.approx(500.0)
 
 
 def test_acceptance_is_estimated_from_every_depth_and_follows_changes() -> None:
