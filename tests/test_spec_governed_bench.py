@@ -67,3 +67,19 @@ def test_fixed_depths_and_the_governor_on_one_pool() -> None:
         assert governed[8] == governed[6] / max(by[(bs, f"depth {d}")][6] for d in spec_governed.DEPTHS)
     line = spec_governed.summary(rows)
     assert line.startswith("governed / depth 0: ") and "over 2 (bs, pool) cases" in line
+
+
+def test_only_depth_0_fixed_still_compares_the_governor() -> None:
+    _, rows = spec_governed.run(
+        SHAPE,
+        torch.device("cpu"),
+        {2: 25},
+        warm=2,
+        accept=0.6,
+        pools=(0.25,),
+        batches=(2,),
+        fixed_depths=(0,),
+    )
+    assert [r[2] for r in rows] == ["depth 0", "governed"]
+    assert rows[1][7] == rows[1][8] == rows[1][6] / rows[0][6]
+    assert "depth 3 /" not in spec_governed.summary(rows)
