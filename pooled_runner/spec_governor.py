@@ -15,8 +15,7 @@ size 1 cannot measure tokens per step (one request accepts 0..d drafts) but meas
   never measured at once, a measured one after an interval that doubles each time its probe loses (up to
   `max_probe_interval` steps), so a losing depth costs less and less while a change of conditions (acceptance,
   hit rate, traffic) is still noticed;
-- a probe that wins by `margin` is extended to twice its timed steps, and if it still wins, the probed depth
-  becomes current (its neighbours' intervals restart): one noisy step cannot move the depth;
+- a probe that wins by `margin` makes the probed depth current (its neighbours' intervals restart);
 - a step whose depth differs from the step before is not timed, for the probed and the running depth alike: a
   change of depth changes the working set, and the pool needs a step to follow (timing the step back from a
   probe would make the running depth look slower than it is, and probes would win by mistake).
@@ -65,10 +64,9 @@ class SpecGovernor:
         candidates: Sequence[int],
         *,
         initial: int | None = None,
-        ema_alpha: float = 0.1,
+        ema_alpha: float = 0.2,
         acceptance_decay: float = 0.995,
         probe_steps: int = 3,
-        initial_probes: int = 4,
         min_probe_interval: int = 16,
         max_probe_interval: int = 1024,
         margin: float = 0.02,
@@ -89,8 +87,6 @@ class SpecGovernor:
             raise ValueError(
                 f"probe_steps={probe_steps} must be >= 2 (the first step of a probe is not timed)"
             )
-        if initial_probes < 1:
-            raise ValueError(f"initial_probes={initial_probes} must be >= 1")
         if not 1 <= min_probe_interval <= max_probe_interval:
             raise ValueError(
                 f"probe intervals: need 1 <= min_probe_interval ({min_probe_interval}) <= max_probe_interval "
@@ -109,10 +105,7 @@ class SpecGovernor:
         self._arms = {d: _Arm(interval=min_probe_interval) for d in depths}
         self.current = initial  # the depth that runs outside probes
         self._probe: int | None = initial  # depth being measured now (None: running `current`)
-        self._probe_timed = 0  # timed steps of the probe so far
-        # timed steps the probe needs: twice as many to confirm a win; the initial depth's first measurement
-        # also learns the acceptance every later decision uses, so it takes `initial_probes` times as many
-        self._probe_needed = initial_probes * (probe_steps - 1)
+        self._probe_timed = 0  # timed steps of the probe so far (it needs probe_steps - 1)
         self._probe_seconds = 0.0
         self._last_depth: int | None = None  # depth of the last observed step (a change is not timed)
         self._accepted = 0.0  # decayed counts of accepted drafts and of rejections (a chain stopped early)
@@ -183,27 +176,21 @@ class SpecGovernor:
     def _start_probe(self, depth: int) -> None:
         self._probe = depth
         self._probe_timed = 0
-        self._probe_needed = self.probe_steps - 1
         self._probe_seconds = 0.0
 
     def _probe_step(self, seconds: float) -> None:
         self._probe_timed += 1
         self._probe_seconds += seconds
-        if self._probe_timed < self._probe_needed:
+        if self._probe_timed < self.probe_steps - 1:
             return
         depth = self._probe
         assert depth is not None
-        arm = self._arms[depth]
-        arm.seconds = self._probe_seconds / self._probe_timed
-        if depth == self.current:  # the initial depth's first measurement
-            self._probe = None
-            return
-        wins = self._rate(depth) > self._rate(self.current) * (1.0 + self.margin)
-        if wins and self._probe_needed == self.probe_steps - 1:
-            self._probe_needed *= 2  # a win switches depth: confirm it on twice the timed steps first
-            return
         self._probe = None
-        if wins:
+        arm = self._arms[depth]
+        arm.seconds = self._probe_seconds / (self.probe_steps - 1)
+        if depth == self.current:  # the initial depth's first measurement
+            return
+        if self._rate(depth) > self._rate(self.current) * (1.0 + self.margin):
             self._settle(depth)
         else:
             arm.interval = min(2 * arm.interval, self.max_probe_interval)
