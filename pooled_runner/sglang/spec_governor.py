@@ -9,9 +9,12 @@ depth 0 to every slot (drafting off must always be possible), and decides each s
 `pooled_runner.spec_governor.SpecGovernor` fed with tokens per request and the wall time between two verify
 completions. Installed by `pooled_runner.patches.spec_cost_governor` (`--moe-expert-pool-spec-governor cost`).
 
-Timing: the time between consecutive `on_verify_complete` calls is the step's time in a steady decode loop
-(with or without the overlap scheduler); a prefill or an idle gap in between inflates one sample, which the
-governor drops above `max_step_seconds` and otherwise averages out.
+Timing: a verify step's time runs from the later of its launch (`get_steps_for_batch`) and the previous verify
+completion, to its own completion (`on_verify_complete`). Without the overlap scheduler that is the step itself
+(a prefill or an idle gap before the launch is not counted); with it, a step is launched before the previous
+one's result is processed, and the time is the interval between completions, the steady step time. What still
+inflates a sample (a prefill overlapped with a decode step) the governor drops above `max_step_seconds` and
+otherwise averages out.
 """
 
 from __future__ import annotations
@@ -39,25 +42,30 @@ class GovernedStepSlot:
         self.candidate_steps = sorted(set(candidate_steps) | {0})
         initial = initial_steps if initial_steps in self.candidate_steps else self.candidate_steps[-1]
         self.governor = SpecGovernor(self.candidate_steps, initial=initial)
-        self._in_flight: deque[int] = deque(maxlen=MAX_IN_FLIGHT)
+        self._in_flight: deque[tuple[int, float]] = deque(maxlen=MAX_IN_FLIGHT)  # (depth, launch time)
 
     @property
     def current_steps(self) -> int:
         """The depth the governor runs outside probes (what SGLang's logs and state switches read)."""
         return self.governor.current
 
-    def launch(self) -> int:
-        """The depth of the verify step about to run; remembered until its outcome arrives."""
+    def launch(self, now: float) -> int:
+        """The depth of the verify step launched at `now`; remembered until its outcome arrives."""
         depth = self.governor.choose()
-        self._in_flight.append(depth)
+        self._in_flight.append((depth, now))
         return depth
 
-    def complete(self, num_correct_drafts_per_req: list[int], seconds: float | None) -> None:
-        """The outcome of the oldest launched step: accepted drafts per request, and its time (None: unknown)."""
-        depth = self._in_flight.popleft() if self._in_flight else self.governor.choose()
-        if seconds is None or seconds <= 0.0 or not num_correct_drafts_per_req:
+    def complete(
+        self, num_correct_drafts_per_req: list[int], now: float, last_complete: float | None
+    ) -> None:
+        """The outcome of the oldest launched step, completed at `now`: accepted drafts per request; timed from
+        the later of its launch and `last_complete` (the previous verify completion of any slot)."""
+        if not self._in_flight:  # an outcome without a launch (the slot was routed differently): not timed
             return
-        self.governor.observe(depth, num_correct_drafts_per_req, seconds)
+        depth, launched = self._in_flight.popleft()
+        start = launched if last_complete is None else max(launched, last_complete)
+        if now > start and num_correct_drafts_per_req:
+            self.governor.observe(depth, num_correct_drafts_per_req, now - start)
 
 
 class CostAwareSpecParams(AdaptiveSpeculativeParams):
@@ -86,13 +94,12 @@ class CostAwareSpecParams(AdaptiveSpeculativeParams):
         )
 
     def get_steps_for_batch(self, batch_size: int) -> int:
-        return self._governed(batch_size).launch()
+        return self._governed(batch_size).launch(self._clock())
 
     def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> int | None:
         now = self._clock()
-        seconds = None if self._last_complete is None else now - self._last_complete
+        self._governed(batch_size).complete(num_correct_drafts_per_req, now, self._last_complete)
         self._last_complete = now
-        self._governed(batch_size).complete(num_correct_drafts_per_req, seconds)
         return None
 
     def governors(self) -> dict[int, SpecGovernor]:

@@ -123,7 +123,7 @@ def test_steps_of_each_batch_size_are_learned_apart() -> None:
     params = CostAwareSpecParams(initial_steps=3, clock=clock)
     serve(params, clock, DRAFTING_LOSES, 300, batch_size=1, seed=1)
     governors = params.governors()
-    assert governors[1].num_steps == 300 - 1  # the first completion has no previous one to time against
+    assert governors[1].num_steps == 300  # every step timed from its launch
     assert all(g.num_steps == 0 for bs, g in governors.items() if bs != 1)
 
 
@@ -166,3 +166,36 @@ def test_scheduler_process_applies_the_patch_for_cost_only(monkeypatch: pytest.M
         assert worker_module.AdaptiveSpeculativeParams is AdaptiveSpeculativeParams
         prepare_process("scheduler")
         assert worker_module.AdaptiveSpeculativeParams is expected, governor
+
+
+def test_a_step_is_timed_from_its_launch_or_the_previous_completion() -> None:
+    """Without overlap a gap before the launch (a prefill, idle time) is not the step's; with overlap (the next
+    step launched before this one's result) the time between completions is."""
+    from pooled_runner.sglang.spec_governor import CostAwareSpecParams
+
+    clock = FakeClock()
+    params = CostAwareSpecParams(initial_steps=3, clock=clock)
+    governor = params.governors()[1]
+    seen: list[float] = []
+    observe = governor.observe
+    governor.observe = lambda depth, accepted, seconds: (
+        seen.append(round(seconds, 6)),
+        observe(depth, accepted, seconds),
+    )  # type: ignore[method-assign]
+    depth = params.get_steps_for_batch(1)  # plain: launch, 4 ms, complete
+    clock.now += 0.004
+    params.on_verify_complete([1], 1)
+    clock.now += 0.250  # a prefill batch between two decode steps
+    params.get_steps_for_batch(1)
+    clock.now += 0.005
+    params.on_verify_complete([0], 1)
+    assert seen == [0.004, 0.005], seen
+    params.get_steps_for_batch(1)  # overlapped: launch A, 3 ms later launch B, A completes, B completes
+    clock.now += 0.003
+    params.get_steps_for_batch(1)
+    clock.now += 0.003
+    params.on_verify_complete([2], 1)
+    clock.now += 0.006
+    params.on_verify_complete([3], 1)
+    assert seen == [0.004, 0.005, 0.006, 0.006], seen
+    assert depth == 3 and governor.steps_at[3] == 4
