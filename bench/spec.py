@@ -25,6 +25,7 @@ import torch
 from bench.common import GB, bound_ms, distinct_experts, measure_bandwidths, print_table, seed_all, time_cuda
 from pooled_runner import PoolConfig, PooledMoE
 from pooled_runner.lanes import decode_lanes
+from pooled_runner.spec_governor import expected_chain_tokens
 
 # Qwen3-30B-A3B-like MoE layer shape: hidden, intermediate per expert, experts, top-k.
 SHAPE = {"H": 2048, "I": 768, "E": 128, "K": 8}
@@ -34,7 +35,7 @@ POOL_FRACTIONS = (0.25, 0.5)
 
 def expected_tokens_per_step(num_spec: int, accept: float) -> float:
     """Tokens a verify step yields per request with a chain of `num_spec` drafts, each accepted w.p. `accept`."""
-    return sum(accept**i for i in range(num_spec + 1))
+    return expected_chain_tokens(num_spec, accept)
 
 
 def build_stack(layers: int, rows: int, g: torch.Generator) -> PooledMoE:

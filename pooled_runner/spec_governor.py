@@ -36,6 +36,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
+def expected_chain_tokens(depth: int, accept: float) -> float:
+    """Expected tokens per request of a verify step with `depth` chain drafts, each accepted w.p. `accept`
+    while the chain lasts: 1 + accept + ... + accept^depth."""
+    return sum(accept**i for i in range(depth + 1))
+
+
 @dataclass
 class _Arm:
     """What the governor knows of one depth: its seconds per step (None before it ran) and probe schedule."""
@@ -161,7 +167,7 @@ class SpecGovernor:
         p = self.acceptance
         if depth == 0:
             return 1.0
-        return None if p is None else sum(p**i for i in range(depth + 1))
+        return None if p is None else expected_chain_tokens(depth, p)
 
     def rates(self) -> dict[int, float | None]:
         """Tokens per request per second of each depth (None: not measured yet)."""

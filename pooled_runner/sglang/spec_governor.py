@@ -104,7 +104,7 @@ class CostAwareSpecParams(AdaptiveSpeculativeParams):
 
     def governors(self) -> dict[int, SpecGovernor]:
         """Each batch-size slot's governor (for logs and tests)."""
-        return {bs: self._governed(bs).governor for bs in self._bs_list}
+        return {bs: slot.governor for bs, slot in self._slots.items()}
 
     def _governed(self, batch_size: int) -> GovernedStepSlot:
         slot = self._route(batch_size)

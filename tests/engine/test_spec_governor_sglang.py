@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from tests.test_spec_governor import sample_accepted
+
 ACCEPT = 0.6
 
 
@@ -67,12 +69,7 @@ def serve(
         controller.activate_step_by_batch(batch_size)
         depth = worker.speculative_num_steps
         worker.ran.append(depth)
-        accepted = []
-        for _req in range(batch_size):
-            n = 0
-            while n < depth and rng.random() < ACCEPT:
-                n += 1
-            accepted.append(n)
+        accepted = [sample_accepted(depth, rng, ACCEPT) for _ in range(batch_size)]
         step_s = step_ms.get(depth, max(step_ms.values())) * 1e-3 * (1.0 + 0.04 * rng.uniform(-1.0, 1.0))
         if clock is not None:
             clock.now += step_s
