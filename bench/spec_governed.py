@@ -3,7 +3,8 @@ with `SpecGovernor` choosing it before every verify step, side by side on the sa
 
 Stack and bank as bench/decode.py (Qwen3-30B-like, bf16, 8 layers with `--quick`); one pool per fraction
 (25/50/75% of all experts, rows filled as the decode bench fills them), shared by every policy of that fraction
-(each policy starts with `--warm` uncounted steps, so the pool follows its working set). Trace: the decode
+(each policy starts with `--warm` uncounted steps at its first depth, so the pool follows its working set; the
+governor starts after them, and every step it decides is counted). Trace: the decode
 bench's per-layer skew family (Zipf 0.4-1.6, reuse 0.3), one lane of consecutive tokens per request (its true
 continuation) and one lane of other tokens from the same distribution (what rejected drafts route like). A
 verify step at depth d of a request at position p whose acceptance (chain, `--accept` per draft, sampled and
@@ -16,7 +17,7 @@ Timing: one CUDA graph per depth (all on the same pool and device planner), repl
 copied into its static ids; CUDA events around each replay, read one step late (the governor is fed as an
 overlapped server feeds it: the next step is chosen and launched before the last one's time is known), so the
 GPU queue never drains; summed over the counted steps. tok/s/req = accepted tokens per request over the counted
-steps / their time. The governed row counts its walk and its probes.
+steps / their time. The governed row counts its climb and its probes.
 
 Usage: python -m bench.spec_governed [--quick] [--accept 0.6] [--out results.md]
 """
@@ -147,16 +148,18 @@ def run_policy(graphs: DepthGraphs, lanes: torch.Tensor, policy: str, num_steps:
 
     def finish(step: int, d: int, accepted: list[int], elapsed: Callable[[], float]) -> None:
         ms = elapsed()
+        if step < warm:  # the pool follows the working set; the governor has not started
+            return
         if governor is not None:
             governor.observe(d, accepted, ms * 1e-3)
-        if step >= warm:
-            out.steps += 1
-            out.tokens += 1.0 + sum(accepted) / bs
-            out.ms += ms
-            out.at_depth[d] = out.at_depth.get(d, 0) + 1
+        out.steps += 1
+        out.tokens += 1.0 + sum(accepted) / bs
+        out.ms += ms
+        out.at_depth[d] = out.at_depth.get(d, 0) + 1
 
     for step in range(num_steps):
-        d = governor.choose() if governor is not None else fixed
+        # warm-up steps run where the policy starts: its fixed depth, or the governor's first (smallest) depth
+        d = fixed if governor is None else depths[0] if step < warm else governor.choose()
         assert d is not None
         if max(positions) + 1 + max(depths) > lanes.shape[0]:
             break

@@ -164,8 +164,9 @@ def pool_problems(
     return out
 
 
-def spec_governor_problems(governor: str, argv: list[str]) -> list[str]:
-    """`--moe-expert-pool-spec-governor cost` decides SGLang's adaptive speculation: it needs it on."""
+def spec_governor_problems(governor: str, argv: list[str], tp_size: int = 1) -> list[str]:
+    """`--moe-expert-pool-spec-governor cost` decides SGLang's adaptive speculation: it needs it on, and one
+    scheduler (each TP rank times its own steps: ranks could choose different depths and stall the collectives)."""
     if governor != "cost":
         return []
     flag = flag_name("spec_governor")
@@ -173,6 +174,11 @@ def spec_governor_problems(governor: str, argv: list[str]) -> list[str]:
         return [f"{flag} cost chooses the speculative depth: add --speculative-algorithm (EAGLE or NEXTN)"]
     if not _has_flag(argv, "--speculative-adaptive"):
         return [f"{flag} cost decides SGLang's adaptive speculation: add --speculative-adaptive"]
+    if tp_size > 1:
+        return [
+            f"{flag} cost times each rank's steps on its own clock, so tensor-parallel ranks could choose "
+            f"different depths: it runs with --tp-size 1 only (got {tp_size}); use {flag} off with TP"
+        ]
     return []
 
 
@@ -205,7 +211,7 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
         model_path = _flag_value(argv, *_MODEL_FLAGS)
         facts = read_model_facts(model_path) if model_path else None
         problems += pool_problems(rows, facts, tp_size, cpu=not cuda_available)
-        problems += spec_governor_problems(ours.spec_governor, argv)
+        problems += spec_governor_problems(ours.spec_governor, argv, tp_size)
         if ours.stats_interval <= 0:
             problems.append(f"--moe-expert-pool-stats-interval {ours.stats_interval}: must be positive")
         if not problems:
@@ -262,7 +268,8 @@ def prepare_sglang(plan: LaunchPlan) -> Any:
     """Export our config, apply the CPU patches, resolve SGLang's server args and check them against the pool.
 
     Returns the resolved `ServerArgs`; raises ValueError (with numbers) to refuse a speculative configuration
-    the pool cannot serve (`spec.check_launch`).
+    the pool cannot serve (`spec.check_launch`), or the cost-aware governor where SGLang turns its adaptive
+    speculation off (`spec_governor.adaptive_refusal`).
     """
     plan.serve.export()
     if plan.serve.cpu and plan.tp_size > 1 and not os.environ.get(CPU_BIND_ENV):
@@ -285,6 +292,12 @@ def prepare_sglang(plan: LaunchPlan) -> Any:
     server_args = prepare_server_args(plan.sglang_argv)
     server_args.resolve_once()
     pool = plan.serve.pool
+    if pool is not None and pool.spec_governor == "cost":
+        from pooled_runner.sglang.spec_governor import adaptive_refusal
+
+        refusal = adaptive_refusal(server_args)
+        if refusal:
+            raise ValueError(f"cannot launch:\n  - {refusal}")
     if pool is not None and plan.facts is not None and plan.facts.top_k:
         from pooled_runner.sglang.spec import check_launch
 

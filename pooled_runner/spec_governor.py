@@ -9,19 +9,27 @@ that depth; its tokens per request come from one acceptance estimate shared by e
 accepted drafts plus rejections, per-draft chain acceptance, decayed), since a handful of probe steps at batch
 size 1 cannot measure tokens per step (one request accepts 0..d drafts) but measures time well. The schedule:
 
-- it runs one depth (the current one), keeping an exponential average of its seconds per step;
-- it probes the current depth's neighbours in the candidate order (`probe_steps` steps each, the first not
-  timed, see below): a neighbour
-  never measured at once, a measured one after an interval that doubles each time its probe loses (up to
+- it starts at the smallest depth (no drafting, where 0 is a candidate) and runs one depth (the current one),
+  keeping an exponential average of its seconds per step and of their squared relative deviation;
+- it probes the current depth's neighbours in the candidate order, and the smallest depth: a depth never
+  measured at once, a measured one after an interval that doubles each time its probe loses (up to
   `max_probe_interval` steps), so a losing depth costs less and less while a change of conditions (acceptance,
   hit rate, traffic) is still noticed;
-- a probe that wins by `margin` makes the probed depth current (its neighbours' intervals restart);
+- a probe lasts at least `probe_steps` steps (the first is not timed, see below) and ends as soon as it is
+  decided: it loses once its estimated rate is not above the current's by `margin`; a probe of a shallower depth
+  wins once it is; a probe of a deeper depth wins only when its advantage exceeds `margin` by `confidence`
+  standard errors (step-time noise of both depths, and the acceptance estimate's own uncertainty), so a lucky
+  pair of steps or a young acceptance estimate cannot make drafting look better than it is; an undecided probe
+  ends after `max_probe_steps` steps and loses. Drafting must prove that it pays; not drafting need not;
 - a step whose depth differs from the step before is not timed, for the probed and the running depth alike: a
   change of depth changes the working set, and the pool needs a step to follow (timing the step back from a
-  probe would make the running depth look slower than it is, and probes would win by mistake).
+  probe would make the running depth look slower than it is, and probes would win by mistake). Neither is a step
+  the caller marks untimed, nor one longer than `outlier_factor` times its depth's average (a prefill or an idle
+  gap in between); three such steps in a row are taken as a change of conditions and restart the
+  average.
 Tokens per request per second rises with the depth and then falls (tokens grow less and less per draft, a
-step's cost grows with the experts each draft adds), so probing neighbours is a hill climb: from the initial
-depth it walks to the best one, and it never pays for probes of depths far from it.
+step's cost grows with the experts each draft adds), so probing neighbours is a hill climb, and probing the
+smallest depth too keeps the climb from resting on a local peak above it.
 
 Host-side, plain Python, no torch: the caller measures a step (CUDA events, or the wall time between two verify
 completions) and calls `observe` with each request's accepted drafts; `choose` gives the depth of the next
@@ -32,8 +40,15 @@ than earlier ones, deeper depths are estimated optimistically (their probes stil
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+MIN_RELATIVE_VARIANCE = (
+    0.02**2
+)  # floor of a depth's step-time variance (relative): two equal samples prove little
+MAX_OUTLIERS_IN_A_ROW = 3  # running steps dropped as outliers before the average restarts from them
 
 
 def expected_chain_tokens(depth: int, accept: float) -> float:
@@ -42,27 +57,42 @@ def expected_chain_tokens(depth: int, accept: float) -> float:
     return sum(accept**i for i in range(depth + 1))
 
 
+def _chain_tokens_slope(depth: int, accept: float) -> float:
+    """d expected_chain_tokens / d accept."""
+    return sum(i * accept ** (i - 1) for i in range(1, depth + 1))
+
+
 @dataclass
 class _Arm:
-    """What the governor knows of one depth: its seconds per step (None before it ran) and probe schedule."""
+    """What the governor knows of one depth: its step time (None before it ran) and probe schedule."""
 
     seconds: float | None = None  # mean of its last probe, then an exponential average while it runs
+    relative_variance: float = MIN_RELATIVE_VARIANCE  # of one step's time, (x - mean)^2 / mean^2, averaged
+    num_timed: int = 0  # timed steps behind `seconds` (its standard error)
+    outliers: int = 0  # consecutive running steps dropped as outliers
     interval: int = 0  # steps between probes of this depth while another depth runs
     due: int = 0  # step count at which the next probe starts
+
+
+@dataclass
+class _Probe:
+    depth: int
+    timed: list[float] = field(default_factory=list)  # timed step times
+    seen: list[float] = field(default_factory=list)  # every step time at this depth during the probe
 
 
 class SpecGovernor:
     """Chooses the number of draft tokens per request of each verify step by tokens per request per second.
 
     `candidates`: depths (draft tokens per request) the caller can run, e.g. (0, 1, 3); 0 means no drafting.
-    `initial`: the depth measured first (default: the largest). Contract: `choose()` gives the depth of the next
-    step (no side effect but starting a due probe: calling it twice is fine); after a step ran, call
+    `initial`: the depth measured first (default: the smallest). Contract: `choose()` gives the depth of the
+    next step (no side effect but starting a due probe: calling it twice is fine); after a step ran, call
     `observe(depth, accepted, seconds)` with the depth it ran at, each request's accepted drafts (0..depth) and
     its time. A caller whose steps overlap (the next step chosen before the last one's outcome is known) passes
     each step's own depth: a time at a depth that is neither probed nor running (a step chosen before a
     switch) teaches its acceptance only. Bad outcomes (unknown depth, accepted outside 0..depth, time <= 0) are
-    refused with ValueError; a step longer than `max_step_seconds` (an idle gap, a prefill in between), or at
-    another depth than the step observed before it, teaches its acceptance only.
+    refused with ValueError; `timed=False`, a step at another depth than the step observed before it, or an
+    outlier (module docstring) teaches its acceptance only.
     """
 
     def __init__(
@@ -70,49 +100,54 @@ class SpecGovernor:
         candidates: Sequence[int],
         *,
         initial: int | None = None,
-        ema_alpha: float = 0.2,
+        ema_alpha: float = 0.1,
         acceptance_decay: float = 0.995,
         probe_steps: int = 3,
-        min_probe_interval: int = 16,
+        max_probe_steps: int = 32,
+        min_probe_interval: int = 32,
         max_probe_interval: int = 1024,
         margin: float = 0.02,
-        max_step_seconds: float = 1.0,
+        confidence: float = 2.0,
+        outlier_factor: float = 3.0,
     ) -> None:
         depths = sorted(set(int(d) for d in candidates))
         if not depths or depths[0] < 0:
             raise ValueError(f"candidates={list(candidates)!r}: need at least one depth, all >= 0")
         if initial is None:
-            initial = depths[-1]
+            initial = depths[0]
         if initial not in depths:
             raise ValueError(f"initial={initial} is not one of the candidates {depths}")
         if not 0.0 < ema_alpha <= 1.0:
             raise ValueError(f"ema_alpha={ema_alpha} must be in (0, 1]")
         if not 0.0 < acceptance_decay <= 1.0:
             raise ValueError(f"acceptance_decay={acceptance_decay} must be in (0, 1]")
-        if probe_steps < 2:
+        if not 2 <= probe_steps <= max_probe_steps:
             raise ValueError(
-                f"probe_steps={probe_steps} must be >= 2 (the first step of a probe is not timed)"
+                f"probe_steps={probe_steps}, max_probe_steps={max_probe_steps}: need 2 <= probe_steps <= "
+                "max_probe_steps (the first step of a probe is not timed)"
             )
         if not 1 <= min_probe_interval <= max_probe_interval:
             raise ValueError(
                 f"probe intervals: need 1 <= min_probe_interval ({min_probe_interval}) <= max_probe_interval "
                 f"({max_probe_interval})"
             )
-        if margin < 0.0 or max_step_seconds <= 0.0:
-            raise ValueError(f"margin={margin} must be >= 0 and max_step_seconds={max_step_seconds} > 0")
+        if margin < 0.0 or confidence < 0.0 or outlier_factor <= 1.0:
+            raise ValueError(
+                f"margin={margin} and confidence={confidence} must be >= 0, outlier_factor={outlier_factor} > 1"
+            )
         self.candidates = tuple(depths)
         self.ema_alpha = ema_alpha
         self.acceptance_decay = acceptance_decay
         self.probe_steps = probe_steps
+        self.max_probe_steps = max_probe_steps
         self.min_probe_interval = min_probe_interval
         self.max_probe_interval = max_probe_interval
         self.margin = margin
-        self.max_step_seconds = max_step_seconds
+        self.confidence = confidence
+        self.outlier_factor = outlier_factor
         self._arms = {d: _Arm(interval=min_probe_interval) for d in depths}
         self.current = initial  # the depth that runs outside probes
-        self._probe: int | None = initial  # depth being measured now (None: running `current`)
-        self._probe_timed = 0  # timed steps of the probe so far (it needs probe_steps - 1)
-        self._probe_seconds = 0.0
+        self._probe: _Probe | None = _Probe(initial)  # the depth being measured now (None: running `current`)
         self._last_depth: int | None = None  # depth of the last observed step (a change is not timed)
         self._accepted = 0.0  # decayed counts of accepted drafts and of rejections (a chain stopped early)
         self._rejected = 0.0
@@ -124,12 +159,12 @@ class SpecGovernor:
     def choose(self) -> int:
         """The depth of the next step."""
         if self._probe is None:
-            due = [d for d in self._neighbours(self.current) if self._arms[d].due <= self.num_steps]
+            due = [d for d in self._probe_set(self.current) if self._arms[d].due <= self.num_steps]
             if due:
-                self._start_probe(min(due, key=lambda d: self._arms[d].due))
-        return self._probe if self._probe is not None else self.current
+                self._probe = _Probe(min(due, key=lambda d: (self._arms[d].due, d)))
+        return self._probe.depth if self._probe is not None else self.current
 
-    def observe(self, depth: int, accepted: Sequence[int], seconds: float) -> None:
+    def observe(self, depth: int, accepted: Sequence[int], seconds: float, *, timed: bool = True) -> None:
         """One step's outcome at `depth`: each request's accepted drafts (0..depth) and the step's duration."""
         if depth not in self._arms:
             raise ValueError(f"observe(depth={depth}): not one of the candidates {list(self.candidates)}")
@@ -145,15 +180,13 @@ class SpecGovernor:
             self._accepted = self.acceptance_decay * self._accepted + sum(int(n) for n in accepted)
             self._rejected = self.acceptance_decay * self._rejected + sum(int(n) < depth for n in accepted)
         changed, self._last_depth = depth != self._last_depth, depth
-        if seconds > self.max_step_seconds or changed:
-            return
-        if self._probe is not None:
-            if depth == self._probe:
-                self._probe_step(seconds)
-        elif depth == self.current:
-            arm = self._arms[depth]
-            assert arm.seconds is not None, depth
-            arm.seconds = (1.0 - self.ema_alpha) * arm.seconds + self.ema_alpha * seconds
+        timed = timed and not changed
+        probe = self._probe
+        if probe is not None:
+            if depth == probe.depth:
+                self._probe_step(probe, seconds, timed)
+        elif depth == self.current and timed:
+            self._running_step(self._arms[depth], seconds)
 
     # -- state ------------------------------------------------------------------------------------------------
     @property
@@ -175,51 +208,106 @@ class SpecGovernor:
 
     @property
     def probing(self) -> int | None:
-        """The depth being probed, or None while the best depth runs."""
-        return self._probe
+        """The depth being probed, or None while the current depth runs."""
+        return None if self._probe is None else self._probe.depth
 
     # -- internals ----------------------------------------------------------------------------------------------
-    def _start_probe(self, depth: int) -> None:
-        self._probe = depth
-        self._probe_timed = 0
-        self._probe_seconds = 0.0
+    def _running_step(self, arm: _Arm, seconds: float) -> None:
+        assert arm.seconds is not None, self.current
+        if seconds > self.outlier_factor * arm.seconds:
+            arm.outliers += 1
+            if arm.outliers < MAX_OUTLIERS_IN_A_ROW:
+                return
+            arm.seconds, arm.num_timed = seconds, 0  # slow for several steps: conditions changed
+        arm.outliers = 0
+        deviation = ((seconds - arm.seconds) / arm.seconds) ** 2
+        arm.relative_variance = max(
+            (1.0 - self.ema_alpha) * arm.relative_variance + self.ema_alpha * deviation, MIN_RELATIVE_VARIANCE
+        )
+        arm.seconds = (1.0 - self.ema_alpha) * arm.seconds + self.ema_alpha * seconds
+        arm.num_timed += 1
 
-    def _probe_step(self, seconds: float) -> None:
-        self._probe_timed += 1
-        self._probe_seconds += seconds
-        if self._probe_timed < self.probe_steps - 1:
+    def _probe_step(self, probe: _Probe, seconds: float, timed: bool) -> None:
+        probe.seen.append(seconds)
+        known = self._arms[probe.depth].seconds
+        if timed and not (known is not None and seconds > self.outlier_factor * known):
+            probe.timed.append(seconds)
+        verdict = self._judge(probe) if len(probe.timed) >= self.probe_steps - 1 else None
+        if verdict is None and len(probe.seen) < self.max_probe_steps:
             return
-        depth = self._probe
-        assert depth is not None
         self._probe = None
-        arm = self._arms[depth]
-        arm.seconds = self._probe_seconds / (self.probe_steps - 1)
-        if depth == self.current:  # the initial depth's first measurement
-            return
-        if self._rate(depth) > self._rate(self.current) * (1.0 + self.margin):
-            self._settle(depth)
+        arm = self._arms[probe.depth]
+        if probe.depth == self.current:  # the initial depth's first measurement (from any step, if it must)
+            self._measure(arm, probe.timed or probe.seen[1:] or probe.seen)
+        elif verdict == "win":
+            self._measure(arm, probe.timed)
+            self._settle(probe.depth)
         else:
+            if probe.timed:
+                self._measure(arm, probe.timed)
             arm.interval = min(2 * arm.interval, self.max_probe_interval)
             arm.due = self.num_steps + arm.interval
 
+    def _measure(self, arm: _Arm, samples: list[float]) -> None:
+        arm.seconds = statistics.fmean(samples)
+        arm.relative_variance = max(_relative_variance(samples), MIN_RELATIVE_VARIANCE)
+        arm.num_timed = len(samples)
+        arm.outliers = 0
+
+    def _judge(self, probe: _Probe) -> str | None:
+        """'win', 'lose', or None (undecided) for a probe with enough timed steps (module docstring)."""
+        if probe.depth == self.current:
+            return "measured"
+        current = self._arms[self.current]
+        tokens_probe, tokens_current = (
+            self.tokens_per_request(probe.depth),
+            self.tokens_per_request(self.current),
+        )
+        assert current.seconds is not None and tokens_probe is not None and tokens_current is not None
+        mean = statistics.fmean(probe.timed)
+        log_ratio = math.log(tokens_probe / mean) - math.log(tokens_current / current.seconds)
+        threshold = math.log1p(self.margin)
+        if log_ratio <= threshold:
+            return "lose"
+        if probe.depth < self.current:
+            return "win"  # the cheaper direction needs no proof
+        variance = max(_relative_variance(probe.timed), current.relative_variance) / len(probe.timed)
+        current_samples = min(current.num_timed, (2.0 - self.ema_alpha) / self.ema_alpha)
+        variance += current.relative_variance / max(current_samples, 1.0)
+        variance += self._acceptance_variance(probe.depth, self.current)
+        return "win" if log_ratio - threshold >= self.confidence * math.sqrt(variance) else None
+
+    def _acceptance_variance(self, depth: int, other: int) -> float:
+        """Variance of log(tokens(depth) / tokens(other)) from the acceptance estimate's own uncertainty."""
+        trials = self._accepted + self._rejected
+        p = (self._accepted + 1.0) / (trials + 2.0)  # smoothed: a young all-accepted estimate is not certain
+        slope = _chain_tokens_slope(depth, p) / expected_chain_tokens(depth, p)
+        slope -= _chain_tokens_slope(other, p) / expected_chain_tokens(other, p)
+        return slope * slope * p * (1.0 - p) / (trials + 2.0)
+
     def _settle(self, depth: int) -> None:
-        """Run `depth` from now on; its neighbours are probed now if never measured, else after the shortest
-        interval."""
+        """Run `depth` from now on; the depths it probes are probed now if never measured, else after the
+        shortest interval."""
         self.num_switches += 1
         self.current = depth
-        for d in self._neighbours(depth):
+        for d in self._probe_set(depth):
             arm = self._arms[d]
             arm.interval = self.min_probe_interval
             arm.due = self.num_steps + (self.min_probe_interval if arm.seconds is not None else 0)
 
-    def _neighbours(self, depth: int) -> list[int]:
+    def _probe_set(self, depth: int) -> list[int]:
+        """The depths probed while `depth` runs: its neighbours in the candidate order, and the smallest."""
         i = self.candidates.index(depth)
-        return list(self.candidates[max(i - 1, 0) : i]) + list(self.candidates[i + 1 : i + 2])
+        near = set(self.candidates[max(i - 1, 0) : i + 2]) | {self.candidates[0]}
+        return sorted(near - {depth})
 
     def _rate_or_none(self, depth: int) -> float | None:
         seconds, tokens = self._arms[depth].seconds, self.tokens_per_request(depth)
         return None if seconds is None or tokens is None else tokens / seconds
 
-    def _rate(self, depth: int) -> float:
-        rate = self._rate_or_none(depth)
-        return -1.0 if rate is None else rate
+
+def _relative_variance(samples: list[float]) -> float:
+    if len(samples) < 2:
+        return 0.0
+    mean = statistics.fmean(samples)
+    return statistics.variance(samples) / (mean * mean)

@@ -202,6 +202,8 @@ def test_cost_aware_speculation_needs_sglangs_adaptive_speculation(tmp_path: Pat
         ServeConfig.from_json(p.serve.to_json()) == p.serve
     )  # reaches the scheduler, which applies the patch
     assert plan(["--model-path", str(model), "--moe-expert-pool-rows", "8"]).serve.pool.spec_governor == "off"
+    with pytest.raises(ValueError, match="runs with --tp-size 1 only \\(got 2\\)"):
+        plan([*base, "--speculative-algorithm", "EAGLE", "--speculative-adaptive", "--tp-size", "2"])
     with pytest.raises(SystemExit):  # argparse refuses a value outside the choices
         plan([*base[:-1], "fast"])
     with pytest.raises(ValueError, match=r"spec_governor='fast' is not one of \['off', 'cost'\]"):

@@ -45,13 +45,20 @@ def check_launch(server_args: Any, pool_rows: int, top_k: int, staging_min_token
     """The launcher's check of SGLang's resolved arguments; returns warnings, raises ValueError to refuse.
 
     Only what the command line fixes is checked here (SGLang resolves the speculative defaults and
-    `max_running_requests` later, in the scheduler, where `install_lanes_hook` checks them again).
+    `max_running_requests` later, in the scheduler, where `install_lanes_hook` checks them again). With
+    `--speculative-adaptive` the width is that of the widest candidate depth.
     """
-    if not server_args.speculative_algorithm or server_args.speculative_num_draft_tokens is None:
+    if not server_args.speculative_algorithm:
         return []
-    width = tokens_per_request(
-        True, server_args.speculative_num_draft_tokens, server_args.speculative_eagle_topk
-    )
+    from sglang.srt.arg_groups.overrides import max_speculative_num_draft_tokens
+
+    # with --speculative-adaptive: the widest candidate depth's verify step
+    bounds = (server_args.speculative_num_draft_tokens, max_speculative_num_draft_tokens(server_args))
+    known = [int(n) for n in bounds if n is not None]
+    if not known:
+        return []
+    num_draft_tokens = max(known)
+    width = tokens_per_request(True, num_draft_tokens, server_args.speculative_eagle_topk)
     checks = check_speculative(pool_rows, top_k, width, server_args.max_running_requests, staging_min_tokens)
     if checks.problems:
         raise ValueError("cannot launch:\n  - " + "\n  - ".join(checks.problems))
@@ -59,15 +66,29 @@ def check_launch(server_args: Any, pool_rows: int, top_k: int, staging_min_token
 
 
 def _runner_widths(runner: Any) -> tuple[int, str]:
-    """Tokens per request of this target runner's pooled steps, and how they were derived (for the log)."""
+    """Tokens per request of this target runner's pooled steps, and how they were derived (for the log).
+
+    With `--speculative-adaptive` the verify width changes with the depth SGLang (or our governor) runs: the
+    lanes serve the widest candidate, as SGLang's own `ModelRunner.max_decode_logits_rows` sizes its buffers.
+    """
     if not runner.spec_algorithm.is_speculative():
         return 1, "no speculative decoding"
-    from sglang.srt.runtime_context import get_spec
+    from sglang.srt.runtime_context import get_spec, max_speculative_num_draft_tokens
+    from sglang.srt.speculative.adaptive_spec_params import resolve_candidate_steps_from_config
 
-    verify = int(runner.decode_num_tokens_per_req())  # SGLang's own target_verify width
-    topk = get_spec().speculative_eagle_topk
+    spec = get_spec()
+    draft_token_counts = [None, max_speculative_num_draft_tokens()]  # None: SGLang's starting width
+    if spec.speculative_adaptive:
+        steps = resolve_candidate_steps_from_config(spec.speculative_adaptive_config)
+        draft_token_counts += [s + 1 for s in steps]
+    verify = max(
+        int(runner.decode_num_tokens_per_req(num_draft_tokens=n))  # SGLang's own target_verify width
+        for n in draft_token_counts
+    )
+    topk = spec.speculative_eagle_topk
     width = tokens_per_request(True, verify, topk)
-    return width, f"{verify} tokens per request in target verify, eagle topk {topk}"
+    adaptive = ", the widest adaptive depth" if spec.speculative_adaptive else ""
+    return width, f"{verify} tokens per request in target verify{adaptive}, eagle topk {topk}"
 
 
 def after_alloc_memory_pool(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:

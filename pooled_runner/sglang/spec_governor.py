@@ -7,14 +7,17 @@ its draft lanes route (often read from the host), so a depth that SGLang's rule 
 per second than no drafting. `CostAwareSpecParams` keeps SGLang's per-batch-size slots and candidates, adds
 depth 0 to every slot (drafting off must always be possible), and decides each slot's depth with a
 `pooled_runner.spec_governor.SpecGovernor` fed with tokens per request and the wall time between two verify
-completions. Installed by `pooled_runner.patches.spec_cost_governor` (`--moe-expert-pool-spec-governor cost`).
+completions. Each slot starts without drafting (SGLang's `--speculative-num-steps` only sizes the states):
+drafting must prove that it pays. Installed by `pooled_runner.patches.spec_cost_governor`
+(`--moe-expert-pool-spec-governor cost`).
 
 Timing: a verify step's time runs from the later of its launch (`get_steps_for_batch`) and the previous verify
 completion, to its own completion (`on_verify_complete`). Without the overlap scheduler that is the step itself
 (a prefill or an idle gap before the launch is not counted); with it, a step is launched before the previous
-one's result is processed, and the time is the interval between completions, the steady step time. What still
-inflates a sample (a prefill overlapped with a decode step) the governor drops above `max_step_seconds` and
-otherwise averages out.
+one's result is processed, and the time is the interval between completions, the steady step time. A step
+that completes after a step of another batch-size slot is not timed (the working set changed with the batch).
+What still inflates a sample (a prefill overlapped with a decode step) the governor drops as an outlier when it
+is large and otherwise averages out.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
+from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams, adaptive_unsupported_reason
 
 from pooled_runner.spec_governor import SpecGovernor
 
@@ -34,15 +37,31 @@ logger = logging.getLogger("pooled_runner")
 MAX_IN_FLIGHT = 4  # verify steps chosen but not yet completed that a slot remembers (overlap scheduling: 1-2)
 
 
+def adaptive_refusal(server_args: Any) -> str | None:
+    """Why `--moe-expert-pool-spec-governor cost` cannot run with these resolved server args, or None.
+
+    SGLang turns `--speculative-adaptive` off by itself where its adaptive worker cannot run (topk != 1,
+    attention DP, two-batch overlap, pdmux, a platform worker; `adaptive_unsupported_reason`), with a warning
+    only; the governor would then do nothing, so the launcher refuses instead, with SGLang's reason.
+    """
+    reason = adaptive_unsupported_reason(server_args)
+    if reason is None:
+        return None
+    return (
+        f"--moe-expert-pool-spec-governor cost decides SGLang's adaptive speculation, which SGLang turns off "
+        f"here: {reason}. Change that setting, or drop the governor (--moe-expert-pool-spec-governor off)"
+    )
+
+
 class GovernedStepSlot:
     """One batch-size slot (the interface `AdaptiveSpeculativeParams` reads of `AdaptiveStepSlot`:
-    `candidate_steps`, `current_steps`), deciding with a `SpecGovernor`."""
+    `candidate_steps`, `current_steps`), deciding with a `SpecGovernor` that starts at depth 0."""
 
-    def __init__(self, initial_steps: int, candidate_steps: list[int]) -> None:
+    def __init__(self, candidate_steps: list[int]) -> None:
         self.candidate_steps = sorted(set(candidate_steps) | {0})
-        initial = initial_steps if initial_steps in self.candidate_steps else self.candidate_steps[-1]
-        self.governor = SpecGovernor(self.candidate_steps, initial=initial)
+        self.governor = SpecGovernor(self.candidate_steps)
         self._in_flight: deque[tuple[int, float]] = deque(maxlen=MAX_IN_FLIGHT)  # (depth, launch time)
+        self.num_dropped = 0  # outcomes that matched no launched step (see `complete`)
 
     @property
     def current_steps(self) -> int:
@@ -56,25 +75,46 @@ class GovernedStepSlot:
         return depth
 
     def complete(
-        self, num_correct_drafts_per_req: list[int], now: float, last_complete: float | None
+        self,
+        num_correct_drafts_per_req: list[int],
+        now: float,
+        last_complete: float | None,
+        timed: bool = True,
     ) -> None:
         """The outcome of the oldest launched step, completed at `now`: accepted drafts per request; timed from
-        the later of its launch and `last_complete` (the previous verify completion of any slot)."""
+        the later of its launch and `last_complete` (the previous verify completion of any slot), unless
+        `timed` is False. An outcome that cannot be the oldest launch's (more accepted drafts than its depth:
+        the launches and completions went out of step) is dropped with the queue, never raised in the
+        scheduler: the governor loses a sample, the server nothing."""
         if not self._in_flight:  # an outcome without a launch (the slot was routed differently): not timed
             return
         depth, launched = self._in_flight.popleft()
+        if not num_correct_drafts_per_req:
+            return
+        if max(num_correct_drafts_per_req) > depth or min(num_correct_drafts_per_req) < 0:
+            self.num_dropped += 1
+            self._in_flight.clear()
+            if self.num_dropped == 1:
+                logger.warning(
+                    "cost-aware speculation: an outcome of %s accepted drafts for a step launched at depth %d; "
+                    "dropped (launches and completions out of step), this slot's in-flight steps forgotten",
+                    num_correct_drafts_per_req,
+                    depth,
+                )
+            return
         start = launched if last_complete is None else max(launched, last_complete)
-        if now > start and num_correct_drafts_per_req:
-            self.governor.observe(depth, num_correct_drafts_per_req, now - start)
+        if now > start:
+            self.governor.observe(depth, num_correct_drafts_per_req, now - start, timed=timed)
 
 
 class CostAwareSpecParams(AdaptiveSpeculativeParams):
     """`AdaptiveSpeculativeParams` whose slots choose the depth by measured tokens per request per second.
 
     Same constructor as SGLang's (plus `clock`, for tests); the candidates of each slot are the adaptive
-    config's plus 0. `get_steps_for_batch` is called once per decode batch before its verify step (SGLang's
-    `activate_step_by_batch`) and `on_verify_complete` once per verify result; the latter returns None: the
-    next batch's `get_steps_for_batch` applies the governor's choice.
+    config's plus 0. `initial_steps` is the worker's starting state; every slot's governor starts at depth 0 (the
+    first decode batch switches to it). `get_steps_for_batch` is called once per decode batch before its verify
+    step (SGLang's `activate_step_by_batch`) and `on_verify_complete` once per verify result; the latter returns
+    None: the next batch's `get_steps_for_batch` applies the governor's choice.
     """
 
     def __init__(
@@ -82,12 +122,11 @@ class CostAwareSpecParams(AdaptiveSpeculativeParams):
     ) -> None:
         super().__init__(initial_steps=initial_steps, cfg_path=cfg_path)
         upstream: dict[int, Any] = self._slots  # type: ignore[has-type]
-        governed = {
-            bs: GovernedStepSlot(initial_steps, list(slot.candidate_steps)) for bs, slot in upstream.items()
-        }
+        governed = {bs: GovernedStepSlot(list(slot.candidate_steps)) for bs, slot in upstream.items()}
         self._slots = governed
         self._clock = clock
         self._last_complete: float | None = None
+        self._last_slot: GovernedStepSlot | None = None  # the slot of the last completion
         logger.info(
             "cost-aware speculation: depth per batch-size slot chosen by measured tokens/s; candidates %s",
             {bs: slot.candidate_steps for bs, slot in governed.items()},
@@ -98,8 +137,9 @@ class CostAwareSpecParams(AdaptiveSpeculativeParams):
 
     def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> int | None:
         now = self._clock()
-        self._governed(batch_size).complete(num_correct_drafts_per_req, now, self._last_complete)
-        self._last_complete = now
+        slot = self._governed(batch_size)
+        slot.complete(num_correct_drafts_per_req, now, self._last_complete, timed=slot is self._last_slot)
+        self._last_complete, self._last_slot = now, slot
         return None
 
     def governors(self) -> dict[int, SpecGovernor]:

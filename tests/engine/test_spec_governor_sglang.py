@@ -173,26 +173,70 @@ def test_a_step_is_timed_from_its_launch_or_the_previous_completion() -> None:
     clock = FakeClock()
     params = CostAwareSpecParams(initial_steps=3, clock=clock)
     governor = params.governors()[1]
-    seen: list[float] = []
+    seen: list[tuple[float, bool]] = []
     observe = governor.observe
-    governor.observe = lambda depth, accepted, seconds: (
-        seen.append(round(seconds, 6)),
-        observe(depth, accepted, seconds),
-    )  # type: ignore[method-assign]
+    governor.observe = lambda depth, accepted, seconds, timed=True: (  # type: ignore[method-assign]
+        seen.append((round(seconds, 6), timed)),
+        observe(depth, accepted, seconds, timed=timed),
+    )
     depth = params.get_steps_for_batch(1)  # plain: launch, 4 ms, complete
     clock.now += 0.004
-    params.on_verify_complete([1], 1)
+    params.on_verify_complete([0], 1)
     clock.now += 0.250  # a prefill batch between two decode steps
     params.get_steps_for_batch(1)
     clock.now += 0.005
     params.on_verify_complete([0], 1)
-    assert seen == [0.004, 0.005], seen
+    assert seen == [(0.004, False), (0.005, True)], seen  # the first completion has no slot before it
     params.get_steps_for_batch(1)  # overlapped: launch A, 3 ms later launch B, A completes, B completes
     clock.now += 0.003
     params.get_steps_for_batch(1)
     clock.now += 0.003
-    params.on_verify_complete([2], 1)
+    params.on_verify_complete([0], 1)
     clock.now += 0.006
-    params.on_verify_complete([3], 1)
-    assert seen == [0.004, 0.005, 0.006, 0.006], seen
-    assert depth == 3 and governor.steps_at[3] == 4
+    params.on_verify_complete([0], 1)
+    assert seen[2:] == [(0.006, True), (0.006, True)], seen
+    assert depth == 0 and governor.steps_at[0] == 4  # every slot starts without drafting
+
+
+def test_a_step_after_another_slots_step_is_not_timed() -> None:
+    """bs 1 and bs 8 fall in different slots: the first bs-1 step after a bs-8 step runs on another working set."""
+    from pooled_runner.sglang.spec_governor import CostAwareSpecParams
+
+    clock = FakeClock()
+    params = CostAwareSpecParams(initial_steps=3, clock=clock)
+    marks: list[tuple[int, bool]] = []
+    for bs in (1, 1, 8, 1, 1):
+        governor = params.governors()[params._bs_list[0] if bs == 1 else 8]
+        observe = governor.observe
+        governor.observe = lambda d, a, s, timed=True, bs=bs, observe=observe: (  # type: ignore[method-assign]
+            marks.append((bs, timed)),
+            observe(d, a, s, timed=timed),
+        )
+        params.get_steps_for_batch(bs)
+        clock.now += 0.002
+        params.on_verify_complete([0] * bs, bs)
+        governor.observe = observe  # type: ignore[method-assign]
+    assert marks == [(1, False), (1, True), (8, False), (1, False), (1, True)], marks
+
+
+def test_an_outcome_out_of_step_with_the_launches_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    """More accepted drafts than the launched depth: the scheduler must not crash; the sample and the slot's
+    in-flight queue go, and the slot goes on."""
+    from pooled_runner.sglang.spec_governor import CostAwareSpecParams
+
+    clock = FakeClock()
+    params = CostAwareSpecParams(initial_steps=3, clock=clock)
+    slot = params._slots[1]
+    assert params.get_steps_for_batch(1) == 0
+    params.get_steps_for_batch(1)
+    clock.now += 0.002
+    with caplog.at_level("WARNING", logger="pooled_runner"):
+        params.on_verify_complete([2], 1)  # 2 accepted drafts for a depth-0 launch
+    assert slot.num_dropped == 1 and not slot._in_flight and slot.governor.num_steps == 0
+    assert "out of step" in caplog.text
+    params.on_verify_complete([0], 1)  # the second launch's outcome: its queue entry is gone, not timed
+    assert slot.governor.num_steps == 0
+    params.get_steps_for_batch(1)
+    clock.now += 0.002
+    params.on_verify_complete([0], 1)
+    assert slot.governor.num_steps == 1

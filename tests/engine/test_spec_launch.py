@@ -44,3 +44,52 @@ def test_no_speculation_has_nothing_to_check(embedded_model: Path) -> None:
     from pooled_runner.sglang.spec import check_launch
 
     assert check_launch(resolved(embedded_model), pool_rows=4, top_k=4, staging_min_tokens=1) == []
+
+
+def test_adaptive_speculation_is_checked_at_its_widest_depth(embedded_model: Path) -> None:
+    """SGLang's default adaptive slots reach 7 draft steps (8 tokens per request): the lanes and the staging
+    check must serve that verify step, not the starting one."""
+    from pooled_runner.sglang.spec import check_launch
+
+    args = resolved(embedded_model, *SPEC, "--speculative-adaptive", "--max-running-requests", "1")
+    warnings = check_launch(args, pool_rows=12, top_k=4, staging_min_tokens=None)
+    assert len(warnings) == 1 and "top_k 4 x (1 + 7 speculative tokens) = 32" in warnings[0], warnings
+    with pytest.raises(
+        ValueError, match=r"1 \+ 7 speculative tokens = 8 >= --moe-expert-pool-staging-min-tokens 8"
+    ):
+        check_launch(args, pool_rows=64, top_k=4, staging_min_tokens=8)
+
+
+def test_cost_governor_is_refused_where_sglang_turns_adaptive_off(embedded_model: Path) -> None:
+    from pooled_runner.sglang.spec_governor import adaptive_refusal
+
+    assert adaptive_refusal(resolved(embedded_model, *SPEC, "--speculative-adaptive")) is None
+    topk2 = [*SPEC[:-1], "2", "--speculative-num-draft-tokens", "8", "--speculative-adaptive"]
+    refusal = adaptive_refusal(resolved(embedded_model, *topk2))
+    assert refusal is not None and "speculative_eagle_topk=2 (only topk=1 is supported)" in refusal
+    assert "--moe-expert-pool-spec-governor off" in refusal
+
+
+def test_lanes_serve_the_widest_adaptive_depth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_runner_widths` in the scheduler: SGLang's runtime context says adaptive with its default slots."""
+    from types import SimpleNamespace
+
+    import sglang.srt.runtime_context as runtime_context
+
+    from pooled_runner.sglang.spec import _runner_widths
+
+    class Runner:
+        spec_algorithm = SimpleNamespace(is_speculative=lambda: True)
+
+        def decode_num_tokens_per_req(self, *, num_draft_tokens: int | None = None) -> int:
+            return 4 if num_draft_tokens is None else num_draft_tokens  # the starting depth 3: 4 tokens
+
+    for adaptive, max_draft, expected in ((False, 4, 4), (True, 8, 8)):
+        spec = SimpleNamespace(
+            speculative_adaptive=adaptive, speculative_adaptive_config=None, speculative_eagle_topk=1
+        )
+        monkeypatch.setattr(runtime_context, "get_spec", lambda spec=spec: spec)
+        monkeypatch.setattr(runtime_context, "max_speculative_num_draft_tokens", lambda m=max_draft: m)
+        width, how = _runner_widths(Runner())
+        assert width == expected, (adaptive, width, how)
+        assert ("widest adaptive depth" in how) == adaptive
