@@ -20,10 +20,10 @@ def apply_cpu_patches() -> list[str]:
 
 def apply_cpu_speculative_patches() -> list[str]:
     """The extra patches speculative decoding (EAGLE/NEXTN) needs without CUDA; returns their module names."""
-    from pooled_runner.patches import cpu_cuda_synchronize, cpu_spec_tree
+    from pooled_runner.patches import cpu_cache_locs, cpu_cuda_synchronize, cpu_spec_tree
 
     applied = []
-    for patch in (cpu_spec_tree, cpu_cuda_synchronize):
+    for patch in (cpu_spec_tree, cpu_cache_locs, cpu_cuda_synchronize):
         patch.apply()
         applied.append(patch.__name__)
     return applied

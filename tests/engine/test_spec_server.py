@@ -129,3 +129,40 @@ def test_cost_aware_speculation_keeps_the_tokens_and_moves_the_depth(
     switches = re.findall(r"Switch adaptive runtime state: steps (\d+) -> (\d+)", log)
     assert switches, "the governor never changed the depth (no probe ran)"
     print(f"depth switches (probes and moves): {switches}")
+
+
+def test_cost_aware_speculation_stops_drafting_where_no_draft_is_accepted(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The "random" MTP head: its drafts are (almost) never accepted, so drafting cannot pay. The governor
+    starts at depth 0, probes depth 1 (a step there costs more and yields nothing) and keeps running 0; greedy
+    tokens equal the plain server's (the "agree" head's tokens are the same whatever the depth writes, so this
+    is the test of depth 0's correctness)."""
+    from pooled_runner.sglang.embedded_mtp import ensure_embedded_mtp_model
+
+    model = ensure_embedded_mtp_model("random")
+    plain_log = tmp_path_factory.mktemp("plain-random") / "server.log"
+    with launched(
+        ["--model-path", str(model), "--no-moe-expert-pool", "--dtype", "float32"], plain_log
+    ) as plain:
+        expected = [generate_ids(plain.url, ids, 32) for ids in PROMPTS]
+    log_path = tmp_path_factory.mktemp("governed-random") / "server.log"
+    args = [
+        "--model-path", str(model), "--moe-expert-pool-rows", str(POOL_ROWS), "--dtype", "float32",
+        *SPEC_ARGS, "--speculative-adaptive", "--moe-expert-pool-spec-governor", "cost",
+    ]  # fmt: skip
+    with launched(args, log_path) as server:
+        outs = [_generate(server.url, ids, new_tokens=32) for ids in PROMPTS]
+        log = server.log()
+    # depth 0 writes its K/V where SGLang's write-window helper plans it: without patches/cpu_cache_locs.py it
+    # returned None on the CPU and these tokens went wrong from the first decode step at depth 0
+    assert [list(out["output_ids"]) for out in outs] == expected
+    switches = [
+        (int(a), int(b)) for a, b in re.findall(r"Switch adaptive runtime state: steps (\d+) -> (\d+)", log)
+    ]
+    print(f"depth switches (probes and moves): {switches}")
+    assert switches and switches[0] == (3, 0), switches  # SGLang's starting state 3, then the governor's 0
+    probes = switches[1:]
+    assert probes, "depth 1 was never probed"
+    assert set(probes) <= {(0, 1), (1, 0)}, probes  # nothing deeper than the losing neighbour
+    assert len(probes) <= 4 and probes[-1] == (1, 0), probes  # it ends at 0: one or two probes
