@@ -15,6 +15,7 @@ and say so.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -25,6 +26,15 @@ def decode_lanes(max_running_requests: int, num_speculative_tokens: int = 0) -> 
     if num_speculative_tokens < 0:
         raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0")
     return max_running_requests * (1 + num_speculative_tokens)
+
+
+def adaptive_decode_lanes(max_running_requests: int, tokens_per_request_at: Callable[[int], int]) -> int:
+    """Tokens one decode step may carry when the draft depth depends on the batch size (adaptive speculation:
+    SGLang's slots allow depth 7 at batch sizes 1-7, 3 at 8-31, ...): the largest `bs x
+    tokens_per_request_at(bs)` over batch sizes 1..max_running_requests."""
+    if max_running_requests < 1:
+        raise ValueError(f"max_running_requests={max_running_requests} must be >= 1")
+    return max(bs * tokens_per_request_at(bs) for bs in range(1, max_running_requests + 1))
 
 
 def takes_decode_path(num_tokens: int, lanes: int) -> bool:
@@ -61,6 +71,7 @@ def check_speculative(
     tokens_per_request: int,
     max_running_requests: int | None,
     staging_min_tokens: int | None,
+    lanes: int | None = None,
 ) -> SpecChecks:
     """Check one request's verify width (`tokens_per_request` = 1 + num_spec) against the rows and staging.
 
@@ -71,7 +82,9 @@ def check_speculative(
       prefill step, even with `--max-running-requests 1`; the fix names the largest width that stays apart.
     - staging on and the lanes of all requests reach `staging_min_tokens`: warned: staging then starts at
       `lanes + 1` tokens.
-    `staging_min_tokens` None = staging off; `max_running_requests` None = not known yet (resolved later).
+    `staging_min_tokens` None = staging off; `max_running_requests` None = not known yet (resolved later);
+    `lanes`: the decode lanes when they are not `max_running_requests x tokens_per_request` (adaptive speculation,
+    `adaptive_decode_lanes`).
     """
     warnings: list[str] = []
     problems: list[str] = []
@@ -94,12 +107,15 @@ def check_speculative(
             "--no-moe-expert-pool-prefill-staging"
         )
     elif max_running_requests is not None:
-        lanes = decode_lanes(max_running_requests, num_spec)
+        how = "the widest adaptive step"
+        if lanes is None:
+            lanes = decode_lanes(max_running_requests, num_spec)
+            how = f"--max-running-requests {max_running_requests} x {tokens_per_request} tokens per request"
         if lanes >= staging_min_tokens:
             warnings.append(
-                f"decode lanes {lanes} = --max-running-requests {max_running_requests} x {tokens_per_request} "
-                f"tokens per request >= --moe-expert-pool-staging-min-tokens {staging_min_tokens}: steps of up "
-                f"to {lanes} tokens take the decode path, so prefill staging starts at {lanes + 1} tokens"
+                f"decode lanes {lanes} = {how} >= --moe-expert-pool-staging-min-tokens {staging_min_tokens}: "
+                f"steps of up to {lanes} tokens take the decode path, so prefill staging starts at {lanes + 1} "
+                "tokens"
             )
     return SpecChecks(warnings, problems)
 

@@ -16,17 +16,18 @@ size 1 cannot measure tokens per step (one request accepts 0..d drafts) but meas
   `max_probe_interval` steps), so a losing depth costs less and less while a change of conditions (acceptance,
   hit rate, traffic) is still noticed;
 - a probe lasts at least `probe_steps` steps (the first is not timed, see below) and ends as soon as it is
-  decided: it loses once its estimated rate is not above the current's by `margin`; a probe of a shallower depth
-  wins once it is; a probe of a deeper depth wins only when its advantage exceeds `margin` by `confidence`
-  standard errors (step-time noise of both depths, and the acceptance estimate's own uncertainty), so a lucky
-  pair of steps or a young acceptance estimate cannot make drafting look better than it is; an undecided probe
-  ends after `max_probe_steps` steps and loses. Drafting must prove that it pays; not drafting need not;
+  decided: it loses once its estimated rate is not above the current's by `margin`; a probe of a deeper depth
+  wins only when its advantage exceeds `margin` by `confidence` standard errors (step-time noise of both
+  depths, and the acceptance estimate's own uncertainty), so a lucky pair of steps or a young acceptance
+  estimate cannot make drafting look better than it is; a probe of a shallower depth needs half that, on the
+  step-time noise alone (doubt about the acceptance counts against drafting); an undecided probe ends after `max_probe_steps` steps and loses. Drafting must prove that it pays, more than not
+  drafting must: at batch size 1, where step times are noisy, gains of a few percent are given up;
 - a step whose depth differs from the step before is not timed, for the probed and the running depth alike: a
   change of depth changes the working set, and the pool needs a step to follow (timing the step back from a
   probe would make the running depth look slower than it is, and probes would win by mistake). Neither is a step
   the caller marks untimed, nor one longer than `outlier_factor` times its depth's average (a prefill or an idle
-  gap in between); three such steps in a row are taken as a change of conditions and restart the
-  average.
+  gap in between); three such steps in a row are taken as a change of conditions: they restart the running
+  average, or become the probe's timed steps.
 Tokens per request per second rises with the depth and then falls (tokens grow less and less per draft, a
 step's cost grows with the experts each draft adds), so probing neighbours is a hill climb, and probing the
 smallest depth too keeps the climb from resting on a local peak above it.
@@ -77,8 +78,10 @@ class _Arm:
 @dataclass
 class _Probe:
     depth: int
+    reference: float | None  # the depth's stored step time: a step over outlier_factor x it is an outlier
     timed: list[float] = field(default_factory=list)  # timed step times
     seen: list[float] = field(default_factory=list)  # every step time at this depth during the probe
+    outliers: list[float] = field(default_factory=list)  # the outliers in a row just before
 
 
 class SpecGovernor:
@@ -147,7 +150,9 @@ class SpecGovernor:
         self.outlier_factor = outlier_factor
         self._arms = {d: _Arm(interval=min_probe_interval) for d in depths}
         self.current = initial  # the depth that runs outside probes
-        self._probe: _Probe | None = _Probe(initial)  # the depth being measured now (None: running `current`)
+        self._probe: _Probe | None = _Probe(
+            initial, None
+        )  # the depth being measured now (None: running `current`)
         self._last_depth: int | None = None  # depth of the last observed step (a change is not timed)
         self._accepted = 0.0  # decayed counts of accepted drafts and of rejections (a chain stopped early)
         self._rejected = 0.0
@@ -161,7 +166,8 @@ class SpecGovernor:
         if self._probe is None:
             due = [d for d in self._probe_set(self.current) if self._arms[d].due <= self.num_steps]
             if due:
-                self._probe = _Probe(min(due, key=lambda d: (self._arms[d].due, d)))
+                depth = min(due, key=lambda d: (self._arms[d].due, d))
+                self._probe = _Probe(depth, self._arms[depth].seconds)
         return self._probe.depth if self._probe is not None else self.current
 
     def observe(self, depth: int, accepted: Sequence[int], seconds: float, *, timed: bool = True) -> None:
@@ -229,8 +235,14 @@ class SpecGovernor:
 
     def _probe_step(self, probe: _Probe, seconds: float, timed: bool) -> None:
         probe.seen.append(seconds)
-        known = self._arms[probe.depth].seconds
-        if timed and not (known is not None and seconds > self.outlier_factor * known):
+        if timed and probe.reference is not None and seconds > self.outlier_factor * probe.reference:
+            probe.outliers.append(seconds)
+            if (
+                len(probe.outliers) >= MAX_OUTLIERS_IN_A_ROW
+            ):  # slow for several steps: the stored time is stale
+                probe.timed, probe.outliers, probe.reference = list(probe.outliers), [], None
+        elif timed:
+            probe.outliers.clear()
             probe.timed.append(seconds)
         verdict = self._judge(probe) if len(probe.timed) >= self.probe_steps - 1 else None
         if verdict is None and len(probe.seen) < self.max_probe_steps:
@@ -269,13 +281,16 @@ class SpecGovernor:
         threshold = math.log1p(self.margin)
         if log_ratio <= threshold:
             return "lose"
-        if probe.depth < self.current:
-            return "win"  # the cheaper direction needs no proof
         variance = max(_relative_variance(probe.timed), current.relative_variance) / len(probe.timed)
         current_samples = min(current.num_timed, (2.0 - self.ema_alpha) / self.ema_alpha)
         variance += current.relative_variance / max(current_samples, 1.0)
+        if probe.depth < self.current:
+            # drafting less (the safe direction) needs half the proof, on step times alone: doubt about the
+            # acceptance counts against the deeper depth
+            return "win" if log_ratio - threshold >= self.confidence / 2.0 * math.sqrt(variance) else None
         variance += self._acceptance_variance(probe.depth, self.current)
-        return "win" if log_ratio - threshold >= self.confidence * math.sqrt(variance) else None
+        confidence = self.confidence
+        return "win" if log_ratio - threshold >= confidence * math.sqrt(variance) else None
 
     def _acceptance_variance(self, depth: int, other: int) -> float:
         """Variance of log(tokens(depth) / tokens(other)) from the acceptance estimate's own uncertainty."""

@@ -75,3 +75,16 @@ def test_speculative_checks_warn_refuse_with_numbers():
     assert wide.problems == [] and "decode lanes 512 = --max-running-requests 128 x 4" in wide.warnings[0]
     assert "prefill staging starts at 513 tokens" in wide.warnings[0]
     assert check_speculative(4096, 8, 4, 127, 512).warnings == []
+
+
+def test_adaptive_decode_lanes_take_the_widest_batch() -> None:
+    from pooled_runner.lanes import adaptive_decode_lanes
+
+    def width_at(bs: int) -> int:  # depth 7 below 8 requests, 3 below 32, then 0
+        return 8 if bs < 8 else 4 if bs < 32 else 1
+
+    by_hand = {1: 8, 5: 40, 9: 56, 20: 80, 33: 124, 200: 200}
+    for max_running, lanes in by_hand.items():
+        assert adaptive_decode_lanes(max_running, width_at) == lanes, max_running
+    with pytest.raises(ValueError, match="max_running_requests=0"):
+        adaptive_decode_lanes(0, width_at)

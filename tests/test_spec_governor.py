@@ -200,9 +200,9 @@ def test_the_step_back_from_a_probe_is_not_timed() -> None:
     assert governor.rates()[0] == pytest.approx(500.0)
 
 
-def test_a_deeper_probe_must_prove_its_gain_a_shallower_one_need_not() -> None:
+def test_a_deeper_probe_must_prove_its_gain_a_shallower_one_less() -> None:
     """Drafting must prove it pays: a deeper depth that looks 10% better on a few noisy steps and a young
-    acceptance estimate keeps being probed, then loses undecided; the shallower direction wins on its estimate."""
+    acceptance estimate keeps being probed, then loses undecided; the shallower direction needs half the proof."""
     governor = SpecGovernor((0, 1), probe_steps=3, max_probe_steps=6, acceptance_decay=1.0)
     for seconds in (0.010, 0.008, 0.012):  # depth 0: 10 ms on average, noisy (relative sd 0.2)
         governor.observe(governor.choose(), [0], seconds)
@@ -216,7 +216,7 @@ def test_a_deeper_probe_must_prove_its_gain_a_shallower_one_need_not() -> None:
         governor.observe(1, accepted, seconds)
     assert governor.probing is None and governor.current == 0
     assert governor.rates()[1] == pytest.approx(1.5 / 0.0136)  # what it measured is kept
-    # the same numbers the other way round: running depth 1, depth 0 wins on its point estimate
+    # the other way round: running depth 1, depth 0 wins on a 7% gain (half the proof, step times only)
     governor = SpecGovernor((0, 1), initial=1, probe_steps=3, acceptance_decay=1.0)
     for accepted, seconds in (([1], 0.030), ([0], 0.015), ([0], 0.015)):  # acceptance 1/3: 1.33 tokens
         governor.observe(governor.choose(), accepted, seconds)
@@ -227,24 +227,41 @@ def test_a_deeper_probe_must_prove_its_gain_a_shallower_one_need_not() -> None:
 
 
 def test_a_probe_ends_even_when_none_of_its_steps_can_be_timed() -> None:
-    """Every step of a probe an outlier (a slow depth on a slow model, prefills in between): it ends after
-    max_probe_steps and loses, and the governor goes on at the current depth."""
+    """A probe whose steps the caller cannot time (batch sizes alternating, say) ends after max_probe_steps and
+    loses; the governor goes on at the current depth."""
     governor = SpecGovernor((0, 1), probe_steps=3, max_probe_steps=5, min_probe_interval=4)
+    for _ in range(3):
+        governor.observe(governor.choose(), [0], 0.001)
+    assert governor.choose() == 1
+    for _ in range(4):
+        governor.observe(1, [1], 0.0005, timed=False)
+        assert governor.probing == 1
+    governor.observe(1, [1], 0.0005, timed=False)  # the 5th: the probe ends undecided and loses
+    assert governor.probing is None and governor.current == 0 and governor.choose() == 0
+    assert governor.rates()[1] is None  # nothing was measured
+
+
+def test_outliers_in_a_row_are_a_change_of_conditions_for_probes_too() -> None:
+    """Depth 1 was measured at 2 ms; then every step gets 5x slower (the pool's hit rate collapsed). The running
+    depth restarts its average after three slow steps; a probe of 1 must not drop all its steps as outliers of
+    the stale 2 ms (it would lose for ever): three in a row become its timed steps."""
+    governor = SpecGovernor((0, 1), probe_steps=3, min_probe_interval=4, acceptance_decay=1.0)
     for _ in range(3):
         governor.observe(governor.choose(), [0], 0.001)
     for _ in range(3):  # the first probe of 1: 2 ms per step, 2 tokens each (1000 tokens/s, not a win)
         assert governor.choose() == 1
         governor.observe(1, [1], 0.002)
     assert governor.probing is None and governor.rates()[1] == pytest.approx(1000.0)
-    while governor.choose() == 0:
-        governor.observe(0, [0], 0.001)
-    for _ in range(4):  # the next probe: every step over 3x depth 1's 2 ms, so none is timed
+    while governor.choose() == 0:  # the slowdown: depth 0 at 5 ms
+        governor.observe(0, [0], 0.005)
+    assert governor.rates()[0] == pytest.approx(200.0, rel=0.05)
+    governor.observe(1, [1], 0.010)  # the probe: its first step is not timed
+    for _ in range(2):  # outliers of the stale 2 ms: not timed yet
+        governor.observe(1, [1], 0.0075)
         assert governor.probing == 1
-        governor.observe(1, [1], 0.5)
-    assert governor.probing == 1
-    governor.observe(1, [1], 0.5)  # the 5th: the probe ends undecided and loses
-    assert governor.probing is None and governor.current == 0 and governor.choose() == 0
-    assert governor.rates()[1] == pytest.approx(1000.0)
+    governor.observe(1, [1], 0.0075)  # the third in a row: they are the probe's steps, and it wins
+    assert governor.probing is None and governor.current == 1
+    assert governor.rates()[1] == pytest.approx(2.0 / 0.0075)  # every draft accepted: 2 tokens in 7.5 ms
 
 
 def test_the_smallest_depth_is_always_probed() -> None:

@@ -17,10 +17,12 @@ The draft model's MoE layers are built in SGLang's draft scope (`is_draft`) and 
 
 from __future__ import annotations
 
+import bisect
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from pooled_runner.lanes import check_speculative, decode_lanes
+from pooled_runner.lanes import adaptive_decode_lanes, check_speculative, decode_lanes
 from pooled_runner.sglang.runtime import get_runtime
 
 logger = logging.getLogger("pooled_runner")
@@ -91,6 +93,44 @@ def _runner_widths(runner: Any) -> tuple[int, str]:
     return width, f"{verify} tokens per request in target verify{adaptive}, eagle topk {topk}"
 
 
+def _adaptive_widths(runner: Any) -> Callable[[int], int] | None:
+    """With `--speculative-adaptive`: tokens per request of the widest verify step a batch of `bs` requests may
+    run (the largest candidate depth of the slot SGLang routes `bs` to); None without it.
+
+    Routing as `AdaptiveSpeculativeParams._find_closest_bs` (the slot of the largest key <= bs, else the
+    smallest), without CUDA-graph padding: our launcher runs SGLang without its graph runner.
+    """
+    from sglang.srt.runtime_context import get_spec
+
+    spec = get_spec()
+    if not runner.spec_algorithm.is_speculative() or not spec.speculative_adaptive:
+        return None
+    from sglang.srt.speculative.adaptive_spec_params import _load_adaptive_config
+
+    _, entries = _load_adaptive_config(spec.speculative_adaptive_config)
+    keys = sorted(entries)
+    widths = {
+        key: int(runner.decode_num_tokens_per_req(num_draft_tokens=max(entries[key]["candidate_steps"]) + 1))
+        for key in keys
+    }
+
+    def width_at(bs: int) -> int:
+        return widths[keys[max(bisect.bisect_right(keys, bs) - 1, 0)]]
+
+    return width_at
+
+
+def _lanes(runner: Any, max_running: int, width: int) -> tuple[int, str]:
+    """The decode lanes of this runner and how they were derived."""
+    width_at = _adaptive_widths(runner)
+    if width_at is None:
+        return decode_lanes(
+            max_running, width - 1
+        ), f"max_running_requests {max_running} x {width} tokens per request"
+    lanes = adaptive_decode_lanes(max_running, width_at)
+    return lanes, f"the widest adaptive step up to max_running_requests {max_running}"
+
+
 def after_alloc_memory_pool(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
     """Set the pool's decode lanes from the target runner's resolved `max_running_requests` (draft: skipped)."""
     runtime = get_runtime()
@@ -98,16 +138,16 @@ def after_alloc_memory_pool(result: Any, runner: Any, *args: Any, **kwargs: Any)
         return None
     width, how = _runner_widths(runner)
     max_running = int(runner.max_running_requests)
-    lanes = decode_lanes(max_running, width - 1)
+    lanes, lanes_how = _lanes(runner, max_running, width)
     moe = runtime.moe
     if moe is not None:
         staging = runtime.config.staging_min_tokens if runtime.config.prefill_staging else None
-        checks = check_speculative(runtime.config.pool_rows, moe.top_k, width, max_running, staging)
+        checks = check_speculative(runtime.config.pool_rows, moe.top_k, width, max_running, staging, lanes)
         for warning in checks.warnings:
             logger.warning("pooled_runner: %s", warning)
         if checks.problems:
             raise ValueError("pooled_runner: " + "; ".join(checks.problems))
-    runtime.set_decode_lanes(lanes, f"max_running_requests {max_running} x {width} tokens per request: {how}")
+    runtime.set_decode_lanes(lanes, f"{lanes_how}: {how}")
     return None
 
 
@@ -120,7 +160,8 @@ def after_init_cuda_graphs(result: Any, runner: Any, *args: Any, **kwargs: Any) 
     if not capture_bs:
         return None
     width, _ = _runner_widths(runner)
-    too_wide = [bs * width for bs in capture_bs if bs * width > runtime.decode_lanes]
+    width_at = _adaptive_widths(runner) or (lambda bs: width)
+    too_wide = [bs * width_at(bs) for bs in capture_bs if bs * width_at(bs) > runtime.decode_lanes]
     if too_wide:
         logger.warning(
             "pooled_runner: decode graphs captured at %s tokens, wider than the decode lanes %d",
@@ -131,7 +172,7 @@ def after_init_cuda_graphs(result: Any, runner: Any, *args: Any, **kwargs: Any) 
         logger.info(
             "pooled_runner: decode graphs captured at batch sizes %s (up to %d tokens, lanes %d)",
             capture_bs,
-            max(capture_bs) * width,
+            max(bs * width_at(bs) for bs in capture_bs),
             runtime.decode_lanes,
         )
     return None

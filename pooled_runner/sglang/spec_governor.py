@@ -5,17 +5,17 @@ candidate depths, one pre-built runtime state per depth, from the acceptance len
 (`speculative/adaptive_spec_params.py`). With a pool the cost of a verify step grows with the distinct experts
 its draft lanes route (often read from the host), so a depth that SGLang's rule keeps can yield fewer tokens
 per second than no drafting. `CostAwareSpecParams` keeps SGLang's per-batch-size slots and candidates, adds
-depth 0 to every slot (drafting off must always be possible), and decides each slot's depth with a
-`pooled_runner.spec_governor.SpecGovernor` fed with tokens per request and the wall time between two verify
-completions. Each slot starts without drafting (SGLang's `--speculative-num-steps` only sizes the states):
-drafting must prove that it pays. Installed by `pooled_runner.patches.spec_cost_governor`
+depth 0 to every slot (drafting off must always be possible), and decides the depth of each batch size with
+its own `pooled_runner.spec_governor.SpecGovernor` (among its slot's candidates) fed with tokens per request
+and the wall time between two verify completions. Each starts without drafting (SGLang's
+`--speculative-num-steps` is only the worker's starting state): drafting must prove that it pays. Installed by `pooled_runner.patches.spec_cost_governor`
 (`--moe-expert-pool-spec-governor cost`).
 
 Timing: a verify step's time runs from the later of its launch (`get_steps_for_batch`) and the previous verify
 completion, to its own completion (`on_verify_complete`). Without the overlap scheduler that is the step itself
 (a prefill or an idle gap before the launch is not counted); with it, a step is launched before the previous
 one's result is processed, and the time is the interval between completions, the steady step time. A step
-that completes after a step of another batch-size slot is not timed (the working set changed with the batch).
+that completes after a step of another batch size is not timed (the working set changed with the batch).
 What still inflates a sample (a prefill overlapped with a decode step) the governor drops as an outlier when it
 is large and otherwise averages out.
 """
@@ -55,23 +55,36 @@ def adaptive_refusal(server_args: Any) -> str | None:
 
 class GovernedStepSlot:
     """One batch-size slot (the interface `AdaptiveSpeculativeParams` reads of `AdaptiveStepSlot`:
-    `candidate_steps`, `current_steps`), deciding with a `SpecGovernor` that starts at depth 0."""
+    `candidate_steps`, `current_steps`), deciding with one `SpecGovernor` per batch size (created at its first
+    step, starting at depth 0): a slot spans several batch sizes (1-7 in SGLang's default config) and a step's
+    time grows with them, so their times must not be averaged together."""
 
     def __init__(self, candidate_steps: list[int]) -> None:
         self.candidate_steps = sorted(set(candidate_steps) | {0})
-        self.governor = SpecGovernor(self.candidate_steps)
-        self._in_flight: deque[tuple[int, float]] = deque(maxlen=MAX_IN_FLIGHT)  # (depth, launch time)
+        self.governors: dict[int, SpecGovernor] = {}
+        self._in_flight: deque[tuple[int, int, float]] = deque(maxlen=MAX_IN_FLIGHT)  # (bs, depth, launch)
+        self._last_batch_size: int | None = None
         self.num_dropped = 0  # outcomes that matched no launched step (see `complete`)
+
+    def governor(self, batch_size: int) -> SpecGovernor:
+        """The governor of `batch_size` (created on first use)."""
+        if batch_size not in self.governors:
+            self.governors[batch_size] = SpecGovernor(self.candidate_steps)
+        return self.governors[batch_size]
 
     @property
     def current_steps(self) -> int:
-        """The depth the governor runs outside probes (what SGLang's logs and state switches read)."""
-        return self.governor.current
+        """The depth the last launched batch size runs outside probes (what SGLang's logs read)."""
+        if self._last_batch_size is None:
+            return 0
+        return self.governor(self._last_batch_size).current
 
-    def launch(self, now: float) -> int:
-        """The depth of the verify step launched at `now`; remembered until its outcome arrives."""
-        depth = self.governor.choose()
-        self._in_flight.append((depth, now))
+    def launch(self, batch_size: int, now: float) -> int:
+        """The depth of the verify step of `batch_size` requests launched at `now`; remembered until its outcome
+        arrives."""
+        depth = self.governor(batch_size).choose()
+        self._in_flight.append((batch_size, depth, now))
+        self._last_batch_size = batch_size
         return depth
 
     def complete(
@@ -83,36 +96,39 @@ class GovernedStepSlot:
     ) -> None:
         """The outcome of the oldest launched step, completed at `now`: accepted drafts per request; timed from
         the later of its launch and `last_complete` (the previous verify completion of any slot), unless
-        `timed` is False. An outcome that cannot be the oldest launch's (more accepted drafts than its depth:
-        the launches and completions went out of step) is dropped with the queue, never raised in the
-        scheduler: the governor loses a sample, the server nothing."""
+        `timed` is False. An outcome that cannot be the oldest launch's (another batch size, or more accepted
+        drafts than its depth: the launches and completions went out of step) is dropped with the queue, never
+        raised in the scheduler: the governor loses a sample, the server nothing."""
         if not self._in_flight:  # an outcome without a launch (the slot was routed differently): not timed
             return
-        depth, launched = self._in_flight.popleft()
+        batch_size, depth, launched = self._in_flight.popleft()
         if not num_correct_drafts_per_req:
             return
-        if max(num_correct_drafts_per_req) > depth or min(num_correct_drafts_per_req) < 0:
+        out_of_step = len(num_correct_drafts_per_req) != batch_size
+        if out_of_step or max(num_correct_drafts_per_req) > depth or min(num_correct_drafts_per_req) < 0:
             self.num_dropped += 1
             self._in_flight.clear()
             if self.num_dropped == 1:
                 logger.warning(
-                    "cost-aware speculation: an outcome of %s accepted drafts for a step launched at depth %d; "
-                    "dropped (launches and completions out of step), this slot's in-flight steps forgotten",
+                    "cost-aware speculation: an outcome of %s accepted drafts for a step of %d requests launched "
+                    "at depth %d; dropped (launches and completions out of step), this slot's in-flight steps "
+                    "forgotten",
                     num_correct_drafts_per_req,
+                    batch_size,
                     depth,
                 )
             return
         start = launched if last_complete is None else max(launched, last_complete)
         if now > start:
-            self.governor.observe(depth, num_correct_drafts_per_req, now - start, timed=timed)
+            self.governor(batch_size).observe(depth, num_correct_drafts_per_req, now - start, timed=timed)
 
 
 class CostAwareSpecParams(AdaptiveSpeculativeParams):
     """`AdaptiveSpeculativeParams` whose slots choose the depth by measured tokens per request per second.
 
     Same constructor as SGLang's (plus `clock`, for tests); the candidates of each slot are the adaptive
-    config's plus 0. `initial_steps` is the worker's starting state; every slot's governor starts at depth 0 (the
-    first decode batch switches to it). `get_steps_for_batch` is called once per decode batch before its verify
+    config's plus 0, and each batch size has its own governor. `initial_steps` is the worker's starting state;
+    every governor starts at depth 0 (the first decode batch switches to it). `get_steps_for_batch` is called once per decode batch before its verify
     step (SGLang's `activate_step_by_batch`) and `on_verify_complete` once per verify result; the latter returns
     None: the next batch's `get_steps_for_batch` applies the governor's choice.
     """
@@ -126,25 +142,29 @@ class CostAwareSpecParams(AdaptiveSpeculativeParams):
         self._slots = governed
         self._clock = clock
         self._last_complete: float | None = None
-        self._last_slot: GovernedStepSlot | None = None  # the slot of the last completion
+        self._last_batch_size: int | None = None  # of the last completion
         logger.info(
-            "cost-aware speculation: depth per batch-size slot chosen by measured tokens/s; candidates %s",
+            "cost-aware speculation: depth per batch size chosen by measured tokens/s; candidates by slot %s",
             {bs: slot.candidate_steps for bs, slot in governed.items()},
         )
 
     def get_steps_for_batch(self, batch_size: int) -> int:
-        return self._governed(batch_size).launch(self._clock())
+        return self._governed(batch_size).launch(batch_size, self._clock())
 
     def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> int | None:
         now = self._clock()
-        slot = self._governed(batch_size)
-        slot.complete(num_correct_drafts_per_req, now, self._last_complete, timed=slot is self._last_slot)
-        self._last_complete, self._last_slot = now, slot
+        timed = batch_size == self._last_batch_size  # another batch: another working set, not timed
+        self._governed(batch_size).complete(num_correct_drafts_per_req, now, self._last_complete, timed)
+        self._last_complete, self._last_batch_size = now, batch_size
         return None
 
+    def governor(self, batch_size: int) -> SpecGovernor:
+        """The governor of `batch_size` (created on first use; for logs and tests)."""
+        return self._governed(batch_size).governor(batch_size)
+
     def governors(self) -> dict[int, SpecGovernor]:
-        """Each batch-size slot's governor (for logs and tests)."""
-        return {bs: slot.governor for bs, slot in self._slots.items()}
+        """Every batch size's governor so far."""
+        return {bs: g for slot in self._slots.values() for bs, g in slot.governors.items()}  # type: ignore[attr-defined]
 
     def _governed(self, batch_size: int) -> GovernedStepSlot:
         slot = self._route(batch_size)

@@ -40,3 +40,15 @@ def test_write_window_is_planned_after_the_patch(
         ]
     ).to(torch.int64)
     assert got is not None and torch.equal(got, expected), (got, expected)
+
+
+def test_native_cpu_engine_and_npu_branches_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sglang.kernels.ops.speculative.cache_locs as cache_locs
+    from pooled_runner.patches import cpu_cache_locs
+
+    for flag in ("_is_cpu", "_is_npu"):
+        monkeypatch.setattr(cache_locs, "_is_xpu", False)
+        monkeypatch.setattr(cache_locs, flag, True)
+        cpu_cache_locs.apply()
+        assert cache_locs._is_xpu is False, flag
+        monkeypatch.setattr(cache_locs, flag, False)

@@ -96,11 +96,11 @@ def test_cost_aware_params_reach_the_best_depth_where_sglangs_rule_does_not(name
 
     clock = FakeClock()
     ours = CostAwareSpecParams(initial_steps=3, clock=clock)
-    assert ours.governors()[1].candidates == (0, 1, 3, 5, 7)  # depth 0 added to SGLang's bs-1 slot
+    assert ours.governor(1).candidates == (0, 1, 3, 5, 7)  # depth 0 added to SGLang's bs-1 slot
     num_steps = 1500
     tokens, seconds, worker = serve(ours, clock, step_ms, num_steps, batch_size=1, seed=7)
     best = max(step_ms, key=lambda d: expected_rate(step_ms, d))
-    assert ours.governors()[1].current == best, ours.governors()[1].rates()
+    assert ours.governor(1).current == best, ours.governor(1).rates()
     assert sum(d == best for d in worker.ran[-500:]) >= 480, worker.ran[-500:]
     achieved = (tokens / seconds) / expected_rate(step_ms, best)
     assert achieved >= 0.93, achieved  # probes and sampled acceptance included
@@ -119,9 +119,11 @@ def test_steps_of_each_batch_size_are_learned_apart() -> None:
     clock = FakeClock()
     params = CostAwareSpecParams(initial_steps=3, clock=clock)
     serve(params, clock, DRAFTING_LOSES, 300, batch_size=1, seed=1)
+    serve(params, clock, DRAFTING_LOSES, 50, batch_size=3, seed=2)  # the same slot (1-7), another batch size
     governors = params.governors()
-    assert governors[1].num_steps == 300  # every step timed from its launch
-    assert all(g.num_steps == 0 for bs, g in governors.items() if bs != 1)
+    assert sorted(governors) == [1, 3]
+    assert governors[1].num_steps == 300 and governors[3].num_steps == 50
+    assert params._slots[1].governors.keys() == {1, 3}  # both in SGLang's bs-1 slot
 
 
 def test_patch_replaces_the_workers_class_and_checks_the_version(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,7 +174,7 @@ def test_a_step_is_timed_from_its_launch_or_the_previous_completion() -> None:
 
     clock = FakeClock()
     params = CostAwareSpecParams(initial_steps=3, clock=clock)
-    governor = params.governors()[1]
+    governor = params.governor(1)
     seen: list[tuple[float, bool]] = []
     observe = governor.observe
     governor.observe = lambda depth, accepted, seconds, timed=True: (  # type: ignore[method-assign]
@@ -198,15 +200,16 @@ def test_a_step_is_timed_from_its_launch_or_the_previous_completion() -> None:
     assert depth == 0 and governor.steps_at[0] == 4  # every slot starts without drafting
 
 
-def test_a_step_after_another_slots_step_is_not_timed() -> None:
-    """bs 1 and bs 8 fall in different slots: the first bs-1 step after a bs-8 step runs on another working set."""
+def test_a_step_after_another_batch_size_is_not_timed() -> None:
+    """The first step after a step of another batch size (same slot, bs 1 and 3, or another, bs 8) runs on
+    another working set: not timed."""
     from pooled_runner.sglang.spec_governor import CostAwareSpecParams
 
     clock = FakeClock()
     params = CostAwareSpecParams(initial_steps=3, clock=clock)
     marks: list[tuple[int, bool]] = []
-    for bs in (1, 1, 8, 1, 1):
-        governor = params.governors()[params._bs_list[0] if bs == 1 else 8]
+    for bs in (1, 1, 3, 3, 1, 8, 1, 1):
+        governor = params.governor(bs)
         observe = governor.observe
         governor.observe = lambda d, a, s, timed=True, bs=bs, observe=observe: (  # type: ignore[method-assign]
             marks.append((bs, timed)),
@@ -216,12 +219,13 @@ def test_a_step_after_another_slots_step_is_not_timed() -> None:
         clock.now += 0.002
         params.on_verify_complete([0] * bs, bs)
         governor.observe = observe  # type: ignore[method-assign]
-    assert marks == [(1, False), (1, True), (8, False), (1, False), (1, True)], marks
+    expected = [(1, False), (1, True), (3, False), (3, True), (1, False), (8, False), (1, False), (1, True)]
+    assert marks == expected, marks
 
 
 def test_an_outcome_out_of_step_with_the_launches_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
-    """More accepted drafts than the launched depth: the scheduler must not crash; the sample and the slot's
-    in-flight queue go, and the slot goes on."""
+    """More accepted drafts than the launched depth, or another batch size than launched: the scheduler must
+    not crash; the sample and the slot's in-flight queue go, and the slot goes on."""
     from pooled_runner.sglang.spec_governor import CostAwareSpecParams
 
     clock = FakeClock()
@@ -232,11 +236,15 @@ def test_an_outcome_out_of_step_with_the_launches_is_dropped(caplog: pytest.LogC
     clock.now += 0.002
     with caplog.at_level("WARNING", logger="pooled_runner"):
         params.on_verify_complete([2], 1)  # 2 accepted drafts for a depth-0 launch
-    assert slot.num_dropped == 1 and not slot._in_flight and slot.governor.num_steps == 0
+    governor = params.governor(1)
+    assert slot.num_dropped == 1 and not slot._in_flight and governor.num_steps == 0
     assert "out of step" in caplog.text
     params.on_verify_complete([0], 1)  # the second launch's outcome: its queue entry is gone, not timed
-    assert slot.governor.num_steps == 0
+    assert governor.num_steps == 0
     params.get_steps_for_batch(1)
     clock.now += 0.002
     params.on_verify_complete([0], 1)
-    assert slot.governor.num_steps == 1
+    assert governor.num_steps == 1
+    params.get_steps_for_batch(1)
+    params.on_verify_complete([0, 0], 2)  # 2 requests' outcome for a 1-request launch (both route to slot 1)
+    assert slot.num_dropped == 2 and governor.num_steps == 1

@@ -70,13 +70,11 @@ def test_cost_governor_is_refused_where_sglang_turns_adaptive_off(embedded_model
     assert "--moe-expert-pool-spec-governor off" in refusal
 
 
-def test_lanes_serve_the_widest_adaptive_depth(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`_runner_widths` in the scheduler: SGLang's runtime context says adaptive with its default slots."""
+def _fake_runner_and_spec(monkeypatch: pytest.MonkeyPatch, adaptive: bool, max_draft: int):  # type: ignore[no-untyped-def]
+    """A target runner whose verify width is its draft tokens, and SGLang's runtime context (default slots)."""
     from types import SimpleNamespace
 
     import sglang.srt.runtime_context as runtime_context
-
-    from pooled_runner.sglang.spec import _runner_widths
 
     class Runner:
         spec_algorithm = SimpleNamespace(is_speculative=lambda: True)
@@ -84,12 +82,36 @@ def test_lanes_serve_the_widest_adaptive_depth(monkeypatch: pytest.MonkeyPatch) 
         def decode_num_tokens_per_req(self, *, num_draft_tokens: int | None = None) -> int:
             return 4 if num_draft_tokens is None else num_draft_tokens  # the starting depth 3: 4 tokens
 
-    for adaptive, max_draft, expected in ((False, 4, 4), (True, 8, 8)):
-        spec = SimpleNamespace(
-            speculative_adaptive=adaptive, speculative_adaptive_config=None, speculative_eagle_topk=1
-        )
-        monkeypatch.setattr(runtime_context, "get_spec", lambda spec=spec: spec)
-        monkeypatch.setattr(runtime_context, "max_speculative_num_draft_tokens", lambda m=max_draft: m)
-        width, how = _runner_widths(Runner())
-        assert width == expected, (adaptive, width, how)
-        assert ("widest adaptive depth" in how) == adaptive
+    spec = SimpleNamespace(
+        speculative_adaptive=adaptive, speculative_adaptive_config=None, speculative_eagle_topk=1
+    )
+    monkeypatch.setattr(runtime_context, "get_spec", lambda: spec)
+    monkeypatch.setattr(runtime_context, "max_speculative_num_draft_tokens", lambda: max_draft)
+    return Runner()
+
+
+@pytest.mark.parametrize(("adaptive", "expected"), [(False, 4), (True, 8)])
+def test_one_request_is_checked_at_the_widest_adaptive_depth(
+    monkeypatch: pytest.MonkeyPatch, adaptive: bool, expected: int
+) -> None:
+    """`_runner_widths` in the scheduler: SGLang's default slots reach depth 7 (8 tokens) at batch size 1, more
+    than `max_speculative_num_draft_tokens` (4 here) says: the candidates decide."""
+    from pooled_runner.sglang.spec import _runner_widths
+
+    width, how = _runner_widths(_fake_runner_and_spec(monkeypatch, adaptive, max_draft=4))
+    assert width == expected, (adaptive, width, how)
+    assert ("widest adaptive depth" in how) == adaptive
+
+
+@pytest.mark.parametrize(("max_running", "expected"), [(1, 8), (7, 56), (16, 64), (256, 256)])
+def test_adaptive_lanes_follow_the_depth_of_each_batch_size(
+    monkeypatch: pytest.MonkeyPatch, max_running: int, expected: int
+) -> None:
+    """SGLang's default slots: depth <= 7 at bs 1-7, 3 at 8-31, 1 at 32-63, 0 from 64. Reference: the largest
+    bs x (1 + depth) by hand (7 x 8, 16 x 4, 256 x 1), not max_running x 8."""
+    from pooled_runner.sglang.spec import _lanes
+
+    lanes, how = _lanes(_fake_runner_and_spec(monkeypatch, True, max_draft=8), max_running, 8)
+    assert lanes == expected and "adaptive" in how, (max_running, lanes)
+    plain, _ = _lanes(_fake_runner_and_spec(monkeypatch, False, max_draft=4), max_running, 4)
+    assert plain == max_running * 4
