@@ -12,8 +12,8 @@ size 1 cannot measure tokens per step (one request accepts 0..d drafts) but meas
 - it starts at the smallest depth (no drafting, where 0 is a candidate) and runs one depth (the current one),
   keeping an exponential average of its seconds per step and of their squared relative deviation;
 - it probes the current depth's neighbours in the candidate order, and the smallest depth: a depth never
-  measured at once, a measured one after an interval that doubles each time its probe loses (up to
-  `max_probe_interval` steps), so a losing depth costs less and less while a change of conditions (acceptance,
+  measured at once, a measured one after an interval that doubles each time its probe loses, or quadruples
+  when it lost by more than 10% (up to `max_probe_interval` steps), so a losing depth costs less and less while a change of conditions (acceptance,
   hit rate, traffic) is still noticed;
 - a probe lasts at least `probe_steps` steps (the first is not timed, see below) and ends as soon as it is
   decided: it loses once its estimated rate is not above the current's by `margin`; a probe of a deeper depth
@@ -49,7 +49,8 @@ from dataclasses import dataclass, field
 MIN_RELATIVE_VARIANCE = (
     0.02**2
 )  # floor of a depth's step-time variance (relative): two equal samples prove little
-MAX_OUTLIERS_IN_A_ROW = 3  # running steps dropped as outliers before the average restarts from them
+MAX_OUTLIERS_IN_A_ROW = 3
+CLEAR_LOSS = 0.9  # a probe below this share of the current rate loses clearly: its interval grows 4x, not 2x  # running steps dropped as outliers before the average restarts from them
 
 
 def expected_chain_tokens(depth: int, accept: float) -> float:
@@ -82,6 +83,7 @@ class _Probe:
     timed: list[float] = field(default_factory=list)  # timed step times
     seen: list[float] = field(default_factory=list)  # every step time at this depth during the probe
     outliers: list[float] = field(default_factory=list)  # the outliers in a row just before
+    log_ratio: float = 0.0  # log(estimated rate / current rate) at the last judgement
 
 
 class SpecGovernor:
@@ -237,9 +239,8 @@ class SpecGovernor:
         probe.seen.append(seconds)
         if timed and probe.reference is not None and seconds > self.outlier_factor * probe.reference:
             probe.outliers.append(seconds)
-            if (
-                len(probe.outliers) >= MAX_OUTLIERS_IN_A_ROW
-            ):  # slow for several steps: the stored time is stale
+            # slow for several steps: the stored time is stale, these are the probe's steps
+            if len(probe.outliers) >= MAX_OUTLIERS_IN_A_ROW:
                 probe.timed, probe.outliers, probe.reference = list(probe.outliers), [], None
         elif timed:
             probe.outliers.clear()
@@ -257,7 +258,8 @@ class SpecGovernor:
         else:
             if probe.timed:
                 self._measure(arm, probe.timed)
-            arm.interval = min(2 * arm.interval, self.max_probe_interval)
+            growth = 4 if probe.log_ratio < math.log(CLEAR_LOSS) else 2
+            arm.interval = min(growth * arm.interval, self.max_probe_interval)
             arm.due = self.num_steps + arm.interval
 
     def _measure(self, arm: _Arm, samples: list[float]) -> None:
@@ -278,6 +280,7 @@ class SpecGovernor:
         assert current.seconds is not None and tokens_probe is not None and tokens_current is not None
         mean = statistics.fmean(probe.timed)
         log_ratio = math.log(tokens_probe / mean) - math.log(tokens_current / current.seconds)
+        probe.log_ratio = log_ratio
         threshold = math.log1p(self.margin)
         if log_ratio <= threshold:
             return "lose"

@@ -146,16 +146,24 @@ def test_follows_a_change_of_conditions() -> None:
     assert governor.current == 0 and governor.num_switches >= 1
 
 
-def test_probe_intervals_double_while_probes_lose() -> None:
+@pytest.mark.parametrize(
+    ("depth3_ms", "expected"),
+    [
+        (4.21, [10, 18, 34]),  # 0.95x depth 0's rate: a close loss, the interval doubles (4, 8, 16, 32)
+        (8.0, [18, 34]),  # 0.5x: a clear loss, it quadruples (4, 16, 32)
+    ],
+)
+def test_probe_intervals_grow_while_probes_lose(depth3_ms: float, expected: list[int]) -> None:
     rng = random.Random(17)
-    costs = {0: 1.0, 3: 4.0}
+    costs = {0: 1.0, 3: depth3_ms}  # every draft accepted: depth 3 yields 4 tokens
     governor = SpecGovernor((3, 0), min_probe_interval=4, max_probe_interval=32, probe_steps=2)
-    _, _, depths = run(governor, lambda d, _s: costs[d] * 1e-3, 400, rng, noise=0.0)
+    _, _, depths = run(governor, lambda d, _s: costs[d] * 1e-3, 400, rng, noise=0.0, accept=1.0)
     starts = [i for i in range(1, len(depths)) if depths[i] == 3 and depths[i - 1] == 0]
     gaps = [b - a for a, b in itertools.pairwise(starts)]
-    # a probe of 2 steps, then the interval: 4+2, 8+2, 16+2, then 32+2 for ever
-    assert gaps[:3] == [10, 18, 34], gaps
-    assert set(gaps[3:]) == {34}, gaps
+    # a probe of 2 steps, then the interval, up to 32 + 2 for ever
+    assert gaps[: len(expected)] == expected, gaps
+    assert set(gaps[len(expected) :]) == {34}, gaps
+    assert governor.current == 0
 
 
 def test_first_step_of_a_probe_untimed_steps_and_outliers_are_not_timed() -> None:
