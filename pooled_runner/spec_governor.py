@@ -152,9 +152,8 @@ class SpecGovernor:
         self.outlier_factor = outlier_factor
         self._arms = {d: _Arm(interval=min_probe_interval) for d in depths}
         self.current = initial  # the depth that runs outside probes
-        self._probe: _Probe | None = _Probe(
-            initial, None
-        )  # the depth being measured now (None: running `current`)
+        # the depth being measured now (None: running `current`)
+        self._probe: _Probe | None = _Probe(initial, None)
         self._last_depth: int | None = None  # depth of the last observed step (a change is not timed)
         self._accepted = 0.0  # decayed counts of accepted drafts and of rejections (a chain stopped early)
         self._rejected = 0.0
@@ -273,10 +272,8 @@ class SpecGovernor:
         if probe.depth == self.current:
             return "measured"
         current = self._arms[self.current]
-        tokens_probe, tokens_current = (
-            self.tokens_per_request(probe.depth),
-            self.tokens_per_request(self.current),
-        )
+        tokens_probe = self.tokens_per_request(probe.depth)
+        tokens_current = self.tokens_per_request(self.current)
         assert current.seconds is not None and tokens_probe is not None and tokens_current is not None
         mean = statistics.fmean(probe.timed)
         log_ratio = math.log(tokens_probe / mean) - math.log(tokens_current / current.seconds)
@@ -292,8 +289,7 @@ class SpecGovernor:
             # acceptance counts against the deeper depth
             return "win" if log_ratio - threshold >= self.confidence / 2.0 * math.sqrt(variance) else None
         variance += self._acceptance_variance(probe.depth, self.current)
-        confidence = self.confidence
-        return "win" if log_ratio - threshold >= confidence * math.sqrt(variance) else None
+        return "win" if log_ratio - threshold >= self.confidence * math.sqrt(variance) else None
 
     def _acceptance_variance(self, depth: int, other: int) -> float:
         """Variance of log(tokens(depth) / tokens(other)) from the acceptance estimate's own uncertainty."""

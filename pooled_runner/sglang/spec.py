@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from pooled_runner.lanes import adaptive_decode_lanes, check_speculative, decode_lanes
@@ -70,36 +69,33 @@ def check_launch(server_args: Any, pool_rows: int, top_k: int, staging_min_token
 def _runner_widths(runner: Any) -> tuple[int, str]:
     """Tokens per request of this target runner's pooled steps, and how they were derived (for the log).
 
-    With `--speculative-adaptive` the verify width changes with the depth SGLang (or our governor) runs: the
-    lanes serve the widest candidate, as SGLang's own `ModelRunner.max_decode_logits_rows` sizes its buffers.
+    With `--speculative-adaptive` the verify width changes with the depth SGLang (or our governor) runs: this is
+    the widest candidate's (`_adaptive_slot_widths`), as SGLang's `ModelRunner.max_decode_logits_rows` sizes its
+    buffers.
     """
     if not runner.spec_algorithm.is_speculative():
         return 1, "no speculative decoding"
     from sglang.srt.runtime_context import get_spec, max_speculative_num_draft_tokens
-    from sglang.srt.speculative.adaptive_spec_params import resolve_candidate_steps_from_config
 
     spec = get_spec()
-    draft_token_counts = [None, max_speculative_num_draft_tokens()]  # None: SGLang's starting width
-    if spec.speculative_adaptive:
-        steps = resolve_candidate_steps_from_config(spec.speculative_adaptive_config)
-        draft_token_counts += [s + 1 for s in steps]
-    verify = max(
-        int(runner.decode_num_tokens_per_req(num_draft_tokens=n))  # SGLang's own target_verify width
-        for n in draft_token_counts
+    verify = max(  # SGLang's own target_verify width; None: its starting width
+        int(runner.decode_num_tokens_per_req(num_draft_tokens=n))
+        for n in (None, max_speculative_num_draft_tokens())
     )
+    slot_widths = _adaptive_slot_widths(runner)
+    if slot_widths:
+        verify = max(verify, *slot_widths.values())
     topk = spec.speculative_eagle_topk
     width = tokens_per_request(True, verify, topk)
-    adaptive = ", the widest adaptive depth" if spec.speculative_adaptive else ""
+    adaptive = ", the widest adaptive depth" if slot_widths else ""
     return width, f"{verify} tokens per request in target verify{adaptive}, eagle topk {topk}"
 
 
-def _adaptive_widths(runner: Any) -> Callable[[int], int] | None:
-    """With `--speculative-adaptive`: tokens per request of the widest verify step a batch of `bs` requests may
-    run (the largest candidate depth of the slot SGLang routes `bs` to); None without it.
-
-    Routing as `AdaptiveSpeculativeParams._find_closest_bs` (the slot of the largest key <= bs, else the
-    smallest), without CUDA-graph padding: our launcher runs SGLang without its graph runner.
-    """
+def _adaptive_slot_widths(runner: Any) -> dict[int, int] | None:
+    """With `--speculative-adaptive`: per slot (keyed by its smallest batch size), the verify tokens per request
+    at its deepest candidate; None without it. A batch of `bs` requests runs in the slot of the largest key <=
+    bs, else the smallest (`AdaptiveSpeculativeParams._find_closest_bs`; no CUDA-graph padding: our launcher runs
+    SGLang without its graph runner)."""
     from sglang.srt.runtime_context import get_spec
 
     spec = get_spec()
@@ -108,26 +104,25 @@ def _adaptive_widths(runner: Any) -> Callable[[int], int] | None:
     from sglang.srt.speculative.adaptive_spec_params import _load_adaptive_config
 
     _, entries = _load_adaptive_config(spec.speculative_adaptive_config)
-    keys = sorted(entries)
-    widths = {
-        key: int(runner.decode_num_tokens_per_req(num_draft_tokens=max(entries[key]["candidate_steps"]) + 1))
-        for key in keys
+    return {
+        key: int(runner.decode_num_tokens_per_req(num_draft_tokens=max(entry["candidate_steps"]) + 1))
+        for key, entry in entries.items()
     }
 
-    def width_at(bs: int) -> int:
-        return widths[keys[max(bisect.bisect_right(keys, bs) - 1, 0)]]
 
-    return width_at
+def _width_at(slot_widths: dict[int, int], bs: int) -> int:
+    """Verify tokens per request of a batch of `bs` requests (see `_adaptive_slot_widths`)."""
+    keys = sorted(slot_widths)
+    return slot_widths[keys[max(bisect.bisect_right(keys, bs) - 1, 0)]]
 
 
 def _lanes(runner: Any, max_running: int, width: int) -> tuple[int, str]:
     """The decode lanes of this runner and how they were derived."""
-    width_at = _adaptive_widths(runner)
-    if width_at is None:
-        return decode_lanes(
-            max_running, width - 1
-        ), f"max_running_requests {max_running} x {width} tokens per request"
-    lanes = adaptive_decode_lanes(max_running, width_at)
+    slot_widths = _adaptive_slot_widths(runner)
+    if slot_widths is None:
+        lanes = decode_lanes(max_running, width - 1)
+        return lanes, f"max_running_requests {max_running} x {width} tokens per request"
+    lanes = adaptive_decode_lanes(max_running, lambda bs: _width_at(slot_widths, bs))
     return lanes, f"the widest adaptive step up to max_running_requests {max_running}"
 
 
@@ -160,7 +155,11 @@ def after_init_cuda_graphs(result: Any, runner: Any, *args: Any, **kwargs: Any) 
     if not capture_bs:
         return None
     width, _ = _runner_widths(runner)
-    width_at = _adaptive_widths(runner) or (lambda bs: width)
+    slot_widths = _adaptive_slot_widths(runner)
+
+    def width_at(bs: int) -> int:
+        return width if slot_widths is None else _width_at(slot_widths, bs)
+
     too_wide = [bs * width_at(bs) for bs in capture_bs if bs * width_at(bs) > runtime.decode_lanes]
     if too_wide:
         logger.warning(
