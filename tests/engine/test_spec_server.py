@@ -100,19 +100,24 @@ def test_pooled_nextn_equals_plain_server_and_accepts_drafts(
     assert all(width > 4 for width in prefill), prefill  # nothing within the lanes went to the prefill path
 
 
+def _governed_server_outputs(model: Path, log_path: Path) -> tuple[list[dict], str]:
+    """32 greedy tokens per prompt from the pooled NEXTN server with `--speculative-adaptive` and the cost-aware
+    governor, and the server's log."""
+    args = [
+        "--model-path", str(model), "--moe-expert-pool-rows", str(POOL_ROWS), "--dtype", "float32",
+        *SPEC_ARGS, "--speculative-adaptive", "--moe-expert-pool-spec-governor", "cost",
+    ]  # fmt: skip
+    with launched(args, log_path) as server:
+        outs = [_generate(server.url, ids, new_tokens=32) for ids in PROMPTS]
+        return outs, server.log()
+
+
 def test_cost_aware_speculation_keeps_the_tokens_and_moves_the_depth(
     mtp_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """`--moe-expert-pool-spec-governor cost` with SGLang's `--speculative-adaptive`: the governor (patched into
     the v2 worker) switches runtime states while greedy tokens stay the target's permutation chain."""
-    log_path = tmp_path_factory.mktemp("governed") / "server.log"
-    args = [
-        "--model-path", str(mtp_model), "--moe-expert-pool-rows", str(POOL_ROWS), "--dtype", "float32",
-        *SPEC_ARGS, "--speculative-adaptive", "--moe-expert-pool-spec-governor", "cost",
-    ]  # fmt: skip
-    with launched(args, log_path) as server:
-        outs = [_generate(server.url, ids, new_tokens=32) for ids in PROMPTS]
-        log = server.log()
+    outs, log = _governed_server_outputs(mtp_model, tmp_path_factory.mktemp("governed") / "server.log")
 
     from pooled_runner.sglang.embedded_mtp import permutation
 
@@ -146,14 +151,7 @@ def test_cost_aware_speculation_stops_drafting_where_no_draft_is_accepted(
         ["--model-path", str(model), "--no-moe-expert-pool", "--dtype", "float32"], plain_log
     ) as plain:
         expected = [generate_ids(plain.url, ids, 32) for ids in PROMPTS]
-    log_path = tmp_path_factory.mktemp("governed-random") / "server.log"
-    args = [
-        "--model-path", str(model), "--moe-expert-pool-rows", str(POOL_ROWS), "--dtype", "float32",
-        *SPEC_ARGS, "--speculative-adaptive", "--moe-expert-pool-spec-governor", "cost",
-    ]  # fmt: skip
-    with launched(args, log_path) as server:
-        outs = [_generate(server.url, ids, new_tokens=32) for ids in PROMPTS]
-        log = server.log()
+    outs, log = _governed_server_outputs(model, tmp_path_factory.mktemp("governed-random") / "server.log")
     # depth 0 writes its K/V where SGLang's write-window helper plans it: without patches/cpu_cache_locs.py it
     # returned None on the CPU and these tokens went wrong from the first decode step at depth 0
     assert [list(out["output_ids"]) for out in outs] == expected
