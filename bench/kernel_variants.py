@@ -22,10 +22,10 @@ from pooled_runner.formats import make_format
 # (shape, format, decode widths M, share of the step's experts read through the pinned host view): the cases
 # the decode-kernel work targets, and one with host rows
 VARIANT_CASES = [
-    ("deepseek", "int4-g128", (1, 8), "0"),
+    ("deepseek", "int4-g128", (1, 2, 4, 8), "0"),
     ("deepseek", "nvfp4", (1, 8), "0"),
     ("qwen3", "bf16", (1, 4, 16), "0"),
-    ("qwen3", "int4-g128", (1, 8), "0"),
+    ("qwen3", "int4-g128", (1, 2, 4, 8), "0"),
     ("deepseek", "bf16", (1, 8), "0"),
     ("deepseek", "fp8", (1, 8), "0"),
     ("qwen3", "bf16", (1,), "1/8"),
@@ -68,7 +68,19 @@ def sweep_configs(base: GemvConfig) -> list[GemvConfig]:
         r(base, block_k1=128, block_k2=128),
         r(base, block_k1=512, block_k2=512, **half),
         r(base, one_launch=True, **half),
+        # no prefetch, K tiles of 128 (int4 g128: one scale per row and tile), more rows per program
+        r(base, prefetch=False, block_k1=128, block_k2=128),
+        r(base, prefetch=False, block_k1=128, block_k2=128, **double),
+        r(base, prefetch=False, block_k1=128, block_k2=128, **double, num_warps=8),
+        r(base, prefetch=False, **half),
     ]
+
+
+def selected(cases: list, args: argparse.Namespace) -> list:
+    """The cases (tuples starting with shape, format) that `--shapes` and `--formats` keep (empty: all)."""
+    shapes = {s for s in args.shapes.split(",") if s}
+    names = {f for f in args.formats.split(",") if f}
+    return [c for c in cases if (not shapes or c[0] in shapes) and (not names or c[1] in names)]
 
 
 @dataclasses.dataclass
@@ -122,7 +134,7 @@ def variants_main(args: argparse.Namespace) -> None:
     hbm, zero_copy, lines = measured_header(args.commit)
     header_done = False
     sweep_cases = []
-    for shape, name, ms, host in [] if args.sweeps_only else VARIANT_CASES:
+    for shape, name, ms, host in [] if args.sweeps_only else selected(VARIANT_CASES, args):
         if time.perf_counter() - t_start > args.budget:
             lines.append(
                 f"| {shape} | {name} | {ms} | {host} | skipped: budget of {args.budget:.0f} s reached |"
@@ -207,7 +219,8 @@ def variants_main(args: argparse.Namespace) -> None:
         "tiles and gemv sum in another order: ~1e-3 to 1e-2 is expected, > 1e-1 is a bug).",
     ]
     write(args.out, lines)
-    lines += sweep_align(g, hbm, t_start, args.budget)
+    if not args.no_align_sweep:
+        lines += sweep_align(g, hbm, t_start, args.budget, selected(ALIGN_SWEEP_CASES, args))
     write(args.out, lines)
     # the targets first: Qwen3-like bf16 (launch-bound) and the packed formats; DeepSeek-like bf16 last
     sweep_cases.sort(key=lambda c: c == ("deepseek", "bf16"))
@@ -242,7 +255,7 @@ ALIGN_SWEEP_TILES = [
 ]
 
 
-def sweep_align(g, hbm: float, t_start: float, budget: float) -> list[str]:
+def sweep_align(g, hbm: float, t_start: float, budget: float, cases=ALIGN_SWEEP_CASES) -> list[str]:
     """Decode tiles per case (its variant and M; resident) until `budget` seconds from the start."""
     from pooled_runner.kernels.moe_gemm import GemmConfig
 
@@ -254,7 +267,7 @@ def sweep_align(g, hbm: float, t_start: float, budget: float) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(out), flush=True)
-    for shape, name, variant, M in ALIGN_SWEEP_CASES:
+    for shape, name, variant, M in cases:
         if time.perf_counter() - t_start > budget:
             out.append(f"| {shape} | {name} | {M} | (budget of {budget:.0f} s reached) | | | | | | | | |")
             break

@@ -118,6 +118,9 @@ def main() -> None:
     ap.add_argument(
         "--sweeps-only", action="store_true", help="--variants: only the tile sweeps (no side-by-side table)"
     )
+    ap.add_argument(
+        "--no-align-sweep", action="store_true", help="--variants: skip the align-path tile sweep"
+    )
     args = ap.parse_args()
     if args.variants:
         from bench.kernel_variants import variants_main

@@ -43,6 +43,11 @@ DECODE_VARIANT = envs.moe_decode_kernel()
 # int4 layer moved within noise (34.6 vs inline 34.3). "gemv" was slower everywhere except the Qwen3-like int4
 # layer at M=1 (30.8 µs).
 INLINE_DEFAULT_MAX_PAIRS = 8
+# int4 decode steps of at most this many routed pairs take the GEMV path by default: on the H200 (2026-12-01,
+# `bench/kernels.py --variants --formats int4-g128`) the GEMV with its x split in registers and 4-stage K tiles
+# of 128 took the M=1 layer from 160.6 to 100.6 µs (DeepSeek-like) and 34.6 to 20.7 µs (Qwen3-like); at 64
+# pairs (M=8) it tied or lost (958.9 vs 952.3, 121.4 vs 110.2 µs).
+GEMV_DEFAULT_MAX_PAIRS = {FMT_INT4: 8}
 
 
 def swapped_tiles(weight_fmt: int, intermediate_size: int) -> bool:
@@ -59,9 +64,12 @@ def swapped_tiles(weight_fmt: int, intermediate_size: int) -> bool:
 def default_variant(
     weight_fmt: int, num_pairs: int, intermediate_size: int, configs: tuple[GemmConfig, ...] | None = None
 ) -> str:
-    """The decode kernels used when neither the caller nor POOLED_RUNNER_MOE_DECODE names one: inline up to
-    INLINE_DEFAULT_MAX_PAIRS routed pairs where the tiles are not swapped, else the align path. Swapped: those
-    of `configs` where the caller gives them, else `swapped_tiles`."""
+    """The decode kernels used when neither the caller nor POOLED_RUNNER_MOE_DECODE names one: the GEMV path
+    up to GEMV_DEFAULT_MAX_PAIRS[format] routed pairs unless the caller gives MMA tiles (`configs`), else inline
+    up to INLINE_DEFAULT_MAX_PAIRS routed pairs where the tiles are not swapped, else the align path. Swapped:
+    those of `configs` where the caller gives them, else `swapped_tiles`."""
+    if configs is None and num_pairs <= GEMV_DEFAULT_MAX_PAIRS.get(weight_fmt, 0):
+        return "gemv"
     swapped = any(c.swap_ab for c in configs) if configs else swapped_tiles(weight_fmt, intermediate_size)
     if num_pairs <= INLINE_DEFAULT_MAX_PAIRS and not swapped:
         return "inline"

@@ -68,24 +68,35 @@ def _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2:
 
 
 @triton.jit
-def _load_words(w_base, s_base, z_base, n2, nmask2, kcol, K_WORDS, w_sn, s_sn, z_sn,
+def _load_words(w_base, s_base, z_base, n2, nmask2, kcol, k0, K_WORDS, w_sn, s_sn, z_sn,
                 FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
                 EVEN_K: tl.constexpr):  # fmt: skip
-    """One tile: the packed words `[BN, KW]` at word columns `kcol` and, per word, its fp32 scale and zero
-    point (int4, NVFP4, fp8 blocks; a word never straddles a group). Masked past N (and past K unless
-    EVEN_K: a mask that varies along K would split the 16-byte loads and keep repeated loads apart)."""
+    """One tile: the packed words `[BN, KW]` at word columns `kcol` (the first is `k0`) and, per word, its fp32
+    scale and zero point (int4, NVFP4, fp8 blocks; a word never straddles a group). int4 tiles inside one group
+    (GROUP a multiple of the tile's values) load one scale and zero point per row, `[BN, 1]`. Masked past N (and
+    past K unless EVEN_K: a mask that varies along K would split the 16-byte loads and keep repeated loads apart)."""
     if EVEN_K:  # noqa: SIM108 (constexpr branch)
         m = tl.broadcast_to(nmask2, kcol.shape)
     else:
         m = nmask2 & (kcol < K_WORDS)
     words = tl.load(w_base + n2 * w_sn + kcol, mask=m, other=0)
     if FMT == 1:
-        g = (kcol * 8) // GROUP
-        s = tl.load(s_base + n2 * s_sn + g, mask=m, other=0.0).to(tl.float32)
-        if HAS_ZERO:  # noqa: SIM108 (constexpr branch)
-            z = tl.load(z_base + n2 * z_sn + g, mask=m, other=0).to(tl.float32) + 16.0
+        TILE_VALUES: tl.constexpr = kcol.shape[1] * 8
+        if tl.constexpr(GROUP) % TILE_VALUES == 0:
+            g1 = (k0 * 8) // GROUP
+            m1 = nmask2 & (k0 < K_WORDS)
+            s = tl.load(s_base + n2 * s_sn + g1, mask=m1, other=0.0).to(tl.float32)
+            if HAS_ZERO:  # noqa: SIM108 (constexpr branch)
+                z = tl.load(z_base + n2 * z_sn + g1, mask=m1, other=0).to(tl.float32)
+            else:
+                z = s
         else:
-            z = s
+            g = (kcol * 8) // GROUP
+            s = tl.load(s_base + n2 * s_sn + g, mask=m, other=0.0).to(tl.float32)
+            if HAS_ZERO:  # noqa: SIM108 (constexpr branch)
+                z = tl.load(z_base + n2 * z_sn + g, mask=m, other=0).to(tl.float32)
+            else:
+                z = s
     elif FMT == 4:
         # fp8 loads take no `other` (see dequant.py): zero after decoding
         s = tl.where(m, e4m3_to_f32(tl.load(s_base + n2 * s_sn + kcol // 2, mask=m), NATIVE_FP8), 0.0)
@@ -100,12 +111,13 @@ def _load_words(w_base, s_base, z_base, n2, nmask2, kcol, K_WORDS, w_sn, s_sn, z
 
 
 @triton.jit
-def _word_dot(acc, words, s, z, x_row, kcol, K_WORDS, c0, c1, FMT: tl.constexpr, HAS_ZERO: tl.constexpr,
+def _word_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, FMT: tl.constexpr, HAS_ZERO: tl.constexpr,
               COMPUTE: tl.constexpr, VPW: tl.constexpr, EVEN_K: tl.constexpr, X_CG: tl.constexpr):  # fmt: skip
     """`acc [BN, KW]` plus, per word, the sum over its VPW values of weight * x (times the word's scale where
-    the format has group scales; per-row and global factors are applied by `_row_scale` at the end). x is read
-    through `[BN, KW]` pointers equal along the rows: the same layout as the words, one load per thread and
-    value (repeats across a thread's rows are merged) and no layout conversion."""
+    the format has group scales; per-row and global factors are applied by `_row_scale` at the end). `k0`: the
+    tile's first word column. Dense and fp8 read x through `[BN, KW]` pointers equal along the rows (the words'
+    layout, no layout conversion); int4 and NVFP4 (8 values a word) load the tile's x once, contiguous, and
+    split it in registers (`_x_split8`): on the H200 that halved the DeepSeek-like int4 GEMV at M=1."""
     if EVEN_K:  # noqa: SIM108 (constexpr branch)
         xm = None
     else:
@@ -121,22 +133,17 @@ def _word_dot(acc, words, s, z, x_row, kcol, K_WORDS, c0, c1, FMT: tl.constexpr,
             acc += _half_lo(words) * x0
             acc += _half_hi(words) * x1
     elif FMT == 1:
-        p = tl.zeros(words.shape, dtype=tl.float32)
-        xs = tl.zeros(words.shape, dtype=tl.float32)
-        for j in tl.static_range(8):
-            xj = _ldx(xp + j, xm, EVEN_K, X_CG)
-            p += ((_sh(words, 19 - 4 * j) & c0) | c1).to(tl.float32, bitcast=True) * xj
-            xs += xj
-        if HAS_ZERO:
-            acc += s * (p - z * xs)
-        else:
-            acc += s * (p - 24.0 * xs)
+        acc = _int4_word_dot(acc, words, s, z, x_row, k0, K_WORDS, c0, c1, HAS_ZERO, EVEN_K, X_CG)
     elif FMT == 4:
-        p = tl.zeros(words.shape, dtype=tl.float32)
-        for j in tl.static_range(4):
-            bits = (_sh(words, 9 - 4 * j) & c0) | (_sh(words, 12 - 4 * j) & c1)
-            p += _half_lo(bits) * _ldx(xp + j, xm, EVEN_K, X_CG)
-            p += _half_hi(bits) * _ldx(xp + j + 4, xm, EVEN_K, X_CG)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_split8(x_row, k0, K_WORDS, words.shape[1], EVEN_K, X_CG)
+        bits = (_sh(words, 9) & c0) | (_sh(words, 12) & c1)
+        p = _half_lo(bits) * x0[None, :] + _half_hi(bits) * x4[None, :]
+        bits = (_sh(words, 5) & c0) | (_sh(words, 8) & c1)
+        p += _half_lo(bits) * x1[None, :] + _half_hi(bits) * x5[None, :]
+        bits = (_sh(words, 1) & c0) | (_sh(words, 4) & c1)
+        p += _half_lo(bits) * x2[None, :] + _half_hi(bits) * x6[None, :]
+        bits = (_sh(words, -3) & c0) | (_sh(words, 0) & c1)
+        p += _half_lo(bits) * x3[None, :] + _half_hi(bits) * x7[None, :]
         acc += s * p
     elif FMT == 3:
         p = tl.zeros(words.shape, dtype=tl.float32)
@@ -151,6 +158,61 @@ def _word_dot(acc, words, s, z, x_row, kcol, K_WORDS, c0, c1, FMT: tl.constexpr,
             acc += _half_lo(bits) * _ldx(xp + j, xm, EVEN_K, X_CG)
             acc += _half_hi(bits) * _ldx(xp + j + 2, xm, EVEN_K, X_CG)
     return acc
+
+
+@triton.jit
+def _x_split8(x_row, k0, K_WORDS, KW: tl.constexpr, EVEN_K: tl.constexpr, X_CG: tl.constexpr):
+    """The x values of a tile of KW 8-value words starting at word k0, as eight fp32 `[KW]` vectors (vector j:
+    value j of each word): one contiguous load, split in registers (one small layout change per tile instead of
+    a load per value and row)."""
+    offs = k0 * 8 + tl.arange(0, KW * 8)
+    if EVEN_K:  # noqa: SIM108 (constexpr branch)
+        xm = None
+    else:
+        xm = offs < K_WORDS * 8
+    # value 8c + 4a + 2b + d of the tile at [c, a, b, d]; each split takes the last axis apart
+    xt = tl.reshape(_ldx(x_row + offs, xm, EVEN_K, X_CG), (KW, 2, 2, 2))
+    xa0, xa1 = tl.split(xt)  # d = 0, 1
+    x0, x4 = tl.split(tl.split(xa0)[0])  # (b, d) = (0, 0): a = 0, 1 -> values 0, 4
+    x2, x6 = tl.split(tl.split(xa0)[1])
+    x1, x5 = tl.split(tl.split(xa1)[0])
+    x3, x7 = tl.split(tl.split(xa1)[1])
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _int4_word_dot(acc, words, s, z, x_row, k0, K_WORDS, c0, c1, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
+                   X_CG: tl.constexpr):  # fmt: skip
+    """int4 `_word_dot`. Weights: nibbles 2i and 2i + 1 of a word are shifted together (by 12, 4, -4, -12 bits)
+    to bits 12..15 and 16..19, where one LOP3 each (`& mask | exponent`) makes the fp32 `2048 + q` and
+    `128 + q` (the nibble is the low bits of the integer part: exact); a word costs 4 shifts, 8 LOP3 and 8 FMA
+    for its 8 values. x: the tile's `8 * KW` values in one contiguous load, split in registers into the eight
+    `[KW]` vectors of value j of each word (one small layout change per tile instead of a load per value);
+    the offsets and the zero point come off once per word, `p - (2048 sum_even x + 128 sum_odd x) - z sum x`,
+    the sums formed per word column and shared by the thread's rows. The products are exact in fp32 (bf16 x
+    times a 12-bit integer); a word's sum rounds at ~2^-24 of 2^14 |x|."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_split8(x_row, k0, K_WORDS, words.shape[1], EVEN_K, X_CG)
+    m_hi = c0 << 4  # nibble field at bits 16..19
+    e_hi = c1 - 33554432  # exponent of 128.0 (c1: of 2048.0)
+    t = words << 12
+    p = ((t & c0) | c1).to(tl.float32, bitcast=True) * x0[None, :]
+    p += ((t & m_hi) | e_hi).to(tl.float32, bitcast=True) * x1[None, :]
+    t = words << 4
+    p += ((t & c0) | c1).to(tl.float32, bitcast=True) * x2[None, :]
+    p += ((t & m_hi) | e_hi).to(tl.float32, bitcast=True) * x3[None, :]
+    t = words >> 4
+    p += ((t & c0) | c1).to(tl.float32, bitcast=True) * x4[None, :]
+    p += ((t & m_hi) | e_hi).to(tl.float32, bitcast=True) * x5[None, :]
+    t = words >> 12
+    p += ((t & c0) | c1).to(tl.float32, bitcast=True) * x6[None, :]
+    p += ((t & m_hi) | e_hi).to(tl.float32, bitcast=True) * x7[None, :]
+    x_even = (x0 + x2) + (x4 + x6)
+    x_odd = (x1 + x3) + (x5 + x7)
+    offset = (x_even * 2048.0 + x_odd * 128.0)[None, :]
+    if HAS_ZERO:
+        return acc + s * (p - offset - z * (x_even + x_odd)[None, :])
+    else:
+        return acc + s * (p - (offset + 8.0 * (x_even + x_odd)[None, :]))
 
 
 @triton.jit
@@ -180,29 +242,29 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, w_sn, s_sn
     acc = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
     # PREFETCH 1: the next tile in registers; 0: none; >= 2: Triton's software pipeline with that many stages
     if PREFETCH == 1:
-        words, s, z = _load_words(w_base, s_base, z_base, n2, nmask2, kw, K_WORDS, w_sn, s_sn, z_sn,
+        words, s, z = _load_words(w_base, s_base, z_base, n2, nmask2, kw, 0, K_WORDS, w_sn, s_sn, z_sn,
                                   FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
         for k0 in range(0, K_WORDS, KW):
             kcol = kw + k0
             # with EVEN_K the last prefetch re-reads the last tile (cached) instead of masking
             if EVEN_K:  # noqa: SIM108 (constexpr branch)
-                nxt = kw + tl.minimum(k0 + KW, K_WORDS - KW)
+                nk0 = tl.minimum(k0 + KW, K_WORDS - KW)
             else:
-                nxt = kcol + KW
-            nw, ns, nz = _load_words(w_base, s_base, z_base, n2, nmask2, nxt, K_WORDS, w_sn, s_sn, z_sn,
+                nk0 = k0 + KW
+            nw, ns, nz = _load_words(w_base, s_base, z_base, n2, nmask2, kw + nk0, nk0, K_WORDS, w_sn, s_sn, z_sn,
                                      FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
             acc = _word_dot(
-                acc, words, s, z, x_row, kcol, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K, X_CG
+                acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K, X_CG
             )
             words, s, z = nw, ns, nz
     else:
         STAGES: tl.constexpr = PREFETCH if PREFETCH >= 2 else 1
         for k0 in tl.range(0, K_WORDS, KW, num_stages=STAGES):
             kcol = kw + k0
-            words, s, z = _load_words(w_base, s_base, z_base, n2, nmask2, kcol, K_WORDS, w_sn, s_sn, z_sn,
+            words, s, z = _load_words(w_base, s_base, z_base, n2, nmask2, kcol, k0, K_WORDS, w_sn, s_sn, z_sn,
                                       FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
             acc = _word_dot(
-                acc, words, s, z, x_row, kcol, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K, X_CG
+                acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K, X_CG
             )
     return _row_scale(tl.sum(acc, axis=1), s_base, g_base, offs_n, n_ok, FMT)
 
