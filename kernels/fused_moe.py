@@ -43,11 +43,13 @@ DECODE_VARIANT = envs.moe_decode_kernel()
 # int4 layer moved within noise (34.6 vs inline 34.3). "gemv" was slower everywhere except the Qwen3-like int4
 # layer at M=1 (30.8 µs).
 INLINE_DEFAULT_MAX_PAIRS = 8
-# int4 decode steps of at most this many routed pairs take the GEMV path by default: on the H200 (2026-12-01,
-# `bench/kernels.py --variants --formats int4-g128`) the GEMV with its x split in registers and 4-stage K tiles
-# of 128 took the M=1 layer from 160.6 to 100.6 µs (DeepSeek-like) and 34.6 to 20.7 µs (Qwen3-like); at 64
-# pairs (M=8) it tied or lost (958.9 vs 952.3, 121.4 vs 110.2 µs).
-GEMV_DEFAULT_MAX_PAIRS = {FMT_INT4: 8}
+# Decode steps of at most this many routed pairs take the GEMV path by default, per format. On the H200
+# (2026-12-01, commit 0c1b470, `bench/kernels.py --variants --formats int4-g128,nvfp4`), with the x tile split in
+# registers, int4 (4-stage K tiles of 128) against the align path with swapped tiles, M = 1 / 2 / 4 / 8:
+# DeepSeek-like 101.3 / 177.5 / 327.8 / 624.3 µs vs 159.2 / 320.8 / 523.5 / 938.4; Qwen3-like 21.1 / 27.1 /
+# 48.9 / 85.1 vs 34.5 / 47.3 / 69.3 / 110.9. NVFP4 (register prefetch off) at M=1, DeepSeek-like: 205.7 vs 225.3
+# µs; at M=8 only the prefetching tiles were measured (1779 vs 1442): NVFP4 stays on the align path there.
+GEMV_DEFAULT_MAX_PAIRS = {FMT_INT4: GEMV_MAX_PAIRS, FMT_NVFP4: 8}
 
 
 def swapped_tiles(weight_fmt: int, intermediate_size: int) -> bool:
