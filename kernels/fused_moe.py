@@ -40,8 +40,8 @@ DECODE_VARIANT = envs.moe_decode_kernel()
 # at 32 pairs (M=4). Where the decode tiles are swapped (`swapped_tiles`) the default is align + swap: at commit
 # cce651e, M=1, DeepSeek-like int4 align + swap 160.4 µs vs inline + swap 174.2 (unswapped inline 174.7); for NVFP4
 # (226.8 vs inline + swap 224.4) and fp8 (153.7 vs 153.8) the two are a tie, and one rule is kept; the Qwen3-like
-# int4 layer moved within noise (34.6 vs inline 34.3). "gemv" was slower everywhere except the Qwen3-like int4
-# layer at M=1 (30.8 µs).
+# int4 layer moved within noise (34.6 vs inline 34.3). "gemv" was then slower everywhere except the Qwen3-like
+# int4 layer at M=1 (30.8 µs); since its x split (2026-12-01) it is the int4 / NVFP4 default below.
 INLINE_DEFAULT_MAX_PAIRS = 8
 # Decode steps of at most this many routed pairs take the GEMV path by default, per format. On the H200
 # (2026-12-01, commit 0c1b470, `bench/kernels.py --variants --formats int4-g128,nvfp4`), with the x tile split in
