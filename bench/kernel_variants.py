@@ -53,27 +53,31 @@ def variant_specs(H: int, I: int, fmt: int, num_pairs: int) -> list[tuple[str, d
 
 
 def sweep_configs(base: GemvConfig) -> list[GemvConfig]:
-    """GEMV tiles around the default: Triton's software pipeline (3, 4 stages) instead of the register prefetch,
-    no prefetch, N blocks halved / doubled (8 warps), K tiles of 128/512, one launch."""
+    """GEMV tiles around the default (no repeats): Triton's software pipeline (3, 4 stages), the register
+    prefetch and no prefetch, N blocks halved / doubled (8 warps), K tiles of 128/512, one launch."""
     r = dataclasses.replace
+    plain = r(base, stages=0)  # the register prefetch (or none), as `prefetch` says
     half = {"block_n1": max(4, base.block_n1 // 2), "block_n2": max(8, base.block_n2 // 2)}
     double = {"block_n1": base.block_n1 * 2, "block_n2": base.block_n2 * 2}
-    return [
+    k128 = {"block_k1": 128, "block_k2": 128}
+    configs = [
         base,
         r(base, stages=3),
-        r(base, stages=4, block_k1=128, block_k2=128),
-        r(base, prefetch=False),
+        r(base, stages=4, **k128),
+        r(plain, prefetch=True),
+        r(plain, prefetch=False),
         r(base, **half),
         r(base, **double, num_warps=8),
-        r(base, block_k1=128, block_k2=128),
+        r(base, **k128),
         r(base, block_k1=512, block_k2=512, **half),
         r(base, one_launch=True, **half),
         # no prefetch, K tiles of 128 (int4 g128: one scale per row and tile), more rows per program
-        r(base, prefetch=False, block_k1=128, block_k2=128),
-        r(base, prefetch=False, block_k1=128, block_k2=128, **double),
-        r(base, prefetch=False, block_k1=128, block_k2=128, **double, num_warps=8),
-        r(base, prefetch=False, **half),
+        r(plain, prefetch=False, **k128),
+        r(plain, prefetch=False, **k128, **double),
+        r(plain, prefetch=False, **k128, **double, num_warps=8),
+        r(plain, prefetch=False, **half),
     ]
+    return list(dict.fromkeys(configs))
 
 
 def selected(cases: list, args: argparse.Namespace) -> list:

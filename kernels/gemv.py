@@ -11,16 +11,18 @@
 
 Why (decode, M <= 8 tokens): with one token per routed pair the MMA path pads M to 16 rows and passes every
 dequantized B tile through shared memory to reach the MMA layout; here a program streams `[BLOCK_N, BLOCK_K]`
-weight tiles as packed int32 words (16-byte loads), turns each word into fp32 values with two or three integer
-ops per value and FMAs them against x in the same register layout (x is loaded through a pointer broadcast over
-the rows, so no layout conversion), and sums over K once at the end. The grid is pairs x N blocks, so even one
-token's top-8 gives a few hundred programs. The next tile's words and scales are loaded before the current
-tile is used (`prefetch`), so each program keeps one tile in flight.
+weight tiles as packed int32 words (16-byte loads), turns each word into fp32 values with one or two integer
+ops per value and FMAs them against x, and sums over K once at the end. x: dense and fp8 read it through
+pointers broadcast over the rows (the words' layout, no layout conversion); int4 and NVFP4 load the tile's x
+once, contiguous, and split it in registers (`gemv_tiles._x_split8`). The grid is pairs x N blocks, so even one
+token's top-8 gives a few hundred programs. Loads run ahead of use by `GemvConfig`: the next tile in registers
+(`prefetch`, dense and fp8 by default) or Triton's pipeline (`stages`, int4's default: 4).
 
 Per format (one int32 word holds VPW values along K; value j of word w is element `VPW * w + j`):
   dense bf16 (VPW 2): `w << 16` and `w & 0xFFFF0000` are the two values as fp32. fp16: converted halves.
-  int4 (VPW 8): nibble j moved to fp32 mantissa bits 19..22 over the exponent of 16.0 reads as `16 + q`
-      exactly; per word `P = sum_j (16 + q_j) x_j`, then `s * (P - (16 + z) * sum_j x_j)` = `s * sum (q - z) x`.
+  int4 (VPW 8): nibbles 2i and 2i + 1 shifted together to bits 12..15 and 16..19 read, OR-ed with the
+      exponents of 2048.0 and 128.0, as `2048 + q` and `128 + q` exactly; per word `P = sum_j v_j x_j`, then
+      `s * (P - 2048 sum_even x - 128 sum_odd x - z sum x)` = `s * sum (q - z) x` (z = 8 without zero points).
   NVFP4 (VPW 8): e2m1 codes j and j + 4 become the two halves of an fp16x2 (`value / 2^14`, subnormal 0.5
       exact); the e4m3 scale per 16 values multiplies each word's sum; `* 2^14 * global` at the end.
   fp8 e4m3 (VPW 4): bytes j and j + 2 become an fp16x2 (`value / 2^8`, subnormals exact); block scales per
@@ -85,8 +87,9 @@ class GemvConfig:
 
 
 def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8) -> GemvConfig:
-    """Default tiles: ~16 packed words per thread per tile (128 registers or fewer on sm_90), N blocks halved
-    (down to 8 rows) until pairs x N blocks gives at least two programs per SM."""
+    """Default tiles: ~16 packed words per thread per tile (8 for int4's K tiles of 128), N blocks halved
+    (down to 8 rows) until pairs x N blocks gives at least two programs per SM; int4 through a 4-stage
+    pipeline, NVFP4 without the register prefetch (the H200 sweeps cited below)."""
     if interpreting():  # the interpreter's cost grows with tile size; correctness only
         return GemvConfig(16, 32, 16, 32, num_warps=4)
     vpw = _VALUES_PER_WORD.get(fmt, 2)

@@ -102,7 +102,10 @@ class KernelPath:
         """`[T, H]` output of a staged `layer`: align + gemm1 + gemm2 per pass (the resident pass, then one per
         chunk buffer), each writing only its pairs' rows of one per-pair output, then one combine over top-k in
         k order with the layer's full location table. Every routed pair is computed by exactly one pass with
-        the tiles `pooled_fused_moe` uses for T tokens, so the output is bitwise that of the unstaged step.
+        the tiles `pooled_fused_moe` uses for T tokens on the align path, so the output is bitwise that of the
+        unstaged step wherever that step takes the align path: always above GEMV_MAX_PAIRS (64) routed pairs;
+        smaller int4 / NVFP4 steps take the GEMV path unstaged (`default_variant`), which rounds differently
+        (~1e-3 relative), so a `staging_min_tokens` that small trades bitwise equality for staging.
         `passes` is consumed lazily (each is enqueued before the next is requested: the stager's ring).
         """
         T, K = topk_ids.shape

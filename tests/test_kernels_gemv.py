@@ -88,6 +88,32 @@ def test_gemv_stages_match_references(name, H, I, dtype, cfg):
     assert_close(out, gemv_down_combine_ref(act_ref, ids, w, l2p, E, w2, fmt, cfg), f"{name} down_combine")
 
 
+@pytest.mark.parametrize(("name", "dtype"), [("int4-g128", torch.float16), ("int4-g128-zp", torch.bfloat16),
+                                             ("nvfp4", torch.float16)])  # fmt: skip
+def test_gemv_production_tiles_with_outliers(name, dtype):
+    """The H200 defaults' int4 tiles (K tiles of 128 = one group: one scale and zero point per row and tile;
+    4-stage pipeline, no register prefetch) and NVFP4's (no prefetch, K tiles of 256) at a group-128 shape, with large x
+    outliers (the int4 words carry 2048 + q and 128 + q: the offsets come off per word) and fp16 compute,
+    against the path's reference and the dense torch reference of the align path."""
+    H, I, E, T, K = 256, 128, 5, 2, 3
+    g = torch.Generator().manual_seed(11 + len(name))
+    fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, 3, g, dtype)
+    fmt = kernel_format(fmt_obj)
+    w13, w2 = make_projections(fmt, pool, bank, H, I)
+    x = torch.randn(T, H, generator=g)
+    x[0, 5], x[1, 130], x[1, 7] = 300.0, -250.0, 120.0  # outliers at even and odd values of a word
+    x = x.to(dtype)
+    ids, w = random_routing(T, K, E, g)
+    if name == "nvfp4":
+        cfg = GemvConfig(16, 256, 16, 128, prefetch=False)
+    else:
+        cfg = GemvConfig(16, 128, 16, 128, prefetch=False, stages=4)
+    out = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, variant="gemv", gemv_config=cfg)
+    assert out.dtype == dtype
+    assert_close(out, gemv_moe_ref(x, ids, w, l2p, E, w13, w2, fmt, cfg), f"{name} gemv reference")
+    assert_close(out, pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt), f"{name} vs align reference")
+
+
 ROUTINGS = [(1, 1, 1, 1), (1, 8, 9, 4), (5, 4, 9, 9)]
 WIDE = (8, 8, 20, 6)  # 64 pairs, the decode limit
 

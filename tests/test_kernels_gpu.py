@@ -261,7 +261,7 @@ def test_fused_combine_variants_real_shapes(resident_layers, shape, M, variant):
 @pytest.mark.parametrize(
     ("name", "M", "variant"),
     [(n, 1, "gemv") for n in QUANT_FORMATS]
-    + [(n, 8, "gemv") for n in ("bf16", "int4-g128", "nvfp4")]
+    + [(n, 8, "gemv") for n in ("bf16", "int4-g128", "int4-g128-zp", "nvfp4")]
     + [(n, M, "inline") for n in ("bf16", "int4-g32", "nvfp4") for M in (1, 4)],
 )
 def test_decode_variants_formats_mixed_rows(name, M, variant):
