@@ -164,18 +164,6 @@ def _down_kernel(
 
 
 # ---- launchers -----------------------------------------------------------------------------------------------
-# Formats whose tiles read x as fp32: their tile of x is split in registers (`gemv_tiles._x_split8`), and Triton
-# 3.6 moves a 16-bit x through shared memory and widens it once per row of each thread (sm_90 SASS per tile of
-# the DeepSeek-like int4 tiles: gate_up 344 -> 292 instructions, down 344 -> 284 with fp32 x); one conversion
-# of the hidden row before gate_up, and gate_up stores act as fp32 (exact) for down.
-FP32_X_FORMATS = (FMT_INT4, FMT_NVFP4)
-
-
-def _x_operand(hidden: torch.Tensor, fmt: KernelFormat) -> torch.Tensor:
-    """gate_up's x: `hidden` itself, or its fp32 copy for FP32_X_FORMATS (the values are exact)."""
-    return hidden.float() if fmt.fmt in FP32_X_FORMATS else hidden
-
-
 def gemv_supported(fmt: KernelFormat, H: int, I: int) -> bool:
     """Whether the GEMV path takes this format and shape (K of both projections a multiple of a word)."""
     vpw = _VALUES_PER_WORD.get(fmt.fmt)
@@ -246,20 +234,6 @@ def gemv_gate_up(
 
     hidden: `[T, H]` bf16/fp16 row-major. topk_ids: `[T, K]` contiguous. w13: the `[2I, H]` projection.
     """
-    return _gate_up(hidden, topk_ids, l2p, num_experts, w13, fmt, config, hidden.dtype)
-
-
-def _gate_up(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    l2p: torch.Tensor,
-    num_experts: int,
-    w13: Projection,
-    fmt: KernelFormat,
-    config: GemvConfig,
-    act_dtype: torch.dtype,
-) -> torch.Tensor:
-    """`gemv_gate_up` with act stored as `act_dtype` (fp32 holds the compute-dtype values exactly)."""
     T, K = topk_ids.shape
     H = hidden.shape[1]
     I = w13.weight.shape[1] // 2
@@ -271,15 +245,14 @@ def _gate_up(
             f"topk_ids {tuple(topk_ids.shape)} (contiguous) and hidden {tuple(hidden.shape)}: one T"
         )
     num_pairs = T * K
-    act = torch.empty((max(num_pairs, 1), I), dtype=act_dtype, device=hidden.device)
+    act = torch.empty((max(num_pairs, 1), I), dtype=hidden.dtype, device=hidden.device)
     if num_pairs == 0:
         return act
     ptrs, strides, native, c0, c1 = _word_args(w13, fmt)
-    x = _x_operand(hidden, fmt)
     grid = (num_pairs * triton.cdiv(I, config.block_n1),)
     _gate_up_kernel[grid](
-        x, act, topk_ids, l2p, *ptrs, *strides,
-        num_pairs, num_experts, w13.num_rows, I, H, x.stride(0), act.stride(0), c0, c1,
+        hidden, act, topk_ids, l2p, *ptrs, *strides,
+        num_pairs, num_experts, w13.num_rows, I, H, hidden.stride(0), act.stride(0), c0, c1,
         TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n1, BLOCK_K=config.block_k1,
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
         COMPUTE=_TL_DTYPES[hidden.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(),
@@ -297,22 +270,16 @@ def gemv_down_combine(
     w2: Projection,
     fmt: KernelFormat,
     config: GemvConfig,
-    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`out [T, H]`: `sum_k w[t, k] * round(act[t*K + k] @ w2_e.T)` over the pairs routed here, in k order.
 
-    act: `[>= T*K, I]` from `gemv_gate_up`, in the compute dtype `dtype` (default act's own), or fp32 holding
-    compute-dtype values (what `gemv_moe` passes for int4 / NVFP4). Every element of `out` (dtype `dtype`) is
-    written (0 for a token with no pair here).
+    act: `[>= T*K, I]` from `gemv_gate_up`. Every element of `out` is written (0 for a token with no pair here).
     """
     T, K = topk_ids.shape
     H = w2.weight.shape[1]
     I = act.shape[1]
-    dtype = dtype or act.dtype
-    _check_act_inputs(act if act.dtype != torch.float32 else act[:0].to(dtype), dtype, "act", I)
-    if act.stride(1) != 1:
-        raise ValueError(f"act: strides {act.stride()}, expected row-major")
-    _check_dense_dtype(fmt, w2, dtype)
+    _check_act_inputs(act, act.dtype, "act", I)
+    _check_dense_dtype(fmt, w2, act.dtype)
     _check_gemv(fmt, w2, I, config.block_k2)
     tw = topk_weights.contiguous()
     if tw.shape != (T, K) or not topk_ids.is_contiguous() or act.shape[0] < T * K:
@@ -320,8 +287,8 @@ def gemv_down_combine(
             f"topk_weights {tuple(tw.shape)}, topk_ids {tuple(topk_ids.shape)}, act {tuple(act.shape)}"
         )
     num_pairs = T * K
-    y = torch.empty((max(num_pairs, 1), H), dtype=dtype, device=act.device)
-    out = torch.empty((T, H), dtype=dtype, device=act.device)
+    y = torch.empty((max(num_pairs, 1), H), dtype=act.dtype, device=act.device)
+    out = torch.empty((T, H), dtype=act.dtype, device=act.device)
     if num_pairs == 0:
         return out
     num_nb = triton.cdiv(H, config.block_n2)
@@ -332,7 +299,7 @@ def gemv_down_combine(
         num_pairs, num_experts, w2.num_rows, H, I, act.stride(0), y.stride(0), out.stride(0), c0, c1,
         TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n2, BLOCK_K=config.block_k2,
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
-        COMPUTE=_TL_DTYPES[dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(),
+        COMPUTE=_TL_DTYPES[act.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(),
         FUSE_COMBINE=config.fuse_combine, EVEN_K=I % config.block_k2 == 0,
         num_warps=config.num_warps, num_stages=1,
     )  # fmt: skip
@@ -362,9 +329,8 @@ def gemv_moe(
         from .gemv_one import gemv_one_launch
 
         return gemv_one_launch(hidden, ids, topk_weights, l2p, num_experts, w13, w2, fmt, cfg)
-    act_dtype = torch.float32 if fmt.fmt in FP32_X_FORMATS else hidden.dtype
-    act = _gate_up(hidden, ids, l2p, num_experts, w13, fmt, cfg, act_dtype)
-    return gemv_down_combine(act, ids, topk_weights, l2p, num_experts, w2, fmt, cfg, hidden.dtype)
+    act = gemv_gate_up(hidden, ids, l2p, num_experts, w13, fmt, cfg)
+    return gemv_down_combine(act, ids, topk_weights, l2p, num_experts, w2, fmt, cfg)
 
 
 # the references live in gemv_ref.py (imported last: they use gemv_configs); re-exported for the callers
