@@ -50,6 +50,23 @@ INLINE_DEFAULT_MAX_PAIRS = 8
 # 48.9 / 85.1 vs 34.5 / 47.3 / 69.3 / 110.9. NVFP4 (register prefetch off) at M=1, DeepSeek-like: 205.7 vs 225.3
 # µs; at M=8 only the prefetching tiles were measured (1779 vs 1442): NVFP4 stays on the align path there.
 GEMV_DEFAULT_MAX_PAIRS = {FMT_INT4: GEMV_MAX_PAIRS, FMT_NVFP4: 8}
+# ...and only where the pairs touch mostly distinct experts (`little_expert_reuse`). The measured wins had 0.81
+# (Qwen3-like, 128 experts, 8 tokens of top-8) to 1.0 distinct experts per pair; with few experts and many
+# tokens (e.g. 8 experts, top-2, 16 tokens: 0.45) the GEMV would read each expert several times where the MMA
+# path reads it once. The threshold between was not measured.
+GEMV_MIN_DISTINCT_SHARE = 0.75
+
+
+def little_expert_reuse(num_pairs: int, num_tokens: int, num_experts: int) -> bool:
+    """Whether a step's routed pairs mostly touch distinct experts: the expected distinct experts of uniform
+    top-k routing, `E (1 - (1 - k/E)^T)` with k = pairs / T, at least GEMV_MIN_DISTINCT_SHARE of the pairs.
+    The GEMV path reads an expert once per routed pair (L2 serves a repeat only if the expert fits), the MMA
+    path once per step; True when `num_tokens` or `num_experts` is not given (0)."""
+    if num_tokens <= 0 or num_experts <= 0:
+        return True
+    top_k = num_pairs / num_tokens
+    distinct = num_experts * (1.0 - (1.0 - min(top_k / num_experts, 1.0)) ** num_tokens)
+    return distinct >= GEMV_MIN_DISTINCT_SHARE * num_pairs
 
 
 def swapped_tiles(weight_fmt: int, intermediate_size: int) -> bool:
@@ -64,13 +81,20 @@ def swapped_tiles(weight_fmt: int, intermediate_size: int) -> bool:
 
 
 def default_variant(
-    weight_fmt: int, num_pairs: int, intermediate_size: int, configs: tuple[GemmConfig, ...] | None = None
+    weight_fmt: int,
+    num_pairs: int,
+    intermediate_size: int,
+    configs: tuple[GemmConfig, ...] | None = None,
+    num_tokens: int = 0,
+    num_experts: int = 0,
 ) -> str:
     """The decode kernels used when neither the caller nor POOLED_RUNNER_MOE_DECODE names one: the GEMV path
-    up to GEMV_DEFAULT_MAX_PAIRS[format] routed pairs unless the caller gives MMA tiles (`configs`), else inline
-    up to INLINE_DEFAULT_MAX_PAIRS routed pairs where the tiles are not swapped, else the align path. Swapped:
-    those of `configs` where the caller gives them, else `swapped_tiles`."""
-    if configs is None and num_pairs <= GEMV_DEFAULT_MAX_PAIRS.get(weight_fmt, 0):
+    up to GEMV_DEFAULT_MAX_PAIRS[format] routed pairs unless the caller gives MMA tiles (`configs`) or the
+    step's pairs share experts heavily (`little_expert_reuse`; skipped when `num_tokens` or `num_experts` is 0),
+    else inline up to INLINE_DEFAULT_MAX_PAIRS routed pairs where the tiles are not swapped, else the align
+    path. Swapped: those of `configs` where the caller gives them, else `swapped_tiles`."""
+    gemv_ok = configs is None and num_pairs <= GEMV_DEFAULT_MAX_PAIRS.get(weight_fmt, 0)
+    if gemv_ok and little_expert_reuse(num_pairs, num_tokens, num_experts):
         return "gemv"
     swapped = any(c.swap_ab for c in configs) if configs else swapped_tiles(weight_fmt, intermediate_size)
     if num_pairs <= INLINE_DEFAULT_MAX_PAIRS and not swapped:
@@ -167,7 +191,7 @@ def pooled_fused_moe(
         raise ValueError(f"hidden: shape {tuple(hidden.shape)}, expected [{T}, H]")
     if T == 0:
         return torch.empty((0, H), dtype=hidden.dtype, device=hidden.device)
-    variant = variant or DECODE_VARIANT or default_variant(fmt.fmt, T * K, I, configs)
+    variant = variant or DECODE_VARIANT or default_variant(fmt.fmt, T * K, I, configs, T, num_experts)
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
     if decode is None and T * K <= GEMV_MAX_PAIRS:

@@ -73,6 +73,18 @@ def test_swapped_tiles_and_default_variant_rules():
     ]  # fmt: skip
     for fmt, pairs, I, variant in table:
         assert default_variant(fmt, pairs, I) == variant, (fmt, pairs, I)
+    # with the step's tokens and experts: pairs sharing experts heavily stay on the MMA path
+    from pooled_runner.kernels.fused_moe import little_expert_reuse
+
+    assert (
+        default_variant(FMT_INT4, 64, 2048, None, 8, 256) == "gemv"
+    )  # DeepSeek-like: 0.90 distinct per pair
+    assert default_variant(FMT_INT4, 64, 768, None, 8, 128) == "gemv"  # Qwen3-like: 0.81
+    assert default_variant(FMT_INT4, 16, 14336, None, 8, 8) == "align"  # 8 experts, top-2, 8 tokens: 0.45
+    assert default_variant(FMT_INT4, 2, 14336, None, 1, 8) == "gemv"  # one token: distinct pairs
+    assert default_variant(FMT_NVFP4, 8, 768, None, 4, 8) == "align"  # 8 experts, top-2, 4 tokens: 0.68
+    assert little_expert_reuse(8, 0, 0) and little_expert_reuse(8, 1, 0)  # unknown: no veto
+    assert not little_expert_reuse(64, 64, 4)  # 64 tokens of top-1 over 4 experts
     plain, swapped = GemmConfig(16, 32, 64), GemmConfig(16, 32, 64, swap_ab=True)
     assert default_variant(FMT_INT4, 8, 2048, (plain, plain)) == "inline"
     assert default_variant(FMT_DENSE, 8, 768, (swapped, swapped)) == "align"
