@@ -114,6 +114,30 @@ def test_gemv_production_tiles_with_outliers(name, dtype):
     assert_close(out, pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt), f"{name} vs align reference")
 
 
+def test_default_decode_path_is_gemv_for_int4_only_where_it_applies(monkeypatch):
+    """`pooled_fused_moe` without a variant: an int4 step of 8 pairs over many experts runs the GEMV path; the
+    same layer at 72 pairs (past GEMV_MAX_PAIRS) and at 8 pairs over 2 experts (heavy reuse) does not; every
+    output matches the dense reference."""
+    from pooled_runner.kernels import fused_moe
+
+    monkeypatch.setattr(fused_moe, "DECODE_VARIANT", None)
+    calls = []
+    real = fused_moe.gemv_moe
+    monkeypatch.setattr(fused_moe, "gemv_moe", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    H, I = 64, 32
+    for E, T, K, expect_gemv in [(40, 1, 8, True), (40, 9, 8, False), (2, 4, 2, False)]:
+        g = torch.Generator().manual_seed(E + T)
+        fmt_obj, pool, _, l2p = build_layer("int4-g32", H, I, E, E, g, num_not_here=0)
+        fmt = kernel_format(fmt_obj)
+        w13, w2 = make_projections(fmt, pool, None, H, I)
+        x = torch.randn(T, H, generator=g).bfloat16()
+        ids, w = random_routing(T, K, E, g)
+        calls.clear()
+        out = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt)
+        assert (calls == [T]) == expect_gemv, (E, T, K, calls)
+        assert_close(out, pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt), f"E={E} T={T} K={K}")
+
+
 ROUTINGS = [(1, 1, 1, 1), (1, 8, 9, 4), (5, 4, 9, 9)]
 WIDE = (8, 8, 20, 6)  # 64 pairs, the decode limit
 
