@@ -83,20 +83,17 @@ def _load_words(w_base, s_base, z_base, n2, nmask2, kcol, k0, K_WORDS, w_sn, s_s
     if FMT == 1:
         TILE_VALUES: tl.constexpr = kcol.shape[1] * 8
         if tl.constexpr(GROUP) % TILE_VALUES == 0:
-            g1 = (k0 * 8) // GROUP
-            m1 = nmask2 & (k0 < K_WORDS)
-            s = tl.load(s_base + n2 * s_sn + g1, mask=m1, other=0.0).to(tl.float32)
-            if HAS_ZERO:  # noqa: SIM108 (constexpr branch)
-                z = tl.load(z_base + n2 * z_sn + g1, mask=m1, other=0).to(tl.float32)
-            else:
-                z = s
+            # the tile lies in one group (K is a multiple of GROUP, so EVEN_K): one group index per row
+            g = (k0 * 8) // GROUP
+            ms = nmask2
         else:
             g = (kcol * 8) // GROUP
-            s = tl.load(s_base + n2 * s_sn + g, mask=m, other=0.0).to(tl.float32)
-            if HAS_ZERO:  # noqa: SIM108 (constexpr branch)
-                z = tl.load(z_base + n2 * z_sn + g, mask=m, other=0).to(tl.float32)
-            else:
-                z = s
+            ms = m
+        s = tl.load(s_base + n2 * s_sn + g, mask=ms, other=0.0).to(tl.float32)
+        if HAS_ZERO:  # noqa: SIM108 (constexpr branch)
+            z = tl.load(z_base + n2 * z_sn + g, mask=ms, other=0).to(tl.float32)
+        else:
+            z = s
     elif FMT == 4:
         # fp8 loads take no `other` (see dequant.py): zero after decoding
         s = tl.where(m, e4m3_to_f32(tl.load(s_base + n2 * s_sn + kcol // 2, mask=m), NATIVE_FP8), 0.0)
@@ -208,11 +205,11 @@ def _int4_word_dot(acc, words, s, z, x_row, k0, K_WORDS, c0, c1, HAS_ZERO: tl.co
     p += ((t & m_hi) | e_hi).to(tl.float32, bitcast=True) * x7[None, :]
     x_even = (x0 + x2) + (x4 + x6)
     x_odd = (x1 + x3) + (x5 + x7)
-    offset = (x_even * 2048.0 + x_odd * 128.0)[None, :]
     if HAS_ZERO:
+        offset = (x_even * 2048.0 + x_odd * 128.0)[None, :]
         return acc + s * (p - offset - z * (x_even + x_odd)[None, :])
-    else:
-        return acc + s * (p - (offset + 8.0 * (x_even + x_odd)[None, :]))
+    else:  # symmetric: the zero point 8 folded into the offsets
+        return acc + s * (p - (x_even * 2056.0 + x_odd * 136.0)[None, :])
 
 
 @triton.jit
