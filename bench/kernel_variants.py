@@ -311,7 +311,7 @@ def sweep_gemv(g, hbm: float, cases, t_start: float, budget: float) -> list[str]
             break
         H, I, _, K = SHAPES[shape]
         layer = resident_layer(shape, name, 1, g)
-        for cfg in sweep_configs(gemv_configs(H, I, layer.args[-1].fmt, K)):
+        for cfg in sweep_configs(gemv_configs(H, I, layer.args[-1].fmt, K, layer.args[-1].group)):
             if time.perf_counter() - t_start > budget:
                 out.append(f"| {shape} | {name} | (budget of {budget:.0f} s reached) | | | | | | | | |")
                 break

@@ -48,7 +48,9 @@ INLINE_DEFAULT_MAX_PAIRS = 8
 # registers, int4 (4-stage K tiles of 128) against the align path with swapped tiles, M = 1 / 2 / 4 / 8:
 # DeepSeek-like 101.3 / 177.5 / 327.8 / 624.3 µs vs 159.2 / 320.8 / 523.5 / 938.4; Qwen3-like 21.1 / 27.1 /
 # 48.9 / 85.1 vs 34.5 / 47.3 / 69.3 / 110.9. NVFP4 (register prefetch off) at M=1, DeepSeek-like: 205.7 vs 225.3
-# µs; at M=8 only the prefetching tiles were measured (1779 vs 1442): NVFP4 stays on the align path there.
+# µs; at M=8 only the prefetching tiles were measured (1779 vs 1442): NVFP4 stays on the align path there. Since
+# then int4 uses K tiles of 256 without a pipeline (gemv_configs; layer numbers in docs/BENCHMARKS.md, tenth
+# session), which only widens its lead.
 GEMV_DEFAULT_MAX_PAIRS = {FMT_INT4: GEMV_MAX_PAIRS, FMT_NVFP4: 8}
 # ...and only where the pairs touch mostly distinct experts (`little_expert_reuse`). The measured wins had 0.81
 # (Qwen3-like, 128 experts, 8 tokens of top-8) to 1.0 distinct experts per pair; with few experts and many

@@ -16,7 +16,9 @@ ops per value and FMAs them against x, and sums over K once at the end. x: dense
 pointers broadcast over the rows (the words' layout, no layout conversion); int4 and NVFP4 load the tile's x
 once, contiguous, and split it in registers (`gemv_tiles._x_split8`). The grid is pairs x N blocks, so even one
 token's top-8 gives a few hundred programs. Loads run ahead of use by `GemvConfig`: the next tile in registers
-(`prefetch`, dense and fp8 by default) or Triton's pipeline (`stages`, int4's default: 4).
+(`prefetch`, dense and fp8 by default) or Triton's pipeline (`stages`); int4 and NVFP4 by default neither
+(K tiles of 256: each row's 128 bytes per tile keep the loads near the HBM rate, `gemv_configs`). gate_up can
+split K over programs (`split_k1`, parts summed in order by the last arrival) where pairs x N blocks are few.
 
 Per format (one int32 word holds VPW values along K; value j of word w is element `VPW * w + j`):
   dense bf16 (VPW 2): `w << 16` and `w & 0xFFFF0000` are the two values as fp32. fp16: converted halves.
@@ -80,22 +82,25 @@ class GemvConfig:
     fuse_combine: bool = True  # last-arriver combine in the down kernel (else the `combine` kernel)
     one_launch: bool = False  # gate_up and down tiles in one grid (`_fused_kernel`); implies fuse_combine
     tickets: bool = True  # one_launch: tiles taken in arrival order from a counter (else by program id)
+    split_k1: int = 1  # gate_up programs per (pair, N block), each over a share of K (two launches only)
 
     def prefetch_code(self) -> int:
         """The kernels' PREFETCH: 1 register prefetch, 0 none, >= 2 pipeline stages."""
         return self.stages if self.stages >= 2 else int(self.prefetch)
 
 
-def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8) -> GemvConfig:
-    """Default tiles: ~16 packed words per thread per tile (8 for int4's K tiles of 128), N blocks halved
-    (down to 8 rows) until pairs x N blocks gives at least two programs per SM; int4 through a 4-stage
-    pipeline, NVFP4 without the register prefetch (the H200 sweeps cited below)."""
+def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group: int = 128) -> GemvConfig:
+    """Default tiles: ~16 packed words per thread per tile, N blocks halved (down to 8 rows) until pairs x N
+    blocks gives at least two programs per SM; int4 and NVFP4 without the register prefetch (the H200 sweeps
+    cited below). `group`: int4's group size (K tiles of 256 hold at most two groups)."""
     if interpreting():  # the interpreter's cost grows with tile size; correctness only
         return GemvConfig(16, 32, 16, 32, num_warps=4)
     vpw = _VALUES_PER_WORD.get(fmt, 2)
     bk = (
         128 if vpw == 2 else 256
     )  # dense: K tiles of 128 were the fastest of the H200 sweep (Qwen3-like, M=1)
+    if fmt == FMT_INT4 and group % 128:
+        bk = 128  # groups of 64 / 32: two / four per K tile of 128 (at most two per tile load per row)
     rows = {2: 32, 4: 32, 8: 64}[vpw]  # rows per tile: 32 x 64 words (dense), 32 x 64 (fp8), 64 x 32
     min_programs = 2 * _num_sms()
     bn1, bn2 = rows // 2, rows
@@ -103,13 +108,14 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8) -> Ge
         bn1 //= 2
     while bn2 > 8 and num_pairs * triton.cdiv(H, bn2) < min_programs:
         bn2 //= 2
-    if fmt == FMT_INT4:
-        # K tiles of 128 (one scale per row and tile at group 128) through Triton's 4-stage pipeline: the
-        # H200 sweep of 2026-12-01 (M=1) gave DeepSeek-like 100.6 µs against 139.5 with the register
-        # prefetch and K tiles of 256, Qwen3-like 20.7 against 20.7 (a tie)
-        return GemvConfig(bn1, 128, bn2, 128, num_warps=4, prefetch=False, stages=4)
-    # NVFP4 without the register prefetch (fewer registers): DeepSeek-like M=1 205.7 vs 245.4 µs (same sweep)
-    return GemvConfig(bn1, bk, bn2, bk, num_warps=4, prefetch=fmt != FMT_NVFP4)
+    if fmt in (FMT_INT4, FMT_NVFP4):
+        # int4: K tiles of 256 (128 bytes of each row per tile, two scales per row at group 128), no pipeline
+        # and no register prefetch: the H200 sweep of 2026-12-01 (bench/gemv_sweep.py, M=1) gave DeepSeek-like
+        # gate_up 48.7 µs and down 30.6 against 67.5 and 34.3 with K tiles of 128 through a 4-stage pipeline
+        # (a read-only kernel of 64-byte row pieces streams at 85% of HBM, of 128-byte pieces at 102%:
+        # bench/stream_pattern.py). NVFP4: DeepSeek-like M=1 205.7 vs 245.4 µs without the prefetch.
+        return GemvConfig(bn1, bk, bn2, bk, num_warps=4, prefetch=False)
+    return GemvConfig(bn1, bk, bn2, bk, num_warps=4, prefetch=True)
 
 
 def _num_sms() -> int:
@@ -123,20 +129,23 @@ def _sms_of(index: int) -> int:
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, act_ptr, ids_ptr, l2p_ptr,
+    x_ptr, act_ptr, part_ptr, cnt_ptr, ids_ptr, l2p_ptr,
     wp, sp, zp, gp, wb, sb, zb, gb,
     w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
-    num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1,
+    num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1, tiles_per_split,
     TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
+    # program (slot, N block, split): a pair's splits run side by side
     num_nb = tl.cdiv(I, BLOCK_N)
+    item = tl.program_id(0) // SPLIT
     _gate_up_tile(
-        tl.program_id(0) // num_nb, tl.program_id(0) % num_nb, x_ptr, act_ptr, ids_ptr, l2p_ptr,
-        wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
+        item // num_nb, item % num_nb, tl.program_id(0) % SPLIT, tiles_per_split, x_ptr, act_ptr, part_ptr,
+        cnt_ptr, ids_ptr, l2p_ptr, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
         num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1,
-        TOP_K, P_POW2, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, EVEN_K,
+        TOP_K, P_POW2, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, EVEN_K, SPLIT,
     )  # fmt: skip
 
 
@@ -249,16 +258,33 @@ def gemv_gate_up(
     if num_pairs == 0:
         return act
     ptrs, strides, native, c0, c1 = _word_args(w13, fmt)
-    grid = (num_pairs * triton.cdiv(I, config.block_n1),)
-    _gate_up_kernel[grid](
-        hidden, act, topk_ids, l2p, *ptrs, *strides,
-        num_pairs, num_experts, w13.num_rows, I, H, hidden.stride(0), act.stride(0), c0, c1,
+    num_nb = triton.cdiv(I, config.block_n1)
+    split, tiles_per_split = _k_split(H, config.block_k1, config.split_k1)
+    if split > 1:
+        part = torch.empty(
+            num_pairs * num_nb * split * 2 * config.block_n1, dtype=torch.float32, device=act.device
+        )
+        cnt = _counters(act.device, num_pairs * num_nb)[SYNC_WORDS:]
+    else:
+        part, cnt = act, act  # not read
+    _gate_up_kernel[(num_pairs * num_nb * split,)](
+        hidden, act, part, cnt, topk_ids, l2p, *ptrs, *strides,
+        num_pairs, num_experts, w13.num_rows, I, H, hidden.stride(0), act.stride(0), c0, c1, tiles_per_split,
         TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n1, BLOCK_K=config.block_k1,
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
         COMPUTE=_TL_DTYPES[hidden.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(),
-        EVEN_K=H % config.block_k1 == 0, num_warps=config.num_warps, num_stages=1,
+        EVEN_K=H % config.block_k1 == 0, SPLIT=split, num_warps=config.num_warps, num_stages=1,
     )  # fmt: skip
     return act
+
+
+def _k_split(k: int, block_k: int, split: int) -> tuple[int, int]:
+    """(splits, K tiles per split) for `split` requested shares of K's tiles, none of them empty."""
+    if split < 1:
+        raise ValueError(f"GEMV path: split_k1={split} must be >= 1")
+    tiles = triton.cdiv(k, block_k)
+    per_split = triton.cdiv(tiles, split)
+    return triton.cdiv(tiles, per_split), per_split
 
 
 def gemv_down_combine(
@@ -323,7 +349,7 @@ def gemv_moe(
     T, K = topk_ids.shape
     H = hidden.shape[1]
     I = w2.weight.shape[2] * fmt.values_per_element()
-    cfg = config or gemv_configs(H, I, fmt.fmt, T * K)
+    cfg = config or gemv_configs(H, I, fmt.fmt, T * K, fmt.group)
     ids = topk_ids.contiguous()
     if cfg.one_launch:
         from .gemv_one import gemv_one_launch

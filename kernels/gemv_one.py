@@ -51,10 +51,11 @@ def _fused_kernel(
         item = tl.program_id(0)
     if item < g1:
         pair = _gate_up_tile(
-            item // nb1, item % nb1, x_ptr, act_ptr, ids_ptr, l2p_ptr,
+            item // nb1, item % nb1, 0, 0, x_ptr, act_ptr, act_ptr, cnt_ptr, ids_ptr, l2p_ptr,
             wp1, sp1, zp1, gp1, wb1, sb1, zb1, gb1, w_se1, s_se1, z_se1, g_se1, w_sn1, s_sn1, z_sn1,
             num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1,
             TOP_K, P_POW2, BLOCK_N1, BLOCK_K1, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, EVEN_K1,
+            1,
         )  # fmt: skip
         tl.debug_barrier()  # every thread's act stores before the (release) count
         tl.atomic_add(ready_ptr + pair, 1, sem="release", scope="gpu")
@@ -111,6 +112,8 @@ def gemv_one_launch(
         return out
     nb1, nb2 = triton.cdiv(I, config.block_n1), triton.cdiv(H, config.block_n2)
     sync = _counters(hidden.device, T * nb2)
+    if config.split_k1 != 1:
+        raise ValueError(f"one launch: split_k1={config.split_k1} is for the two-launch path (use 1)")
     if w13.num_rows != w2.num_rows:
         raise ValueError(f"w13 has {w13.num_rows} pool rows, w2 {w2.num_rows}: expected one pool")
     ptrs1, strides1, native, c0, c1 = _word_args(w13, fmt)

@@ -80,6 +80,6 @@ def gemv_moe_ref(
     """Reference of `gemv_moe`."""
     H = hidden.shape[1]
     I = w2.weight.shape[2] * fmt.values_per_element()
-    cfg = config or gemv_configs(H, I, fmt.fmt, topk_ids.numel())
+    cfg = config or gemv_configs(H, I, fmt.fmt, topk_ids.numel(), fmt.group)
     act = gemv_gate_up_ref(hidden, topk_ids, l2p, num_experts, w13, fmt, cfg)
     return gemv_down_combine_ref(act, topk_ids, topk_weights, l2p, num_experts, w2, fmt, cfg)

@@ -73,7 +73,8 @@ def _load_words(w_base, s_base, z_base, n2, nmask2, kcol, k0, K_WORDS, w_sn, s_s
                 EVEN_K: tl.constexpr):  # fmt: skip
     """One tile: the packed words `[BN, KW]` at word columns `kcol` (the first is `k0`) and, per word, its fp32
     scale and zero point (int4, NVFP4, fp8 blocks; a word never straddles a group). int4 tiles inside one group
-    (GROUP a multiple of the tile's values) load one scale and zero point per row, `[BN, 1]`. Masked past N (and
+    (GROUP a multiple of the tile's values) load one scale and zero point per row, `[BN, 1]`; tiles of two
+    groups two per row, selected per word. Masked past N (and
     past K unless EVEN_K: a mask that varies along K would split the 16-byte loads and keep repeated loads apart)."""
     if EVEN_K:  # noqa: SIM108 (constexpr branch)
         m = tl.broadcast_to(nmask2, kcol.shape)
@@ -84,16 +85,23 @@ def _load_words(w_base, s_base, z_base, n2, nmask2, kcol, k0, K_WORDS, w_sn, s_s
         TILE_VALUES: tl.constexpr = kcol.shape[1] * 8
         if tl.constexpr(GROUP) % TILE_VALUES == 0:
             # the tile lies in one group (K is a multiple of GROUP, so EVEN_K): one group index per row
+            s, z = _row_group_scales(s_base, z_base, n2, nmask2, (k0 * 8) // GROUP, s_sn, z_sn, HAS_ZERO)
+        elif TILE_VALUES == 2 * GROUP and EVEN_K:
+            # two groups per row: one load each per row, the word's picked by a select (a per-word load of
+            # the same two addresses made K tiles of 256 three times slower on the H200)
             g = (k0 * 8) // GROUP
-            ms = nmask2
+            s0, z0 = _row_group_scales(s_base, z_base, n2, nmask2, g, s_sn, z_sn, HAS_ZERO)
+            s1, z1 = _row_group_scales(s_base, z_base, n2, nmask2, g + 1, s_sn, z_sn, HAS_ZERO)
+            second = (kcol - k0) >= GROUP // 8
+            s = tl.where(second, s1, s0)
+            z = tl.where(second, z1, z0)
         else:
             g = (kcol * 8) // GROUP
-            ms = m
-        s = tl.load(s_base + n2 * s_sn + g, mask=ms, other=0.0).to(tl.float32)
-        if HAS_ZERO:  # noqa: SIM108 (constexpr branch)
-            z = tl.load(z_base + n2 * z_sn + g, mask=ms, other=0).to(tl.float32)
-        else:
-            z = s
+            s = tl.load(s_base + n2 * s_sn + g, mask=m, other=0.0).to(tl.float32)
+            if HAS_ZERO:  # noqa: SIM108 (constexpr branch)
+                z = tl.load(z_base + n2 * z_sn + g, mask=m, other=0).to(tl.float32)
+            else:
+                z = s
     elif FMT == 4:
         # fp8 loads take no `other` (see dequant.py): zero after decoding
         s = tl.where(m, e4m3_to_f32(tl.load(s_base + n2 * s_sn + kcol // 2, mask=m), NATIVE_FP8), 0.0)
@@ -105,6 +113,17 @@ def _load_words(w_base, s_base, z_base, n2, nmask2, kcol, k0, K_WORDS, w_sn, s_s
         s = words
         z = words
     return words, s, z
+
+
+@triton.jit
+def _row_group_scales(s_base, z_base, n2, nmask2, g, s_sn, z_sn, HAS_ZERO: tl.constexpr):
+    """fp32 scale and zero point `[BN, 1]` of group `g` of each row (the scale again without zero points)."""
+    s = tl.load(s_base + n2 * s_sn + g, mask=nmask2, other=0.0).to(tl.float32)
+    if HAS_ZERO:  # noqa: SIM108 (constexpr branch)
+        z = tl.load(z_base + n2 * z_sn + g, mask=nmask2, other=0).to(tl.float32)
+    else:
+        z = s
+    return s, z
 
 
 @triton.jit
@@ -225,11 +244,12 @@ def _row_scale(total, s_base, g_base, offs_n, n_ok, FMT: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, w_sn, s_sn, z_sn, c0, c1,
+def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_hi, w_sn, s_sn, z_sn, c0, c1,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
               HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, VPW: tl.constexpr,
               PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, X_CG: tl.constexpr):  # fmt: skip
-    """`[BLOCK_N]` fp32: rows `offs_n` of one projection row (weights at `w_base`) dotted with x over K."""
+    """`[BLOCK_N]` fp32: rows `offs_n` of one projection row (weights at `w_base`) dotted with x over the word
+    columns `[kw_lo, kw_hi)` of K (`kw_lo` a multiple of the tile's words; 0 and K / VPW for all of K)."""
     KW: tl.constexpr = BLOCK_K // VPW
     K_WORDS = K // VPW
     zero2 = (offs_n * 0)[:, None]
@@ -239,13 +259,13 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, w_sn, s_sn
     acc = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
     # PREFETCH 1: the next tile in registers; 0: none; >= 2: Triton's software pipeline with that many stages
     if PREFETCH == 1:
-        words, s, z = _load_words(w_base, s_base, z_base, n2, nmask2, kw, 0, K_WORDS, w_sn, s_sn, z_sn,
-                                  FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
-        for k0 in range(0, K_WORDS, KW):
+        words, s, z = _load_words(w_base, s_base, z_base, n2, nmask2, kw + kw_lo, kw_lo, K_WORDS, w_sn, s_sn,
+                                  z_sn, FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
+        for k0 in range(kw_lo, kw_hi, KW):
             kcol = kw + k0
             # with EVEN_K the last prefetch re-reads the last tile (cached) instead of masking
             if EVEN_K:  # noqa: SIM108 (constexpr branch)
-                nk0 = tl.minimum(k0 + KW, K_WORDS - KW)
+                nk0 = tl.minimum(k0 + KW, kw_hi - KW)
             else:
                 nk0 = k0 + KW
             nw, ns, nz = _load_words(w_base, s_base, z_base, n2, nmask2, kw + nk0, nk0, K_WORDS, w_sn, s_sn, z_sn,
@@ -256,7 +276,7 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, w_sn, s_sn
             words, s, z = nw, ns, nz
     else:
         STAGES: tl.constexpr = PREFETCH if PREFETCH >= 2 else 1
-        for k0 in tl.range(0, K_WORDS, KW, num_stages=STAGES):
+        for k0 in tl.range(kw_lo, kw_hi, KW, num_stages=STAGES):
             kcol = kw + k0
             words, s, z = _load_words(w_base, s_base, z_base, n2, nmask2, kcol, k0, K_WORDS, w_sn, s_sn, z_sn,
                                       FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
@@ -268,15 +288,21 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, w_sn, s_sn
 
 @triton.jit
 def _gate_up_tile(
-    slot, nb, x_ptr, act_ptr, ids_ptr, l2p_ptr,
+    slot, nb, split, tiles_per_split, x_ptr, act_ptr, part_ptr, cnt_ptr, ids_ptr, l2p_ptr,
     wp, sp, zp, gp, wb, sb, zb, gb,
     w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
     num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1,
     TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """`act[pair, nb block]` of schedule slot `slot` (nothing for a pair not routed here); returns the pair."""
+    """`act[pair, nb block]` of schedule slot `slot` (nothing for a pair not routed here); returns the pair.
+
+    SPLIT > 1: this program sums K tiles `[split, split + 1) * tiles_per_split` only and stores its fp32 gate/up
+    sums to `part_ptr` (`[pairs, N blocks, SPLIT, 2 * BLOCK_N]`); the last of the SPLIT arrivals at the (pair, N
+    block) counter sums the parts in split order (deterministic) and stores act. More programs per SM for the
+    same rows per thread (the x split is paid per tile and thread, whatever the rows)."""
     pair, code = _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2)
     if code >= 0:
         w_base, s_base, z_base, g_base = _row_bases(
@@ -286,16 +312,45 @@ def _gate_up_tile(
         # gate row i and up row i interleaved: one loop over K for both, each x value serving twice the rows
         r = tl.arange(0, 2 * BLOCK_N)
         n_local = nb * BLOCK_N + r // 2
-        gu = _rows_dot(w_base, s_base, z_base, g_base, x_row, n_local + (r % 2) * I, n_local < I, H, w_sn,
-                       s_sn, z_sn, c0, c1, 2 * BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE,
+        KW: tl.constexpr = BLOCK_K // VPW
+        if SPLIT == 1:
+            kw_lo = 0
+            kw_hi = H // VPW
+        else:
+            kw_lo = split * tiles_per_split * KW
+            kw_hi = tl.minimum(kw_lo + tiles_per_split * KW, H // VPW)
+        gu = _rows_dot(w_base, s_base, z_base, g_base, x_row, n_local + (r % 2) * I, n_local < I, H, kw_lo, kw_hi,
+                       w_sn, s_sn, z_sn, c0, c1, 2 * BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE,
                        VPW, PREFETCH, EVEN_K, False)  # fmt: skip
-        gate, up = tl.split(tl.reshape(gu, (BLOCK_N, 2)))
-        gate = gate.to(COMPUTE).to(tl.float32)
-        up = up.to(COMPUTE).to(tl.float32)
-        act = (gate * tl.sigmoid(gate) * up).to(COMPUTE)
-        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(act_ptr + pair.to(tl.int64) * stride_act + offs_n, act, mask=offs_n < I)
+        act_row = act_ptr + pair.to(tl.int64) * stride_act
+        if SPLIT == 1:
+            _store_act(gu, act_row, nb, I, BLOCK_N, COMPUTE)
+        else:
+            blk = pair * tl.cdiv(I, BLOCK_N) + nb
+            part = part_ptr + blk.to(tl.int64) * (SPLIT * 2 * BLOCK_N) + r
+            tl.store(part + split * (2 * BLOCK_N), gu)
+            # every thread's part stores before the (one-thread, release) arrival; the last arrival (acquire)
+            # reads the SPLIT parts from L2
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + blk, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:
+                tl.store(cnt_ptr + blk, 0)  # ready for the next launch
+                total = tl.load(part, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLIT):
+                    total += tl.load(part + s * (2 * BLOCK_N), cache_modifier=".cg")
+                _store_act(total, act_row, nb, I, BLOCK_N, COMPUTE)
     return pair
+
+
+@triton.jit
+def _store_act(gu, act_row, nb, I, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
+    """act of an N block from its interleaved fp32 gate/up sums `[2 * BLOCK_N]`, as `gemm1` rounds it."""
+    gate, up = tl.split(tl.reshape(gu, (BLOCK_N, 2)))
+    gate = gate.to(COMPUTE).to(tl.float32)
+    up = up.to(COMPUTE).to(tl.float32)
+    act = (gate * tl.sigmoid(gate) * up).to(COMPUTE)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(act_row + offs_n, act, mask=offs_n < I)
 
 
 @triton.jit
@@ -319,7 +374,7 @@ def _down_tile(
             code, num_rows, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se
         )
         x_row = act_ptr + pair.to(tl.int64) * stride_act
-        y = _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, I, w_sn, s_sn, z_sn, c0, c1,
+        y = _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, I, 0, I // VPW, w_sn, s_sn, z_sn, c0, c1,
                       BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH,
                       EVEN_K, X_CG)  # fmt: skip
         tl.store(y_ptr + pair.to(tl.int64) * stride_y + offs_n, y.to(COMPUTE), mask=n_ok)

@@ -1,5 +1,6 @@
 """Per-device int32 workspace of the kernels that synchronize programs of one launch: arrival counters of the
-fused combines (`gemv._down_tile`, `decode_align._arrive_and_combine`) and the sync words of the one-launch GEMV
+fused combines (`gemv._down_tile`, `decode_align._arrive_and_combine`), of split-K gate_up
+(`gemv_tiles._gate_up_tile`) and the sync words of the one-launch GEMV
 kernel. Zero between launches: each kernel resets what it uses (one stream at a time per device), except the
 sticky error word 0 (`spin_timeouts`).
 """

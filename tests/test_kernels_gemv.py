@@ -88,11 +88,12 @@ def test_gemv_stages_match_references(name, H, I, dtype, cfg):
     assert_close(out, gemv_down_combine_ref(act_ref, ids, w, l2p, E, w2, fmt, cfg), f"{name} down_combine")
 
 
-@pytest.mark.parametrize(("name", "dtype"), [("int4-g128", torch.float16), ("int4-g128-zp", torch.bfloat16),
-                                             ("nvfp4", torch.float16)])  # fmt: skip
-def test_gemv_production_tiles_with_outliers(name, dtype):
-    """The H200 defaults' int4 tiles (K tiles of 128 = one group: one scale and zero point per row and tile;
-    4-stage pipeline, no register prefetch) and NVFP4's (no prefetch, K tiles of 256) at a group-128 shape, with large x
+@pytest.mark.parametrize(("name", "dtype", "bk"), [("int4-g128", torch.float16, 128), ("int4-g128-zp", torch.bfloat16, 128),
+                                                   ("int4-g128-zp", torch.float16, 256), ("nvfp4", torch.float16, 256)])  # fmt: skip
+def test_gemv_production_tiles_with_outliers(name, dtype, bk):
+    """int4 tiles at group 128 (K tiles of 128 = one group: one scale and zero point per row and tile; K tiles
+    of 256, the H200 default = two groups: two per row, selected per word; through a 4-stage pipeline) and
+    NVFP4's (no prefetch, K tiles of 256) at a group-128 shape, with large x
     outliers (the int4 words carry 2048 + q and 128 + q: the offsets come off per word) and fp16 compute,
     against the path's reference and the dense torch reference of the align path."""
     H, I, E, T, K = 256, 128, 5, 2, 3
@@ -107,7 +108,7 @@ def test_gemv_production_tiles_with_outliers(name, dtype):
     if name == "nvfp4":
         cfg = GemvConfig(16, 256, 16, 128, prefetch=False)
     else:
-        cfg = GemvConfig(16, 128, 16, 128, prefetch=False, stages=4)
+        cfg = GemvConfig(16, bk, 16, bk, prefetch=False, stages=4)
     out = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, variant="gemv", gemv_config=cfg)
     assert out.dtype == dtype
     assert_close(out, gemv_moe_ref(x, ids, w, l2p, E, w13, w2, fmt, cfg), f"{name} gemv reference")
@@ -176,6 +177,32 @@ def test_gemv_repeated_experts_and_counters_reset():
     assert_close(first, gemv_moe_ref(x, ids, w, l2p, E, w13, w2, fmt, cfg), "repeated experts")
 
 
+@pytest.mark.parametrize(("name", "H", "I", "dtype"), [FORMATS[0], FORMATS[4], FORMATS[7]])
+@pytest.mark.parametrize(("split", "cfg"), [(2, CONFIGS[0]), (3, CONFIGS[2]), (5, CONFIGS[1])])
+def test_gemv_split_k_gate_up(name, H, I, dtype, split, cfg):
+    """gate_up with K split over `split` programs per (pair, N block) (fewer tiles than splits, a last tile
+    past K, the three prefetch modes): the reference's act; the arrival counters back at zero; a second call
+    bitwise the first (the parts are summed in split order, whatever program arrives last)."""
+    import dataclasses
+
+    E, T, K = 7, 3, 3
+    g, fmt, w13, w2, l2p = _layer(name, H, I, dtype, E)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids, w = random_routing(T, K, E, g)
+    ids[1, 2] = -1
+    cfg = dataclasses.replace(cfg, split_k1=split)
+    act = gemv_gate_up(x, ids, l2p, E, w13, fmt, cfg)
+    codes = torch.tensor(gemv._pair_codes(ids, l2p, E))
+    ref = gemv_gate_up_ref(x, ids, l2p, E, w13, fmt, cfg)
+    assert_close(act[codes >= 0], ref[codes >= 0], f"{name} split {split} gate_up")
+    assert int(gemv._COUNTERS[x.device].abs().sum()) == 0
+    assert torch.equal(gemv_gate_up(x, ids, l2p, E, w13, fmt, cfg)[codes >= 0], act[codes >= 0])
+    out = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, cfg)
+    assert_close(out, pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt), f"{name} split {split} layer")
+    with pytest.raises(ValueError, match="split_k1"):
+        gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, dataclasses.replace(cfg, one_launch=True))
+
+
 @pytest.mark.parametrize(("name", "H", "I", "dtype"), [FORMATS[0], FORMATS[4], FORMATS[5], FORMATS[7]])
 @pytest.mark.parametrize("tickets", [True, False])
 def test_gemv_one_launch_equals_two_launches(name, H, I, dtype, tickets):
@@ -224,6 +251,8 @@ def test_gemv_rejects_bad_input():
     ids = torch.zeros(2, 2, dtype=torch.int64)
     with pytest.raises(ValueError, match="block_k"):
         gemv_gate_up(x, ids, l2p, 7, w13, fmt, GemvConfig(16, 48, 16, 32))
+    with pytest.raises(ValueError, match="split_k1"):
+        gemv_gate_up(x, ids, l2p, 7, w13, fmt, GemvConfig(16, 32, 16, 32, split_k1=0))
     with pytest.raises(ValueError, match="pairs"):
         wide = torch.zeros(200, 40).bfloat16()
         gemv_gate_up(wide, torch.zeros(200, 1, dtype=torch.int64), l2p, 7, w13, fmt, CONFIGS[0])

@@ -262,12 +262,16 @@ def test_fused_combine_variants_real_shapes(resident_layers, shape, M, variant):
     ("name", "M", "variant"),
     [(n, 1, "gemv") for n in QUANT_FORMATS]
     + [(n, 8, "gemv") for n in ("bf16", "int4-g128", "int4-g128-zp", "nvfp4")]
-    + [(n, M, "inline") for n in ("bf16", "int4-g32", "nvfp4") for M in (1, 4)],
+    + [(n, M, "inline") for n in ("bf16", "int4-g32", "nvfp4") for M in (1, 4)]
+    + [(n, M, "gemv-split3") for n in ("int4-g128", "nvfp4") for M in (1, 8)],
 )
 def test_decode_variants_formats_mixed_rows(name, M, variant):
     """Decode variants for every format at the Qwen3-like shape: pool rows, pinned host rows, an expert not
-    here."""
+    here. gemv-split3: the GEMV path with gate_up's K split over 3 programs (8 K tiles: 3, 3, 2)."""
+    import dataclasses
+
     from pooled_runner.kernels.fused_moe import dense_row
+    from pooled_runner.kernels.gemv import gemv_configs
 
     from tests.kernel_helpers import build_layer
 
@@ -283,7 +287,11 @@ def test_decode_variants_formats_mixed_rows(name, M, variant):
     x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
     ids, w = routing(M, K, E, g)
     poison_allocator()
-    out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant=variant)
+    if variant == "gemv-split3":
+        cfg = dataclasses.replace(gemv_configs(H, I, fmt.fmt, M * K, fmt.group), split_k1=3)
+        out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=cfg)
+    else:
+        out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant=variant)
     here = l2p[:E] >= 0
     codes = l2p.cpu()
     ref = gpu_reference(
@@ -309,6 +317,7 @@ def test_decode_variants_formats_mixed_rows(name, M, variant):
         ("bf16", "one by id"),
         ("bf16", "inline"),
         ("int4-g128", "align-fc"),
+        ("int4-g128", "split"),
     ],
 )
 def test_gemv_graph_replay_equals_eager(name, mode):
@@ -331,8 +340,14 @@ def test_gemv_graph_replay_equals_eager(name, mode):
     g = torch.Generator(device="cuda").manual_seed(7)
     x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
     ids, w = routing(M, K, E, g)
-    base = gemv.gemv_configs(H, I, fmt.fmt, M * K)
-    cfg = base if mode == "two" else dataclasses.replace(base, one_launch=True, tickets=mode == "one")
+    base = gemv.gemv_configs(H, I, fmt.fmt, M * K, fmt.group)
+    if mode == "split":  # gate_up's K over 2 programs: compared with eager split calls (another sum order)
+        base = dataclasses.replace(base, split_k1=2)
+    cfg = (
+        base
+        if mode in ("two", "split")
+        else dataclasses.replace(base, one_launch=True, tickets=mode == "one")
+    )
     variant = mode if mode in ("inline", "align-fc") else "gemv"
 
     def run(c=cfg, v=variant):

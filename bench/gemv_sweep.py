@@ -1,0 +1,189 @@
+"""`python -m bench.gemv_sweep`: the GEMV decode path's two kernels timed apart (GPU), per tile config.
+
+For each case (shape, format, M; resident experts, softmax top-k routing of random logits) and each config
+around `gemv_configs`' default, the gate_up kernel alone and the down + combine kernel alone, in µs per call
+(CUDA graph replay) and % of the HBM read bandwidth measured in the same run for that kernel's bytes (gate_up
+reads 2/3 of a layer's expert bytes, down 1/3). Each row also gives max |difference| of its output to the
+default config's (split K changes only the fp32 summation order). Seeded; the default config runs first.
+
+Usage: python -m bench.gemv_sweep [--cases "deepseek:int4-g128:1,8;qwen3:int4-g128:1"] [--out sweep.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+from pooled_runner.kernels.gemv import GemvConfig, gemv_configs, gemv_down_combine, gemv_gate_up
+
+from bench.common import write
+from bench.kernel_variants import resident_layer
+from bench.kernels import SHAPES, measured_header, time_graph
+
+
+def gate_up_configs(base: GemvConfig) -> list[GemvConfig]:
+    """gate_up tiles around `base`: split K 2 / 4; rows x2 with 8 warps, x4 with 16; 8 warps on the same rows; 2
+    warps; rows x2 and split 2; K tiles x2; K tiles of 128 pipelined (4 stages) or not; 3 stages."""
+    r = dataclasses.replace
+    bn = base.block_n1
+    configs = [
+        base,
+        r(base, split_k1=2),
+        r(base, split_k1=4),
+        r(base, block_n1=2 * bn, num_warps=8),
+        r(base, block_n1=2 * bn, num_warps=8, split_k1=2),
+        r(base, block_n1=4 * bn, num_warps=16),
+        r(base, num_warps=8),
+        r(base, num_warps=2),
+        r(base, num_warps=2, split_k1=2),
+        r(base, block_n1=2 * bn, split_k1=2),
+        r(base, block_k1=2 * base.block_k1),
+        r(base, block_k1=128, stages=4, prefetch=False),
+        r(base, block_k1=128, stages=0, prefetch=False),
+        r(base, block_k1=128, stages=4, prefetch=False, block_n1=2 * bn, num_warps=8),
+        r(base, stages=3),
+    ]
+    return list(dict.fromkeys(configs))
+
+
+def down_configs(base: GemvConfig) -> list[GemvConfig]:
+    """down tiles around `base`: rows x2 / /2; 8 warps (same and x2 rows); 2 warps; K tiles x2, /2 (rows x2); K
+    tiles of 128 pipelined (4 stages) or not; 3 stages."""
+    r = dataclasses.replace
+    bn = base.block_n2
+    configs = [
+        base,
+        r(base, block_n2=2 * bn),
+        r(base, block_n2=max(8, bn // 2)),
+        r(base, num_warps=8),
+        r(base, num_warps=8, block_n2=2 * bn),
+        r(base, num_warps=2),
+        r(base, block_k2=2 * base.block_k2),
+        r(base, block_k2=base.block_k2 // 2, block_n2=2 * bn),
+        r(base, block_k2=128, stages=4, prefetch=False),
+        r(base, block_k2=128, stages=0, prefetch=False),
+        r(base, stages=3),
+    ]
+    return list(dict.fromkeys(configs))
+
+
+def focus_configs(base: GemvConfig, kernel: str) -> list[GemvConfig]:
+    """`--set focus`: the int4 candidates the wide sweep of 2026-12-01 left (8 warps on twice the rows for
+    gate_up, no pipeline for down) crossed with the loads' pipelining, split K, and K tiles of 256."""
+    r = dataclasses.replace
+    if kernel == "gate_up":
+        wide = r(base, block_n1=2 * base.block_n1, num_warps=8)
+        configs = [
+            base,
+            r(base, stages=0, prefetch=False),
+            r(base, split_k1=2),
+            r(base, num_warps=2, split_k1=2),
+        ]
+        configs += [wide, r(wide, stages=0, prefetch=False), r(wide, stages=3), r(wide, stages=2)]
+        configs += [r(wide, stages=0, prefetch=True)]
+        # K tiles of 256: 128 bytes of each row per tile (the pattern streams at 85% of HBM with 64, 102% with
+        # 128: bench/stream_pattern.py); two scales per row at group 128
+        k256 = r(base, block_k1=256)
+        configs += [k256, r(k256, stages=3), r(k256, num_warps=8), r(k256, block_n1=base.block_n1 // 2)]
+        configs += [
+            r(k256, stages=0, prefetch=False),
+            r(k256, split_k1=2),
+            r(k256, num_warps=8, block_n1=2 * base.block_n1),
+        ]
+    else:
+        plain = r(base, stages=0, prefetch=False)
+        configs = [
+            base,
+            plain,
+            r(base, stages=0, prefetch=True),
+            r(plain, block_n2=2 * base.block_n2, num_warps=8),
+        ]
+        configs += [r(plain, num_warps=8), r(plain, block_n2=max(8, base.block_n2 // 2)), r(base, stages=2)]
+        k256 = r(base, block_k2=256)
+        configs += [k256, r(k256, stages=0, prefetch=False), r(k256, stages=3), r(k256, num_warps=8)]
+        configs += [
+            r(k256, block_n2=base.block_n2 // 2),
+            r(k256, stages=0, prefetch=False, block_n2=base.block_n2 // 2),
+        ]
+    return list(dict.fromkeys(configs))
+
+
+def _row(shape, name, M, kernel, cfg: GemvConfig, us, pct, diff) -> str:
+    bn, bk = (cfg.block_n1, cfg.block_k1) if kernel == "gate_up" else (cfg.block_n2, cfg.block_k2)
+    split = cfg.split_k1 if kernel == "gate_up" else 1
+    return (
+        f"| {shape} | {name} | {M} | {kernel} | {bn} | {bk} | {cfg.num_warps} | {cfg.prefetch_code()} | {split} "
+        f"| {us:.1f} | {pct:.0f}% | {diff:.2e} |"
+    )
+
+
+def sweep_case(
+    shape: str, name: str, M: int, hbm: float, g: torch.Generator, deadline: float, focus: bool = False
+) -> list[str]:
+    """The rows of one case: gate_up configs, then down configs (down reads the default config's act)."""
+    H, I, _, _ = SHAPES[shape]
+    layer = resident_layer(shape, name, M, g)
+    x, ids, tw, l2p, E, w13, w2, fmt = layer.args
+    ids = ids.contiguous()
+    base = gemv_configs(H, I, fmt.fmt, ids.numel(), fmt.group)
+    bytes_up, bytes_down = layer.nbytes * 2 / 3, layer.nbytes / 3
+    rows = []
+    act_ref = gemv_gate_up(x, ids, l2p, E, w13, fmt, base).clone()
+    for cfg in focus_configs(base, "gate_up") if focus else gate_up_configs(base):
+        if time.perf_counter() > deadline:
+            return [*rows, f"| {shape} | {name} | {M} | (time budget reached) |"]
+
+        def up(cfg=cfg):
+            return gemv_gate_up(x, ids, l2p, E, w13, fmt, cfg)
+
+        diff = (up().float() - act_ref.float()).abs().max().item()
+        us = time_graph(up)
+        rows.append(_row(shape, name, M, "gate_up", cfg, us, 100 * bytes_up / (hbm * 1e3) / us, diff))
+        print(rows[-1], flush=True)
+    out_ref = gemv_down_combine(act_ref, ids, tw, l2p, E, w2, fmt, base).clone()
+    for cfg in focus_configs(base, "down") if focus else down_configs(base):
+        if time.perf_counter() > deadline:
+            return [*rows, f"| {shape} | {name} | {M} | (time budget reached) |"]
+
+        def down(cfg=cfg):
+            return gemv_down_combine(act_ref, ids, tw, l2p, E, w2, fmt, cfg)
+
+        diff = (down().float() - out_ref.float()).abs().max().item()
+        us = time_graph(down)
+        rows.append(_row(shape, name, M, "down", cfg, us, 100 * bytes_down / (hbm * 1e3) / us, diff))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="deepseek:int4-g128:1,8;qwen3:int4-g128:1,8;deepseek:nvfp4:1")
+    ap.add_argument("--budget", type=float, default=240.0, help="seconds before the sweep stops")
+    ap.add_argument(
+        "--set", choices=("wide", "focus"), default="wide", help="configs: around the default or focus"
+    )
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    deadline = time.perf_counter() + args.budget
+    hbm, _, lines = measured_header(args.commit)
+    lines += [
+        "GEMV kernels apart (µs per call, graph replay; % HBM of that kernel's bytes; max |diff| to the default):",
+        "",
+        "| shape | format | M | kernel | BN | BK | warps | prefetch | split K | µs | % HBM | max diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for case in args.cases.split(";"):
+        shape, name, ms = case.split(":")
+        for M in (int(m) for m in ms.split(",")):
+            lines += sweep_case(shape, name, M, hbm, g, deadline, args.set == "focus")
+            torch.cuda.empty_cache()
+    write(args.out, lines)
+
+
+if __name__ == "__main__":
+    main()
