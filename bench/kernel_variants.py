@@ -33,13 +33,13 @@ VARIANT_CASES = [
 ]
 
 
-def variant_specs(H: int, I: int, fmt: int, num_pairs: int) -> list[tuple[str, dict]]:
+def variant_specs(H: int, I: int, fmt: int, num_pairs: int, group: int = 128) -> list[tuple[str, dict]]:
     """(column, pooled_fused_moe keyword arguments): the default first (the 'before' of the ratio), then the
     align and inline paths with their tiles as `pick_configs` gives them and swapped (`GemmConfig.swap_ab`),
     then the GEMV path."""
     from pooled_runner.kernels.fused_moe import pick_configs
 
-    base = gemv_configs(H, I, fmt, num_pairs)
+    base = gemv_configs(H, I, fmt, num_pairs, group)
     tiles = pick_configs(max(1, num_pairs // 8), 8, 0, H, I, fmt)
     plain = tuple(dataclasses.replace(c, swap_ab=False) for c in tiles)
     swapped = tuple(dataclasses.replace(c, swap_ab=True) for c in tiles)
@@ -163,7 +163,7 @@ def variants_main(args: argparse.Namespace) -> None:
             num_host = int((l2p[distinct] >= E).sum())
             nbytes = distinct.numel() * row_bytes
             bound_us = ((nbytes - num_host * row_bytes) / hbm + num_host * row_bytes / zero_copy) / 1e3
-            specs = variant_specs(H, I, fmt.fmt, M * K)
+            specs = variant_specs(H, I, fmt.fmt, M * K, fmt.group)
             if not header_done:
                 cols = [c for c, _ in specs]
                 lines += [

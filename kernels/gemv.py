@@ -92,15 +92,14 @@ class GemvConfig:
 def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group: int = 128) -> GemvConfig:
     """Default tiles: ~16 packed words per thread per tile, N blocks halved (down to 8 rows) until pairs x N
     blocks gives at least two programs per SM; int4 and NVFP4 without the register prefetch (the H200 sweeps
-    cited below). `group`: int4's group size (K tiles of 256 hold at most two groups)."""
+    cited below). `group`: int4's group size. int4 takes K tiles of 256 only where they hold whole groups of
+    128 (or a multiple) and K is a multiple of 256 (else a tile would load a scale per word: 3x slower)."""
     if interpreting():  # the interpreter's cost grows with tile size; correctness only
         return GemvConfig(16, 32, 16, 32, num_warps=4)
     vpw = _VALUES_PER_WORD.get(fmt, 2)
     bk = (
         128 if vpw == 2 else 256
     )  # dense: K tiles of 128 were the fastest of the H200 sweep (Qwen3-like, M=1)
-    if fmt == FMT_INT4 and group % 128:
-        bk = 128  # groups of 64 / 32: two / four per K tile of 128 (at most two per tile load per row)
     rows = {2: 32, 4: 32, 8: 64}[vpw]  # rows per tile: 32 x 64 words (dense), 32 x 64 (fp8), 64 x 32
     min_programs = 2 * _num_sms()
     bn1, bn2 = rows // 2, rows
@@ -114,8 +113,16 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group
         # gate_up 48.7 µs and down 30.6 against 67.5 and 34.3 with K tiles of 128 through a 4-stage pipeline
         # (a read-only kernel of 64-byte row pieces streams at 85% of HBM, of 128-byte pieces at 102%:
         # bench/stream_pattern.py). NVFP4: DeepSeek-like M=1 205.7 vs 245.4 µs without the prefetch.
-        return GemvConfig(bn1, bk, bn2, bk, num_warps=4, prefetch=False)
+        # Other int4 groups (64: two per tile, a load per row each; 32: four, a load per word) and a K that is
+        # not a multiple of 256: K tiles of 128 without a pipeline (at group 128 as fast as the 4-stage one).
+        bk1, bk2 = (_int4_block_k(k, group) for k in (H, I)) if fmt == FMT_INT4 else (bk, bk)
+        return GemvConfig(bn1, bk1, bn2, bk2, num_warps=4, prefetch=False)
     return GemvConfig(bn1, bk, bn2, bk, num_warps=4, prefetch=True)
+
+
+def _int4_block_k(k: int, group: int) -> int:
+    """int4 K tile: 256 where each tile holds whole groups of a multiple of 128 and K is whole tiles, else 128."""
+    return 256 if group % 128 == 0 and k % 256 == 0 else 128
 
 
 def _num_sms() -> int:

@@ -92,6 +92,8 @@ def gemv_one_launch(
     config: GemvConfig,
 ) -> torch.Tensor:
     """`gemv_moe` in one launch (`_fused_kernel`): the same tiles and result as the two launches."""
+    if config.split_k1 != 1:
+        raise ValueError(f"one launch: split_k1={config.split_k1} is for the two-launch path (use 1)")
     T, K = topk_ids.shape
     H = hidden.shape[1]
     I = w2.weight.shape[2] * fmt.values_per_element()
@@ -112,8 +114,6 @@ def gemv_one_launch(
         return out
     nb1, nb2 = triton.cdiv(I, config.block_n1), triton.cdiv(H, config.block_n2)
     sync = _counters(hidden.device, T * nb2)
-    if config.split_k1 != 1:
-        raise ValueError(f"one launch: split_k1={config.split_k1} is for the two-launch path (use 1)")
     if w13.num_rows != w2.num_rows:
         raise ValueError(f"w13 has {w13.num_rows} pool rows, w2 {w2.num_rows}: expected one pool")
     ptrs1, strides1, native, c0, c1 = _word_args(w13, fmt)

@@ -92,11 +92,12 @@ def test_gemv_stages_match_references(name, H, I, dtype, cfg):
                                                    ("int4-g128-zp", torch.float16, 256), ("nvfp4", torch.float16, 256)])  # fmt: skip
 def test_gemv_production_tiles_with_outliers(name, dtype, bk):
     """int4 tiles at group 128 (K tiles of 128 = one group: one scale and zero point per row and tile; K tiles
-    of 256, the H200 default = two groups: two per row, selected per word; through a 4-stage pipeline) and
+    of 256 = two groups: two per row, selected per word; here through a 4-stage pipeline, the interpreter runs
+    the same arithmetic as the H200 default without one) over two K tiles of gate_up, and
     NVFP4's (no prefetch, K tiles of 256) at a group-128 shape, with large x
     outliers (the int4 words carry 2048 + q and 128 + q: the offsets come off per word) and fp16 compute,
     against the path's reference and the dense torch reference of the align path."""
-    H, I, E, T, K = 256, 128, 5, 2, 3
+    H, I, E, T, K = 512, 128, 5, 2, 3
     g = torch.Generator().manual_seed(11 + len(name))
     fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, 3, g, dtype)
     fmt = kernel_format(fmt_obj)
@@ -177,8 +178,19 @@ def test_gemv_repeated_experts_and_counters_reset():
     assert_close(first, gemv_moe_ref(x, ids, w, l2p, E, w13, w2, fmt, cfg), "repeated experts")
 
 
-@pytest.mark.parametrize(("name", "H", "I", "dtype"), [FORMATS[0], FORMATS[4], FORMATS[7]])
-@pytest.mark.parametrize(("split", "cfg"), [(2, CONFIGS[0]), (3, CONFIGS[2]), (5, CONFIGS[1])])
+@pytest.mark.parametrize(
+    ("name", "H", "I", "dtype"),
+    [FORMATS[0], ("int4-g32-zp", 128, 32, torch.float16), FORMATS[7]],  # K tiles: 2 / 4 / 2 (32 values)
+)
+@pytest.mark.parametrize(
+    ("split", "cfg"),
+    [
+        (2, CONFIGS[0]),
+        (3, CONFIGS[2]),
+        (5, CONFIGS[0]),
+        (3, CONFIGS[1]),
+    ],  # CONFIGS[1]: int4 two groups a tile
+)
 def test_gemv_split_k_gate_up(name, H, I, dtype, split, cfg):
     """gate_up with K split over `split` programs per (pair, N block) (fewer tiles than splits, a last tile
     past K, the three prefetch modes): the reference's act; the arrival counters back at zero; a second call
@@ -258,3 +270,13 @@ def test_gemv_rejects_bad_input():
         gemv_gate_up(wide, torch.zeros(200, 1, dtype=torch.int64), l2p, 7, w13, fmt, CONFIGS[0])
     with pytest.raises(ValueError, match="variant"):
         pooled_fused_moe(x, ids, torch.ones(2, 2), l2p, 7, w13, w2, fmt, variant="fast")
+
+
+def test_int4_k_tiles_hold_whole_groups():
+    """int4's K tile is 256 only where K is whole tiles of whole groups of 128 (or a multiple); else 128 (a tile
+    straddling more than two groups, or masked past K, would load a scale per word)."""
+    assert gemv._int4_block_k(7168, 128) == 256
+    assert gemv._int4_block_k(768, 256) == 256
+    assert gemv._int4_block_k(1408, 128) == 128  # I % 256 == 128: the last tile would be half past K
+    assert gemv._int4_block_k(2048, 64) == 128
+    assert gemv._int4_block_k(2048, 32) == 128
