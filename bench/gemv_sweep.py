@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 
 import torch
@@ -116,32 +117,28 @@ def sweep_case(
     x, ids, tw, l2p, E, w13, w2, fmt = layer.args
     ids = ids.contiguous()
     base = gemv_configs(H, I, fmt.fmt, ids.numel(), fmt.group)
-    bytes_up, bytes_down = layer.nbytes * 2 / 3, layer.nbytes / 3
-    rows = []
     act_ref = gemv_gate_up(x, ids, l2p, E, w13, fmt, base).clone()
-    for cfg in focus_configs(base, "gate_up") if focus else gate_up_configs(base):
-        if time.perf_counter() > deadline:
-            return [*rows, f"| {shape} | {name} | {M} | (time budget reached) |"]
-
-        def up(cfg=cfg):
-            return gemv_gate_up(x, ids, l2p, E, w13, fmt, cfg)
-
-        diff = (up().float() - act_ref.float()).abs().max().item()
-        us = time_graph(up)
-        rows.append(_row(shape, name, M, "gate_up", cfg, us, 100 * bytes_up / (hbm * 1e3) / us, diff))
-        print(rows[-1], flush=True)
-    out_ref = gemv_down_combine(act_ref, ids, tw, l2p, E, w2, fmt, base).clone()
-    for cfg in focus_configs(base, "down") if focus else down_configs(base):
-        if time.perf_counter() > deadline:
-            return [*rows, f"| {shape} | {name} | {M} | (time budget reached) |"]
-
-        def down(cfg=cfg):
-            return gemv_down_combine(act_ref, ids, tw, l2p, E, w2, fmt, cfg)
-
-        diff = (down().float() - out_ref.float()).abs().max().item()
-        us = time_graph(down)
-        rows.append(_row(shape, name, M, "down", cfg, us, 100 * bytes_down / (hbm * 1e3) / us, diff))
-        print(rows[-1], flush=True)
+    kernels = {  # kernel: (its launch for a config, its share of the layer's bytes)
+        "gate_up": (lambda c: gemv_gate_up(x, ids, l2p, E, w13, fmt, c), 2 / 3),
+        "down": (lambda c: gemv_down_combine(act_ref, ids, tw, l2p, E, w2, fmt, c), 1 / 3),
+    }
+    rows = []
+    for kernel, (launch, share) in kernels.items():
+        ref = launch(base).clone()
+        configs = (
+            focus_configs(base, kernel)
+            if focus
+            else (gate_up_configs if kernel == "gate_up" else down_configs)(base)
+        )
+        for cfg in configs:
+            if time.perf_counter() > deadline:
+                return [*rows, f"| {shape} | {name} | {M} | (time budget reached) |"]
+            diff = (launch(cfg).float() - ref.float()).abs().max().item()
+            us = time_graph(functools.partial(launch, cfg))
+            rows.append(
+                _row(shape, name, M, kernel, cfg, us, 100 * layer.nbytes * share / (hbm * 1e3) / us, diff)
+            )
+            print(rows[-1], flush=True)
     return rows
 
 
