@@ -31,9 +31,13 @@ NEW_TOKENS = 24
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # under pytest-xdist (scripts/test.sh), a module's tests share one worker: its servers start once
+    grouped = config.pluginmanager.hasplugin("xdist")
     for item in items:
         if "tests/engine/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.engine)
+            if grouped:
+                item.add_marker(pytest.mark.xdist_group(name=item.module.__name__))
 
 
 @pytest.fixture(scope="session")
