@@ -14,7 +14,7 @@ dequantized B tile through shared memory to reach the MMA layout; here a program
 weight tiles as packed int32 words (16-byte loads), turns each word into fp32 values with one or two integer
 ops per value and FMAs them against x, and sums over K once at the end. x: dense and fp8 read it through
 pointers broadcast over the rows (the words' layout, no layout conversion); int4 and NVFP4 load the tile's x
-once, contiguous, and split it in registers (`gemv_tiles._x_split8`). The grid is pairs x N blocks, so even one
+once, contiguous, and split it in registers (`gemv_words._x_split8`). The grid is pairs x N blocks, so even one
 token's top-8 gives a few hundred programs. Loads run ahead of use by `GemvConfig`: the next tile in registers
 (`prefetch`, dense and fp8 by default) or Triton's pipeline (`stages`); int4 and NVFP4 by default neither
 (K tiles of 256: each row's 128 bytes per tile keep the loads near the HBM rate, `gemv_configs`). gate_up can
@@ -226,8 +226,10 @@ def _check_gemv(fmt: KernelFormat, proj: Projection, k: int, block_k: int) -> No
         raise ValueError(f"GEMV path: no kernel for format {fmt.fmt}")
     if k % vpw:
         raise ValueError(f"GEMV path: K={k} is not a multiple of {vpw} values (one int32 word)")
-    if block_k < vpw or block_k & (block_k - 1):
-        raise ValueError(f"GEMV path: block_k={block_k} must be a power of two >= {vpw}")
+    # NVFP4 tiles hold whole scales (16 values, two words): its scales load per tile as `[BN, KW / 2]`
+    min_k = 16 if fmt.fmt == FMT_NVFP4 else vpw
+    if block_k < min_k or block_k & (block_k - 1):
+        raise ValueError(f"GEMV path: block_k={block_k} must be a power of two >= {min_k}")
 
 
 def _pairs_pow2(num_pairs: int) -> int:

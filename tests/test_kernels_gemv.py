@@ -270,6 +270,11 @@ def test_gemv_rejects_bad_input():
         gemv_gate_up(wide, torch.zeros(200, 1, dtype=torch.int64), l2p, 7, w13, fmt, CONFIGS[0])
     with pytest.raises(ValueError, match="variant"):
         pooled_fused_moe(x, ids, torch.ones(2, 2), l2p, 7, w13, w2, fmt, variant="fast")
+    # NVFP4: a tile of one word (8 values) would split a scale of 16 values
+    _, fp4, fp4_w13, _, fp4_l2p = _layer("nvfp4", 48, 32, torch.bfloat16)
+    x48 = torch.randn(2, 48, generator=g).bfloat16()
+    with pytest.raises(ValueError, match="block_k=8 must be a power of two >= 16"):
+        gemv_gate_up(x48, ids, fp4_l2p, 7, fp4_w13, fp4, GemvConfig(16, 8, 16, 16))
 
 
 def test_int4_k_tiles_hold_whole_groups():

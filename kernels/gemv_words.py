@@ -1,0 +1,158 @@
+"""GEMV decode path, the per-format word dot products (`@triton.jit`): a tile's packed int32 words times x,
+dequantized in registers (bf16 / fp16 pairs, int4 nibbles, NVFP4 e2m1 codes, fp8); `gemv_tiles.py` loads the
+words and their scales and sums the rows."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _sh(w, S: tl.constexpr):
+    """`w << S` for S >= 0, `w >> -S` otherwise (callers mask the bits they keep)."""
+    if S >= 0:
+        return w << S
+    else:
+        return w >> (-S)
+
+
+@triton.jit
+def _half_lo(bits):
+    """fp32 of the fp16 in the low half of each int32."""
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _half_hi(bits):
+    """fp32 of the fp16 in the high half of each int32."""
+    return (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _ldx(ptr, xm, EVEN_K: tl.constexpr, X_CG: tl.constexpr):
+    """x values in fp32 (masked past K unless EVEN_K). X_CG: from L2 (x written by other CTAs of this launch)."""
+    if X_CG:
+        if EVEN_K:
+            return tl.load(ptr, cache_modifier=".cg").to(tl.float32)
+        else:
+            return tl.load(ptr, mask=xm, other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        if EVEN_K:
+            return tl.load(ptr).to(tl.float32)
+        else:
+            return tl.load(ptr, mask=xm, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _word_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, FMT: tl.constexpr, HAS_ZERO: tl.constexpr,
+              COMPUTE: tl.constexpr, VPW: tl.constexpr, EVEN_K: tl.constexpr, X_CG: tl.constexpr):  # fmt: skip
+    """`acc [BN, KW]` plus, per word, the sum over its VPW values of weight * x (times the word's scale where
+    the format has group scales; per-row and global factors are applied by `_row_scale` at the end); NVFP4:
+    `acc [BN, KW / 2]` plus, per scale, its two words' sums times the scale. `k0`: the
+    tile's first word column. Dense and fp8 read x through `[BN, KW]` pointers equal along the rows (the words'
+    layout, no layout conversion); int4 and NVFP4 (8 values a word) load the tile's x once, contiguous, and
+    split it in registers (`_x_split8`): on the H200 that halved the DeepSeek-like int4 GEMV at M=1."""
+    if EVEN_K:  # noqa: SIM108 (constexpr branch)
+        xm = None
+    else:
+        xm = kcol < K_WORDS
+    xp = x_row + kcol * VPW
+    if FMT == 0:
+        x0 = _ldx(xp, xm, EVEN_K, X_CG)
+        x1 = _ldx(xp + 1, xm, EVEN_K, X_CG)
+        if COMPUTE == tl.bfloat16:
+            acc += (words << 16).to(tl.float32, bitcast=True) * x0
+            acc += (words & -65536).to(tl.float32, bitcast=True) * x1
+        else:
+            acc += _half_lo(words) * x0
+            acc += _half_hi(words) * x1
+    elif FMT == 1:
+        acc = _int4_word_dot(acc, words, s, z, x_row, k0, K_WORDS, c0, c1, HAS_ZERO, EVEN_K, X_CG)
+    elif FMT == 4:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_split8(x_row, k0, K_WORDS, words.shape[1], EVEN_K, X_CG)
+        # one FFMA chain per word (`p += a * x` one value at a time: a sum of two products per step cost an
+        # extra FMUL and FADD per pair)
+        bits = (_sh(words, 9) & c0) | (_sh(words, 12) & c1)
+        p = _half_lo(bits) * x0[None, :]
+        p += _half_hi(bits) * x4[None, :]
+        bits = (_sh(words, 5) & c0) | (_sh(words, 8) & c1)
+        p += _half_lo(bits) * x1[None, :]
+        p += _half_hi(bits) * x5[None, :]
+        bits = (_sh(words, 1) & c0) | (_sh(words, 4) & c1)
+        p += _half_lo(bits) * x2[None, :]
+        p += _half_hi(bits) * x6[None, :]
+        bits = (_sh(words, -3) & c0) | (_sh(words, 0) & c1)
+        p += _half_lo(bits) * x3[None, :]
+        p += _half_hi(bits) * x7[None, :]
+        # the two words of each scale summed first: `acc [BN, KW / 2]`
+        pa, pb = tl.split(tl.reshape(p, (p.shape[0], p.shape[1] // 2, 2)))
+        acc += s * (pa + pb)
+    elif FMT == 3:
+        p = tl.zeros(words.shape, dtype=tl.float32)
+        for j in tl.static_range(2):
+            bits = (_sh(words, 7 - 8 * j) & c0) | (_sh(words, 8 - 8 * j) & c1)
+            p += _half_lo(bits) * _ldx(xp + j, xm, EVEN_K, X_CG)
+            p += _half_hi(bits) * _ldx(xp + j + 2, xm, EVEN_K, X_CG)
+        acc += s * p
+    else:
+        for j in tl.static_range(2):
+            bits = (_sh(words, 7 - 8 * j) & c0) | (_sh(words, 8 - 8 * j) & c1)
+            acc += _half_lo(bits) * _ldx(xp + j, xm, EVEN_K, X_CG)
+            acc += _half_hi(bits) * _ldx(xp + j + 2, xm, EVEN_K, X_CG)
+    return acc
+
+
+@triton.jit
+def _x_split8(x_row, k0, K_WORDS, KW: tl.constexpr, EVEN_K: tl.constexpr, X_CG: tl.constexpr):
+    """The x values of a tile of KW 8-value words starting at word k0, as eight fp32 `[KW]` vectors (vector j:
+    value j of each word): one contiguous load, split in registers (one small layout change per tile instead of
+    a load per value and row)."""
+    offs = k0 * 8 + tl.arange(0, KW * 8)
+    if EVEN_K:  # noqa: SIM108 (constexpr branch)
+        xm = None
+    else:
+        xm = offs < K_WORDS * 8
+    # value 8c + 4a + 2b + d of the tile at [c, a, b, d]; each split takes the last axis apart
+    xt = tl.reshape(_ldx(x_row + offs, xm, EVEN_K, X_CG), (KW, 2, 2, 2))
+    xa0, xa1 = tl.split(xt)  # d = 0, 1
+    x0, x4 = tl.split(tl.split(xa0)[0])  # (b, d) = (0, 0): a = 0, 1 -> values 0, 4
+    x2, x6 = tl.split(tl.split(xa0)[1])
+    x1, x5 = tl.split(tl.split(xa1)[0])
+    x3, x7 = tl.split(tl.split(xa1)[1])
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _int4_word_dot(acc, words, s, z, x_row, k0, K_WORDS, c0, c1, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
+                   X_CG: tl.constexpr):  # fmt: skip
+    """int4 `_word_dot`. Weights: nibbles 2i and 2i + 1 of a word are shifted together (by 12, 4, -4, -12 bits)
+    to bits 12..15 and 16..19, where one LOP3 each (`& mask | exponent`) makes the fp32 `2048 + q` and
+    `128 + q` (the nibble is the low bits of the integer part: exact); a word costs 4 shifts, 8 LOP3 and 8 FMA
+    for its 8 values. x: the tile's `8 * KW` values in one contiguous load, split in registers into the eight
+    `[KW]` vectors of value j of each word (one small layout change per tile instead of a load per value);
+    the offsets and the zero point come off once per word, `p - (2048 sum_even x + 128 sum_odd x) - z sum x`,
+    the sums formed per word column and shared by the thread's rows. The products are exact in fp32 (bf16 x
+    times a 12-bit integer); a word's sum rounds at ~2^-24 of 2^14 |x|."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_split8(x_row, k0, K_WORDS, words.shape[1], EVEN_K, X_CG)
+    m_hi = c0 << 4  # nibble field at bits 16..19
+    e_hi = c1 - 33554432  # exponent of 128.0 (c1: of 2048.0)
+    t = words << 12
+    p = ((t & c0) | c1).to(tl.float32, bitcast=True) * x0[None, :]
+    p += ((t & m_hi) | e_hi).to(tl.float32, bitcast=True) * x1[None, :]
+    t = words << 4
+    p += ((t & c0) | c1).to(tl.float32, bitcast=True) * x2[None, :]
+    p += ((t & m_hi) | e_hi).to(tl.float32, bitcast=True) * x3[None, :]
+    t = words >> 4
+    p += ((t & c0) | c1).to(tl.float32, bitcast=True) * x4[None, :]
+    p += ((t & m_hi) | e_hi).to(tl.float32, bitcast=True) * x5[None, :]
+    t = words >> 12
+    p += ((t & c0) | c1).to(tl.float32, bitcast=True) * x6[None, :]
+    p += ((t & m_hi) | e_hi).to(tl.float32, bitcast=True) * x7[None, :]
+    x_even = (x0 + x2) + (x4 + x6)
+    x_odd = (x1 + x3) + (x5 + x7)
+    if HAS_ZERO:
+        offset = (x_even * 2048.0 + x_odd * 128.0)[None, :]
+        return acc + s * (p - offset - z * (x_even + x_odd)[None, :])
+    else:  # symmetric: the zero point 8 folded into the offsets
+        return acc + s * (p - (x_even * 2056.0 + x_odd * 136.0)[None, :])
