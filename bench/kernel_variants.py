@@ -23,8 +23,8 @@ from pooled_runner.formats import make_format
 # the decode-kernel work targets, and one with host rows
 VARIANT_CASES = [
     ("deepseek", "int4-g128", (1, 2, 4, 8), "0"),
-    ("deepseek", "nvfp4", (1, 8), "0"),
-    ("qwen3", "nvfp4", (1, 8), "0"),
+    ("deepseek", "nvfp4", (1, 2, 4, 8), "0"),
+    ("qwen3", "nvfp4", (1, 2, 4, 8), "0"),
     ("qwen3", "bf16", (1, 4, 16), "0"),
     ("qwen3", "int4-g128", (1, 2, 4, 8), "0"),
     ("deepseek", "bf16", (1, 8), "0"),

@@ -48,10 +48,12 @@ INLINE_DEFAULT_MAX_PAIRS = 8
 # registers, int4 (4-stage K tiles of 128) against the align path with swapped tiles, M = 1 / 2 / 4 / 8:
 # DeepSeek-like 101.3 / 177.5 / 327.8 / 624.3 µs vs 159.2 / 320.8 / 523.5 / 938.4; Qwen3-like 21.1 / 27.1 /
 # 48.9 / 85.1 vs 34.5 / 47.3 / 69.3 / 110.9. NVFP4 (register prefetch off) at M=1, DeepSeek-like: 205.7 vs 225.3
-# µs; at M=8 only the prefetching tiles were measured (1779 vs 1442): NVFP4 stays on the align path there. Since
-# then int4 uses K tiles of 256 without a pipeline (gemv_configs; layer numbers in docs/BENCHMARKS.md, tenth
-# session), which only widens its lead.
-GEMV_DEFAULT_MAX_PAIRS = {FMT_INT4: GEMV_MAX_PAIRS, FMT_NVFP4: 8}
+# µs. Since then int4 uses K tiles of 256 without a pipeline (gemv_configs; layer numbers in docs/BENCHMARKS.md,
+# tenth session), which only widens its lead. NVFP4 loads its scales per tile (one per two words) since the
+# eleventh session: H200, 2026-12-01, `bench/kernels.py --variants --formats nvfp4`, GEMV against the best other
+# variant at M = 1 / 2 / 4 / 8: DeepSeek-like 101.5 / 187.9 / 352.8 / 653.0 µs vs 225.0 / 436.4 / 814.7 / 1565.1,
+# Qwen3-like 18.6 / 29.5 / 56.0 / 89.8 vs 43.3 / 60.7 / 102.3 / 167.0: both formats take it up to 64 pairs.
+GEMV_DEFAULT_MAX_PAIRS = {FMT_INT4: GEMV_MAX_PAIRS, FMT_NVFP4: GEMV_MAX_PAIRS}
 # ...and only where the pairs touch mostly distinct experts (`little_expert_reuse`). The measured wins had 0.81
 # (Qwen3-like, 128 experts, 8 tokens of top-8) to 1.0 distinct experts per pair; with few experts and many
 # tokens (e.g. 8 experts, top-2, 16 tokens: 0.45) the GEMV would read each expert several times where the MMA

@@ -54,7 +54,7 @@ def test_swapped_operand_gemms_match_reference(name, H, I, dtype, T, K, E, R):
 
 def test_swapped_tiles_and_default_variant_rules():
     """Which formats and shapes swap their decode tiles, and the default variant that follows (stated here, not
-    recomputed): swapped tiles never take inline; int4 up to 64 routed pairs and NVFP4 up to 8 take the GEMV
+    recomputed): swapped tiles never take inline; int4 and NVFP4 up to 64 routed pairs take the GEMV
     path unless the caller gives MMA tiles; caller-given tiles decide over the format's rule."""
     from pooled_runner.kernels.dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NVFP4
     from pooled_runner.kernels.fused_moe import default_variant, swapped_tiles
@@ -67,7 +67,7 @@ def test_swapped_tiles_and_default_variant_rules():
     table = [
         (FMT_DENSE, 1, 768, "inline"), (FMT_DENSE, 8, 2048, "inline"), (FMT_DENSE, 9, 768, "align"),
         (FMT_INT4, 1, 768, "gemv"), (FMT_INT4, 64, 2048, "gemv"), (FMT_INT4, 65, 2048, "align"),
-        (FMT_NVFP4, 8, 768, "gemv"), (FMT_NVFP4, 9, 2048, "align"),
+        (FMT_NVFP4, 8, 768, "gemv"), (FMT_NVFP4, 64, 2048, "gemv"), (FMT_NVFP4, 65, 2048, "align"),
         (FMT_FP8_CHANNEL, 8, 768, "inline"), (FMT_FP8_CHANNEL, 8, 2048, "align"),
         (FMT_FP8_BLOCK, 9, 768, "align"),
     ]  # fmt: skip
