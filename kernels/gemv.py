@@ -26,11 +26,12 @@ Per format (one int32 word holds VPW values along K; value j of word w is elemen
       exponents of 2048.0 and 128.0, as `2048 + q` and `128 + q` exactly; per word `P = sum_j v_j x_j`, then
       `s * (P - 2048 sum_even x - 128 sum_odd x - z sum x)` = `s * sum (q - z) x` (z = 8 without zero points).
   NVFP4 (VPW 8): e2m1 codes j and j + 4 become the two halves of an fp16x2 (`value / 2^14`, subnormal 0.5
-      exact); the e4m3 scale per 16 values multiplies each word's sum; `* 2^14 * global` at the end.
+      exact); the e4m3 scale per 16 values multiplies the sum of its two words (a tile loads its scales as one
+      `[BN, KW / 2]` block); `* 2^14 * global` at the end.
   fp8 e4m3 (VPW 4): bytes j and j + 2 become an fp16x2 (`value / 2^8`, subnormals exact); block scales per
       word, channel scales and `* 2^8` at the end.
 Numerics differ from the MMA path only in rounding: dequantized weights are not rounded to the compute dtype
-(the scale multiplies a word's fp32 sum), and the K sum is one fp32 sum per row in a different order.
+(the scale multiplies a word's fp32 sum, NVFP4's the sum of its two words), and the K sum is one fp32 sum per row in a different order.
 
 Host rows work as in the other paths (the program picks the pool or host-view base by the pair's location
 code); host pairs are scheduled first (they are the stragglers), pool pairs sorted by expert so that pairs
@@ -181,9 +182,11 @@ def _down_kernel(
 
 # ---- launchers -----------------------------------------------------------------------------------------------
 def gemv_supported(fmt: KernelFormat, H: int, I: int) -> bool:
-    """Whether the GEMV path takes this format and shape (K of both projections a multiple of a word)."""
+    """Whether the GEMV path takes this format and shape (K of both projections a multiple of a word; NVFP4: of
+    its 16-value scale)."""
     vpw = _VALUES_PER_WORD.get(fmt.fmt)
-    return vpw is not None and H % vpw == 0 and I % vpw == 0
+    unit = 16 if fmt.fmt == FMT_NVFP4 else vpw
+    return vpw is not None and H % unit == 0 and I % unit == 0
 
 
 def _word_args(proj: Projection, fmt: KernelFormat) -> tuple[list[torch.Tensor], list[int], bool, int, int]:
@@ -226,6 +229,8 @@ def _check_gemv(fmt: KernelFormat, proj: Projection, k: int, block_k: int) -> No
         raise ValueError(f"GEMV path: no kernel for format {fmt.fmt}")
     if k % vpw:
         raise ValueError(f"GEMV path: K={k} is not a multiple of {vpw} values (one int32 word)")
+    if fmt.fmt == FMT_NVFP4 and k % 16:
+        raise ValueError(f"GEMV path: NVFP4 K={k} is not a multiple of 16 values (one e4m3 scale)")
     # NVFP4 tiles hold whole scales (16 values, two words): its scales load per tile as `[BN, KW / 2]`
     min_k = 16 if fmt.fmt == FMT_NVFP4 else vpw
     if block_k < min_k or block_k & (block_k - 1):

@@ -6,7 +6,7 @@
 # summary of any failing pytest step. Usage: bash scripts/gpu_check.sh
 # GIT_COMMIT names the commit in the bench header where the copy has no .git.
 # QUICK=1: only the kernel GPU tests and the quick benchmark (decode rows, a prefill row, the decode sweep),
-# then the decode kernel variants side by side (bench_variants, ~150 s).
+# then the decode kernel variants side by side (bench_variants, ~100 s).
 # Each step has a time cap so one slow step cannot eat the others' time; add new steps with `step`.
 # SKIP="name ..." leaves steps out; ONLY="name ..." runs only those; GPU_TESTS="files" narrows gpu_tests (and
 # then gpu_tests_stack does not run). One device call runs at most 10 minutes: run the steps in a few calls
@@ -42,14 +42,15 @@ step() {  # step NAME CAP_SECONDS COMMAND...   (SKIP="name ..." leaves steps out
 KERNEL_TESTS="tests/test_kernels_gpu.py tests/test_kernels_swap_gpu.py tests/test_pdl_gpu.py"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || true
 if [ "${QUICK:-0}" = 1 ]; then
-  step gpu_tests "${GPU_TESTS_CAP:-400}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 $KERNEL_TESTS
-  step bench_kernels "${BENCH_KERNELS_CAP:-170}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
-  step bench_variants "${BENCH_VARIANTS_CAP:-200}" "$PY" -m bench.kernels --variants --budget 150 --out "$OUT/bench_variants.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  # ~330 + ~90 + ~130 s measured (2026-12-01): the caps leave the call's 10 minutes little room
+  step gpu_tests "${GPU_TESTS_CAP:-360}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 $KERNEL_TESTS
+  step bench_kernels "${BENCH_KERNELS_CAP:-130}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  step bench_variants "${BENCH_VARIANTS_CAP:-130}" "$PY" -m bench.kernels --variants --budget 100 --out "$OUT/bench_variants.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
 else
   if [ -n "${GPU_TESTS:-}" ]; then
     step gpu_tests "${GPU_TESTS_CAP:-330}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 $GPU_TESTS
   else  # two steps: all GPU tests together outgrew one 10-minute device call (H200, 2026-11-30: > 540 s);
-    # the kernel files alone took 304-324 s on 2026-12-01, hence a cap of 400
+    # the kernel files alone took 304-319 s of pytest time (308-324 s per step) on 2026-12-01, hence a cap of 400
     step gpu_tests "${GPU_TESTS_CAP:-400}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 $KERNEL_TESTS
     step gpu_tests_stack "${GPU_TESTS_STACK_CAP:-330}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests $(for f in $KERNEL_TESTS; do printf -- '--ignore=%s ' "$f"; done)
   fi

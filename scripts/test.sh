@@ -8,6 +8,6 @@ ruff check .
 ruff format --check .
 mypy
 # pytest exits 5 when nothing was collected; set -e turns that into a failure. Tests run in
-# POOLED_RUNNER_TEST_WORKERS processes (default 2: on the 2-core CI machine, 2.8x faster than one); engine
-# modules each stay in one process (their servers are module fixtures: see tests/engine/conftest.py).
+# POOLED_RUNNER_TEST_WORKERS processes (default 2; 0 runs them in this process, e.g. for --pdb); the engine
+# tests all run in one of them, one server at a time (see tests/engine/conftest.py).
 python -m pytest -n "${POOLED_RUNNER_TEST_WORKERS:-2}" --dist loadgroup "$@"
