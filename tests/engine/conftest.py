@@ -31,14 +31,10 @@ NEW_TOKENS = 24
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # under pytest-xdist (scripts/test.sh) every engine test runs on one worker: one server at a time (see
-    # server.py) and one set of the session caches (greedy tokens, the transformers reference)
-    grouped = config.pluginmanager.hasplugin("xdist")
+    # scripts/test.sh runs these (`-m engine`) in one process after the others: one server at a time
     for item in items:
         if "tests/engine/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.engine)
-            if grouped:
-                item.add_marker(pytest.mark.xdist_group(name="engine"))
 
 
 @pytest.fixture(scope="session")
