@@ -7,6 +7,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# fp32 of the fp16 in the low / high half of each int32
+from .dequant import _fp16_hi as _half_hi
+from .dequant import _fp16_lo as _half_lo
+
 
 @triton.jit
 def _sh(w, S: tl.constexpr):
@@ -15,18 +19,6 @@ def _sh(w, S: tl.constexpr):
         return w << S
     else:
         return w >> (-S)
-
-
-@triton.jit
-def _half_lo(bits):
-    """fp32 of the fp16 in the low half of each int32."""
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _half_hi(bits):
-    """fp32 of the fp16 in the high half of each int32."""
-    return (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
