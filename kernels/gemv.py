@@ -182,11 +182,17 @@ def _down_kernel(
 
 # ---- launchers -----------------------------------------------------------------------------------------------
 def gemv_supported(fmt: KernelFormat, H: int, I: int) -> bool:
-    """Whether the GEMV path takes this format and shape (K of both projections a multiple of a word; NVFP4: of
-    its 16-value scale)."""
-    vpw = _VALUES_PER_WORD.get(fmt.fmt)
-    unit = 16 if fmt.fmt == FMT_NVFP4 else vpw
-    return vpw is not None and H % unit == 0 and I % unit == 0
+    """Whether the GEMV path takes this format and shape (K of both projections whole `_k_unit`s)."""
+    if fmt.fmt not in _VALUES_PER_WORD:
+        return False
+    unit = _k_unit(fmt.fmt)
+    return H % unit == 0 and I % unit == 0
+
+
+def _k_unit(fmt_code: int) -> int:
+    """Values that K and every K tile hold whole: one int32 word, NVFP4 one e4m3 scale (two words; its tiles
+    load their scales as `[BN, KW / 2]`)."""
+    return 16 if fmt_code == FMT_NVFP4 else _VALUES_PER_WORD[fmt_code]
 
 
 def _word_args(proj: Projection, fmt: KernelFormat) -> tuple[list[torch.Tensor], list[int], bool, int, int]:
@@ -227,14 +233,12 @@ def _check_gemv(fmt: KernelFormat, proj: Projection, k: int, block_k: int) -> No
     vpw = _VALUES_PER_WORD.get(fmt.fmt)
     if vpw is None:
         raise ValueError(f"GEMV path: no kernel for format {fmt.fmt}")
-    if k % vpw:
-        raise ValueError(f"GEMV path: K={k} is not a multiple of {vpw} values (one int32 word)")
-    if fmt.fmt == FMT_NVFP4 and k % 16:
-        raise ValueError(f"GEMV path: NVFP4 K={k} is not a multiple of 16 values (one e4m3 scale)")
-    # NVFP4 tiles hold whole scales (16 values, two words): its scales load per tile as `[BN, KW / 2]`
-    min_k = 16 if fmt.fmt == FMT_NVFP4 else vpw
-    if block_k < min_k or block_k & (block_k - 1):
-        raise ValueError(f"GEMV path: block_k={block_k} must be a power of two >= {min_k}")
+    unit = _k_unit(fmt.fmt)
+    if k % unit:
+        what = "one int32 word" if unit == vpw else "one e4m3 scale"
+        raise ValueError(f"GEMV path: K={k} is not a multiple of {unit} values ({what})")
+    if block_k < unit or block_k & (block_k - 1):
+        raise ValueError(f"GEMV path: block_k={block_k} must be a power of two >= {unit}")
 
 
 def _pairs_pow2(num_pairs: int) -> int:
