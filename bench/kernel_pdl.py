@@ -30,6 +30,7 @@ PDL_CASES = [
     ("deepseek", "int4-g128", 1),
     ("deepseek", "int4-g128", 8),
     ("deepseek", "nvfp4", 1),
+    ("deepseek", "nvfp4", 8),
     ("deepseek", "fp8", 8),
     ("qwen3", "bf16", 512),
 ]

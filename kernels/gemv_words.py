@@ -123,14 +123,22 @@ def _int4_word_dot(acc, words, s, z, x_row, k0, K_WORDS, c0, c1, HAS_ZERO: tl.co
     `128 + q` (the nibble is the low bits of the integer part: exact); a word costs 4 shifts, 8 LOP3 and 8 FMA
     for its 8 values. x: the tile's `8 * KW` values in one contiguous load, split in registers into the eight
     `[KW]` vectors of value j of each word (one small layout change per tile instead of a load per value);
-    the offsets and the zero point come off once per word, `p - (2048 sum_even x + 128 sum_odd x) - z sum x`,
+    the offsets and the zero point are the chain's start, `p = -(2048 sum_even x + 128 sum_odd x) - z sum x`,
     the sums formed per word column and shared by the thread's rows. The products are exact in fp32 (bf16 x
     times a 12-bit integer); a word's sum rounds at ~2^-24 of 2^14 |x|."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_split8(x_row, k0, K_WORDS, words.shape[1], EVEN_K, X_CG)
+    x_even = (x0 + x2) + (x4 + x6)
+    x_odd = (x1 + x3) + (x5 + x7)
+    # the chain starts from minus the offsets (and the zero point): its first product is an FFMA, and no FADD
+    # per word takes them off afterwards (Triton 3.6, sm_90: 16 instructions less per 16 words)
+    if HAS_ZERO:
+        p = -(x_even * 2048.0 + x_odd * 128.0)[None, :] - z * (x_even + x_odd)[None, :]
+    else:  # symmetric: the zero point 8 folded into the offsets
+        p = tl.broadcast_to(-(x_even * 2056.0 + x_odd * 136.0)[None, :], words.shape)
     m_hi = c0 << 4  # nibble field at bits 16..19
     e_hi = c1 - 33554432  # exponent of 128.0 (c1: of 2048.0)
     t = words << 12
-    p = ((t & c0) | c1).to(tl.float32, bitcast=True) * x0[None, :]
+    p += ((t & c0) | c1).to(tl.float32, bitcast=True) * x0[None, :]
     p += ((t & m_hi) | e_hi).to(tl.float32, bitcast=True) * x1[None, :]
     t = words << 4
     p += ((t & c0) | c1).to(tl.float32, bitcast=True) * x2[None, :]
@@ -141,10 +149,4 @@ def _int4_word_dot(acc, words, s, z, x_row, k0, K_WORDS, c0, c1, HAS_ZERO: tl.co
     t = words >> 12
     p += ((t & c0) | c1).to(tl.float32, bitcast=True) * x6[None, :]
     p += ((t & m_hi) | e_hi).to(tl.float32, bitcast=True) * x7[None, :]
-    x_even = (x0 + x2) + (x4 + x6)
-    x_odd = (x1 + x3) + (x5 + x7)
-    if HAS_ZERO:
-        offset = (x_even * 2048.0 + x_odd * 128.0)[None, :]
-        return acc + s * (p - offset - z * (x_even + x_odd)[None, :])
-    else:  # symmetric: the zero point 8 folded into the offsets
-        return acc + s * (p - (x_even * 2056.0 + x_odd * 136.0)[None, :])
+    return acc + s * p

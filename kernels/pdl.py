@@ -1,5 +1,6 @@
 """Programmatic dependent launch (PDL, sm_90+): the one home of the grid-dependency controls (`trigger`, `wait`)
-and of the check whether this Triton has them; used between gemm1 and gemm2 and by the one-launch plan + copy.
+and of the check whether this Triton has them; used between gemm1 and gemm2, between the GEMV path's gate_up and
+down, and by the one-launch plan + copy.
 
 Why between the GEMMs: at decode widths a layer is a few microseconds of DRAM time, and every kernel boundary
 costs a launch, a ramp-up and gemm1's tail, where DRAM sits partly idle (Qwen3-like bf16 M=1 on the H200: ~30 µs
@@ -18,7 +19,10 @@ with the device planner from 205.3 to 190.5 µs (183.4 with the plan + copy itse
 not the default, see `envs.plan_pdl`). Letting the plan + copy trigger at its start (so that gemm1 launches
 during the plan) was slower: 194.5-199.0 µs.
 
-Off under the interpreter, on ROCm, below sm_90, for the formats in PDL_SKIP_FORMATS and where Triton lacks the
+The GEMV decode path (`gemv.py`) does the same with its two kernels: gate_up waits first thing, then triggers;
+down finds its pair and location, then waits before it reads act or an arrival counter (`gemv_pdl_enabled`).
+
+Off under the interpreter, on ROCm, below sm_90, for the formats in PDL_SKIP_FORMATS (MMA path only) and where Triton lacks the
 GDC intrinsics or `launch_pdl` (both came with Triton 3.4).
 """
 
@@ -97,6 +101,15 @@ def pdl_available(t: torch.Tensor) -> bool:
     return _capability_major(t.device) >= 9
 
 
+def gemv_pdl_enabled(t: torch.Tensor) -> bool:
+    """Whether the GEMV decode path's kernels on `t`'s device are PDL-launched (down after gate_up, gate_up after
+    the kernel before it): PDL_GEMM2 and `pdl_available(t)`, for every format. PDL_SKIP_FORMATS is the MMA path's
+    measurement, not the GEMV's: on the H200 (2026-12-01, bench/kernel_pdl.py, one layer, graph replay, plain ->
+    PDL) the DeepSeek-like NVFP4 GEMV went 101.3 -> 99.8 µs at M=1 and 647.2 -> 645.8 at M=8, int4 77.3 -> 75.8
+    and 511.8 -> 510.1; Qwen3-like int4 M=8 73.8 -> 72.6, M=1 15.9 -> 16.3 (the one loss, within 3%)."""
+    return PDL_GEMM2 and pdl_available(t)
+
+
 def pdl_enabled(t: torch.Tensor, weight_fmt: int) -> bool:
     """Whether the GEMMs on `t`'s device are PDL-launched for weights of format `weight_fmt` (gemm2 after gemm1,
     gemm1 after the kernel before it): PDL_GEMM2, not in PDL_SKIP_FORMATS, and `pdl_available(t)`."""
@@ -112,6 +125,7 @@ def _capability_major(device: torch.device) -> int:
 __all__ = [
     "PDL_GEMM2",
     "PDL_SKIP_FORMATS",
+    "gemv_pdl_enabled",
     "pdl_available",
     "pdl_enabled",
     "pdl_supported",

@@ -1,5 +1,5 @@
-"""GPU tests of gemm2 as a programmatic dependent of gemm1 (`kernels/pdl.py`; run by scripts/gpu_check.sh,
-skipped without CUDA): the outputs are bitwise those of the launches without PDL, eager and under graph replay
+"""GPU tests of gemm2 as a programmatic dependent of gemm1, and of the GEMV path's down after its gate_up
+(`kernels/pdl.py`; run by scripts/gpu_check.sh, skipped without CUDA): the outputs are bitwise those of the launches without PDL, eager and under graph replay
 with new routing each step, with host rows, experts not here (programs that leave early) and padding."""
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ PDL_CASES = [
     ("int4-g64-zp", 4, "inline"),
     ("nvfp4", 8, "align"),
     ("fp8", 2, "align"),
+    ("int4-g128", 1, "gemv"),
+    ("int4-g64-zp", 8, "gemv"),
+    ("nvfp4", 4, "gemv"),
+    ("bf16", 2, "gemv"),
 ]
 
 
@@ -68,6 +72,14 @@ def test_pdl_gemm2_equals_plain_launches(monkeypatch, name, M, variant):
         return gemm2(act, align, *args, **kwargs)
 
     monkeypatch.setattr(fused_moe, "gemm2", spy)
+    gemv_calls = []
+    gemv_moe = fused_moe.gemv_moe
+
+    def gemv_spy(*args, **kwargs):
+        gemv_calls.append(variant)
+        return gemv_moe(*args, **kwargs)
+
+    monkeypatch.setattr(fused_moe, "gemv_moe", gemv_spy)
     expected = {
         "inline": (False, True),
         "align-fc": (True, True),
@@ -76,7 +88,10 @@ def test_pdl_gemm2_equals_plain_launches(monkeypatch, name, M, variant):
     }
     poison_allocator()
     plain = run(False)
-    assert paths == [expected[variant]], (variant, paths)
+    if variant == "gemv":  # gate_up, then down + combine: no gemm2
+        assert (paths, gemv_calls) == ([], ["gemv"]), (variant, paths, gemv_calls)
+    else:
+        assert paths == [expected[variant]], (variant, paths)
     codes = l2p.cpu()
     ref = gpu_reference(
         x,
