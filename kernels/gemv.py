@@ -23,8 +23,9 @@ split K over programs (`split_k1`, parts summed in order by the last arrival) wh
 Per format (one int32 word holds VPW values along K; value j of word w is element `VPW * w + j`):
   dense bf16 (VPW 2): `w << 16` and `w & 0xFFFF0000` are the two values as fp32. fp16: converted halves.
   int4 (VPW 8): nibbles 2i and 2i + 1 shifted together to bits 12..15 and 16..19 read, OR-ed with the
-      exponents of 2048.0 and 128.0, as `2048 + q` and `128 + q` exactly; per word `P = sum_j v_j x_j`, then
-      `s * (P - 2048 sum_even x - 128 sum_odd x - z sum x)` = `s * sum (q - z) x` (z = 8 without zero points).
+      exponents of 2048.0 and 128.0, as `2048 + q` and `128 + q` exactly; per pair of words (one group)
+      `s * (sum_j v_j x_j - 2048 sum_even x - 128 sum_odd x - z sum x)` = `s * sum (q - z) x` (z = 8 without
+      zero points), one FFMA chain started from the offsets.
   NVFP4 (VPW 8): e2m1 codes j and j + 4 become the two halves of an fp16x2 (`value / 2^14`, subnormal 0.5
       exact); the e4m3 scale per 16 values multiplies the sum of its two words (a tile loads its scales as one
       `[BN, KW / 2]` block); `* 2^14 * global` at the end.

@@ -123,8 +123,8 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
     n2 = offs_n[:, None]
     nmask2 = n_ok[:, None]
     kw = tl.arange(0, KW)[None, :] + zero2
-    # NVFP4: one accumulator per scale (two words), the others one per word
-    ACC_W: tl.constexpr = KW // 2 if FMT == 4 else KW
+    # NVFP4 and int4: one accumulator per pair of words (a scale / a group), the others one per word
+    ACC_W: tl.constexpr = KW // 2 if (FMT == 4 or FMT == 1) else KW
     acc = tl.zeros((BLOCK_N, ACC_W), dtype=tl.float32)
     # PREFETCH 1: the next tile in registers; 0: none; >= 2: Triton's software pipeline with that many stages
     if PREFETCH == 1:
