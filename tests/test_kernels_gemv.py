@@ -289,3 +289,36 @@ def test_int4_k_tiles_hold_whole_groups():
     assert gemv._int4_block_k(1408, 128) == 128  # I % 256 == 128: the last tile would be half past K
     assert gemv._int4_block_k(2048, 64) == 128
     assert gemv._int4_block_k(2048, 32) == 128
+
+
+def test_default_tiles_on_a_132_sm_gpu(monkeypatch):
+    """`gemv_configs` off the interpreter (a stand-in of 132 SMs): rows per tile halved until pairs x N blocks
+    reach two programs per SM; int4 K tiles from `_int4_block_k`, NVFP4 256, dense 128 with the register
+    prefetch; worked by hand for the DeepSeek-like (H 7168, I 2048) and Qwen3-like (H 2048, I 768) layers."""
+    from pooled_runner.kernels import dequant, gemv_config
+
+    monkeypatch.setattr(gemv_config, "interpreting", lambda: False)
+    monkeypatch.setattr(gemv_config, "_num_sms", lambda: 132)
+    cfg = gemv_config.gemv_configs
+
+    def tiles(c: GemvConfig) -> tuple:
+        return c.block_n1, c.block_k1, c.block_n2, c.block_k2, c.prefetch
+
+    assert tiles(cfg(7168, 2048, dequant.FMT_INT4, 8, 128)) == (32, 256, 64, 256, False)  # 512 / 896 programs
+    assert tiles(cfg(2048, 768, dequant.FMT_INT4, 8, 128)) == (
+        16,
+        256,
+        32,
+        256,
+        False,
+    )  # 192 -> 384, 256 -> 512
+    assert tiles(cfg(2048, 768, dequant.FMT_INT4, 8, 64)) == (16, 128, 32, 128, False)
+    assert tiles(cfg(7168, 2048, dequant.FMT_NVFP4, 64)) == (32, 256, 64, 256, False)
+    assert tiles(cfg(2048, 768, dequant.FMT_DENSE, 8)) == (16, 128, 32, 128, True)
+    assert tiles(cfg(2048, 768, dequant.FMT_INT4, 1, 128)) == (
+        8,
+        256,
+        8,
+        256,
+        False,
+    )  # halving stops at 8 rows

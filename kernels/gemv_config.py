@@ -1,0 +1,79 @@
+"""GEMV decode path: its tile config (`GemvConfig`) and the default tiles per shape and format (`gemv_configs`);
+the kernels and launchers are in `gemv.py`."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NVFP4
+from .gemm_args import interpreting
+
+_VALUES_PER_WORD = {FMT_DENSE: 2, FMT_INT4: 8, FMT_NVFP4: 8, FMT_FP8_CHANNEL: 4, FMT_FP8_BLOCK: 4}
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n1: int = 32  # rows of gate (and as many of up) per gate_up program
+    block_k1: int = 256  # K values per gate_up tile (a power of two, at least one word's values)
+    block_n2: int = 64  # rows of w2 per down program
+    block_k2: int = 256
+    num_warps: int = 4
+    prefetch: bool = True  # load the next tile (into registers) before using the current one
+    stages: int = 0  # >= 2: instead, Triton's software pipeline over K with this many stages
+    fuse_combine: bool = True  # last-arriver combine in the down kernel (else the `combine` kernel)
+    one_launch: bool = False  # gate_up and down tiles in one grid (`_fused_kernel`); implies fuse_combine
+    tickets: bool = True  # one_launch: tiles taken in arrival order from a counter (else by program id)
+    split_k1: int = 1  # gate_up programs per (pair, N block), each over a share of K (two launches only)
+
+    def prefetch_code(self) -> int:
+        """The kernels' PREFETCH: 1 register prefetch, 0 none, >= 2 pipeline stages."""
+        return self.stages if self.stages >= 2 else int(self.prefetch)
+
+
+def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group: int = 128) -> GemvConfig:
+    """Default tiles: ~16 packed words per thread per tile, N blocks halved (down to 8 rows) until pairs x N
+    blocks gives at least two programs per SM; int4 and NVFP4 without the register prefetch (the H200 sweeps
+    cited below). `group`: int4's group size. int4 takes K tiles of 256 only where they hold whole groups of
+    128 (or a multiple) and K is a multiple of 256 (else a tile would load a scale per word: 3x slower)."""
+    if interpreting():  # the interpreter's cost grows with tile size; correctness only
+        return GemvConfig(16, 32, 16, 32, num_warps=4)
+    vpw = _VALUES_PER_WORD.get(fmt, 2)
+    bk = (
+        128 if vpw == 2 else 256
+    )  # dense: K tiles of 128 were the fastest of the H200 sweep (Qwen3-like, M=1)
+    rows = {2: 32, 4: 32, 8: 64}[vpw]  # rows per tile: 32 x 64 words (dense), 32 x 64 (fp8), 64 x 32
+    min_programs = 2 * _num_sms()
+    bn1, bn2 = rows // 2, rows
+    while bn1 > 8 and num_pairs * triton.cdiv(I, bn1) < min_programs:
+        bn1 //= 2
+    while bn2 > 8 and num_pairs * triton.cdiv(H, bn2) < min_programs:
+        bn2 //= 2
+    if fmt in (FMT_INT4, FMT_NVFP4):
+        # int4: K tiles of 256 (128 bytes of each row per tile, two scales per row at group 128), no pipeline
+        # and no register prefetch: the H200 sweep of 2026-12-01 (bench/gemv_sweep.py, M=1) gave DeepSeek-like
+        # gate_up 48.7 µs and down 30.6 against 67.5 and 34.3 with K tiles of 128 through a 4-stage pipeline
+        # (a read-only kernel of 64-byte row pieces streams at 85% of HBM, of 128-byte pieces at 102%:
+        # bench/stream_pattern.py). NVFP4: DeepSeek-like M=1 205.7 vs 245.4 µs without the prefetch.
+        # Other int4 groups (64: two per tile, a load per row each; 32: four, a load per word) and a K that is
+        # not a multiple of 256: K tiles of 128 without a pipeline (at group 128 as fast as the 4-stage one).
+        bk1, bk2 = (_int4_block_k(k, group) for k in (H, I)) if fmt == FMT_INT4 else (bk, bk)
+        return GemvConfig(bn1, bk1, bn2, bk2, num_warps=4, prefetch=False)
+    return GemvConfig(bn1, bk, bn2, bk, num_warps=4, prefetch=True)
+
+
+def _int4_block_k(k: int, group: int) -> int:
+    """int4 K tile: 256 where each tile holds whole groups of a multiple of 128 and K is whole tiles, else 128."""
+    return 256 if group % 128 == 0 and k % 256 == 0 else 128
+
+
+def _num_sms() -> int:
+    return _sms_of(torch.cuda.current_device()) if torch.cuda.is_available() else 132
+
+
+@functools.cache
+def _sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
