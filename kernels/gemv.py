@@ -32,10 +32,11 @@ Per format (one int32 word holds VPW values along K; value j of word w is elemen
   fp8 e4m3 (VPW 4): bytes j and j + 2 become an fp16x2 (`value / 2^8`, subnormals exact); block scales per
       word, channel scales and `* 2^8` at the end.
 Numerics differ from the MMA path only in rounding: dequantized weights are not rounded to the compute dtype
-(the scale multiplies a word's fp32 sum, NVFP4's the sum of its two words), and the K sum is one fp32 sum per row in a different order.
+(the scale multiplies a word's fp32 sum, int4's and NVFP4's the sum of a pair of words), and the K sum is one
+fp32 sum per row in a different order.
 
 With PDL (sm_90+, `pdl.gemv_pdl_enabled`) down is a programmatic dependent of gate_up: it finds its pair and
-location while gate_up finishes, then waits before it reads act (DeepSeek-like int4 M=1 on the H200: 77.3 -> 75.8
+location while gate_up finishes, then waits before it reads act (DeepSeek-like int4 M=1 on the H200: 76.3 -> 74.7
 µs per layer; kernels/pdl.py has the rule and the numbers).
 
 Host rows work as in the other paths (the program picks the pool or host-view base by the pair's location
@@ -136,9 +137,10 @@ def gemv_supported(fmt: KernelFormat, H: int, I: int) -> bool:
 
 
 def _k_unit(fmt_code: int) -> int:
-    """Values that K and every K tile hold whole: one int32 word, NVFP4 one e4m3 scale (two words; its tiles
-    load their scales as `[BN, KW / 2]`)."""
-    return 16 if fmt_code == FMT_NVFP4 else _VALUES_PER_WORD[fmt_code]
+    """Values that K and every K tile hold whole: one int32 word; NVFP4 one e4m3 scale (two words; its tiles
+    load their scales as `[BN, KW / 2]`); int4 a pair of words (its tiles sum each pair, one group, before the
+    scale: `gemv_words._int4_word_dot`)."""
+    return 16 if fmt_code in (FMT_NVFP4, FMT_INT4) else _VALUES_PER_WORD[fmt_code]
 
 
 def _word_args(proj: Projection, fmt: KernelFormat) -> tuple[list[torch.Tensor], list[int], bool, int, int]:
@@ -181,7 +183,7 @@ def _check_gemv(fmt: KernelFormat, proj: Projection, k: int, block_k: int) -> No
         raise ValueError(f"GEMV path: no kernel for format {fmt.fmt}")
     unit = _k_unit(fmt.fmt)
     if k % unit:
-        what = "one int32 word" if unit == vpw else "one e4m3 scale"
+        what = {FMT_NVFP4: "one e4m3 scale", FMT_INT4: "two int32 words"}.get(fmt.fmt, "one int32 word")
         raise ValueError(f"GEMV path: K={k} is not a multiple of {unit} values ({what})")
     if block_k < unit or block_k & (block_k - 1):
         raise ValueError(f"GEMV path: block_k={block_k} must be a power of two >= {unit}")

@@ -105,8 +105,8 @@ def gemv_pdl_enabled(t: torch.Tensor) -> bool:
     """Whether the GEMV decode path's kernels on `t`'s device are PDL-launched (down after gate_up, gate_up after
     the kernel before it): PDL_GEMM2 and `pdl_available(t)`, for every format. PDL_SKIP_FORMATS is the MMA path's
     measurement, not the GEMV's: on the H200 (2026-12-01, bench/kernel_pdl.py, one layer, graph replay, plain ->
-    PDL) the DeepSeek-like NVFP4 GEMV went 101.3 -> 99.8 µs at M=1 and 647.2 -> 645.8 at M=8, int4 77.3 -> 75.8
-    and 511.8 -> 510.1; Qwen3-like int4 M=8 73.8 -> 72.6, M=1 15.9 -> 16.3 (the one loss, within 3%)."""
+    PDL, commit fb18c06) the DeepSeek-like NVFP4 GEMV went 101.0 -> 99.6 µs at M=1 and 649.3 -> 648.1 at M=8,
+    int4 76.3 -> 74.7 and 508.7 -> 507.5; Qwen3-like int4 M=8 73.8 -> 72.5, M=1 15.9 -> 16.0 (the one loss)."""
     return PDL_GEMM2 and pdl_available(t)
 
 

@@ -279,6 +279,13 @@ def test_gemv_rejects_bad_input():
     with pytest.raises(ValueError, match=r"K=40 is not a multiple of 16 values \(one e4m3 scale\)"):
         gemv._check_gemv(fp4, fp4_w13, 40, 16)
     assert not gemv.gemv_supported(fp4, 40, 32) and gemv.gemv_supported(fp4, 48, 32)
+    # int4: a tile of one word would leave a word without its pair (the two are summed before the scale)
+    _, q4, q4_w13, _, q4_l2p = _layer("int4-g32", 64, 32, torch.bfloat16)
+    x64 = torch.randn(2, 64, generator=g).bfloat16()
+    with pytest.raises(ValueError, match="block_k=8 must be a power of two >= 16"):
+        gemv_gate_up(x64, ids, q4_l2p, 7, q4_w13, q4, GemvConfig(16, 8, 16, 16))
+    with pytest.raises(ValueError, match=r"K=40 is not a multiple of 16 values \(two int32 words\)"):
+        gemv._check_gemv(q4, q4_w13, 40, 16)
 
 
 def test_int4_k_tiles_hold_whole_groups():
