@@ -1,5 +1,6 @@
-"""`python -m bench.kernel_pdl`: one pooled layer's decode and prefill kernels with gemm2 launched plainly and as
-a programmatic dependent of gemm1 (PDL, `kernels/pdl.py`; every format, PDL_SKIP_FORMATS included). Seeded,
+"""`python -m bench.kernel_pdl`: one pooled layer's decode and prefill kernels with gemm2 (on the GEMV path, the
+int4 / NVFP4 decode default: down) launched plainly and as a programmatic dependent of gemm1 (gate_up) (PDL,
+`kernels/pdl.py`; every format, PDL_SKIP_FORMATS included). Seeded,
 warmed up, graph replay; each setting is timed twice, in alternating order, and the faster kept; the eager
 outputs compared bitwise to the plain launches (a weak check: tests/test_pdl_gpu.py is the correctness check).
 Prints % of the HBM read bandwidth measured in the same run."""
@@ -100,7 +101,8 @@ def main() -> None:
     lines += [
         "",
         "plain: gemm2 launched after gemm1 completes; PDL: gemm2 launched as gemm1's programmatic dependent "
-        "(kernels/pdl.py). Best of two alternating timings each. bitwise = plain: the eager outputs compared (a "
+        "(kernels/pdl.py); int4 and NVFP4 decode rows (up to 64 routed pairs) take the GEMV path, where the "
+        "pair is gate_up and down. Best of two alternating timings each. bitwise = plain: the eager outputs compared (a "
         "weak check: the allocator may hand back an act buffer that already holds the values; "
         "tests/test_pdl_gpu.py is the correctness check).",
     ]
