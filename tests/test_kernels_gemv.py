@@ -270,22 +270,17 @@ def test_gemv_rejects_bad_input():
         gemv_gate_up(wide, torch.zeros(200, 1, dtype=torch.int64), l2p, 7, w13, fmt, CONFIGS[0])
     with pytest.raises(ValueError, match="variant"):
         pooled_fused_moe(x, ids, torch.ones(2, 2), l2p, 7, w13, w2, fmt, variant="fast")
-    # NVFP4: a tile of one word (8 values) would split a scale of 16 values
-    _, fp4, fp4_w13, _, fp4_l2p = _layer("nvfp4", 48, 32, torch.bfloat16)
-    x48 = torch.randn(2, 48, generator=g).bfloat16()
-    with pytest.raises(ValueError, match="block_k=8 must be a power of two >= 16"):
-        gemv_gate_up(x48, ids, fp4_l2p, 7, fp4_w13, fp4, GemvConfig(16, 8, 16, 16))
-    # ...and a K of whole words but not whole scales (the format itself never builds one: checked directly)
-    with pytest.raises(ValueError, match=r"K=40 is not a multiple of 16 values \(one e4m3 scale\)"):
-        gemv._check_gemv(fp4, fp4_w13, 40, 16)
-    assert not gemv.gemv_supported(fp4, 40, 32) and gemv.gemv_supported(fp4, 48, 32)
-    # int4: a tile of one word would leave a word without its pair (the two are summed before the scale)
-    _, q4, q4_w13, _, q4_l2p = _layer("int4-g32", 64, 32, torch.bfloat16)
-    x64 = torch.randn(2, 64, generator=g).bfloat16()
-    with pytest.raises(ValueError, match="block_k=8 must be a power of two >= 16"):
-        gemv_gate_up(x64, ids, q4_l2p, 7, q4_w13, q4, GemvConfig(16, 8, 16, 16))
-    with pytest.raises(ValueError, match=r"K=40 is not a multiple of 16 values \(two int32 words\)"):
-        gemv._check_gemv(q4, q4_w13, 40, 16)
+    # NVFP4: a tile of one word (8 values) would split a scale of 16 values; int4: it would leave a word without
+    # its pair (the two are summed before the scale). A K of whole words but not whole units is checked directly
+    # (neither format builds one).
+    for name, H, unit in (("nvfp4", 48, "one e4m3 scale"), ("int4-g32", 64, "two int32 words")):
+        _, fmt16, w13_16, _, l2p16 = _layer(name, H, 32, torch.bfloat16)
+        x16 = torch.randn(2, H, generator=g).bfloat16()
+        with pytest.raises(ValueError, match="block_k=8 must be a power of two >= 16"):
+            gemv_gate_up(x16, ids, l2p16, 7, w13_16, fmt16, GemvConfig(16, 8, 16, 16))
+        with pytest.raises(ValueError, match=rf"K=40 is not a multiple of 16 values \({unit}\)"):
+            gemv._check_gemv(fmt16, w13_16, 40, 16)
+        assert not gemv.gemv_supported(fmt16, 40, 32) and gemv.gemv_supported(fmt16, H, 32), name
 
 
 def test_int4_k_tiles_hold_whole_groups():
