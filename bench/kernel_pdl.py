@@ -55,7 +55,14 @@ def main() -> None:
     ap.add_argument(
         "--budget", type=float, default=200.0, help="seconds before the remaining cases are skipped"
     )
+    ap.add_argument(
+        "--formats", default="", help="comma list: only the cases of these formats (e.g. int4-g128,nvfp4)"
+    )
     args = ap.parse_args()
+    formats = {f for f in args.formats.split(",") if f}
+    unknown = formats - {name for _, name, _ in PDL_CASES}
+    if unknown:
+        ap.error(f"--formats: no case has {sorted(unknown)}")
     t_start = time.perf_counter()
     g = torch.Generator(device="cuda").manual_seed(0)
     hbm, _, lines = measured_header(args.commit)
@@ -64,6 +71,8 @@ def main() -> None:
     lines += ["|---" * (6 + len(SETTINGS)) + "|"]
     print("\n".join(lines), flush=True)
     for shape, name, M in PDL_CASES:
+        if formats and name not in formats:
+            continue
         if time.perf_counter() - t_start > args.budget:
             lines.append(f"| {shape} | {name} | {M} | skipped: budget of {args.budget:.0f} s reached |")
             continue

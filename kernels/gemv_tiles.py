@@ -33,53 +33,51 @@ def _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2:
 
 
 @triton.jit
-def _load_words(w_base, s_base, z_base, n2, nmask2, kcol, k0, K_WORDS, w_sn, s_sn, z_sn,
+def _load_words(w_base, s_base, z_base, n2, kcol, k0, K_WORDS, w_sn, s_sn, z_sn,
                 FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
                 EVEN_K: tl.constexpr):  # fmt: skip
     """One tile: the packed words `[BN, KW]` at word columns `kcol` (the first is `k0`) and, per word, its fp32
     scale and zero point (int4, fp8 blocks; a word never straddles a group); NVFP4: its `[BN, KW / 2]` scales,
     one per two words, loaded contiguous (a byte load per word made its GEMV 2x slower). int4 tiles inside one group
     (GROUP a multiple of the tile's values) load one scale and zero point per row, `[BN, 1]`; tiles of two
-    groups two per row, selected per word. Masked past N (and
-    past K unless EVEN_K: a mask that varies along K would split the 16-byte loads and keep repeated loads apart)."""
-    if EVEN_K:  # noqa: SIM108 (constexpr branch)
-        m = tl.broadcast_to(nmask2, kcol.shape)
-    else:
-        m = nmask2 & (kcol < K_WORDS)
-    words = tl.load(w_base + n2 * w_sn + kcol, mask=m, other=0)
+    groups two per row, selected per word. Rows `n2` are in bounds (`_rows_dot` clamps those past N), so the loads
+    are masked only past K, and only unless EVEN_K: a mask that varies along K would split the 16-byte loads and
+    keep repeated loads apart; a row mask cost NVFP4 49 of its 752 loop instructions (predicates, zeroing)."""
+    m = kcol < K_WORDS  # used only without EVEN_K
+    words = _load_k(w_base + n2 * w_sn + kcol, m, 0, EVEN_K)
     if FMT == 1:
         TILE_VALUES: tl.constexpr = kcol.shape[1] * 8
         if tl.constexpr(GROUP) % TILE_VALUES == 0:
             # the tile lies in one group (K is a multiple of GROUP, so EVEN_K): one group index per row
-            s, z = _row_group_scales(s_base, z_base, n2, nmask2, (k0 * 8) // GROUP, s_sn, z_sn, HAS_ZERO)
+            s, z = _row_group_scales(s_base, z_base, n2, (k0 * 8) // GROUP, s_sn, z_sn, HAS_ZERO)
         elif TILE_VALUES == 2 * GROUP and EVEN_K:
             # two groups per row: one load each per row, the word's picked by a select (a per-word load of
             # the same two addresses made K tiles of 256 three times slower on the H200)
             g = (k0 * 8) // GROUP
-            s0, z0 = _row_group_scales(s_base, z_base, n2, nmask2, g, s_sn, z_sn, HAS_ZERO)
-            s1, z1 = _row_group_scales(s_base, z_base, n2, nmask2, g + 1, s_sn, z_sn, HAS_ZERO)
+            s0, z0 = _row_group_scales(s_base, z_base, n2, g, s_sn, z_sn, HAS_ZERO)
+            s1, z1 = _row_group_scales(s_base, z_base, n2, g + 1, s_sn, z_sn, HAS_ZERO)
             second = (kcol - k0) >= GROUP // 8
             s = tl.where(second, s1, s0)
             z = tl.where(second, z1, z0)
         else:
             g = (kcol * 8) // GROUP
-            s = tl.load(s_base + n2 * s_sn + g, mask=m, other=0.0).to(tl.float32)
+            s = _load_k(s_base + n2 * s_sn + g, m, 0.0, EVEN_K).to(tl.float32)
             if HAS_ZERO:  # noqa: SIM108 (constexpr branch)
-                z = tl.load(z_base + n2 * z_sn + g, mask=m, other=0).to(tl.float32)
+                z = _load_k(z_base + n2 * z_sn + g, m, 0, EVEN_K).to(tl.float32)
             else:
                 z = s
     elif FMT == 4:
         # one e4m3 scale per two words: `[BN, KW / 2]`, contiguous per row (16 bytes of a tile of 32 words);
         # fp8 loads take no `other` (see dequant.py): zero after decoding
         scol = k0 // 2 + tl.arange(0, kcol.shape[1] // 2)[None, :] + (n2 * 0)
-        if EVEN_K:  # noqa: SIM108 (constexpr branch)
-            sm = tl.broadcast_to(nmask2, scol.shape)
+        if EVEN_K:
+            s = e4m3_to_f32(tl.load(s_base + n2 * s_sn + scol), NATIVE_FP8)
         else:
-            sm = nmask2 & (scol < K_WORDS // 2)
-        s = tl.where(sm, e4m3_to_f32(tl.load(s_base + n2 * s_sn + scol, mask=sm), NATIVE_FP8), 0.0)
+            sm = scol < K_WORDS // 2
+            s = tl.where(sm, e4m3_to_f32(tl.load(s_base + n2 * s_sn + scol, mask=sm), NATIVE_FP8), 0.0)
         z = s
     elif FMT == 3:
-        s = tl.load(s_base + (n2 // GROUP) * s_sn + (kcol * 4) // GROUP, mask=m, other=0.0)
+        s = _load_k(s_base + (n2 // GROUP) * s_sn + (kcol * 4) // GROUP, m, 0.0, EVEN_K)
         z = s
     else:
         s = words
@@ -88,11 +86,20 @@ def _load_words(w_base, s_base, z_base, n2, nmask2, kcol, k0, K_WORDS, w_sn, s_s
 
 
 @triton.jit
-def _row_group_scales(s_base, z_base, n2, nmask2, g, s_sn, z_sn, HAS_ZERO: tl.constexpr):
+def _load_k(ptrs, m, other, EVEN_K: tl.constexpr):
+    """`ptrs` loaded, masked by `m` (past K) unless EVEN_K."""
+    if EVEN_K:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=m, other=other)
+
+
+@triton.jit
+def _row_group_scales(s_base, z_base, n2, g, s_sn, z_sn, HAS_ZERO: tl.constexpr):
     """fp32 scale and zero point `[BN, 1]` of group `g` of each row (the scale again without zero points)."""
-    s = tl.load(s_base + n2 * s_sn + g, mask=nmask2, other=0.0).to(tl.float32)
+    s = tl.load(s_base + n2 * s_sn + g).to(tl.float32)
     if HAS_ZERO:  # noqa: SIM108 (constexpr branch)
-        z = tl.load(z_base + n2 * z_sn + g, mask=nmask2, other=0).to(tl.float32)
+        z = tl.load(z_base + n2 * z_sn + g).to(tl.float32)
     else:
         z = s
     return s, z
@@ -120,15 +127,16 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
     KW: tl.constexpr = BLOCK_K // VPW
     K_WORDS = K // VPW
     zero2 = (offs_n * 0)[:, None]
-    n2 = offs_n[:, None]
-    nmask2 = n_ok[:, None]
+    # rows past N read the block's first row (in bounds: every block has one) instead of a mask per load; their
+    # sums are never stored
+    n2 = tl.where(n_ok, offs_n, tl.min(offs_n, axis=0))[:, None]
     kw = tl.arange(0, KW)[None, :] + zero2
     # NVFP4 and int4: one accumulator per pair of words (a scale / a group), the others one per word
     ACC_W: tl.constexpr = KW // 2 if (FMT == 4 or FMT == 1) else KW
     acc = tl.zeros((BLOCK_N, ACC_W), dtype=tl.float32)
     # PREFETCH 1: the next tile in registers; 0: none; >= 2: Triton's software pipeline with that many stages
     if PREFETCH == 1:
-        words, s, z = _load_words(w_base, s_base, z_base, n2, nmask2, kw + kw_lo, kw_lo, K_WORDS, w_sn, s_sn,
+        words, s, z = _load_words(w_base, s_base, z_base, n2, kw + kw_lo, kw_lo, K_WORDS, w_sn, s_sn,
                                   z_sn, FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
         for k0 in range(kw_lo, kw_hi, KW):
             kcol = kw + k0
@@ -137,7 +145,7 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
                 nk0 = tl.minimum(k0 + KW, kw_hi - KW)
             else:
                 nk0 = k0 + KW
-            nw, ns, nz = _load_words(w_base, s_base, z_base, n2, nmask2, kw + nk0, nk0, K_WORDS, w_sn, s_sn, z_sn,
+            nw, ns, nz = _load_words(w_base, s_base, z_base, n2, kw + nk0, nk0, K_WORDS, w_sn, s_sn, z_sn,
                                      FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
             acc = _word_dot(
                 acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K, X_CG
@@ -147,7 +155,7 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
         STAGES: tl.constexpr = PREFETCH if PREFETCH >= 2 else 1
         for k0 in tl.range(kw_lo, kw_hi, KW, num_stages=STAGES):
             kcol = kw + k0
-            words, s, z = _load_words(w_base, s_base, z_base, n2, nmask2, kcol, k0, K_WORDS, w_sn, s_sn, z_sn,
+            words, s, z = _load_words(w_base, s_base, z_base, n2, kcol, k0, K_WORDS, w_sn, s_sn, z_sn,
                                       FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
             acc = _word_dot(
                 acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K, X_CG
