@@ -86,7 +86,8 @@ def test_gemv_stages_match_references(name, H, I, dtype, cfg):
 )
 def test_gemv_rows_past_n(name, H, I, dtype, cfg):
     """N blocks that run past N (the rows there read the block's first row, unmasked, and are never stored), for
-    the packed formats whose K rules keep N whole blocks in the other tests."""
+    the packed formats, whose K rules keep N whole blocks in most other cases: gate_up and down for int4 (with
+    and without zero points) and NVFP4."""
     _check_stages(name, H, I, dtype, cfg)
 
 
