@@ -178,8 +178,7 @@ def _word_args(proj: Projection, fmt: KernelFormat) -> tuple[list[torch.Tensor],
 
 
 def _check_gemv(fmt: KernelFormat, proj: Projection, k: int, block_k: int) -> None:
-    vpw = _VALUES_PER_WORD.get(fmt.fmt)
-    if vpw is None:
+    if fmt.fmt not in _VALUES_PER_WORD:
         raise ValueError(f"GEMV path: no kernel for format {fmt.fmt}")
     unit = _k_unit(fmt.fmt)
     if k % unit:

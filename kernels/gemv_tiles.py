@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from .dequant import e4m3_to_f32
-from .gemv_words import _word_dot
+from .gemv_words import _halves, _word_dot
 from .moe_gemm import _row_bases
 
 
@@ -223,7 +223,7 @@ def _gate_up_tile(
 @triton.jit
 def _store_act(gu, act_row, nb, I, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
     """act of an N block from its interleaved fp32 gate/up sums `[2 * BLOCK_N]`, as `gemm1` rounds it."""
-    gate, up = tl.split(tl.reshape(gu, (BLOCK_N, 2)))
+    gate, up = _halves(gu)
     gate = gate.to(COMPUTE).to(tl.float32)
     up = up.to(COMPUTE).to(tl.float32)
     act = (gate * tl.sigmoid(gate) * up).to(COMPUTE)

@@ -78,7 +78,7 @@ def _word_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, FMT: tl.conste
         p += _half_lo(bits) * x3[None, :]
         p += _half_hi(bits) * x7[None, :]
         # the two words of each scale summed first: `acc [BN, KW / 2]`
-        pa, pb = tl.split(tl.reshape(p, (p.shape[0], p.shape[1] // 2, 2)))
+        pa, pb = _halves(p)
         acc += s * (pa + pb)
     elif FMT == 3:
         p = tl.zeros(words.shape, dtype=tl.float32)
