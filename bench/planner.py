@@ -119,6 +119,10 @@ RESIDENT_PER_LAYER = ROWS // L
 # --planners: name -> (label, DevicePlanner keywords)
 PLANNERS: dict[str, tuple[str, dict[str, object]]] = {
     "one": ("fused, one launch (the default: cooperative, no PDL)", {"fused": True, "one_launch": True}),
+    "one-overlap": (
+        "fused, one launch, the first GEMM beside it (overlap)",
+        {"fused": True, "one_launch": True, "overlap": True},
+    ),
     "one-coop-pdl": (
         "fused, one launch, cooperative, PDL",
         {"fused": True, "one_launch": True, "cooperative": True, "pdl": True},
@@ -222,8 +226,8 @@ def _overhead_rows(lines: list[str], args: argparse.Namespace, name: str) -> Non
 
         def planned(x=x, ids=ids, w=w, telemetry: bool = False) -> None:
             for layer in range(L):  # as PooledMoE on CUDA: the planner records telemetry (fused: in-kernel)
-                planner.plan(layer, ids[layer], tel if telemetry else None)
-                kpath.forward(layer, x, ids[layer], w[layer])
+                after_plan = planner.plan(layer, ids[layer], tel if telemetry else None)
+                kpath.forward(layer, x, ids[layer], w[layer], after_plan=after_plan)
 
         t_moe, t_plan, t_tel = graph_ms(moe_only), graph_ms(plan_only), graph_ms(tel_only)
         t_both = graph_ms(planned)
@@ -302,8 +306,8 @@ def _replay(trace: Trace, policy: Policy, warm: int, **planner_kwargs: object) -
 
     def step() -> None:
         for layer in range(L):
-            planner.plan(layer, ids[layer])
-            kpath.forward(layer, x, ids[layer], w[layer])
+            after_plan = planner.plan(layer, ids[layer])
+            kpath.forward(layer, x, ids[layer], w[layer], after_plan=after_plan)
 
     ids.copy_(ids_host[0])
     step()  # compile before capture (this is trace step 0)
@@ -338,8 +342,9 @@ def main() -> None:
     ap.add_argument("--commit", default="", help="commit to print (default: git rev-parse HEAD)")
     ap.add_argument(
         "--planners",
-        default="one,two,ops",
-        help="overhead rows: comma list of one (plan + copy in one launch, the default launch), one-coop-pdl "
+        default="one,one-overlap,two,ops",
+        help="overhead rows: comma list of one (plan + copy in one launch, the default launch), one-overlap "
+        "(one, the MoE's first GEMM launched beside it: POOLED_RUNNER_PLAN_OVERLAP), one-coop-pdl "
         "(cooperative and PDL), one-nc (neither), one-pdl (PDL, not cooperative), one-w1 (one with 1 warp per "
         "program), "
         "two (plan, then copy), ops (torch)",

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .dequant import load_b_tile
 from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _launch_args, interpreting
-from .moe_gemm import GemmConfig, _mma
+from .gemm_parts import GemmConfig, _mma
 from .operands import KernelFormat, Projection
 
 DECODE_MAX_PAIRS = 64

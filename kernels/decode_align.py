@@ -11,8 +11,38 @@ import triton
 import triton.language as tl
 
 from .align import AlignOutput, max_blocks_for
+from .gemm_args import interpreting
+from .pdl import load_acquire, settle_code
 
 INLINE_MAX_PAIRS = 32  # `inline` decode steps (align computed in every gemm program) up to this many pairs
+
+
+@triton.jit
+def _inline_layout(ids_ptr, num_pairs, num_experts, BLOCK_M: tl.constexpr, P_POW2: tl.constexpr):
+    """The M-blocks of `align_blocks` from the ids alone (register math over N <= P_POW2 pairs): pair index
+    `i`, expert `e`, routed `valid`, rank within its expert, first pair of each expert, the expert's blocks'
+    first slot `start` and padded size, and the total of padded slots. Block b holds slots b * BLOCK_M on."""
+    i = tl.arange(0, P_POW2)
+    e = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1).to(tl.int32)
+    valid = (i < num_pairs) & (e >= 0) & (e < num_experts)
+    same = (e[:, None] == e[None, :]) & valid[:, None] & valid[None, :]  # [i, j]
+    rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
+    count = tl.sum(same.to(tl.int32), axis=1)
+    first = valid & (rank == 0)
+    padded = tl.where(first, tl.cdiv(count, BLOCK_M) * BLOCK_M, 0)
+    start = tl.sum(tl.where(first[None, :] & (e[None, :] < e[:, None]), padded[None, :], 0), axis=1)
+    total = tl.sum(padded, axis=0)
+    return i, e, valid, rank, first, padded, start, total
+
+
+@triton.jit
+def _block_pairs(blk, i, valid, rank, start, num_pairs, BLOCK_M: tl.constexpr):
+    """`[BLOCK_M]` pairs of block `blk`'s slots (`num_pairs` for padding)."""
+    slot = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    hit = ((start + rank)[None, :] == slot[:, None]) & valid[None, :]  # [row, pair]
+    return tl.where(
+        tl.sum(hit.to(tl.int32), axis=1) > 0, tl.sum(tl.where(hit, i[None, :], 0), axis=1), num_pairs
+    )
 
 
 @triton.jit
@@ -22,17 +52,10 @@ def _inline_block(pid_m, ids_ptr, l2p_ptr, num_pairs, num_experts, num_rows,
     (N <= P_POW2 pairs; `align._align_tiny_kernel`'s register math): (block index, location code, or -1 when
     there is no such block, pairs `[BLOCK_M]` with `num_pairs` for padding). Same blocks, slots, codes and
     host-first order as the align kernels, so act rows of gemm1 and gemm2 meet at the same slots."""
-    i = tl.arange(0, P_POW2)
-    e = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1).to(tl.int32)
-    valid = (i < num_pairs) & (e >= 0) & (e < num_experts)
+    i, e, valid, rank, first, padded, start, total = _inline_layout(
+        ids_ptr, num_pairs, num_experts, BLOCK_M, P_POW2
+    )
     code = tl.load(l2p_ptr + e, mask=valid, other=-1)
-    same = (e[:, None] == e[None, :]) & valid[:, None] & valid[None, :]  # [i, j]
-    rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
-    count = tl.sum(same.to(tl.int32), axis=1)
-    first = valid & (rank == 0)
-    padded = tl.where(first, tl.cdiv(count, BLOCK_M) * BLOCK_M, 0)
-    start = tl.sum(tl.where(first[None, :] & (e[None, :] < e[:, None]), padded[None, :], 0), axis=1)
-    total = tl.sum(padded, axis=0)
     pos = i * BLOCK_M  # block b = i
     used = pos < total
     owner = first[None, :] & (start[None, :] <= pos[:, None]) & (pos[:, None] < (start + padded)[None, :])
@@ -49,12 +72,27 @@ def _inline_block(pid_m, ids_ptr, l2p_ptr, num_pairs, num_experts, num_rows,
     found = tl.sum(mine.to(tl.int32), axis=0) > 0
     blk = tl.sum(tl.where(mine, i, 0), axis=0)
     blk_code = tl.where(found, tl.sum(tl.where(mine, bcode, 0), axis=0), -1)
-    slot = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    hit = ((start + rank)[None, :] == slot[:, None]) & valid[None, :]  # [row, pair]
-    pair = tl.where(
-        tl.sum(hit.to(tl.int32), axis=1) > 0, tl.sum(tl.where(hit, i[None, :], 0), axis=1), num_pairs
+    return blk, blk_code, _block_pairs(blk, i, valid, rank, start, num_pairs, BLOCK_M)
+
+
+@triton.jit
+def _inline_block_by_id(pid_m, ids_ptr, l2p_ptr, num_pairs, num_experts, num_rows,
+                        BLOCK_M: tl.constexpr, P_POW2: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """As `_inline_block`, for kernels that may run beside the plan (OVERLAP): block pid_m is block pid_m (an
+    order that does not read the location table, which may change meanwhile), its expert's code read once with
+    acquire semantics (`pdl.load_acquire`) and settled (`pdl.settle_code`: a host code waits for the kernel
+    before). Returns (block, code or -1 when there is no such block, pairs `[BLOCK_M]`); the same slots as
+    `_inline_block`."""
+    i, e, valid, rank, first, padded, start, total = _inline_layout(
+        ids_ptr, num_pairs, num_experts, BLOCK_M, P_POW2
     )
-    return blk, blk_code, pair
+    pos = pid_m * BLOCK_M
+    found = pos < total
+    owner = first & (start <= pos) & (pos < start + padded)  # [pair]: the first pair of the block's expert
+    expert = tl.sum(tl.where(owner, e, 0), axis=0)
+    code = tl.where(found, load_acquire(l2p_ptr + expert, PDL), -1)
+    code = settle_code(code, l2p_ptr, expert, num_rows, PDL)
+    return pid_m, code, _block_pairs(pid_m, i, valid, rank, start, num_pairs, BLOCK_M)
 
 
 @triton.jit
@@ -124,9 +162,20 @@ class DecodeRouting:
     l2p: torch.Tensor  # [E_max] int32
     num_experts: int
     topk_weights: torch.Tensor | None = None  # [T, K] contiguous (the fused combine)
+    # the step's plan + copy may still run beside gemm1 (`DevicePlanner.overlap`, kernels/plan_copy.py): the
+    # inline GEMMs then read codes with acquire and wait for it on host codes (OVERLAP in moe_gemm.py)
+    after_plan: bool = False
 
     def p_pow2(self) -> int:
         return max(16, triton.next_power_of_2(self.topk_ids.numel()))
+
+
+def overlap_mode(align: AlignOutput | None, routing: DecodeRouting | None, use_pdl: bool) -> bool:
+    """Whether the inline GEMMs run in OVERLAP mode (`moe_gemm.py`): the routing says the plan + copy may still
+    be running (`after_plan`), the blocks are inline, and PDL launches the GEMMs (or the interpreter tests it)."""
+    if routing is None or not routing.after_plan or align is not None:
+        return False
+    return use_pdl or interpreting()
 
 
 def _inline_args(align: AlignOutput | None, routing: DecodeRouting | None, num_pairs: int, num_experts_max: int,

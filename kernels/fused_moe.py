@@ -174,6 +174,7 @@ def pooled_fused_moe(
     decode: bool | None = None,
     variant: str | None = None,
     gemv_config: GemvConfig | None = None,
+    after_plan: bool = False,
 ) -> torch.Tensor:
     """Routed-experts output `[T, H]` of one pooled layer.
 
@@ -187,6 +188,10 @@ def pooled_fused_moe(
       variant: kernels of a decode step (T*K <= GEMV_MAX_PAIRS): one of VARIANTS ("gemv" where
         `gemv_supported`, "mma" as decode=True); None: POOLED_RUNNER_MOE_DECODE, else `default_variant`. Wider steps take the align path.
         `decode` given wins over `variant`. gemv_config: the GEMV path's tiles (default `gemv_configs`).
+      after_plan: the step's plan + copy may still be running beside this call's first kernel (the value
+        `DevicePlanner.plan` returned, nothing launched since; kernels/plan_copy.py); the GEMV and inline decode
+        kernels then read location codes as that allows (OVERLAP); the other paths, and non-contiguous ids or
+        weights (copied first), start with a plain launch, after the plan ends.
     """
     T, K = topk_ids.shape
     H = hidden.shape[1]
@@ -195,17 +200,23 @@ def pooled_fused_moe(
         raise ValueError(f"hidden: shape {tuple(hidden.shape)}, expected [{T}, H]")
     if T == 0:
         return torch.empty((0, H), dtype=hidden.dtype, device=hidden.device)
+    # a copy made here would launch between the plan and the first GEMM, which then is not the plan's dependent
+    after_plan = after_plan and topk_ids.is_contiguous() and topk_weights.is_contiguous()
     variant = variant or DECODE_VARIANT or default_variant(fmt.fmt, T * K, I, configs, T, num_experts)
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
     if decode is None and T * K <= GEMV_MAX_PAIRS:
         if variant == "gemv" and gemv_supported(fmt, H, I):
-            return gemv_moe(hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt, gemv_config)
+            return gemv_moe(
+                hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt, gemv_config, after_plan
+            )
         if variant == "mma" and T * K <= DECODE_MAX_PAIRS:
             decode = True
         if variant in ("align-fc", "inline"):
             cfg1, cfg2 = configs or pick_configs(T, K, num_experts, H, I, fmt.fmt)
-            routing = DecodeRouting(topk_ids.contiguous(), l2p, num_experts, topk_weights.contiguous())
+            routing = DecodeRouting(
+                topk_ids.contiguous(), l2p, num_experts, topk_weights.contiguous(), after_plan=after_plan
+            )
             align = None
             if variant == "align-fc" or T * K > INLINE_MAX_PAIRS:
                 align = align_blocks(routing.topk_ids, l2p, num_experts, w13.num_rows, cfg1.block_m)
@@ -311,6 +322,7 @@ def pooled_fused_moe_ref(
     decode: bool | None = None,
     variant: str | None = None,
     gemv_config: GemvConfig | None = None,
+    after_plan: bool = False,
 ) -> torch.Tensor:
     """Reference of `pooled_fused_moe`: per distinct expert, the torch path's `expert_mlp` and `combine`."""
     from pooled_runner.torch_path import combine as torch_combine

@@ -60,11 +60,11 @@ from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, interp
 from .gemv_config import _VALUES_PER_WORD as _VALUES_PER_WORD  # re-exported: gemv_one
 from .gemv_config import GemvConfig, gemv_configs
 from .gemv_config import _int4_block_k as _int4_block_k  # re-exported: the tests call it
-from .gemv_tiles import _down_tile, _gate_up_tile
+from .gemv_tiles import _down_tile, _gate_up_tile, _slot_pair_by_id
 from .gemv_tiles import _slot_pair as _slot_pair  # re-exported: the tests call it
 from .operands import KernelFormat, Projection
 from .workspace import _COUNTERS as _COUNTERS  # re-exported: tests and the bench read the workspace here
-from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters
+from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters, counters_ready
 from .workspace import spin_timeouts as spin_timeouts
 
 GEMV_MAX_PAIRS = 64  # T*K up to this (the schedule sorts P_POW2 keys in every program)
@@ -86,19 +86,30 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr, OVERLAP: tl.constexpr,
 ):  # fmt: skip
-    pdl.wait(PDL)  # the kernel before it; then down (reads l2p before its wait) may launch: kernels/pdl.py
-    pdl.trigger(PDL)
+    if not OVERLAP:
+        # the kernel before it; then down (reads l2p before its wait) may launch: kernels/pdl.py
+        pdl.wait(PDL)
+    pdl.trigger(PDL)  # OVERLAP: down settles host codes after its wait, as this kernel does before its loads
     # program (slot, N block, split): a pair's splits run side by side
     num_nb = tl.cdiv(I, BLOCK_N)
     item = tl.program_id(0) // SPLIT
+    if OVERLAP:  # beside the plan + copy (plan_copy.py): wait for it only on a host code, and before the end
+        pair, code = _slot_pair_by_id(
+            ids_ptr, l2p_ptr, item // num_nb, num_pairs, num_experts, num_rows, P_POW2, PDL
+        )
+    else:
+        pair, code = _slot_pair(ids_ptr, l2p_ptr, item // num_nb, num_pairs, num_experts, num_rows, P_POW2)
     _gate_up_tile(
-        item // num_nb, item % num_nb, tl.program_id(0) % SPLIT, tiles_per_split, x_ptr, act_ptr, part_ptr,
+        pair, code, item % num_nb, tl.program_id(0) % SPLIT, tiles_per_split, x_ptr, act_ptr, part_ptr,
         cnt_ptr, ids_ptr, l2p_ptr, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
         num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1,
         TOP_K, P_POW2, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, EVEN_K, SPLIT,
     )  # fmt: skip
+    if OVERLAP:
+        # so that this kernel's completion implies the plan's (down and the next layer rely on it)
+        pdl.wait(PDL)
 
 
 @triton.jit
@@ -110,11 +121,14 @@ def _down_kernel(
     TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, FUSE_COMBINE: tl.constexpr,
-    EVEN_K: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr, OVERLAP: tl.constexpr,
 ):  # fmt: skip
     num_nb = tl.cdiv(H, BLOCK_N)
     slot = tl.program_id(0) // num_nb
-    pair, code = _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2)
+    if OVERLAP:  # gate_up ran beside the plan + copy (see gate_up): the same rule for codes
+        pair, code = _slot_pair_by_id(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2, PDL)
+    else:
+        pair, code = _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2)
     # nothing above reads what gate_up writes (act) or the arrival counters; every program waits, those of
     # unrouted pairs too, so that this kernel's completion still implies gate_up's
     pdl.wait(PDL)
@@ -203,10 +217,12 @@ def gemv_gate_up(
     w13: Projection,
     fmt: KernelFormat,
     config: GemvConfig,
+    after_plan: bool = False,
 ) -> torch.Tensor:
     """`act [T*K, I]` (compute dtype): row `t*K + k` for each pair routed here; other rows are left unset.
 
     hidden: `[T, H]` bf16/fp16 row-major. topk_ids: `[T, K]` contiguous. w13: the `[2I, H]` projection.
+    after_plan: the step's plan + copy may still be running (`DevicePlanner.overlap`): OVERLAP (`_overlap`).
     """
     T, K = topk_ids.shape
     H = hidden.shape[1]
@@ -225,6 +241,10 @@ def gemv_gate_up(
     ptrs, strides, native, c0, c1 = _word_args(w13, fmt)
     num_nb = triton.cdiv(I, config.block_n1)
     split, tiles_per_split = _k_split(H, config.block_k1, config.split_k1)
+    if split > 1 and not counters_ready(act.device, num_pairs * num_nb):
+        after_plan = (
+            False  # the workspace's growth launches kernels: this one is no longer the plan's dependent
+        )
     if split > 1:
         part = torch.empty(
             num_pairs * num_nb * split * 2 * config.block_n1, dtype=torch.float32, device=act.device
@@ -239,7 +259,8 @@ def gemv_gate_up(
         TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n1, BLOCK_K=config.block_k1,
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
         COMPUTE=_TL_DTYPES[hidden.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(),
-        EVEN_K=H % config.block_k1 == 0, SPLIT=split, PDL=use_pdl, num_warps=config.num_warps, num_stages=1,
+        EVEN_K=H % config.block_k1 == 0, SPLIT=split, PDL=use_pdl, OVERLAP=_overlap(after_plan, use_pdl),
+        num_warps=config.num_warps, num_stages=1,
         **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip
     return act
@@ -263,10 +284,12 @@ def gemv_down_combine(
     w2: Projection,
     fmt: KernelFormat,
     config: GemvConfig,
+    after_plan: bool = False,
 ) -> torch.Tensor:
     """`out [T, H]`: `sum_k w[t, k] * round(act[t*K + k] @ w2_e.T)` over the pairs routed here, in k order.
 
     act: `[>= T*K, I]` from `gemv_gate_up`. Every element of `out` is written (0 for a token with no pair here).
+    after_plan: as `gemv_gate_up`'s (give both the same).
     """
     T, K = topk_ids.shape
     H = w2.weight.shape[1]
@@ -295,6 +318,7 @@ def gemv_down_combine(
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
         COMPUTE=_TL_DTYPES[act.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(),
         FUSE_COMBINE=config.fuse_combine, EVEN_K=I % config.block_k2 == 0, PDL=use_pdl,
+        OVERLAP=_overlap(after_plan, use_pdl),
         num_warps=config.num_warps, num_stages=1, **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip
     if not config.fuse_combine:
@@ -312,8 +336,10 @@ def gemv_moe(
     w2: Projection,
     fmt: KernelFormat,
     config: GemvConfig | None = None,
+    after_plan: bool = False,
 ) -> torch.Tensor:
-    """`pooled_fused_moe` on the GEMV path (same contract; rounding as described in the module docstring)."""
+    """`pooled_fused_moe` on the GEMV path (same contract; rounding as described in the module docstring).
+    `after_plan`: see `gemv_gate_up` (the one-launch variant ignores it: a plain launch, after the plan ends)."""
     T, K = topk_ids.shape
     H = hidden.shape[1]
     I = w2.weight.shape[2] * fmt.values_per_element()
@@ -323,8 +349,13 @@ def gemv_moe(
         from .gemv_one import gemv_one_launch
 
         return gemv_one_launch(hidden, ids, topk_weights, l2p, num_experts, w13, w2, fmt, cfg)
-    act = gemv_gate_up(hidden, ids, l2p, num_experts, w13, fmt, cfg)
-    return gemv_down_combine(act, ids, topk_weights, l2p, num_experts, w2, fmt, cfg)
+    act = gemv_gate_up(hidden, ids, l2p, num_experts, w13, fmt, cfg, after_plan)
+    return gemv_down_combine(act, ids, topk_weights, l2p, num_experts, w2, fmt, cfg, after_plan)
+
+
+def _overlap(after_plan: bool, use_pdl: bool) -> bool:
+    """OVERLAP mode (the kernels' comments): asked for, and PDL-launched (or the interpreter, which tests it)."""
+    return after_plan and (use_pdl or interpreting())
 
 
 # the references live in gemv_ref.py (imported last: they use gemv_configs); re-exported for the callers

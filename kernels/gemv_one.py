@@ -50,8 +50,9 @@ def _fused_kernel(
     else:
         item = tl.program_id(0)
     if item < g1:
-        pair = _gate_up_tile(
-            item // nb1, item % nb1, 0, 0, x_ptr, act_ptr, act_ptr, cnt_ptr, ids_ptr, l2p_ptr,
+        pair, code = _slot_pair(ids_ptr, l2p_ptr, item // nb1, num_pairs, num_experts, num_rows, P_POW2)
+        _gate_up_tile(
+            pair, code, item % nb1, 0, 0, x_ptr, act_ptr, act_ptr, cnt_ptr, ids_ptr, l2p_ptr,
             wp1, sp1, zp1, gp1, wb1, sb1, zb1, gb1, w_se1, s_se1, z_se1, g_se1, w_sn1, s_sn1, z_sn1,
             num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1,
             TOP_K, P_POW2, BLOCK_N1, BLOCK_K1, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, EVEN_K1,

@@ -8,8 +8,9 @@ import triton
 import triton.language as tl
 
 from .dequant import e4m3_to_f32
+from .gemm_parts import _row_bases
 from .gemv_words import _halves, _word_dot
-from .moe_gemm import _row_bases
+from .pdl import load_acquire, settle_code
 
 
 @triton.jit
@@ -30,6 +31,25 @@ def _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2:
     ok_mine = (e_mine >= 0) & (e_mine < num_experts)
     code = tl.where(ok_mine, tl.load(l2p_ptr + e_mine, mask=ok_mine, other=-1), -1)
     return pair, code
+
+
+@triton.jit
+def _slot_pair_by_id(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2: tl.constexpr,
+                     PDL: tl.constexpr):  # fmt: skip
+    """As `_slot_pair`, for kernels that may run beside the plan (OVERLAP, `plan_copy.py`): an order that does not
+    read the location table (it may change meanwhile): pairs with an id in [0, E) by (expert, pair), the rest
+    last; the slot's code read once with acquire semantics (`pdl.load_acquire`) and settled (`pdl.settle_code`:
+    a host code waits for the kernel before). Returns (pair, code)."""
+    p = tl.arange(0, P_POW2)
+    e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+    ok = (e >= 0) & (e < num_experts)
+    key = tl.where(p < num_pairs, tl.where(ok, e, num_experts) * P_POW2 + p, 2147483647)
+    pair = tl.sum(tl.where(p == slot, tl.sort(key), 0), axis=0) % P_POW2
+    e_mine = tl.load(ids_ptr + pair).to(tl.int32)
+    ok_mine = (e_mine >= 0) & (e_mine < num_experts)
+    e_mine = tl.where(ok_mine, e_mine, 0)
+    code = tl.where(ok_mine, load_acquire(l2p_ptr + e_mine, PDL), -1)
+    return pair, settle_code(code, l2p_ptr, e_mine, num_rows, PDL)
 
 
 @triton.jit
@@ -166,7 +186,7 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
 
 @triton.jit
 def _gate_up_tile(
-    slot, nb, split, tiles_per_split, x_ptr, act_ptr, part_ptr, cnt_ptr, ids_ptr, l2p_ptr,
+    pair, code, nb, split, tiles_per_split, x_ptr, act_ptr, part_ptr, cnt_ptr, ids_ptr, l2p_ptr,
     wp, sp, zp, gp, wb, sb, zb, gb,
     w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
     num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1,
@@ -175,13 +195,12 @@ def _gate_up_tile(
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """`act[pair, nb block]` of schedule slot `slot` (nothing for a pair not routed here); returns the pair.
+    """`act[pair, nb block]` of a pair located at `code` (nothing for -1: not routed here).
 
     SPLIT > 1: this program sums K tiles `[split, split + 1) * tiles_per_split` only and stores its fp32 gate/up
     sums to `part_ptr` (`[pairs, N blocks, SPLIT, 2 * BLOCK_N]`); the last of the SPLIT arrivals at the (pair, N
     block) counter sums the parts in split order (deterministic) and stores act. More programs per SM for the
     same rows per thread (the x split is paid per tile and thread, whatever the rows)."""
-    pair, code = _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2)
     if code >= 0:
         w_base, s_base, z_base, g_base = _row_bases(
             code, num_rows, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se
@@ -217,7 +236,6 @@ def _gate_up_tile(
                 for s in tl.static_range(1, SPLIT):
                     total += tl.load(part + s * (2 * BLOCK_N), cache_modifier=".cg")
                 _store_act(total, act_row, nb, I, BLOCK_N, COMPUTE)
-    return pair
 
 
 @triton.jit

@@ -11,8 +11,6 @@ Blocks past `num_post_padded`, blocks with code -1 and padding slots are skipped
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -25,81 +23,17 @@ from .decode_align import (
     _arrive_and_combine,
     _inline_args,
     _inline_block,
+    _inline_block_by_id,
     _zero_unrouted_tokens,
+    overlap_mode,
 )
 from .dequant import FMT_INT4, load_b_tile, load_w_tile
 from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _launch_args
 from .gemm_args import interpreting as interpreting  # re-exported
+from .gemm_parts import GemmConfig as GemmConfig  # re-exported: the tile config's users import it from here
+from .gemm_parts import _block_of, _mma, _row_bases
 from .operands import KernelFormat, Projection
 from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
-    # swapped operands: each program computes `acc^T [block_n, block_m] = W_tile [block_n, block_k] @ x^T`, so
-    # the (dequantized) weight tile is the left operand, which the MMA can take from registers, and only the
-    # few token rows pass through shared memory (decode tiles; same values, fp32 sums in another order)
-    swap_ab: bool = False
-
-
-@triton.jit
-def _mma(a, b, acc, DOT_F32: tl.constexpr):
-    """acc += a @ b. DOT_F32: in fp32 (the interpreter's bf16 dot is wrong; bf16 products are exact in fp32)."""
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _block_of(pid, num_pid_n, max_blocks, GROUP_M: tl.constexpr):
-    """Grouped ordering (GROUP_M M-blocks share their N sweep, for L2 reuse of a block's B)."""
-    width = GROUP_M * num_pid_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = tl.minimum(max_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    return pid_m, pid_n
-
-
-@triton.jit
-def _row_bases(
-    code,
-    num_rows,
-    wp,
-    sp,
-    zp,
-    gp,
-    wb,
-    sb,
-    zb,
-    gb,
-    w_se,
-    s_se,
-    z_se,
-    g_se,
-):
-    """Base pointers of one expert's operands: pool row `code` or host row `code - R`; int64 row offsets."""
-    if code >= num_rows:
-        r = (code - num_rows).to(tl.int64)
-        w_base = wb + r * w_se
-        s_base = sb + r * s_se
-        z_base = zb + r * z_se
-        g_base = gb + r * g_se
-    else:
-        r = code.to(tl.int64)
-        w_base = wp + r * w_se
-        s_base = sp + r * s_se
-        z_base = zp + r * z_se
-        g_base = gp + r * g_se
-    return w_base, s_base, z_base, g_base
 
 
 @triton.jit
@@ -112,12 +46,21 @@ def _gemm1_kernel(
     GROUP_M: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
     NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, DOT_F32: tl.constexpr,
     INLINE_ALIGN: tl.constexpr = False, P_POW2: tl.constexpr = 16, HALF_INT4: tl.constexpr = False,
-    SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False, OVERLAP: tl.constexpr = False,
 ):  # fmt: skip
-    pdl.wait(PDL)  # the kernel before it; then gemm2 (reads l2p before its wait) may launch: kernels/pdl.py
-    pdl.trigger(PDL)
+    if not OVERLAP:
+        # the kernel before it; then gemm2 (reads l2p before its wait) may launch: kernels/pdl.py
+        pdl.wait(PDL)
+    pdl.trigger(PDL)  # OVERLAP: gemm2 settles host codes after its wait, as this kernel does before its loads
     pid_m, pid_n = _block_of(tl.program_id(0), tl.cdiv(I, BLOCK_N), max_blocks, GROUP_M)
-    if INLINE_ALIGN:
+    if OVERLAP:  # beside the plan + copy (plan_copy.py): wait for it only on a host code, and before the end
+        blk, code, pair = _inline_block_by_id(
+            pid_m, ids_ptr, l2p_ptr, num_pairs, num_experts, num_rows, BLOCK_M, P_POW2, PDL
+        )
+        if code < 0:
+            pdl.wait(PDL)
+            return
+    elif INLINE_ALIGN:
         blk, code, pair = _inline_block(
             pid_m, ids_ptr, l2p_ptr, num_pairs, num_experts, num_rows, BLOCK_M, P_POW2
         )
@@ -181,6 +124,9 @@ def _gemm1_kernel(
     else:
         ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_act + offs_n[None, :]
         tl.store(ptrs, act, mask=row_ok[:, None] & n_ok[None, :])
+    if OVERLAP:
+        # so that this kernel's completion implies the plan's (gemm2 and the next layer rely on it)
+        pdl.wait(PDL)
 
 
 @triton.jit
@@ -194,7 +140,7 @@ def _gemm2_kernel(
     NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, DOT_F32: tl.constexpr,
     INLINE_ALIGN: tl.constexpr = False, FUSE_COMBINE: tl.constexpr = False, P_POW2: tl.constexpr = 16,
     TOP_K: tl.constexpr = 1, K_POW2: tl.constexpr = 1, HALF_INT4: tl.constexpr = False,
-    SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False, PDL: tl.constexpr = False, OVERLAP: tl.constexpr = False,
 ):  # fmt: skip
     num_nb = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _block_of(tl.program_id(0), num_nb, max_blocks, GROUP_M)
@@ -203,7 +149,14 @@ def _gemm2_kernel(
             _zero_unrouted_tokens(out_ptr, ids_ptr, l2p_ptr, num_pairs // TOP_K, pid_n, H, stride_out,
                                   num_experts, TOP_K, K_POW2, P_POW2, BLOCK_N, COMPUTE)  # fmt: skip
     # nothing before pdl.wait reads what gemm1 writes (act); every program waits, early exits included
-    if INLINE_ALIGN:
+    if OVERLAP:  # gemm1 ran beside the plan + copy (see gemm1): the same rule for codes
+        blk, code, pair = _inline_block_by_id(
+            pid_m, ids_ptr, l2p_ptr, num_pairs, num_experts, num_rows, BLOCK_M, P_POW2, PDL
+        )
+        if code < 0:
+            pdl.wait(PDL)
+            return
+    elif INLINE_ALIGN:
         blk, code, pair = _inline_block(
             pid_m, ids_ptr, l2p_ptr, num_pairs, num_experts, num_rows, BLOCK_M, P_POW2
         )
@@ -292,7 +245,7 @@ def gemm1(
     x: `[T, H]` bf16/fp16, row-major. w13: the `[2I, H]` projection in pool and host view.
     align None: the blocks are computed inside every program from `routing` (decode widths, <= INLINE_MAX_PAIRS
     pairs), at the same slots as `align_blocks` would place them. PDL (`kernels/pdl.py`): first waits for the
-    kernel before it.
+    kernel before it, except in OVERLAP (`routing.after_plan`): then only on a host code, and before it ends.
     """
     T, H = x.shape
     I = w13.weight.shape[1] // 2
@@ -307,6 +260,7 @@ def gemm1(
     ids, l2p = (routing.topk_ids, routing.l2p) if routing is not None else (tables[0], tables[1])
     grid = (max_blocks * triton.cdiv(I, config.block_n),)
     use_pdl = pdl.pdl_enabled(x, fmt.fmt)  # also a programmatic dependent of the kernel before it
+    overlap = overlap_mode(align, routing, use_pdl)
     _gemm1_kernel[grid](
         x, act, *tables, ids, l2p, *ptrs, *strides,
         T * top_k, w13.num_rows, max_blocks, I, H, x.stride(0), act.stride(0), num_experts,
@@ -314,7 +268,7 @@ def gemm1(
         GROUP_M=config.group_m, FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero,
         NATIVE_FP8=native, DOT_F32=interpreting(), COMPUTE=_TL_DTYPES[x.dtype],
         INLINE_ALIGN=align is None, P_POW2=routing.p_pow2() if routing is not None else 16,
-        HALF_INT4=_half_int4(fmt, x.dtype), SWAP_AB=config.swap_ab, PDL=use_pdl,
+        HALF_INT4=_half_int4(fmt, x.dtype), SWAP_AB=config.swap_ab, PDL=use_pdl, OVERLAP=overlap,
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip
     return act
@@ -395,6 +349,7 @@ def gemm2(
         INLINE_ALIGN=align is None, FUSE_COMBINE=fuse_combine,
         P_POW2=routing.p_pow2() if routing is not None else 16, TOP_K=K, K_POW2=triton.next_power_of_2(K),
         HALF_INT4=_half_int4(fmt, act.dtype), SWAP_AB=config.swap_ab, PDL=use_pdl,
+        OVERLAP=overlap_mode(align, routing, use_pdl),
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip
     return out if fuse_combine else y

@@ -13,14 +13,25 @@ stream order). Values are unchanged.
 gemm1 is itself PDL-launched after the kernel before it (the previous layer's gemm2, the plan + copy, the align
 kernel), and waits for it first thing, before its own trigger (gemm2 reads the location table before its own
 wait, so it must not launch before the kernel that writes the table is complete). None of those kernels
-triggers, so gemm1 still launches only at their end; measured on the H200 (2026-11-30, commit fdfa2b0,
+triggers (except the plan + copy in OVERLAP, below), so gemm1 still launches only at their end; measured on the H200 (2026-11-30, commit fdfa2b0,
 bench/planner.py --quick, 6 Qwen3-like bf16 layers, M=1, graph replay), the MoE went from 184.7 to 166.5 µs, and
 with the device planner from 205.3 to 190.5 µs (183.4 with the plan + copy itself PDL-launched as a plain grid:
 not the default, see `envs.plan_pdl`). Letting the plan + copy trigger at its start (so that gemm1 launches
-during the plan) was slower: 194.5-199.0 µs.
+during the plan) was slower: 194.5-199.0 µs -- with every gemm1 program waiting for the plan first thing, so
+gemm1 ran no sooner and its waiting programs held SM slots; OVERLAP below is the variant that does not wait.
 
 The GEMV decode path (`gemv.py`) does the same with its two kernels: gate_up waits first thing, then triggers;
 down finds its pair and location, then waits before it reads act or an arrival counter (`gemv_pdl_enabled`).
+
+OVERLAP (`DevicePlanner.overlap`, off by default until measured on a GPU): the one-launch plan + copy triggers
+at its start, so the first GEMM (inline gemm1 or GEMV gate_up) runs beside the plan. Its programs then take
+their blocks in an order that does not read the location table, read their code once with acquire semantics
+(`load_acquire`), wait for the plan only on a host code (`settle_code`: the expert may be being copied in) and
+wait before they end; the second GEMM settles host codes the same way after its wait. `plan_copy.py` gives the
+plan's half: it publishes an admitted expert's row only after the copy. The aim is to hide the plan of an
+all-hit step (~3.5 µs per layer on the H200 at M=1, 12% of a Qwen3-like bf16 MoE step) under gemm1. The first
+GEMM must be the plan's programmatic dependent: nothing launched in between (`DevicePlanner.plan` and
+`pooled_fused_moe` turn `after_plan` off where they would copy the ids or weights first).
 
 Off under the interpreter, on ROCm, below sm_90, for the formats in PDL_SKIP_FORMATS (MMA path only) and where Triton lacks the
 GDC intrinsics or `launch_pdl` (both came with Triton 3.4).
@@ -67,7 +78,8 @@ _HAVE_GDC = pdl_supported()
 
 @triton.jit
 def trigger(PDL: tl.constexpr):
-    """In gemm1, after its wait: the dependent gemm2 may launch once every gemm1 program has passed here."""
+    """The dependent kernel may launch once every program of this one has passed here: in gemm1 (after its
+    wait; first thing in OVERLAP), in GEMV gate_up likewise, in the plan + copy with `early_trigger`."""
     if PDL:
         gdc_launch_dependents()
 
@@ -78,6 +90,32 @@ def wait(PDL: tl.constexpr):
     In gemm1 and the plan + copy, first thing: the kernel before it done and visible."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def load_acquire(ptr, ASM: tl.constexpr):
+    """`*ptr` (int32, any shape of pointers) with acquire semantics at GPU scope where ASM (compiled for
+    sm_70+): every load after it sees what the writer released before the value was written (a location
+    code published by the plan + copy after its rows' copy: `plan_copy.py`). Without ASM (the interpreter) a
+    volatile load: the interpreter runs one program at a time, so there is no race to order."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
+        )
+    else:
+        return tl.load(ptr, volatile=True)
+
+
+@triton.jit
+def settle_code(code, l2p_ptr, expert, num_rows, PDL: tl.constexpr):
+    """OVERLAP kernels (they may run beside the plan + copy, `plan_copy.py`): a host code read before the plan
+    ended may since have become a row (an admission): wait for the kernel before (the plan, or for the second
+    GEMM the first, whose programs all wait for the plan before they end), then read the code again. A row code
+    is final: a hit's row cannot be evicted by this step, and an admission's code is written after its copy."""
+    if code >= num_rows:
+        wait(PDL)
+        code = tl.load(l2p_ptr + expert, volatile=True)
+    return code
 
 
 # gemm2 launched as a programmatic dependent of gemm1, except for NVFP4. Measured on the H200 (2026-11-30,
@@ -126,9 +164,11 @@ __all__ = [
     "PDL_GEMM2",
     "PDL_SKIP_FORMATS",
     "gemv_pdl_enabled",
+    "load_acquire",
     "pdl_available",
     "pdl_enabled",
     "pdl_supported",
+    "settle_code",
     "trigger",
     "wait",
 ]

@@ -41,9 +41,13 @@ def _plan_lru_body(
     PROTECT: tl.constexpr,
     TELEMETRY: tl.constexpr,
     COUNT_IN_REGISTERS: tl.constexpr,
+    DEFER_COMMIT: tl.constexpr,
 ):
     """The whole plan, by one program (see the module docstring); returns the number of admissions (the
-    admitted pairs are entries 0..n-1 of victims/codes/valid: a prefix)."""
+    admitted pairs are entries 0..n-1 of victims/codes/valid: a prefix). DEFER_COMMIT: an admitted expert's
+    location code (its new row) is left for the caller to write once the row holds its weights
+    (`plan_copy._commit_admitted`); until then the table keeps its host code, so a kernel that reads the
+    table while the copy runs reads the expert from the host view or waits, never a half-copied row."""
     INT64_MAX: tl.constexpr = 0x7FFFFFFFFFFFFFFF
     e_offs = tl.arange(0, BLOCK_E)
     e_in = e_offs < E
@@ -138,7 +142,8 @@ def _plan_lru_body(
         expert = tl.sum(tl.where(cand & (cand_rank == i), e_offs, 0), 0).to(tl.int64)
         old = tl.load(owner_ptr + row, mask=found, other=-1, volatile=True)
         tl.store(l2p_ptr + tl.where(old >= 0, old, 0), (R + old % EM).to(tl.int32), mask=found & (old >= 0))
-        tl.store(l2p_ptr + base + expert, row.to(tl.int32), mask=found)
+        if not DEFER_COMMIT:
+            tl.store(l2p_ptr + base + expert, row.to(tl.int32), mask=found)
         tl.store(owner_ptr + row, base + expert, mask=found)
         tl.store(stamp_ptr + row, now, mask=found)
         tl.store(victims_ptr + i, row.to(tl.int32), mask=found)

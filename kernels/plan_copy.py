@@ -11,14 +11,25 @@ hits, the admission copy has none: this kernel saves that launch. A grid of P pr
   - then all P programs copy their share of the admitted rows: items (pair, operand, chunk) over the n
     admitted pairs (a prefix of the pair list), item i by program i mod P, chunk c of a row = its blocks
     c, c + C, c + 2C, ... of COPY_BLOCK elements (`gather_rows_multi`'s chunking, with twice its block).
+  - with `early_trigger`, an admitted expert's location code is written only after its row is whole
+    (`_commit_admitted`; without it, by program 0 in the plan, as `plan_lru` does): each program arrives at
+    `sync[1]` once its copies are stored (release); the last arriver (acquire) writes the admitted codes with
+    release semantics and resets the word. Until then the table keeps the expert's host code. So a kernel that
+    reads the table while this one runs finds, for each routed expert, either its old code (a hit's row, which
+    this step cannot evict, or a host code) or the new row with its weights visible to an acquire load
+    (`pdl.load_acquire`);
+  - and every program lets the next kernel launch first thing (PDL `trigger`), so that the MoE's first GEMM
+    runs beside the plan; that GEMM must then follow the rule above (`OVERLAP` in `moe_gemm.py` and `gemv.py`:
+    read a code with acquire, wait for this kernel only on a host code, and wait before it ends, so that its
+    completion still implies this kernel's).
 Program 0 never waits for the others, so the scheme also runs under TRITON_INTERPRET=1 (programs one after the
-other in program-id order: program 0 has published before program 1 starts). On the GPU the spinners need
-program 0 to be resident: P is small (<= 32 by default, far below the SM count) and the launch is cooperative
-where this Triton supports it (`launch_cooperative_grid`: the driver refuses a grid that cannot be co-resident
-instead of letting it hang).
+other in program-id order: program 0 has published before program 1 starts, the last program commits). On the
+GPU the spinners need program 0 to be resident: P is small (<= 32 by default, far below the SM count) and the
+launch is cooperative where this Triton supports it (`launch_cooperative_grid`: the driver refuses a grid that
+cannot be co-resident instead of letting it hang).
 
 Same results as `plan_lru` followed by `gather_rows_multi` over every operand group (the reference below is
-exactly that composition); `sync [1]` int32 must be zero before the launch and is zero after it.
+exactly that composition); `sync [2]` int32 must be zero before the launch and is zero after it.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from .plan_lru import Telemetry, _check, kernel_arguments, plan_lru_reference
+from .plan_sync import ARRIVAL, SYNC_WORDS  # the launch's sync words
 from .row_gather import MULTI_CHUNK_PROGRAMS, _check_args, gather_rows_reference
 
 try:  # Triton is optional for the CPU core
@@ -39,8 +51,6 @@ COPY_PROGRAMS = 32  # P: co-resident on any recent GPU; each streams its items a
 # Elements per program per loop step: twice gather_rows_multi's block, so that each of the fewer programs keeps
 # twice the bytes in flight (a read of the pinned bank waits ~1-2 µs on PCIe).
 COPY_BLOCK = 4096
-SYNC_WORDS = 1  # low 16 bits: published admissions + 1 (0: not yet); high bits: arrivals of programs 1..P-1
-ARRIVAL = 1 << 16  # one arrival in the sync word
 
 
 def cooperative_launch_supported() -> bool:
@@ -109,6 +119,7 @@ def plan_lru_copy_reference(
     cooperative: bool | None = None,
     pdl: bool = False,
     num_warps: int = 4,
+    early_trigger: bool = False,
 ) -> None:
     """Reference of `plan_lru_copy`: `plan_lru_reference`, then each operand's admitted rows copied from the
     bank (`gather_rows_reference`, the pool rows as the device source). Host-synchronizing; `sync` untouched."""
@@ -123,11 +134,11 @@ def plan_lru_copy_reference(
 
 if triton is not None:
     from .pdl import pdl_available
+    from .pdl import trigger as _pdl_trigger
     from .pdl import wait as _pdl_wait
     from .plan_body import _plan_lru_body
+    from .plan_sync import _commit_admitted, _wait_for_plan
     from .row_gather import _copy_row
-
-    _ARRIVAL = tl.constexpr(ARRIVAL)
 
     @triton.jit
     def _copy_slot(
@@ -160,18 +171,6 @@ if triton is not None:
                     num_chunks,
                     BLOCK,
                 )
-
-    @triton.jit
-    def _wait_for_plan(sync_ptr, num_programs):
-        """Programs 1..P-1: wait until program 0 published, return the admissions; the last one resets."""
-        seen = tl.load(sync_ptr, volatile=True)
-        while seen == 0:
-            seen = tl.load(sync_ptr, volatile=True)
-        # one read-modify-write: acquires program 0's release (its pairs), counts this arrival in the high bits
-        word = tl.atomic_add(sync_ptr, _ARRIVAL, sem="acquire", scope="gpu")
-        if word // _ARRIVAL == num_programs - 2:  # the last arriver: every spinner has read it
-            tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
-        return word % _ARRIVAL - 1
 
     @triton.jit
     def _plan_copy_kernel(
@@ -236,9 +235,12 @@ if triton is not None:
         BLOCK: tl.constexpr,
         SPIN: tl.constexpr,
         PDL: tl.constexpr,
+        EARLY_TRIGGER: tl.constexpr,
+        DEFER_COMMIT: tl.constexpr,
     ):
         # launched before the previous kernel ended: wait for it (its writes visible) before any access
         _pdl_wait(PDL)
+        _pdl_trigger(EARLY_TRIGGER)  # the MoE's first GEMM may launch now (module docstring)
         pid = tl.program_id(0)
         num_programs = tl.num_programs(0)
         num_admitted = tl.full([], 0, tl.int32)
@@ -274,6 +276,7 @@ if triton is not None:
                 PROTECT,
                 TELEMETRY,
                 COUNT_IN_REGISTERS,
+                DEFER_COMMIT,  # `_commit_admitted` then writes the admitted codes once the rows are whole
             )
             tl.debug_barrier()  # every thread's plan writes happen before the release below
             if SPIN:  # with no admission the spinners read nothing of the plan: no release (no fence) needed
@@ -309,6 +312,9 @@ if triton is not None:
                 _copy_slot(7, NUM_OPS, op, rows7, host7, numel7,
                            code, dst_row, R, host_offset, chunk, num_chunks, BLOCK)
                 # fmt: on
+        if DEFER_COMMIT and num_admitted > 0:
+            _commit_admitted(sync_ptr, l2p_ptr, codes_ptr, victims_ptr, base, R, num_admitted, num_programs,
+                             BLOCK_E)  # fmt: skip
 
 
 def plan_lru_copy(
@@ -339,18 +345,20 @@ def plan_lru_copy(
     cooperative: bool | None = None,
     pdl: bool = False,
     num_warps: int = 4,
+    early_trigger: bool = False,
 ) -> None:
     """`plan_lru(...)` then `gather_rows_multi(rows, hosts, victims, codes, valid, num_rows, host_offset)` (every
     operand) in one launch (module docstring). The plan arguments are `plan_lru`'s; `rows[i] [R, n_i]` pool rows
     of operand i on the device, `hosts[i] [N, n_i]` its bank rows (page-locked on CUDA: not checked here, the
-    caller checks once before capture), 1..8 operands; `host_offset` the layer's first bank row; `sync [1]` int32
+    caller checks once before capture), 1..8 operands; `host_offset` the layer's first bank row; `sync [2]` int32
     zero. `num_programs` P (capped at the work: pairs x operands x chunks), `chunk_programs` C as in
     `gather_rows_multi`. `cooperative` (None/True: on CUDA where Triton supports it, else a plain grid) launches
     cooperatively; `pdl` (where `pdl.pdl_available`; both may be set) as a programmatic dependent launch: it may
     start while the previous kernel drains, every program waiting for it (`griddepcontrol.wait`) before its first
-    access; `num_warps` per program (fewer: shorter
-    reductions in the plan, the same bytes in flight in the copy). Graph-safe:
-    no host sync, no allocation. Runs on CUDA or under the Triton interpreter."""
+    access; `num_warps` per program (fewer: shorter reductions in the plan, the same bytes in flight in the
+    copy); `early_trigger` (where `pdl.pdl_available`) lets the next kernel, PDL-launched, start beside this one
+    (module docstring: what that kernel must then do). Graph-safe: no host sync, no allocation. Runs on CUDA or
+    under the Triton interpreter."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("plan_lru_copy needs Triton")
     plan = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
@@ -369,7 +377,8 @@ def plan_lru_copy(
     if num_warps not in (1, 2, 4, 8):
         raise ValueError(f"num_warps={num_warps}: expected 1, 2, 4 or 8")
     launch: dict[str, object] = {"num_warps": num_warps}
-    pdl = pdl and pdl_available(ids)
+    can_pdl = pdl_available(ids)
+    pdl = pdl and can_pdl
     if pdl:
         launch["launch_pdl"] = True
     if cooperative is not False and ids.is_cuda and programs > 1 and cooperative_launch_supported():
@@ -385,5 +394,7 @@ def plan_lru_copy(
         BLOCK=COPY_BLOCK,
         SPIN=programs > 1,
         PDL=pdl,
+        EARLY_TRIGGER=early_trigger and can_pdl,
+        DEFER_COMMIT=early_trigger,  # also under the interpreter, which tests it
         **launch,
     )

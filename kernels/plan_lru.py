@@ -254,6 +254,7 @@ if triton is not None:
             PROTECT,
             TELEMETRY,
             COUNT_IN_REGISTERS,
+            False,  # DEFER_COMMIT: the row gather runs after this launch ends
         )
 
 

@@ -37,6 +37,12 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+def counters_ready(device: torch.device, n: int) -> bool:
+    """Whether `_counters(device, n)` would return the existing buffer (no allocation, no kernel launched)."""
+    buf = _COUNTERS.get(device)
+    return buf is not None and buf.numel() >= SYNC_WORDS + n
+
+
 def spin_timeouts(device: torch.device) -> int:
     """Nonzero if a one-launch GEMV step on `device` gave up waiting (its output was wrong); host sync."""
     buf = _COUNTERS.get(torch.device(device))

@@ -71,6 +71,15 @@ def plan_pdl() -> bool:
     return _get_bool("PLAN_PDL", False)
 
 
+def plan_overlap() -> bool:
+    """POOLED_RUNNER_PLAN_OVERLAP: let the one-launch plan + copy of a device-planned decode step trigger the
+    MoE's first GEMM at its start, so that the GEMM's programs of resident experts run beside the plan
+    (`kernels/plan_copy.py`); those of host-view experts still wait for it. Default off: written and tested on
+    the CPU (interpreter) on 2026-12-01 when no GPU was lent; it becomes the default only once the H200 shows it
+    correct and faster (`bench/planner.py --planners one,one-overlap`)."""
+    return _get_bool("PLAN_OVERLAP", False)
+
+
 def moe_pdl() -> bool:
     """POOLED_RUNNER_MOE_PDL: launch the MoE's gemm2 as a programmatic dependent of gemm1 on sm_90+ (default on,
     except for the formats where it measured slower: `kernels/pdl.py`). Read once, at import."""

@@ -73,9 +73,10 @@ class GpuPath:
         device_planned = device_planned and T <= self.max_decode_tokens
         if telemetry is not None and not device_planned:
             telemetry.record(layer, topk_ids)
+        after_plan = False
         if self.planner is not None:
             if device_planned:
-                self.planner.plan(layer, topk_ids, telemetry)
+                after_plan = self.planner.plan(layer, topk_ids, telemetry)
             else:
                 if capturing:
                     raise RuntimeError(
@@ -92,7 +93,7 @@ class GpuPath:
                 if staged is not None:
                     passes = staged.layer_passes(layer, experts, with_tables=True)
                     return self.kernels.forward_staged(layer, hidden, topk_ids, topk_weights, passes)
-        return self.kernels.forward(layer, hidden, topk_ids, topk_weights)
+        return self.kernels.forward(layer, hidden, topk_ids, topk_weights, after_plan=after_plan)
 
     def sync_tables_to_host(self) -> None:
         """Make the pool's host bookkeeping current (after device-planned steps). Syncs; not during capture."""

@@ -31,13 +31,11 @@ from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.kernels.plan_copy import COPY_PROGRAMS, MAX_FUSED_OPERANDS, SYNC_WORDS, plan_lru_copy
 from pooled_runner.kernels.plan_lru import plan_lru
 from pooled_runner.kernels.row_gather import MAX_MULTI_OPERANDS, MULTI_CHUNK_PROGRAMS, gather_rows_multi
+from pooled_runner.planner_ops import plan_ops
 from pooled_runner.planner_twin import FREE, residency_from_pool, table_problems
 from pooled_runner.policies import LRUPolicy, Policy, check_policy_rows
 from pooled_runner.pool import ExpertPool
 from pooled_runner.telemetry import RouteTelemetry
-
-INT64_MAX = torch.iinfo(torch.int64).max
-INT64_MIN = torch.iinfo(torch.int64).min
 
 
 class DevicePlanner:
@@ -60,8 +58,9 @@ class DevicePlanner:
         a bank and <= 8 operands, unless POOLED_RUNNER_PLAN_SPLIT_COPY is set. cooperative: launch it as a
         cooperative grid (None: POOLED_RUNNER_PLAN_COOPERATIVE, default on where Triton supports it). pdl: as a
         programmatic dependent launch where PDL is available, cooperative or not (None:
-        POOLED_RUNNER_PLAN_PDL, default off). plan_warps: its warps per
-        program.
+        POOLED_RUNNER_PLAN_PDL, default off). plan_warps: its warps per program. overlap: the one launch lets
+        the MoE's first GEMM start beside it (`kernels/plan_copy.py`, `early_trigger`); read `self.overlap`
+        to tell the kernels (`KernelPath.forward(after_plan=...)`). None: POOLED_RUNNER_PLAN_OVERLAP.
     """
 
     def __init__(
@@ -79,6 +78,7 @@ class DevicePlanner:
         cooperative: bool | None = None,
         pdl: bool | None = None,
         plan_warps: int = 4,
+        overlap: bool | None = None,
     ):
         if max_routed < 1 or block_m < 1 or min_reads_to_admit < 1:
             raise ValueError(
@@ -147,6 +147,14 @@ class DevicePlanner:
         self._cooperative = envs.plan_cooperative() if cooperative is None else cooperative
         self._pdl = envs.plan_pdl() if pdl is None else pdl
         self._plan_warps = plan_warps
+        # the plan + copy lets the next kernel launch at its start (only the one launch has the deferred commit)
+        if overlap and not self.one_launch:
+            raise ValueError(
+                "overlap=True needs the one-launch plan + copy (fused LRU or lru-cycle, a bank, "
+                f"<= {MAX_FUSED_OPERANDS} operands, POOLED_RUNNER_PLAN_SPLIT_COPY unset): only it defers the "
+                "admitted codes to after their copy"
+            )
+        self.overlap = self.one_launch and (envs.plan_overlap() if overlap is None else overlap)
         self._sync32 = torch.zeros(SYNC_WORDS, dtype=torch.int32, device=dev)  # zero between launches
         self.load_from_pool()
 
@@ -196,7 +204,7 @@ class DevicePlanner:
         }
 
     # ----------------------------------------------------------------------------------------------
-    def plan(self, layer: int, topk_ids: torch.Tensor, telemetry: RouteTelemetry | None = None) -> None:
+    def plan(self, layer: int, topk_ids: torch.Tensor, telemetry: RouteTelemetry | None = None) -> bool:
         """Plan one step of `layer` from `topk_ids [T, K]` (any integer dtype, on the pool device).
 
         Graph-safe: no host sync, fixed shapes for a given (layer, T, K). After it, `pool.l2p_gpu[layer]`
@@ -204,6 +212,11 @@ class DevicePlanner:
         enqueued on the current stream). Raises ValueError (at capture time, before any change) when
         `T * K > max_routed`. `telemetry` (enabled) also records the step's routes: inside the fused plan
         kernel when it runs (no launch of its own), else by `telemetry.record`.
+
+        Returns whether the plan may still be running when the next kernel starts (`overlap`, and the plan
+        read `topk_ids` in place: no temporary whose memory a later allocation could take while the plan reads
+        it, no debug check launched after it): pass it as `after_plan` to the MoE launched next, with nothing
+        launched in between (the first GEMM must be the plan's programmatic dependent).
         """
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
@@ -226,23 +239,28 @@ class DevicePlanner:
             raise ValueError(
                 f"telemetry counts {telemetry.max_experts} experts per layer, the pool {self.max_experts}"
             )
+        in_place = False
         if self.fused:
-            self._plan_fused(layer, topk_ids, E, num_pairs, telemetry)
+            in_place = self._plan_fused(layer, topk_ids, E, num_pairs, telemetry)
         else:
             if telemetry is not None:
                 telemetry.record(layer, topk_ids)
-            self._plan_ops(layer, topk_ids, E, num_pairs)
+            plan_ops(self, layer, topk_ids, E, num_pairs)
         if self.debug_checks and not _capturing():  # the check syncs; under capture it waits for replay
             self.check_invariants()
+            return False
+        return self.overlap and in_place
 
     def _plan_fused(
         self, layer: int, topk_ids: torch.Tensor, E: int, num_pairs: int, telemetry: RouteTelemetry | None
-    ) -> None:
+    ) -> bool:
         """LRU and the admitted rows' copy in one launch (`plan_lru_copy`), or in two (`plan_lru`, then
-        `gather_rows_multi` per four operands)."""
+        `gather_rows_multi` per four operands). Returns whether the kernel read `topk_ids` in place."""
         ids = topk_ids.reshape(-1)  # [T*K]
         if ids.dtype not in (torch.int32, torch.int64):
             ids = ids.to(torch.int64)
+        ids = ids.contiguous()
+        in_place = ids.data_ptr() == topk_ids.data_ptr()
         victims, codes, valid = (
             self._victims32[:num_pairs],
             self._codes32[:num_pairs],
@@ -250,7 +268,7 @@ class DevicePlanner:
         )
         R, EM = self.num_rows, self.max_experts
         plan_args = (
-            ids.contiguous(),
+            ids,
             self.pool.l2p_gpu.view(-1),
             self.row_owner,
             self.row_stamp,
@@ -272,7 +290,7 @@ class DevicePlanner:
         if not self.one_launch:
             plan_lru(*plan_args)
             self._gather(layer, victims, codes, valid)
-            return
+            return in_place
         assert self._bank_flat is not None and self.pool.bank is not None
         plan_lru_copy(
             *plan_args,
@@ -285,7 +303,10 @@ class DevicePlanner:
             cooperative=self._cooperative,
             pdl=self._pdl,
             num_warps=self._plan_warps,
+            # with a temporary ids the next kernel must not start beside the plan (see `plan`)
+            early_trigger=self.overlap and in_place,
         )
+        return in_place
 
     def _gather(self, layer: int, victims: torch.Tensor, codes: torch.Tensor, valid: torch.Tensor) -> None:
         """Copy the admitted experts (`codes` = R + expert, where `valid`) from the bank into their rows: one
@@ -308,93 +329,6 @@ class DevicePlanner:
                 force_triton=force,
                 chunk_programs=self.gather_chunks,
             )
-
-    def _plan_ops(self, layer: int, topk_ids: torch.Tensor, E: int, num_pairs: int) -> None:
-        """Any policy, with torch ops (a few dozen small kernels)."""
-        R, EM = self.num_rows, self.max_experts
-        num_routed = topk_ids.numel()
-        ids = topk_ids.reshape(-1).to(torch.int64)  # [T*K]
-        routed = (ids >= 0) & (ids < E)
-        counts = self._counts
-        counts.zero_()
-        counts.scatter_add_(0, torch.where(routed, ids, EM), self._ones[:num_routed])
-        tokens = counts[:E]  # [E] tokens routed to each expert
-        present = tokens > 0
-        self.clock += 1
-        now = self.clock
-        self.policy.observe(layer, present, now)
-
-        l2p_layer = self.pool.l2p_gpu[layer, :E].to(torch.int64)  # [E]
-        hit = present & (l2p_layer < R)
-        miss = present & (l2p_layer >= R)
-        self.row_stamp.index_put_((torch.where(hit, l2p_layer, R),), now.expand(E))
-
-        reads = (tokens + self.block_m - 1) // self.block_m
-        cand = miss & (reads >= self.min_reads_to_admit)
-        experts, victims, ok, victim_owner, victim_key = self._pair(layer, E, cand, now, num_pairs)
-        self._apply(layer, experts, victims, ok, victim_owner, now)
-        if victim_key is not None:
-            self.policy.evicted(victim_key, ok & (victim_owner >= 0))  # [P]
-        evicted = ok & (victim_owner >= 0)  # [P]
-        self.counters += torch.stack([hit.sum(), miss.sum(), ok.sum(), miss.sum() - ok.sum(), evicted.sum()])
-
-    def _pair(
-        self, layer: int, E: int, cand: torch.Tensor, now: torch.Tensor, num_pairs: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Candidate experts, victim rows, admitted mask, victim owners and victim keys, each `[num_pairs]`."""
-        R = self.num_rows
-        ckey = self.policy.candidate_key(layer, E)
-        if ckey is None:
-            ckey = self._arange[:E]
-        ckey = torch.where(cand, ckey, INT64_MAX)
-        experts = torch.sort(ckey, stable=True).indices[:num_pairs]  # [P] ties by expert id
-
-        owner, stamp = self.row_owner[:R], self.row_stamp[:R]
-        busy = stamp == now  # rows used by this step
-        order = torch.sort(torch.where(busy, INT64_MAX, stamp), stable=True).indices  # (stamp, row)
-        vkey = self.policy.victim_key(owner, stamp, now)
-        if vkey is not None:  # policy key first, then (stamp, row): a stable sort of the (stamp, row) order
-            vkey = torch.where(busy, INT64_MAX, torch.where(owner < 0, INT64_MIN, vkey))
-            order = order[torch.sort(vkey[order], stable=True).indices]
-        victims = order[:num_pairs]  # [P]
-
-        pair = self._arange[:num_pairs]
-        victim_owner = self.row_owner[victims]  # [P]
-        ok = (pair < cand.sum()) & (pair < (~busy).sum())
-        victim_key = None
-        if vkey is not None:
-            victim_key = vkey[victims]
-            accepted = self.policy.accept(layer * self.max_experts + experts, victim_key)
-            if accepted is not None:
-                ok = ok & ((victim_owner < 0) | accepted)
-        return experts, victims, ok, victim_owner, victim_key
-
-    def _apply(
-        self,
-        layer: int,
-        experts: torch.Tensor,
-        victims: torch.Tensor,
-        ok: torch.Tensor,
-        victim_owner: torch.Tensor,
-        now: torch.Tensor,
-    ) -> None:
-        R, EM = self.num_rows, self.max_experts
-        dummy_flat = self._l2p_scratch.shape[0] - 1
-        l2p_flat = self.pool.l2p_gpu.view(-1)
-        scratch = self._l2p_scratch
-        scratch[:dummy_flat].copy_(l2p_flat)
-        evicted = ok & (victim_owner >= 0)
-        scratch.index_put_(
-            (torch.where(evicted, victim_owner, dummy_flat),),
-            (R + torch.remainder(victim_owner, EM)).to(torch.int32),
-        )
-        cand_flat = layer * EM + experts
-        scratch.index_put_((torch.where(ok, cand_flat, dummy_flat),), victims.to(torch.int32))
-        l2p_flat.copy_(scratch[:dummy_flat])
-        rows = torch.where(ok, victims, R)
-        self.row_owner.index_put_((rows,), cand_flat)
-        self.row_stamp.index_put_((rows,), now.expand(rows.shape[0]))
-        self._gather(layer, victims, R + experts, ok.to(torch.int32))
 
     # ----------------------------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -43,7 +43,7 @@ def compile_gemv(kernel: str, fmt: str, block_n: int, block_k: int, warps: int, 
     fn = gemv._gate_up_kernel if kernel == "gate_up" else gemv._down_kernel
     consts = dict(TOP_K=8, P_POW2=64, BLOCK_N=block_n, BLOCK_K=block_k, FMT=fmt_code, GROUP=group,
                   HAS_ZERO=False, NATIVE_FP8=True, COMPUTE=tl.bfloat16, VPW=vpw, PREFETCH=prefetch,
-                  EVEN_K=True, PDL=False)  # fmt: skip
+                  EVEN_K=True, PDL=False, OVERLAP=False)  # fmt: skip
     consts |= {"SPLIT": 1} if kernel == "gate_up" else {"FUSE_COMBINE": True}
     scale = "*fp8e4nv" if fmt == "nvfp4" else "*fp32"
     signature, attrs = {}, {}

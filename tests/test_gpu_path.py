@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pooled_runner import PoolConfig, PooledMoE
+from pooled_runner.formats import make_format
 from tests.reference import random_expert_weights
 
 pytestmark = pytest.mark.gpu
@@ -14,13 +15,22 @@ pytestmark = pytest.mark.gpu
 H, I, E, K, L = 512, 256, 24, 4, 3
 
 
-def _build(rows: int, staging: bool) -> PooledMoE:
+def _build(rows: int, staging: bool, weight_format: str = "bf16") -> PooledMoE:
     weights = random_expert_weights(L, E, H, I, torch.bfloat16, seed=41)
-    cfg = PoolConfig(pool_rows=rows, device="cuda", prefill_staging=staging, staging_min_tokens=256)
+    cfg = PoolConfig(
+        pool_rows=rows,
+        device="cuda",
+        prefill_staging=staging,
+        staging_min_tokens=256,
+        weight_format=weight_format,
+    )
     moe = PooledMoE(cfg, H, I, top_k=K, dtype=torch.bfloat16)
     for _ in range(L):
         moe.register_layer(E)
-    moe.install(lambda layer, e: weights[(layer, e)])
+    fmt = make_format(weight_format, torch.bfloat16)  # quantized the same way for every build
+    moe.install(
+        lambda layer, e: fmt.quantize(weights[(layer, e)]["w13"].float(), weights[(layer, e)]["w2"].float())
+    )
     return moe
 
 
@@ -30,9 +40,19 @@ def _route(T: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, w
 
 
-@pytest.mark.parametrize("M", [1, 4, 12])
-def test_captured_decode_equals_resident_and_replays_with_new_routing(M):
-    pooled, resident = _build(rows=L * E // 4, staging=True), _build(rows=L * E, staging=False)
+# With overlap (POOLED_RUNNER_PLAN_OVERLAP=1) the plan + copy runs beside the first GEMM: bf16 at M=1 takes the
+# inline MMA GEMMs there, int4 / NVFP4 at M = 1 and 4 the GEMV (both OVERLAP); wider steps the align path.
+@pytest.mark.parametrize(
+    ("M", "weight_format", "overlap"),
+    [(1, "bf16", False), (4, "bf16", False), (12, "bf16", False), (1, "bf16", True), (12, "bf16", True)]
+    + [(M, f, True) for f in ("int4-g128", "nvfp4") for M in (1, 4)],
+)
+def test_captured_decode_equals_resident_and_replays_with_new_routing(M, weight_format, overlap, monkeypatch):
+    monkeypatch.setenv("POOLED_RUNNER_PLAN_OVERLAP", "1" if overlap else "0")
+    pooled = _build(rows=L * E // 4, staging=True, weight_format=weight_format)
+    resident = _build(rows=L * E, staging=False, weight_format=weight_format)
+    planner = pooled._gpu().planner
+    assert planner is not None and planner.overlap == overlap, "POOLED_RUNNER_PLAN_OVERLAP not followed"
     g = torch.Generator(device="cuda").manual_seed(M)
     x = torch.randn(L, M, H, generator=g, device="cuda").bfloat16()
     ids, w = _route(M, g)

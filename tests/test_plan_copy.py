@@ -26,7 +26,7 @@ from pooled_runner.bank import ExpertBank
 from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.formats.base import OperandSpec
 from pooled_runner.planner import DevicePlanner
-from pooled_runner.policies import LRUPolicy
+from pooled_runner.policies import FreqDecayPolicy, LRUPolicy
 from pooled_runner.pool import ExpertPool
 from pooled_runner.telemetry import RouteTelemetry
 from tests.test_plan_lru import random_state
@@ -70,6 +70,14 @@ def one_launch(
     plan_lru_copy(*plan_args, rows, hosts, offset, sync, num_programs=P, chunk_programs=C)
 
 
+def one_launch_deferred(
+    plan_args: tuple, rows: list, hosts: list, offset: int, sync: torch.Tensor, P: int, C: int
+) -> None:
+    """The one launch that lets the next kernel start beside it: the admitted codes are committed by the last
+    program to finish its copies (`_commit_admitted`; the trigger itself is a no-op off the GPU)."""
+    plan_lru_copy(*plan_args, rows, hosts, offset, sync, num_programs=P, chunk_programs=C, early_trigger=True)
+
+
 def reference(
     plan_args: tuple, rows: list, hosts: list, offset: int, sync: torch.Tensor, P: int, C: int
 ) -> None:
@@ -97,7 +105,12 @@ def test_one_launch_equals_two_launches_and_reference(trial: int, monkeypatch: p
         state["tel_routed"] = state["tel_counts"] > 4
         state["tel_flags"] = torch.zeros(2, dtype=torch.int32)
     rows, hosts = random_rows(num_ops, R, L * E, g)
-    paths = {"one launch": one_launch, "two launches": two_launches, "reference": reference}
+    paths = {
+        "one launch": one_launch,
+        "one launch, deferred commit": one_launch_deferred,
+        "two launches": two_launches,
+        "reference": reference,
+    }
     runs = {name: ({k: v.clone() for k, v in state.items()}, [r.clone() for r in rows]) for name in paths}
     syncs = {name: torch.zeros(SYNC_WORDS, dtype=torch.int32) for name in paths}
     for step in range(5):
@@ -124,7 +137,7 @@ def test_one_launch_equals_two_launches_and_reference(trial: int, monkeypatch: p
             outs[name] = out
         where = f"trial {trial} step {step} (ops {num_ops}, P {P}, C {C})"
         want_state, want_rows = runs["reference"]
-        for name in ("one launch", "two launches"):
+        for name in ("one launch", "one launch, deferred commit", "two launches"):
             st, pool_rows = runs[name]
             for key in want_state:
                 bad = (st[key] != want_state[key]).nonzero().flatten().tolist()
@@ -143,9 +156,12 @@ def test_one_launch_equals_two_launches_and_reference(trial: int, monkeypatch: p
                     assert torch.equal(got[row], host[layer * E + flat % EM]), f"{where}: row {row}"
 
 
-def test_one_launch_admits_evicts_and_protects() -> None:
+@pytest.mark.parametrize("deferred", [False, True])
+def test_one_launch_admits_evicts_and_protects(deferred: bool) -> None:
     """A fixed scenario that cannot pass vacuously: admissions, evictions, a cycle-protected refusal, 6
-    operands, P below and above the work, rows equal to the bank's afterwards."""
+    operands, P below and above the work (one program included), rows equal to the bank's afterwards and the
+    location table naming exactly the rows' owners; `deferred`: the codes committed after the copies
+    (`early_trigger`, by the last program to finish its copies)."""
     L, E, R = 3, 5, 4
     g = torch.Generator().manual_seed(5)
     rows, hosts = random_rows(6, R, L * E, g)
@@ -168,13 +184,21 @@ def test_one_launch_admits_evicts_and_protects() -> None:
             torch.zeros(E, dtype=torch.int32),
         )
         args += (*out, layer, E, E, R, 16, 1, cycle, None)
-        plan_lru_copy(*args, rows, hosts, layer * E, sync, num_programs=P, chunk_programs=2)
-        assert sync.tolist() == [0]
+        plan_lru_copy(
+            *args, rows, hosts, layer * E, sync, num_programs=P, chunk_programs=2, early_trigger=deferred
+        )
+        assert sync.tolist() == [0] * SYNC_WORDS
     _, _, admissions, host_reads, evictions = counters.tolist()
     assert admissions >= 5 and evictions >= 1 and host_reads >= 1, counters.tolist()
     for row, flat in enumerate(owner[:R].tolist()):
         for got, old, host in zip(rows, before, hosts):
             assert torch.equal(got[row], host[flat // E * E + flat % E] if flat >= 0 else old[row]), row
+        if flat >= 0:  # every owned row is named by its expert's code
+            assert int(l2p[flat]) == row, f"l2p[{flat}] = {int(l2p[flat])}, its row is {row}"
+    owned = {flat for flat in owner[:R].tolist() if flat >= 0}
+    for flat in range(L * E):
+        if flat not in owned:
+            assert int(l2p[flat]) == R + flat % E, f"l2p[{flat}] = {int(l2p[flat])}: not resident"
 
 
 def test_plan_lru_copy_rejects_bad_arguments() -> None:
@@ -226,16 +250,23 @@ def int4_like_pool(layers: list[int], rows: int) -> ExpertPool:
 
 
 @pytest.mark.parametrize("policy", [LRUPolicy, CycleLRUPolicy])
-def test_planner_one_launch_equals_two_launches(policy) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_planner_one_launch_equals_two_launches(policy, overlap: bool) -> None:
     layers, rows, K = [9, 6, 11], 7, 3
     planners, tels = [], []
     for one in (True, False):
         pool = int4_like_pool(layers, rows)
         pool.fill([(2, 0), (0, 8)])
         planner = DevicePlanner(
-            pool, policy(), max_routed=4 * K, debug_checks=True, fused=True, one_launch=one
+            pool,
+            policy(),
+            max_routed=4 * K,
+            debug_checks=True,
+            fused=True,
+            one_launch=one,
+            overlap=overlap and one,
         )
-        assert planner.one_launch is one
+        assert planner.one_launch is one and planner.overlap is (overlap and one)
         planners.append(planner)
         tels.append(RouteTelemetry(layers, torch.device("cpu"), fused=True))
     g = torch.Generator().manual_seed(3)
@@ -265,7 +296,7 @@ def test_planner_one_launch_equals_two_launches(policy) -> None:
     for row, flat in enumerate(planners[0].row_owner[:rows].tolist()):  # rows hold their owners' bank rows
         for name, t in planners[0].pool.rows_gpu.items():
             assert torch.equal(t[row], bank.row(flat // EM, flat % EM)[name]), row
-    assert planners[0]._sync32.tolist() == [0]
+    assert planners[0]._sync32.tolist() == [0] * SYNC_WORDS
 
 
 def test_planner_one_launch_needs_the_fused_planner() -> None:
@@ -273,3 +304,13 @@ def test_planner_one_launch_needs_the_fused_planner() -> None:
     with pytest.raises(ValueError, match="one_launch needs the fused planner"):
         DevicePlanner(pool, LRUPolicy(), fused=False, one_launch=True)
     assert DevicePlanner(pool, LRUPolicy(), fused=False).one_launch is False
+
+
+def test_overlap_needs_the_one_launch() -> None:
+    """Only the one launch defers the admitted codes to after their copy: overlap without it is refused."""
+    pool = int4_like_pool([5, 4], 3)
+    with pytest.raises(ValueError, match="one-launch"):
+        DevicePlanner(pool, LRUPolicy(), max_routed=8, fused=True, one_launch=False, overlap=True)
+    with pytest.raises(ValueError, match="one-launch"):
+        DevicePlanner(pool, FreqDecayPolicy(), max_routed=8, overlap=True)
+    assert not DevicePlanner(pool, LRUPolicy(), max_routed=8, fused=True, one_launch=True).overlap

@@ -1,0 +1,47 @@
+"""The sync words of the one-launch plan + copy (`plan_copy.py`, whose docstring gives the protocol): program 0
+publishes the plan to the spinners (`_wait_for_plan`), and the last program to finish its copies commits the
+admitted experts' location codes (`_commit_admitted`). `sync [SYNC_WORDS]` int32 is zero between launches."""
+
+from __future__ import annotations
+
+try:  # Triton is optional for the CPU core
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None  # type: ignore[assignment]
+
+# word 0: low 16 bits published admissions + 1 (0: not yet), high bits arrivals of programs 1..P-1; word 1:
+# programs whose admission copies are stored (only when something was admitted)
+SYNC_WORDS = 2
+ARRIVAL = 1 << 16  # one arrival in word 0
+
+if triton is not None:
+    _ARRIVAL = tl.constexpr(ARRIVAL)
+
+    @triton.jit
+    def _wait_for_plan(sync_ptr, num_programs):
+        """Programs 1..P-1: wait until program 0 published, return the admissions; the last one resets."""
+        seen = tl.load(sync_ptr, volatile=True)
+        while seen == 0:
+            seen = tl.load(sync_ptr, volatile=True)
+        # one read-modify-write: acquires program 0's release (its pairs), counts this arrival in the high bits
+        word = tl.atomic_add(sync_ptr, _ARRIVAL, sem="acquire", scope="gpu")
+        if word // _ARRIVAL == num_programs - 2:  # the last arriver: every spinner has read it
+            tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+        return word % _ARRIVAL - 1
+
+    @triton.jit
+    def _commit_admitted(sync_ptr, l2p_ptr, codes_ptr, victims_ptr, base, R, num_admitted, num_programs,
+                         BLOCK_E: tl.constexpr):  # fmt: skip
+        """After this program's copies: arrive at `sync[1]`; the last of the P arrivals writes the admitted
+        experts' rows into the location table (release: their copies happen before) and resets the word."""
+        tl.debug_barrier()  # every thread's copy stores happen before the (one-thread, release) arrival
+        arrived = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_programs - 1:
+            i = tl.arange(0, BLOCK_E)
+            mine = i < num_admitted
+            # volatile: written in this launch by program 0 (no stale L1 line)
+            expert = tl.load(codes_ptr + i, mask=mine, other=R, volatile=True) - R
+            row = tl.load(victims_ptr + i, mask=mine, other=0, volatile=True)
+            tl.atomic_xchg(l2p_ptr + base + expert, row, mask=mine, sem="release", scope="gpu")
+            tl.store(sync_ptr + 1, 0)  # ready for the next launch (stream order: it starts after this one)
