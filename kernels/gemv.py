@@ -242,9 +242,8 @@ def gemv_gate_up(
     num_nb = triton.cdiv(I, config.block_n1)
     split, tiles_per_split = _k_split(H, config.block_k1, config.split_k1)
     if split > 1 and not counters_ready(act.device, num_pairs * num_nb):
-        after_plan = (
-            False  # the workspace's growth launches kernels: this one is no longer the plan's dependent
-        )
+        # the workspace's growth launches kernels: this one is no longer the plan's dependent
+        after_plan = False
     if split > 1:
         part = torch.empty(
             num_pairs * num_nb * split * 2 * config.block_n1, dtype=torch.float32, device=act.device
