@@ -56,6 +56,9 @@ else
   fi
   step bench_kernels "${BENCH_KERNELS_CAP:-200}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_variants "${BENCH_VARIANTS_CAP:-200}" "$PY" -m bench.kernels --variants --budget 150 --out "$OUT/bench_variants.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  # Qwen3-like bf16 decode: the GEMV against the default inline MMA path (issue #4's 1.2x-stock target at M=1; the
+  # general variants step above may run out of budget before the bf16 cases)
+  step bench_variants_bf16 "${BENCH_VARIANTS_BF16_CAP:-120}" "$PY" -m bench.kernels --variants --formats bf16 --shapes qwen3 --no-align-sweep --budget 90 --out "$OUT/bench_variants_bf16.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_pdl "${BENCH_PDL_CAP:-150}" "$PY" -m bench.kernel_pdl --budget 110 --out "$OUT/bench_pdl.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_prefill "${BENCH_PREFILL_CAP:-150}" "$PY" -m bench.prefill --quick --out "$OUT/bench_prefill.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_prefill_int4 "${BENCH_PREFILL_INT4_CAP:-120}" "$PY" -m bench.prefill --quick --shapes qwen3 --formats int4-g128 --fracs 0.25 --out "$OUT/bench_prefill_int4.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
