@@ -23,7 +23,7 @@ gemm1 ran no sooner and its waiting programs held SM slots; OVERLAP below is the
 The GEMV decode path (`gemv.py`) does the same with its two kernels: gate_up waits first thing, then triggers;
 down finds its pair and location, then waits before it reads act or an arrival counter (`gemv_pdl_enabled`).
 
-OVERLAP (`DevicePlanner.overlap`, off by default until measured on a GPU): the one-launch plan + copy triggers
+OVERLAP (`DevicePlanner.overlap`, off by default: correct on the H200 but not faster, `envs.plan_overlap`): the one-launch plan + copy triggers
 at its start, so the first GEMM (inline gemm1 or GEMV gate_up) runs beside the plan. Its programs then take
 their blocks in an order that does not read the location table, read their code once with acquire semantics
 (`load_acquire`), wait for the plan only on a host code (`settle_code`: the expert may be being copied in) and
