@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pooled_runner.kernels.plan_copy import COPY_PROGRAMS
 
+from bench.common import time_graphs
 from bench.traces import Trace, belady_hit_rate, policy_hit_rate, synthetic_trace
 from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.planner import DevicePlanner
@@ -118,22 +119,30 @@ RESIDENT_PER_LAYER = ROWS // L
 
 # --planners: name -> (label, DevicePlanner keywords)
 PLANNERS: dict[str, tuple[str, dict[str, object]]] = {
-    "one": ("fused, one launch (the default: cooperative, no PDL)", {"fused": True, "one_launch": True}),
+    "one": ("fused, one launch (the default: plain grid, PDL, overlap)", {"fused": True, "one_launch": True}),
+    "one-coop": (
+        "fused, one launch, cooperative, no PDL, no overlap (the default before 2026-12-02)",
+        {"fused": True, "one_launch": True, "cooperative": True, "pdl": False, "overlap": False},
+    ),
     "one-overlap": (
-        "fused, one launch, the first GEMM beside it (overlap)",
-        {"fused": True, "one_launch": True, "overlap": True},
+        "fused, one launch, overlap, cooperative, no PDL",
+        {"fused": True, "one_launch": True, "cooperative": True, "pdl": False, "overlap": True},
+    ),
+    "one-overlap-coop-pdl": (
+        "fused, one launch, overlap, cooperative, PDL",
+        {"fused": True, "one_launch": True, "cooperative": True, "pdl": True, "overlap": True},
     ),
     "one-coop-pdl": (
-        "fused, one launch, cooperative, PDL",
-        {"fused": True, "one_launch": True, "cooperative": True, "pdl": True},
+        "fused, one launch, cooperative, PDL, no overlap",
+        {"fused": True, "one_launch": True, "cooperative": True, "pdl": True, "overlap": False},
     ),
     "one-nc": (
-        "fused, one launch, not cooperative, no PDL",
-        {"fused": True, "one_launch": True, "cooperative": False, "pdl": False},
+        "fused, one launch, plain grid, no PDL, no overlap",
+        {"fused": True, "one_launch": True, "cooperative": False, "pdl": False, "overlap": False},
     ),
     "one-pdl": (
-        "fused, one launch, PDL, not cooperative",
-        {"fused": True, "one_launch": True, "cooperative": False, "pdl": True},
+        "fused, one launch, plain grid, PDL, no overlap",
+        {"fused": True, "one_launch": True, "cooperative": False, "pdl": True, "overlap": False},
     ),
     "one-w1": ("fused, one launch, 1 warp", {"fused": True, "one_launch": True, "plan_warps": 1}),
     "two": ("fused, two launches", {"fused": True, "one_launch": False}),
@@ -164,12 +173,6 @@ def build(policy: Policy, **planner_kwargs: object):  # type: ignore[no-untyped-
     planner = DevicePlanner(moe.pool, policy, max_routed=8 * K, debug_checks=False, **planner_kwargs)  # type: ignore[arg-type]
     tel = RouteTelemetry([E] * L, moe.pool.device, fused=planner.fused)
     return moe, planner, tel, KernelPath(moe.format, moe.pool, moe.bank, H, I)
-
-
-def graph_ms(fn, iters: int = 50) -> float:  # type: ignore[no-untyped-def]
-    from bench.common import time_graph
-
-    return time_graph(fn, warmup=3, iters=iters)
 
 
 def overhead(lines: list[str], args: argparse.Namespace) -> None:
@@ -229,9 +232,16 @@ def _overhead_rows(lines: list[str], args: argparse.Namespace, name: str) -> Non
                 after_plan = planner.plan(layer, ids[layer], tel if telemetry else None)
                 kpath.forward(layer, x, ids[layer], w[layer], after_plan=after_plan)
 
-        t_moe, t_plan, t_tel = graph_ms(moe_only), graph_ms(plan_only), graph_ms(tel_only)
-        t_both = graph_ms(planned)
-        t_all = graph_ms(lambda: planned(telemetry=True))
+        t = time_graphs(
+            {
+                "moe": moe_only,
+                "plan": plan_only,
+                "tel": tel_only,
+                "both": planned,
+                "all": lambda: planned(telemetry=True),
+            }
+        )
+        t_moe, t_plan, t_tel, t_both, t_all = (t[k] for k in ("moe", "plan", "tel", "both", "all"))
         lines.append(
             f"| {label} | {M} | {1e3 * t_moe:.1f} | {1e3 * t_plan:.1f} | {1e3 * t_both:.1f} | "
             f"{(t_both - t_moe) / t_moe:.1%} | {1e3 * t_tel:.1f} | {1e3 * t_all:.1f} | "
@@ -240,6 +250,43 @@ def _overhead_rows(lines: list[str], args: argparse.Namespace, name: str) -> Non
         write(args.out, lines)
     counters = planner.counter_values()
     assert counters["misses"] == 0, f"overhead routing missed: {counters}"
+
+
+def node_cost(lines: list[str], args: argparse.Namespace) -> None:
+    """MoE alone against MoE + one empty kernel per layer where the plan goes: what a launch of its own costs."""
+    from bench.empty_kernel import launch_empty
+
+    _moe, _planner, _tel, kpath = build(CycleLRUPolicy(), fused=True, one_launch=True)
+    lines += [
+        "",
+        "### What a launch of its own costs (6 layers, graph replay, an empty one-program kernel per layer)",
+        "",
+        "| M | MoE µs | + empty kernel µs | + empty PDL kernel µs | + empty PDL kernel, trigger, OVERLAP GEMMs µs | "
+        "per layer (plain) | per layer (PDL) | per layer (trigger, OVERLAP) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for M in (1, 4):
+        x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+        ids = torch.stack(
+            [torch.randperm(RESIDENT_PER_LAYER, device="cuda")[:K].repeat(M, 1) for _ in range(L)]
+        )
+        w = torch.softmax(torch.randn(L, M, K, generator=g, device="cuda"), -1).bfloat16()
+
+        def step(empty: str, x=x, ids=ids, w=w) -> None:
+            for layer in range(L):
+                if empty is not None:
+                    launch_empty(ids[layer], pdl=empty != "plain", trigger=empty == "trigger")
+                kpath.forward(layer, x, ids[layer], w[layer], after_plan=empty == "trigger")
+
+        t = time_graphs({e: (lambda e=e: step(e)) for e in ("none", "plain", "pdl", "trigger")})
+        t0 = t["none"]
+        lines.append(
+            f"| {M} | {1e3 * t0:.1f} | {1e3 * t['plain']:.1f} | {1e3 * t['pdl']:.1f} | {1e3 * t['trigger']:.1f} | "
+            + " | ".join(f"{1e3 * (t[e] - t0) / L:.2f}" for e in ("plain", "pdl", "trigger"))
+            + " |"
+        )
+        write(args.out, lines)
 
 
 def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
@@ -271,6 +318,7 @@ def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
         for i, p in enumerate(args.copy_programs)
     ]
     policies += [
+        ("lru-cycle (" + PLANNERS["one-coop"][0] + ")", CycleLRUPolicy(), PLANNERS["one-coop"][1]),
         ("lru-cycle (fused, two launches)", CycleLRUPolicy(), {"fused": True, "one_launch": False}),
         ("lru (fused, one launch)", LRUPolicy(), {"fused": True, "one_launch": True}),
         ("lru (torch ops)", LRUPolicy(), {"fused": False}),
@@ -342,12 +390,10 @@ def main() -> None:
     ap.add_argument("--commit", default="", help="commit to print (default: git rev-parse HEAD)")
     ap.add_argument(
         "--planners",
-        default="one,one-overlap,two,ops",
-        help="overhead rows: comma list of one (plan + copy in one launch, the default launch), one-overlap "
-        "(one, the MoE's first GEMM launched beside it: POOLED_RUNNER_PLAN_OVERLAP), one-coop-pdl "
-        "(cooperative and PDL), one-nc (neither), one-pdl (PDL, not cooperative), one-w1 (one with 1 warp per "
-        "program), "
-        "two (plan, then copy), ops (torch)",
+        default="one,one-coop,two,ops",
+        help="overhead rows: comma list of "
+        + "; ".join(f"{name}: {label}" for name, (label, _) in PLANNERS.items())
+        + " (default: one,one-coop,two,ops)",
     )
     ap.add_argument(
         "--copy-programs",
@@ -355,6 +401,12 @@ def main() -> None:
         help="trace rows: comma list of program counts of the one-launch plan + copy (first: the default row)",
     )
     ap.add_argument("--no-trace", action="store_true", help="only the overhead table")
+    ap.add_argument(
+        "--node-cost",
+        action="store_true",
+        help="also time the MoE with an empty one-program kernel per layer where the plan goes (plain and PDL "
+        "launch): the floor of any plan that is a launch of its own",
+    )
     args = ap.parse_args()
     args.planners = [p.strip() for p in args.planners.split(",") if p.strip()]
     if not args.planners or any(p not in PLANNERS for p in args.planners):
@@ -374,6 +426,8 @@ def main() -> None:
     write(args.out, lines)
     overhead(lines, args)
     torch.cuda.empty_cache()
+    if args.node_cost:
+        node_cost(lines, args)
     if not args.no_trace:
         trace_replay(lines, args)
 

@@ -22,14 +22,15 @@ hits, the admission copy has none: this kernel saves that launch. A grid of P pr
     runs beside the plan; that GEMM must then follow the rule above (`OVERLAP` in `moe_gemm.py` and `gemv.py`:
     read a code with acquire, wait for this kernel only on a host code, and wait before it ends, so that its
     completion still implies this kernel's).
-Program 0 never waits for the others, so the scheme also runs under TRITON_INTERPRET=1 (programs one after the
-other in program-id order: program 0 has published before program 1 starts, the last program commits). On the
-GPU the spinners need program 0 to be resident: P is small (<= 32 by default, far below the SM count) and the
-launch is cooperative where this Triton supports it (`launch_cooperative_grid`: the driver refuses a grid that
-cannot be co-resident instead of letting it hang).
+"Program 0" is a role: in a plain grid each program takes the role of its ticket (`plan_sync._draw_ticket`: the
+order in which the programs start), so the program every spinner waits for has started, whether or not the
+grid fits on the device at once (no cooperative launch needed; `cooperative=True` still launches one, roles by
+program id). Role 0 never waits for the others, so the scheme also runs under TRITON_INTERPRET=1 (programs one
+after the other in program-id order, tickets equal to ids: role 0 has published before role 1 starts, the last
+program commits).
 
 Same results as `plan_lru` followed by `gather_rows_multi` over every operand group (the reference below is
-exactly that composition); `sync [2]` int32 must be zero before the launch and is zero after it.
+exactly that composition); `sync [SYNC_WORDS]` int32 must be zero before the launch and is zero after it.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ if triton is not None:
     from .pdl import trigger as _pdl_trigger
     from .pdl import wait as _pdl_wait
     from .plan_body import _plan_lru_body
-    from .plan_sync import _commit_admitted, _wait_for_plan
+    from .plan_sync import _commit_admitted, _draw_ticket, _wait_for_plan
     from .row_gather import _copy_row
 
     @triton.jit
@@ -237,12 +238,16 @@ if triton is not None:
         PDL: tl.constexpr,
         EARLY_TRIGGER: tl.constexpr,
         DEFER_COMMIT: tl.constexpr,
+        TICKET: tl.constexpr,
     ):
         # launched before the previous kernel ended: wait for it (its writes visible) before any access
         _pdl_wait(PDL)
         _pdl_trigger(EARLY_TRIGGER)  # the MoE's first GEMM may launch now (module docstring)
-        pid = tl.program_id(0)
         num_programs = tl.num_programs(0)
+        if TICKET:  # noqa: SIM108 (a plain grid: roles in start order, `_draw_ticket`: role 0 runs first)
+            pid = _draw_ticket(sync_ptr, num_programs)
+        else:  # a cooperative grid (all resident) or one program
+            pid = tl.program_id(0)
         num_admitted = tl.full([], 0, tl.int32)
         if pid == 0:
             num_admitted += _plan_lru_body(
@@ -350,10 +355,10 @@ def plan_lru_copy(
     """`plan_lru(...)` then `gather_rows_multi(rows, hosts, victims, codes, valid, num_rows, host_offset)` (every
     operand) in one launch (module docstring). The plan arguments are `plan_lru`'s; `rows[i] [R, n_i]` pool rows
     of operand i on the device, `hosts[i] [N, n_i]` its bank rows (page-locked on CUDA: not checked here, the
-    caller checks once before capture), 1..8 operands; `host_offset` the layer's first bank row; `sync [2]` int32
-    zero. `num_programs` P (capped at the work: pairs x operands x chunks), `chunk_programs` C as in
-    `gather_rows_multi`. `cooperative` (None/True: on CUDA where Triton supports it, else a plain grid) launches
-    cooperatively; `pdl` (where `pdl.pdl_available`; both may be set) as a programmatic dependent launch: it may
+    caller checks once before capture), 1..8 operands; `host_offset` the layer's first bank row; `sync
+    [SYNC_WORDS]` int32 zero. `num_programs` P (capped at the work: pairs x operands x chunks), `chunk_programs` C as in
+    `gather_rows_multi`. `cooperative` (True: on CUDA where Triton supports it) launches cooperatively, None/False a
+    plain grid whose programs take their roles by ticket; `pdl` (where `pdl.pdl_available`; both may be set) as a programmatic dependent launch: it may
     start while the previous kernel drains, every program waiting for it (`griddepcontrol.wait`) before its first
     access; `num_warps` per program (fewer: shorter reductions in the plan, the same bytes in flight in the
     copy); `early_trigger` (where `pdl.pdl_available`) lets the next kernel, PDL-launched, start beside this one
@@ -381,8 +386,10 @@ def plan_lru_copy(
     pdl = pdl and can_pdl
     if pdl:
         launch["launch_pdl"] = True
-    if cooperative is not False and ids.is_cuda and programs > 1 and cooperative_launch_supported():
+    if cooperative and ids.is_cuda and programs > 1 and cooperative_launch_supported():
         launch["launch_cooperative_grid"] = True
+    # a plain grid of P > 1 takes its roles by ticket (under the interpreter too: programs in id order)
+    ticket = programs > 1 and "launch_cooperative_grid" not in launch
     _plan_copy_kernel[(programs,)](
         *kernel_args,
         sync,
@@ -396,5 +403,6 @@ def plan_lru_copy(
         PDL=pdl,
         EARLY_TRIGGER=early_trigger and can_pdl,
         DEFER_COMMIT=early_trigger,  # also under the interpreter, which tests it
+        TICKET=ticket,
         **launch,
     )

@@ -11,12 +11,25 @@ except ImportError:  # pragma: no cover
     triton = None  # type: ignore[assignment]
 
 # word 0: low 16 bits published admissions + 1 (0: not yet), high bits arrivals of programs 1..P-1; word 1:
-# programs whose admission copies are stored (only when something was admitted)
-SYNC_WORDS = 2
+# programs whose admission copies are stored (only when something was admitted); word 2: tickets drawn (a plain
+# grid's programs take their roles in the order they start: `_draw_ticket`)
+SYNC_WORDS = 3
 ARRIVAL = 1 << 16  # one arrival in word 0
 
 if triton is not None:
     _ARRIVAL = tl.constexpr(ARRIVAL)
+
+    @triton.jit
+    def _draw_ticket(sync_ptr, num_programs):
+        """The calling program's role, 0..P-1, in the order the programs reach here (one relaxed atomic at
+        `sync[2]`; the program that draws P-1 resets the word: every other program has drawn before it).
+        Why: the spinners wait for role 0, and a plain grid's programs need not all be resident at once; the
+        program that draws ticket 0 is running, so whoever waits for it waits for a running program (the
+        decoupled look-back argument), with no cooperative launch."""
+        ticket = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
+        if ticket == num_programs - 1:
+            tl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
+        return ticket
 
     @triton.jit
     def _wait_for_plan(sync_ptr, num_programs):

@@ -58,26 +58,27 @@ def plan_split_copy() -> bool:
 
 def plan_cooperative() -> bool:
     """POOLED_RUNNER_PLAN_COOPERATIVE: launch the one-launch plan + copy as a cooperative grid where Triton
-    supports it (default on: the driver then guarantees that its programs are co-resident)."""
-    return _get_bool("PLAN_COOPERATIVE", True)
+    supports it. Default off: its programs take their roles by ticket (`kernels/plan_sync._draw_ticket`), so the
+    program the others wait for has started and no co-residency is needed; the plain grid measured faster on the
+    H200 (2026-12-02, `bench/planner.py`)."""
+    return _get_bool("PLAN_COOPERATIVE", False)
 
 
 def plan_pdl() -> bool:
-    """POOLED_RUNNER_PLAN_PDL: launch the one-launch plan + copy as a programmatic dependent launch (still
-    cooperative unless POOLED_RUNNER_PLAN_COOPERATIVE=0) where the device has PDL (sm_90+). Default off: with the
-    cooperative launch it gained nothing on the H200 (6 Qwen3-like bf16 layers at M=1, commit a020463: 190.4 vs
-    192.1 µs); as a plain grid it was faster (184.4) but DESIGN.md §5 wants a grid whose programs wait on one
-    another launched cooperatively."""
-    return _get_bool("PLAN_PDL", False)
+    """POOLED_RUNNER_PLAN_PDL: launch the one-launch plan + copy as a programmatic dependent launch (sm_90+; it
+    waits for the kernel before it first thing). Default on: together with overlap it cut the planner's cost on
+    the H200 (2026-12-02, `bench/planner.py`, see docs/BENCHMARKS.md)."""
+    return _get_bool("PLAN_PDL", True)
 
 
 def plan_overlap() -> bool:
     """POOLED_RUNNER_PLAN_OVERLAP: let the one-launch plan + copy of a device-planned decode step trigger the
     MoE's first GEMM at its start, so that the GEMM's programs of resident experts run beside the plan
-    (`kernels/plan_copy.py`); those of host-view experts still wait for it. Default off: correct on the H200
-    (2026-12-01, commit 4db86d2: the GPU tests with overlap pass) but not faster there (6 Qwen3-like bf16 layers,
-    M=1: planner + MoE 190.5 µs against 191.4 without; `bench/planner.py --planners one,one-overlap`)."""
-    return _get_bool("PLAN_OVERLAP", False)
+    (`kernels/plan_copy.py`); those of host-view experts still wait for it. Default on (with PDL): alone, with
+    the cooperative launch, it was not faster (2026-12-01: 190.5 vs 191.4 µs, 6 Qwen3-like bf16 layers, M=1);
+    with the plan PDL-launched as a plain grid it cut the planner's share of the step (2026-12-02, see
+    docs/BENCHMARKS.md)."""
+    return _get_bool("PLAN_OVERLAP", True)
 
 
 def moe_pdl() -> bool:

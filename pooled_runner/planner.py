@@ -56,11 +56,12 @@ class DevicePlanner:
       one_launch: the fused plan and its admission copy in one launch (`kernels/plan_copy.py`, `copy_programs`
         programs) instead of two (`plan_lru`, then `gather_rows_multi` per 4 operands). None = with `fused`,
         a bank and <= 8 operands, unless POOLED_RUNNER_PLAN_SPLIT_COPY is set. cooperative: launch it as a
-        cooperative grid (None: POOLED_RUNNER_PLAN_COOPERATIVE, default on where Triton supports it). pdl: as a
-        programmatic dependent launch where PDL is available, cooperative or not (None:
-        POOLED_RUNNER_PLAN_PDL, default off). plan_warps: its warps per program. overlap: the one launch lets
-        the MoE's first GEMM start beside it (`kernels/plan_copy.py`, `early_trigger`); read `self.overlap`
-        to tell the kernels (`KernelPath.forward(after_plan=...)`). None: POOLED_RUNNER_PLAN_OVERLAP.
+        cooperative grid where Triton supports it, else a plain grid whose programs take their roles by ticket
+        (None: POOLED_RUNNER_PLAN_COOPERATIVE, default off). pdl: as a programmatic dependent launch where PDL
+        is available, cooperative or not (None: POOLED_RUNNER_PLAN_PDL, default on). plan_warps: its warps per
+        program. overlap: the one launch lets the MoE's first GEMM start beside it (`kernels/plan_copy.py`,
+        `early_trigger`); read `self.overlap` to tell the kernels (`KernelPath.forward(after_plan=...)`). None:
+        POOLED_RUNNER_PLAN_OVERLAP (default on, where the one launch runs).
     """
 
     def __init__(

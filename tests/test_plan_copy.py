@@ -313,4 +313,59 @@ def test_overlap_needs_the_one_launch() -> None:
         DevicePlanner(pool, LRUPolicy(), max_routed=8, fused=True, one_launch=False, overlap=True)
     with pytest.raises(ValueError, match="one-launch"):
         DevicePlanner(pool, FreqDecayPolicy(), max_routed=8, overlap=True)
-    assert not DevicePlanner(pool, LRUPolicy(), max_routed=8, fused=True, one_launch=True).overlap
+    assert DevicePlanner(pool, LRUPolicy(), max_routed=8, fused=True, one_launch=True).overlap  # the default
+
+
+def test_overlap_and_launch_defaults_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """POOLED_RUNNER_PLAN_OVERLAP / _PDL / _COOPERATIVE set the planner's defaults (on / on / off unset);
+    explicit arguments win."""
+    pool = int4_like_pool([5, 4], 3)
+    for name in ("PLAN_OVERLAP", "PLAN_PDL", "PLAN_COOPERATIVE"):
+        monkeypatch.delenv(f"POOLED_RUNNER_{name}", raising=False)
+    planner = DevicePlanner(pool, LRUPolicy(), max_routed=8, fused=True)
+    assert (planner.overlap, planner._pdl, planner._cooperative) == (True, True, False)
+    monkeypatch.setenv("POOLED_RUNNER_PLAN_OVERLAP", "0")
+    monkeypatch.setenv("POOLED_RUNNER_PLAN_PDL", "0")
+    monkeypatch.setenv("POOLED_RUNNER_PLAN_COOPERATIVE", "1")
+    planner = DevicePlanner(pool, LRUPolicy(), max_routed=8, fused=True)
+    assert (planner.overlap, planner._pdl, planner._cooperative) == (False, False, True)
+    assert DevicePlanner(pool, LRUPolicy(), max_routed=8, fused=True, overlap=True).overlap
+
+
+class _Recorder:
+    """Stands in for the jitted kernel: `kernel[grid](*args, **kwargs)` records the grid and keywords."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid: tuple):
+        return lambda *args, **kwargs: self.calls.append((grid, kwargs))
+
+
+@pytest.mark.parametrize("num_programs", [1, 2, 7])
+def test_plain_grid_takes_roles_by_ticket(monkeypatch: pytest.MonkeyPatch, num_programs: int) -> None:
+    """A plain grid of P > 1 programs is compiled to take its roles by ticket (`plan_sync._draw_ticket`), with
+    no cooperative launch; one program needs none. (The ticket path itself runs in every interpreter test
+    above, where P > 1, and leaves every sync word zero; the cooperative path runs on the GPU only.)"""
+    from pooled_runner.kernels import plan_copy
+
+    g = torch.Generator().manual_seed(5)
+    state = random_state(2, 6, 6, 4, 0)
+    out = [torch.zeros(6, dtype=torch.int32) for _ in range(3)]
+    args: tuple = (
+        torch.tensor([0, 3, 5]),
+        state["l2p"],
+        state["row_owner"],
+        state["row_stamp"],
+        state["clock"],
+    )
+    args += (state["counters"], torch.zeros(6, dtype=torch.int32), *out, 0, 6, 6, 4, 16, 1, None, None)
+    rows, hosts = random_rows(2, 4, 6, g)
+    k = _Recorder()
+    monkeypatch.setattr(plan_copy, "_plan_copy_kernel", k)
+    sync = torch.zeros(plan_copy.SYNC_WORDS, dtype=torch.int32)
+    plan_copy.plan_lru_copy(*args, rows, hosts, 0, sync, num_programs=num_programs, chunk_programs=4)
+    ((grid, kwargs),) = k.calls
+    assert grid == (num_programs,), grid
+    assert kwargs["TICKET"] is (num_programs > 1), kwargs["TICKET"]
+    assert "launch_cooperative_grid" not in kwargs

@@ -5,7 +5,7 @@ Two identical pools (int4-like, six operands of mixed dtypes, rows longer than o
 `gather_rows_multi` per four operands). Each captures one decode step (4 layers: plan + telemetry) in a CUDA
 graph, replays it 25 times with new routing (misses, evictions, padding and out-of-range ids); after every
 replay the tables, counters, telemetry and every used pool row must be equal, and the sync word zero. Four
-launch modes of the one-launch kernel: cooperative (the default), a plain grid, and each of them as a
+launch modes of the one-launch kernel: cooperative, a plain grid (the default: roles by ticket), and each of them as a
 programmatic dependent launch (skipped where PDL is not available: they would run as the first two).
 
 Programs of the one-launch kernel wait for its program 0: a scheduling bug would hang, not fail. So the check runs
