@@ -183,6 +183,12 @@ def print_table(title: str, header: list[str], rows: list[list[object]]) -> str:
     return text
 
 
+def write_progress(path: str | None, lines: list[str]) -> None:
+    """Print the last of `lines` (a table row as it comes) and write all of them to `path` (if given)."""
+    print("\n".join(lines[-1:]), flush=True)
+    write(path, lines)
+
+
 def write(path: str | None, lines: list[str]) -> None:
     if path:
         with open(path, "w") as f:

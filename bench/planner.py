@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,13 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pooled_runner.kernels.plan_copy import COPY_PROGRAMS
 
-from bench.common import time_graphs
+from bench.common import commit_id
+from bench.common import write_progress as write
+from bench.planner_overhead import PLANNERS, ROWS, E, H, K, L, build, node_cost, overhead
 from bench.traces import Trace, belady_hit_rate, policy_hit_rate, synthetic_trace
 from pooled_runner.cycle_lru import CycleLRUPolicy
-from pooled_runner.planner import DevicePlanner
 from pooled_runner.policies import AgingFreqPolicy, FreqDecayPolicy, LRUPolicy, Policy
 from pooled_runner.policy_adaptive import AdaptivePolicy
-from pooled_runner.telemetry import RouteTelemetry
 
 # Synthetic trace families: (skew range, reuse, drift_every). Skew-dominated first, then recency-dominated.
 TRACES = {
@@ -50,24 +49,13 @@ TRACES = {
 }
 
 
-def commit_of_checkout() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() or "n/a"
-
-
-def write(path: str | None, lines: list[str]) -> None:
-    print("\n".join(lines[-1:]), flush=True)
-    if path:
-        Path(path).write_text("\n".join(lines) + "\n")
-
-
 # --------------------------------------------------------------------------------------------------
 # CPU: policy quality
 def quality(args: argparse.Namespace) -> None:
     steps, warmup = (120, 30) if args.quick else (300, 80)
     lines = [
         f"date {datetime.date.today()}, CPU simulation (the shipped DevicePlanner on CPU tensors), "
-        f"commit {args.commit or commit_of_checkout()}; {steps} decode steps of {args.tokens} token(s), "
+        f"commit {args.commit or commit_id()}; {steps} decode steps of {args.tokens} token(s), "
         f"first {warmup} not counted",
         "",
         "| trace | rows | Belady | LRU | lru-cycle | freq | aging | adaptive | LRU / Belady | lru-cycle / Belady | "
@@ -108,185 +96,6 @@ def quality(args: argparse.Namespace) -> None:
         "the pool's size misses less on; see policy_adaptive.py). Belady = offline MIN with bypass per tick.",
     ]
     write(args.out, lines)
-
-
-# --------------------------------------------------------------------------------------------------
-# GPU
-H, I, E, K, L = 2048, 768, 128, 8, 6
-ROWS = 384
-RESIDENT_PER_LAYER = ROWS // L
-
-
-# --planners: name -> (label, DevicePlanner keywords)
-PLANNERS: dict[str, tuple[str, dict[str, object]]] = {
-    "one": ("fused, one launch (the default: plain grid, PDL, overlap)", {"fused": True, "one_launch": True}),
-    "one-coop": (
-        "fused, one launch, cooperative, no PDL, no overlap (the default before 2026-12-02)",
-        {"fused": True, "one_launch": True, "cooperative": True, "pdl": False, "overlap": False},
-    ),
-    "one-overlap": (
-        "fused, one launch, overlap, cooperative, no PDL",
-        {"fused": True, "one_launch": True, "cooperative": True, "pdl": False, "overlap": True},
-    ),
-    "one-overlap-coop-pdl": (
-        "fused, one launch, overlap, cooperative, PDL",
-        {"fused": True, "one_launch": True, "cooperative": True, "pdl": True, "overlap": True},
-    ),
-    "one-coop-pdl": (
-        "fused, one launch, cooperative, PDL, no overlap",
-        {"fused": True, "one_launch": True, "cooperative": True, "pdl": True, "overlap": False},
-    ),
-    "one-nc": (
-        "fused, one launch, plain grid, no PDL, no overlap",
-        {"fused": True, "one_launch": True, "cooperative": False, "pdl": False, "overlap": False},
-    ),
-    "one-pdl": (
-        "fused, one launch, plain grid, PDL, no overlap",
-        {"fused": True, "one_launch": True, "cooperative": False, "pdl": True, "overlap": False},
-    ),
-    "one-w1": ("fused, one launch, 1 warp", {"fused": True, "one_launch": True, "plan_warps": 1}),
-    "two": ("fused, two launches", {"fused": True, "one_launch": False}),
-    "ops": ("torch ops", {"fused": False}),
-}
-
-
-def build(policy: Policy, **planner_kwargs: object):  # type: ignore[no-untyped-def]
-    """Pooled stack, DevicePlanner(**planner_kwargs), telemetry and kernel path of the GPU rows."""
-    from pooled_runner import PoolConfig, PooledMoE
-    from pooled_runner.kernel_path import KernelPath
-
-    g = torch.Generator().manual_seed(0)
-    distinct = [
-        {
-            "w13": (torch.randn(2 * I, H, generator=g) / H**0.5).bfloat16(),
-            "w2": (torch.randn(H, I, generator=g) / I**0.5).bfloat16(),
-        }
-        for _ in range(8)
-    ]
-    config = PoolConfig.resolve(pool_rows=ROWS, device="cuda", prefill_staging=False)
-    moe = PooledMoE(config, H, I, top_k=K, dtype=torch.bfloat16)
-    for _ in range(L):
-        moe.register_layer(E)
-    priority = [(layer, e) for e in range(E) for layer in range(L)]  # experts 0..63 of every layer resident
-    moe.install(lambda layer, e: distinct[(layer * E + e) % len(distinct)], priority)
-    assert moe.pool is not None
-    planner = DevicePlanner(moe.pool, policy, max_routed=8 * K, debug_checks=False, **planner_kwargs)  # type: ignore[arg-type]
-    tel = RouteTelemetry([E] * L, moe.pool.device, fused=planner.fused)
-    return moe, planner, tel, KernelPath(moe.format, moe.pool, moe.bank, H, I)
-
-
-def overhead(lines: list[str], args: argparse.Namespace) -> None:
-    lines += [
-        "",
-        "### Overhead per decode step (6 layers, routing that only hits; graph replay)",
-        "",
-        "| planner | M | MoE µs | planner µs | planner+MoE µs | planner / MoE | telemetry µs | "
-        "tel+planner+MoE µs | telemetry / MoE layer |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name in args.planners:
-        _overhead_rows(lines, args, name)
-        torch.cuda.empty_cache()
-    lines += [
-        "",
-        "planner / MoE = (planner+MoE - MoE) / MoE (targets: <= 5% of the step at M=1); telemetry / MoE layer = "
-        "added time of telemetry on / MoE time (target < 2%). 'planner µs' and 'telemetry µs' alone are the "
-        "launch-bound cost of their small kernels in isolation. planner 'fused, one launch': plan + admission "
-        "copy in one launch per layer (kernels/plan_copy.py; the CUDA default); 'fused, two launches': one "
-        "plan_lru launch + one row gather per 4 operands (POOLED_RUNNER_PLAN_SPLIT_COPY=1); telemetry recorded "
-        "inside the plan kernel in both ('telemetry µs' alone is the standalone route-count launch of "
-        "host-planned steps); 'torch ops': the policy-generic planner and telemetry "
-        "(POOLED_RUNNER_TORCH_PLANNER=1).",
-    ]
-    write(args.out, lines)
-
-
-def _overhead_rows(lines: list[str], args: argparse.Namespace, name: str) -> None:
-    label, kwargs = PLANNERS[name]
-    _moe, planner, tel, kpath = build(CycleLRUPolicy(), **kwargs)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    for M in (1, 4, 8):
-        x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
-        ids = torch.stack(
-            [
-                torch.stack([torch.randperm(RESIDENT_PER_LAYER, device="cuda")[:K] for _ in range(M)])
-                for _ in range(L)
-            ]
-        )  # [L, M, K] resident experts only
-        w = torch.softmax(torch.randn(L, M, K, generator=g, device="cuda"), -1).bfloat16()
-
-        def moe_only(x=x, ids=ids, w=w) -> None:
-            for layer in range(L):
-                kpath.forward(layer, x, ids[layer], w[layer])
-
-        def plan_only(ids=ids) -> None:
-            for layer in range(L):
-                planner.plan(layer, ids[layer])
-
-        def tel_only(ids=ids) -> None:
-            for layer in range(L):
-                tel.record(layer, ids[layer])
-
-        def planned(x=x, ids=ids, w=w, telemetry: bool = False) -> None:
-            for layer in range(L):  # as PooledMoE on CUDA: the planner records telemetry (fused: in-kernel)
-                after_plan = planner.plan(layer, ids[layer], tel if telemetry else None)
-                kpath.forward(layer, x, ids[layer], w[layer], after_plan=after_plan)
-
-        t = time_graphs(
-            {
-                "moe": moe_only,
-                "plan": plan_only,
-                "tel": tel_only,
-                "both": planned,
-                "all": lambda: planned(telemetry=True),
-            }
-        )
-        t_moe, t_plan, t_tel, t_both, t_all = (t[k] for k in ("moe", "plan", "tel", "both", "all"))
-        lines.append(
-            f"| {label} | {M} | {1e3 * t_moe:.1f} | {1e3 * t_plan:.1f} | {1e3 * t_both:.1f} | "
-            f"{(t_both - t_moe) / t_moe:.1%} | {1e3 * t_tel:.1f} | {1e3 * t_all:.1f} | "
-            f"{(t_all - t_both) / t_moe:.1%} |"
-        )
-        write(args.out, lines)
-    counters = planner.counter_values()
-    assert counters["misses"] == 0, f"overhead routing missed: {counters}"
-
-
-def node_cost(lines: list[str], args: argparse.Namespace) -> None:
-    """MoE alone against MoE + one empty kernel per layer where the plan goes: what a launch of its own costs."""
-    from bench.empty_kernel import launch_empty
-
-    _moe, _planner, _tel, kpath = build(CycleLRUPolicy(), fused=True, one_launch=True)
-    lines += [
-        "",
-        "### What a launch of its own costs (6 layers, graph replay, an empty one-program kernel per layer)",
-        "",
-        "| M | MoE µs | + empty kernel µs | + empty PDL kernel µs | + empty PDL kernel, trigger, OVERLAP GEMMs µs | "
-        "per layer (plain) | per layer (PDL) | per layer (trigger, OVERLAP) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    g = torch.Generator(device="cuda").manual_seed(2)
-    for M in (1, 4):
-        x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
-        ids = torch.stack(
-            [torch.randperm(RESIDENT_PER_LAYER, device="cuda")[:K].repeat(M, 1) for _ in range(L)]
-        )
-        w = torch.softmax(torch.randn(L, M, K, generator=g, device="cuda"), -1).bfloat16()
-
-        def step(empty: str, x=x, ids=ids, w=w) -> None:
-            for layer in range(L):
-                if empty is not None:
-                    launch_empty(ids[layer], pdl=empty != "plain", trigger=empty == "trigger")
-                kpath.forward(layer, x, ids[layer], w[layer], after_plan=empty == "trigger")
-
-        t = time_graphs({e: (lambda e=e: step(e)) for e in ("none", "plain", "pdl", "trigger")})
-        t0 = t["none"]
-        lines.append(
-            f"| {M} | {1e3 * t0:.1f} | {1e3 * t['plain']:.1f} | {1e3 * t['pdl']:.1f} | {1e3 * t['trigger']:.1f} | "
-            + " | ".join(f"{1e3 * (t[e] - t0) / L:.2f}" for e in ("plain", "pdl", "trigger"))
-            + " |"
-        )
-        write(args.out, lines)
 
 
 def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
@@ -421,7 +230,7 @@ def main() -> None:
 
     lines = [
         f"date {datetime.date.today()}, GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"triton {triton.__version__}, commit {args.commit or commit_of_checkout()}",
+        f"triton {triton.__version__}, commit {args.commit or commit_id()}",
     ]
     write(args.out, lines)
     overhead(lines, args)

@@ -15,23 +15,26 @@ kernel), and waits for it first thing, before its own trigger (gemm2 reads the l
 wait, so it must not launch before the kernel that writes the table is complete). None of those kernels
 triggers (except the plan + copy in OVERLAP, below), so gemm1 still launches only at their end; measured on the H200 (2026-11-30, commit fdfa2b0,
 bench/planner.py --quick, 6 Qwen3-like bf16 layers, M=1, graph replay), the MoE went from 184.7 to 166.5 µs, and
-with the device planner from 205.3 to 190.5 µs (183.4 with the plan + copy itself PDL-launched as a plain grid:
-not the default, see `envs.plan_pdl`). Letting the plan + copy trigger at its start (so that gemm1 launches
-during the plan) was slower: 194.5-199.0 µs -- with every gemm1 program waiting for the plan first thing, so
-gemm1 ran no sooner and its waiting programs held SM slots; OVERLAP below is the variant that does not wait.
+with the device planner from 205.3 to 190.5 µs (183.4 with the plan + copy itself PDL-launched as a plain grid).
+Letting the plan + copy trigger at its start (so that gemm1 launches during the plan) was slower: 194.5-199.0 µs
+-- with every gemm1 program waiting for the plan first thing, so gemm1 ran no sooner and its waiting programs
+held SM slots; OVERLAP below is the variant that does not wait.
 
 The GEMV decode path (`gemv.py`) does the same with its two kernels: gate_up waits first thing, then triggers;
 down finds its pair and location, then waits before it reads act or an arrival counter (`gemv_pdl_enabled`).
 
-OVERLAP (`DevicePlanner.overlap`, off by default: correct on the H200 but not faster, `envs.plan_overlap`): the one-launch plan + copy triggers
+OVERLAP (`DevicePlanner.overlap`, the default with PDL, `envs.plan_overlap`): the one-launch plan + copy triggers
 at its start, so the first GEMM (inline gemm1 or GEMV gate_up) runs beside the plan. Its programs then take
 their blocks in an order that does not read the location table, read their code once with acquire semantics
 (`load_acquire`), wait for the plan only on a host code (`settle_code`: the expert may be being copied in) and
 wait before they end; the second GEMM settles host codes the same way after its wait. `plan_copy.py` gives the
-plan's half: it publishes an admitted expert's row only after the copy. The aim is to hide the plan of an
-all-hit step (~3.5 µs per layer on the H200 at M=1, 12% of a Qwen3-like bf16 MoE step) under gemm1. The first
-GEMM must be the plan's programmatic dependent: nothing launched in between (`DevicePlanner.plan` and
-`pooled_fused_moe` turn `after_plan` off where they would copy the ids or weights first).
+plan's half: it publishes an admitted expert's row only after the copy. It hides the plan of an
+all-hit step under gemm1: on the H200 (2026-12-02, 6 Qwen3-like bf16 layers, M=1, graph replay) with the plan +
+copy PDL-launched as a plain grid, the planner's share of the step fell from 12.2% (cooperative, no PDL, no
+overlap: 3.4 µs per layer) to 2.5-2.7% in three runs (8.1% in a fourth; docs/BENCHMARKS.md); overlap with the
+cooperative launch alone had not paid. The first GEMM must be the plan's programmatic dependent: nothing
+launched in between (`DevicePlanner.plan` and `pooled_fused_moe` turn `after_plan` off where they would copy the
+ids or weights first).
 
 Off under the interpreter, on ROCm, below sm_90, for the formats in PDL_SKIP_FORMATS (MMA path only) and where Triton lacks the
 GDC intrinsics or `launch_pdl` (both came with Triton 3.4).

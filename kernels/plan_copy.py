@@ -355,15 +355,15 @@ def plan_lru_copy(
     """`plan_lru(...)` then `gather_rows_multi(rows, hosts, victims, codes, valid, num_rows, host_offset)` (every
     operand) in one launch (module docstring). The plan arguments are `plan_lru`'s; `rows[i] [R, n_i]` pool rows
     of operand i on the device, `hosts[i] [N, n_i]` its bank rows (page-locked on CUDA: not checked here, the
-    caller checks once before capture), 1..8 operands; `host_offset` the layer's first bank row; `sync
-    [SYNC_WORDS]` int32 zero. `num_programs` P (capped at the work: pairs x operands x chunks), `chunk_programs` C as in
+    caller checks once before capture), 1..8 operands; `host_offset` the layer's first bank row; `sync [SYNC_WORDS]`
+    int32 zero. `num_programs` P (capped at the work: pairs x operands x chunks), `chunk_programs` C as in
     `gather_rows_multi`. `cooperative` (True: on CUDA where Triton supports it) launches cooperatively, None/False a
-    plain grid whose programs take their roles by ticket; `pdl` (where `pdl.pdl_available`; both may be set) as a programmatic dependent launch: it may
-    start while the previous kernel drains, every program waiting for it (`griddepcontrol.wait`) before its first
-    access; `num_warps` per program (fewer: shorter reductions in the plan, the same bytes in flight in the
-    copy); `early_trigger` (where `pdl.pdl_available`) lets the next kernel, PDL-launched, start beside this one
-    (module docstring: what that kernel must then do). Graph-safe: no host sync, no allocation. Runs on CUDA or
-    under the Triton interpreter."""
+    plain grid whose programs take their roles by ticket; `pdl` (where `pdl.pdl_available`; both may be set) as a
+    programmatic dependent launch: it may start while the previous kernel drains, every program waiting for it
+    (`griddepcontrol.wait`) before its first access; `num_warps` per program (fewer: shorter reductions in the plan,
+    the same bytes in flight in the copy); `early_trigger` (where `pdl.pdl_available`) lets the next kernel,
+    PDL-launched, start beside this one (module docstring: what that kernel must then do). Graph-safe: no host
+    sync, no allocation. Runs on CUDA or under the Triton interpreter."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("plan_lru_copy needs Triton")
     plan = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
