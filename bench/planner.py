@@ -4,8 +4,8 @@ bound on a synthetic trace (GPU), and policy quality against LRU and Belady on s
 GPU (default): Qwen3-30B-like layers (H 2048, I 768, E 128, top-8, bf16), 6 pooled layers, R = 384 rows (50%).
   - overhead: graph replay of one decode step (every layer) with routing that only hits, for M in 1, 4, 8:
     MoE kernel path alone; planner alone; planner + MoE; telemetry alone; telemetry + planner + MoE; for each
-    planner of `--planners` (one: plan + admission copy in one launch, the CUDA default; two: plan, then copy;
-    ops: the torch-ops planner).
+    planner of `--planners` (one: plan + admission copy in one launch, the CUDA default; one-coop and others: its
+    launch variants, `planner_overhead.PLANNERS`; two: plan, then copy; ops: the torch-ops planner).
   - trace: a skew-dominated synthetic trace replayed step by step (ids copied into the captured step's static
     buffer, then replay) with LRU and the frequency policy; time per step against the DESIGN.md §4 bound at the
     achieved hit rate, `hits x row / B_hbm + misses x row / B_zero_copy` (bandwidths measured in this run).
@@ -13,7 +13,8 @@ CPU (`--quality`): hit rates of LRU, the frequency, aging and adaptive policies 
 synthetic traces (24 layers, 128 experts, top-8, per-layer Zipf skew, token-to-token reuse, popularity drift), 25%
 and 50% rows.
 
-Usage: python bench/planner.py [--out results.md] [--quick] [--planners one,two,ops] [--copy-programs 32,64]  (GPU)
+Usage: python bench/planner.py [--out results.md] [--quick] [--planners one,one-coop,two,ops] [--copy-programs 32,64]
+                              [--no-trace] [--node-cost]                                   (GPU)
        python bench/planner.py --quality [--out quality.md]        (CPU)
 """
 
@@ -118,18 +119,19 @@ def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
     write(args.out, lines)
     best = belady_hit_rate(trace, ROWS, warm)
     # (name, policy, DevicePlanner keywords)
+    default_label = PLANNERS["one"][0].removesuffix(" (the default)")
     policies: list[tuple[str, Policy, dict[str, object]]] = [
         (
-            f"lru-cycle (fused, one launch, P={p}{'; the default' if i == 0 else ''})",
+            f"lru-cycle ({default_label}, P={p}{'; the default' if i == 0 else ''})",
             CycleLRUPolicy(),
-            {"fused": True, "one_launch": True, "copy_programs": p},
+            {**PLANNERS["one"][1], "copy_programs": p},
         )
         for i, p in enumerate(args.copy_programs)
     ]
     policies += [
         ("lru-cycle (" + PLANNERS["one-coop"][0] + ")", CycleLRUPolicy(), PLANNERS["one-coop"][1]),
         ("lru-cycle (fused, two launches)", CycleLRUPolicy(), {"fused": True, "one_launch": False}),
-        ("lru (fused, one launch)", LRUPolicy(), {"fused": True, "one_launch": True}),
+        ("lru (" + PLANNERS["one"][0] + ")", LRUPolicy(), PLANNERS["one"][1]),
         ("lru (torch ops)", LRUPolicy(), {"fused": False}),
         ("freq", FreqDecayPolicy(), {}),
         ("aging", AgingFreqPolicy(), {}),

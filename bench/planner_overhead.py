@@ -20,33 +20,29 @@ ROWS = 384
 RESIDENT_PER_LAYER = ROWS // L
 
 
+def _one_launch(cooperative: bool, pdl: bool, overlap: bool, note: str = "") -> tuple[str, dict[str, object]]:
+    """A one-launch planner row with every launch choice explicit (the environment's defaults do not leak in)."""
+    label = ", ".join(
+        [
+            "fused, one launch",
+            "cooperative" if cooperative else "plain grid",
+            "PDL" if pdl else "no PDL",
+            "overlap" if overlap else "no overlap",
+        ]
+    )
+    kwargs = {"fused": True, "one_launch": True, "cooperative": cooperative, "pdl": pdl, "overlap": overlap}
+    return label + note, kwargs
+
+
 # --planners: name -> (label, DevicePlanner keywords)
 PLANNERS: dict[str, tuple[str, dict[str, object]]] = {
-    "one": ("fused, one launch (the default: plain grid, PDL, overlap)", {"fused": True, "one_launch": True}),
-    "one-coop": (
-        "fused, one launch, cooperative, no PDL, no overlap (the default before 2026-12-02)",
-        {"fused": True, "one_launch": True, "cooperative": True, "pdl": False, "overlap": False},
-    ),
-    "one-overlap": (
-        "fused, one launch, overlap, cooperative, no PDL",
-        {"fused": True, "one_launch": True, "cooperative": True, "pdl": False, "overlap": True},
-    ),
-    "one-overlap-coop-pdl": (
-        "fused, one launch, overlap, cooperative, PDL",
-        {"fused": True, "one_launch": True, "cooperative": True, "pdl": True, "overlap": True},
-    ),
-    "one-coop-pdl": (
-        "fused, one launch, cooperative, PDL, no overlap",
-        {"fused": True, "one_launch": True, "cooperative": True, "pdl": True, "overlap": False},
-    ),
-    "one-nc": (
-        "fused, one launch, plain grid, no PDL, no overlap",
-        {"fused": True, "one_launch": True, "cooperative": False, "pdl": False, "overlap": False},
-    ),
-    "one-pdl": (
-        "fused, one launch, plain grid, PDL, no overlap",
-        {"fused": True, "one_launch": True, "cooperative": False, "pdl": True, "overlap": False},
-    ),
+    "one": _one_launch(False, True, True, " (the default)"),
+    "one-coop": _one_launch(True, False, False, " (the default before 2026-12-02)"),
+    "one-overlap": _one_launch(True, False, True),
+    "one-overlap-coop-pdl": _one_launch(True, True, True),
+    "one-coop-pdl": _one_launch(True, True, False),
+    "one-nc": _one_launch(False, False, False),
+    "one-pdl": _one_launch(False, True, False),
     "one-w1": ("fused, one launch, 1 warp", {"fused": True, "one_launch": True, "plan_warps": 1}),
     "two": ("fused, two launches", {"fused": True, "one_launch": False}),
     "ops": ("torch ops", {"fused": False}),
@@ -156,15 +152,17 @@ def _overhead_rows(lines: list[str], args: argparse.Namespace, name: str) -> Non
 
 
 def node_cost(lines: list[str], args: argparse.Namespace) -> None:
-    """MoE alone against MoE + one empty kernel per layer where the plan goes: what a launch of its own costs."""
+    """MoE alone against MoE + one empty kernel per layer where the plan goes: what a launch of its own costs.
+    Every token of a step routes the same 8 resident experts (M=1: the inline GEMMs, where the trigger column
+    runs them in OVERLAP; M=4: 32 pairs, the align path, which ignores it)."""
     from bench.empty_kernel import launch_empty
 
-    _moe, _planner, _tel, kpath = build(CycleLRUPolicy(), fused=True, one_launch=True)
+    kpath = build(CycleLRUPolicy(), fused=True, one_launch=True)[3]
     lines += [
         "",
         "### What a launch of its own costs (6 layers, graph replay, an empty one-program kernel per layer)",
         "",
-        "| M | MoE µs | + empty kernel µs | + empty PDL kernel µs | + empty PDL kernel, trigger, OVERLAP GEMMs µs | "
+        "| M | MoE µs | + empty kernel µs | + empty PDL kernel µs | + empty PDL kernel, trigger, OVERLAP GEMMs (M=1) µs | "
         "per layer (plain) | per layer (PDL) | per layer (trigger, OVERLAP) |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -178,7 +176,7 @@ def node_cost(lines: list[str], args: argparse.Namespace) -> None:
 
         def step(empty: str, x=x, ids=ids, w=w) -> None:
             for layer in range(L):
-                if empty is not None:
+                if empty != "none":
                     launch_empty(ids[layer], pdl=empty != "plain", trigger=empty == "trigger")
                 kpath.forward(layer, x, ids[layer], w[layer], after_plan=empty == "trigger")
 

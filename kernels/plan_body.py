@@ -1,5 +1,5 @@
 """The LRU decision of one decode step of one layer as a Triton device function, run by one program: the body
-of `plan_lru` (its own single-program launch) and of program 0 of `plan_lru_copy` (plan + admission copy in
+of `plan_lru` (its own single-program launch) and of role 0 of `plan_lru_copy` (plan + admission copy in
 one launch). The decision rule, shapes and ordering are `plan_lru.py`'s docstring.
 """
 

@@ -2,17 +2,17 @@
 
 In a replayed graph every launch costs 1.5-2.5 µs even with no work, and on a step where every routed expert
 hits, the admission copy has none: this kernel saves that launch. A grid of P programs:
-  - program 0 runs the whole plan (`plan_lru._plan_lru_body`: tables, counters, telemetry, admitted pairs),
+  - role 0 (see below) runs the whole plan (`plan_lru._plan_lru_body`: tables, counters, telemetry, admitted pairs),
     then publishes the number of admissions n: `sync = n + 1` (an atomic exchange after a CTA barrier, with
     release semantics when n > 0, so every plan write is visible to whoever acquires it);
-  - programs 1..P-1 spin on `sync != 0` (volatile loads), then add 2^16 to it (one atomic, acquire: it reads n
+  - roles 1..P-1 spin on `sync != 0` (volatile loads), then add 2^16 to it (one atomic, acquire: it reads n
     and counts the arrival); the last arriver resets the word to 0 for the next launch (stream order: the next
     launch starts after this one ends, so nobody reads the word in between);
   - then all P programs copy their share of the admitted rows: items (pair, operand, chunk) over the n
-    admitted pairs (a prefix of the pair list), item i by program i mod P, chunk c of a row = its blocks
+    admitted pairs (a prefix of the pair list), item i by role i mod P, chunk c of a row = its blocks
     c, c + C, c + 2C, ... of COPY_BLOCK elements (`gather_rows_multi`'s chunking, with twice its block).
   - with `early_trigger`, an admitted expert's location code is written only after its row is whole
-    (`_commit_admitted`; without it, by program 0 in the plan, as `plan_lru` does): each program arrives at
+    (`_commit_admitted`; without it, by role 0 in the plan, as `plan_lru` does): each program arrives at
     `sync[1]` once its copies are stored (release); the last arriver (acquire) writes the admitted codes with
     release semantics and resets the word. Until then the table keeps the expert's host code. So a kernel that
     reads the table while this one runs finds, for each routed expert, either its old code (a hit's row, which
@@ -22,12 +22,16 @@ hits, the admission copy has none: this kernel saves that launch. A grid of P pr
     runs beside the plan; that GEMM must then follow the rule above (`OVERLAP` in `moe_gemm.py` and `gemv.py`:
     read a code with acquire, wait for this kernel only on a host code, and wait before it ends, so that its
     completion still implies this kernel's).
-"Program 0" is a role: in a plain grid each program takes the role of its ticket (`plan_sync._draw_ticket`: the
-order in which the programs start), so the program every spinner waits for has started, whether or not the
-grid fits on the device at once (no cooperative launch needed; `cooperative=True` still launches one, roles by
-program id). Role 0 never waits for the others, so the scheme also runs under TRITON_INTERPRET=1 (programs one
-after the other in program-id order, tickets equal to ids: role 0 has published before role 1 starts, the last
-program commits).
+Roles: in a plain grid each program takes the role of its ticket (`plan_sync._draw_ticket`: the order in which
+the programs start), so role 0, which every spinner waits for, has started, whether or not the grid fits on the
+device at once; `cooperative=True` launches a cooperative grid instead, roles by program id. Why no cooperative
+launch is needed (DESIGN.md §5 asks for one where a grid's CTAs wait on each other): there is no grid barrier
+here, only one-way waits on role 0, which has started and waits for nobody, and two last-arriver counters,
+which never wait. Role 0 never waits for the others, so the scheme also runs under TRITON_INTERPRET=1 (programs
+one after the other in program-id order, tickets equal to ids: role 0 has published before role 1 starts, the
+last program commits). The sync words are zero again when the launch ends; the next launch of the planner reads
+them only after this one is complete (it waits for the kernel before it first thing, and every kernel between
+them waits before it completes: the chain of kernels/pdl.py).
 
 Same results as `plan_lru` followed by `gather_rows_multi` over every operand group (the reference below is
 exactly that composition); `sync [SYNC_WORDS]` int32 must be zero before the launch and is zero after it.
@@ -295,7 +299,7 @@ if triton is not None:
             pair = item // per_pair
             op = item % per_pair // num_chunks
             chunk = item % num_chunks
-            # volatile: written in this launch by program 0 (no stale L1 line)
+            # volatile: written in this launch by role 0 (no stale L1 line)
             if tl.load(valid_ptr + pair, volatile=True) != 0:
                 code = tl.load(codes_ptr + pair, volatile=True).to(tl.int64)
                 dst_row = tl.load(victims_ptr + pair, volatile=True).to(tl.int64)

@@ -1,4 +1,4 @@
-"""The sync words of the one-launch plan + copy (`plan_copy.py`, whose docstring gives the protocol): program 0
+"""The sync words of the one-launch plan + copy (`plan_copy.py`, whose docstring gives the protocol): role 0
 publishes the plan to the spinners (`_wait_for_plan`), and the last program to finish its copies commits the
 admitted experts' location codes (`_commit_admitted`). `sync [SYNC_WORDS]` int32 is zero between launches."""
 
@@ -10,7 +10,7 @@ try:  # Triton is optional for the CPU core
 except ImportError:  # pragma: no cover
     triton = None  # type: ignore[assignment]
 
-# word 0: low 16 bits published admissions + 1 (0: not yet), high bits arrivals of programs 1..P-1; word 1:
+# word 0: low 16 bits published admissions + 1 (0: not yet), high bits arrivals of roles 1..P-1; word 1:
 # programs whose admission copies are stored (only when something was admitted); word 2: tickets drawn (a plain
 # grid's programs take their roles in the order they start: `_draw_ticket`)
 SYNC_WORDS = 3
@@ -33,11 +33,11 @@ if triton is not None:
 
     @triton.jit
     def _wait_for_plan(sync_ptr, num_programs):
-        """Programs 1..P-1: wait until program 0 published, return the admissions; the last one resets."""
+        """Roles 1..P-1: wait until role 0 published, return the admissions; the last one resets."""
         seen = tl.load(sync_ptr, volatile=True)
         while seen == 0:
             seen = tl.load(sync_ptr, volatile=True)
-        # one read-modify-write: acquires program 0's release (its pairs), counts this arrival in the high bits
+        # one read-modify-write: acquires role 0's release (its pairs), counts this arrival in the high bits
         word = tl.atomic_add(sync_ptr, _ARRIVAL, sem="acquire", scope="gpu")
         if word // _ARRIVAL == num_programs - 2:  # the last arriver: every spinner has read it
             tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
@@ -53,7 +53,7 @@ if triton is not None:
         if arrived == num_programs - 1:
             i = tl.arange(0, BLOCK_E)
             mine = i < num_admitted
-            # volatile: written in this launch by program 0 (no stale L1 line)
+            # volatile: written in this launch by role 0 (no stale L1 line)
             expert = tl.load(codes_ptr + i, mask=mine, other=R, volatile=True) - R
             row = tl.load(victims_ptr + i, mask=mine, other=0, volatile=True)
             tl.atomic_xchg(l2p_ptr + base + expert, row, mask=mine, sem="release", scope="gpu")

@@ -74,10 +74,11 @@ def plan_pdl() -> bool:
 def plan_overlap() -> bool:
     """POOLED_RUNNER_PLAN_OVERLAP: let the one-launch plan + copy of a device-planned decode step trigger the
     MoE's first GEMM at its start, so that the GEMM's programs of resident experts run beside the plan
-    (`kernels/plan_copy.py`); those of host-view experts still wait for it. Default on (with PDL): alone, with
-    the cooperative launch, it was not faster (2026-12-01: 190.5 vs 191.4 µs, 6 Qwen3-like bf16 layers, M=1);
-    with the plan PDL-launched as a plain grid it cut the planner's share of the step (2026-12-02, see
-    docs/BENCHMARKS.md)."""
+    (`kernels/plan_copy.py`); those of host-view experts still wait for it. Default on where the device has PDL
+    (elsewhere nothing can run beside the plan). Measured on the H200 (6 Qwen3-like bf16 layers, M=1, graph
+    replay): with the cooperative launch and no PDL it gained 0.5% of the step (2026-12-01: 190.5 vs 191.4 µs) and,
+    in one run of 2026-12-02, 10.0% against 15.7% planner share; with the plan + copy PDL-launched as a plain grid the planner's share
+    fell to 2.5-2.7% (three runs, 8.1% in a fourth; docs/BENCHMARKS.md)."""
     return _get_bool("PLAN_OVERLAP", True)
 
 

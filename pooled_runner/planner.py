@@ -15,7 +15,9 @@ One planned step of layer l (`plan(l, topk_ids)`), see `policies.py` for the ord
     read and earns later hits; raise it when copies cannot overlap);
   - candidate i takes victim i (a row not used by this step) if the policy accepts; the rest (more distinct
     experts than free-able rows, rejected, or below the byte rule) are read through the host view (R + e);
-  - the admitted rows are copied from the bank by the row-gather kernel before the GEMM (same stream).
+  - the admitted rows are copied from the bank in the same launch (`kernels/plan_copy.py`; or by the row-gather
+    kernel after it), before the GEMM reads them: by default on sm_90+ the GEMM's programs of resident experts
+    run beside the plan + copy, and an admitted expert's row is published only once it is whole (`overlap`).
 Deterministic: sort keys are total orders (ties by expert id / stamp / row), masked writes go to the dummy slot,
 and integer counters only.
 
@@ -28,6 +30,7 @@ import torch
 
 from pooled_runner import envs
 from pooled_runner.cycle_lru import CycleLRUPolicy
+from pooled_runner.kernels.pdl import pdl_available
 from pooled_runner.kernels.plan_copy import COPY_PROGRAMS, MAX_FUSED_OPERANDS, SYNC_WORDS, plan_lru_copy
 from pooled_runner.kernels.plan_lru import plan_lru
 from pooled_runner.kernels.row_gather import MAX_MULTI_OPERANDS, MULTI_CHUNK_PROGRAMS, gather_rows_multi
@@ -61,7 +64,8 @@ class DevicePlanner:
         is available, cooperative or not (None: POOLED_RUNNER_PLAN_PDL, default on). plan_warps: its warps per
         program. overlap: the one launch lets the MoE's first GEMM start beside it (`kernels/plan_copy.py`,
         `early_trigger`); read `self.overlap` to tell the kernels (`KernelPath.forward(after_plan=...)`). None:
-        POOLED_RUNNER_PLAN_OVERLAP (default on, where the one launch runs).
+        POOLED_RUNNER_PLAN_OVERLAP (default on) where the one launch runs and the device has PDL
+        (`pdl.pdl_available`); True also elsewhere (the interpreter tests the deferred commit).
     """
 
     def __init__(
@@ -155,7 +159,10 @@ class DevicePlanner:
                 f"<= {MAX_FUSED_OPERANDS} operands, POOLED_RUNNER_PLAN_SPLIT_COPY unset): only it defers the "
                 "admitted codes to after their copy"
             )
-        self.overlap = self.one_launch and (envs.plan_overlap() if overlap is None else overlap)
+        # by default only where PDL is: elsewhere nothing can run beside the plan, and the deferred commit costs
+        self.overlap = self.one_launch and (
+            envs.plan_overlap() and pdl_available(self.clock) if overlap is None else overlap
+        )
         self._sync32 = torch.zeros(SYNC_WORDS, dtype=torch.int32, device=dev)  # zero between launches
         self.load_from_pool()
 

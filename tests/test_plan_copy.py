@@ -313,23 +313,30 @@ def test_overlap_needs_the_one_launch() -> None:
         DevicePlanner(pool, LRUPolicy(), max_routed=8, fused=True, one_launch=False, overlap=True)
     with pytest.raises(ValueError, match="one-launch"):
         DevicePlanner(pool, FreqDecayPolicy(), max_routed=8, overlap=True)
-    assert DevicePlanner(pool, LRUPolicy(), max_routed=8, fused=True, one_launch=True).overlap  # the default
+    # the default where PDL is (not on the CPU: nothing could run beside the plan there)
+    assert not DevicePlanner(pool, LRUPolicy(), max_routed=8, fused=True, one_launch=True).overlap
 
 
-def test_overlap_and_launch_defaults_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """POOLED_RUNNER_PLAN_OVERLAP / _PDL / _COOPERATIVE set the planner's defaults (on / on / off unset);
-    explicit arguments win."""
+@pytest.mark.parametrize("pdl_here", [False, True])
+def test_overlap_and_launch_defaults_follow_the_environment(
+    monkeypatch: pytest.MonkeyPatch, pdl_here: bool
+) -> None:
+    """POOLED_RUNNER_PLAN_OVERLAP / _PDL / _COOPERATIVE set the planner's defaults (on / on / off unset; overlap
+    only where the device has PDL, faked here); explicit arguments win."""
+    import pooled_runner.planner as planner_module
+
+    monkeypatch.setattr(planner_module, "pdl_available", lambda t: pdl_here)
     pool = int4_like_pool([5, 4], 3)
-    for name in ("PLAN_OVERLAP", "PLAN_PDL", "PLAN_COOPERATIVE"):
+    for name in ("PLAN_OVERLAP", "PLAN_PDL", "PLAN_COOPERATIVE", "PLAN_SPLIT_COPY"):
         monkeypatch.delenv(f"POOLED_RUNNER_{name}", raising=False)
     planner = DevicePlanner(pool, LRUPolicy(), max_routed=8, fused=True)
-    assert (planner.overlap, planner._pdl, planner._cooperative) == (True, True, False)
+    assert (planner.overlap, planner._pdl, planner._cooperative) == (pdl_here, True, False)
     monkeypatch.setenv("POOLED_RUNNER_PLAN_OVERLAP", "0")
     monkeypatch.setenv("POOLED_RUNNER_PLAN_PDL", "0")
     monkeypatch.setenv("POOLED_RUNNER_PLAN_COOPERATIVE", "1")
     planner = DevicePlanner(pool, LRUPolicy(), max_routed=8, fused=True)
     assert (planner.overlap, planner._pdl, planner._cooperative) == (False, False, True)
-    assert DevicePlanner(pool, LRUPolicy(), max_routed=8, fused=True, overlap=True).overlap
+    assert DevicePlanner(pool, LRUPolicy(), max_routed=8, fused=True, overlap=True).overlap  # explicit wins
 
 
 class _Recorder:
@@ -342,11 +349,15 @@ class _Recorder:
         return lambda *args, **kwargs: self.calls.append((grid, kwargs))
 
 
+@pytest.mark.parametrize("cooperative", [None, True])
 @pytest.mark.parametrize("num_programs", [1, 2, 7])
-def test_plain_grid_takes_roles_by_ticket(monkeypatch: pytest.MonkeyPatch, num_programs: int) -> None:
-    """A plain grid of P > 1 programs is compiled to take its roles by ticket (`plan_sync._draw_ticket`), with
-    no cooperative launch; one program needs none. (The ticket path itself runs in every interpreter test
-    above, where P > 1, and leaves every sync word zero; the cooperative path runs on the GPU only.)"""
+def test_plain_grid_takes_roles_by_ticket(
+    monkeypatch: pytest.MonkeyPatch, num_programs: int, cooperative: bool | None
+) -> None:
+    """A plain grid of P > 1 programs is compiled to take its roles by ticket (`plan_sync._draw_ticket`); one
+    program needs none. Off CUDA a cooperative launch is never asked for, even with cooperative=True: the grid
+    is plain and takes tickets. (The ticket path itself runs in every interpreter test above, where P > 1, and
+    leaves every sync word zero; the cooperative path, roles by program id, runs on the GPU only.)"""
     from pooled_runner.kernels import plan_copy
 
     g = torch.Generator().manual_seed(5)
@@ -363,9 +374,12 @@ def test_plain_grid_takes_roles_by_ticket(monkeypatch: pytest.MonkeyPatch, num_p
     rows, hosts = random_rows(2, 4, 6, g)
     k = _Recorder()
     monkeypatch.setattr(plan_copy, "_plan_copy_kernel", k)
+    monkeypatch.setattr(plan_copy, "cooperative_launch_supported", lambda: True)  # as on a recent Triton
     sync = torch.zeros(plan_copy.SYNC_WORDS, dtype=torch.int32)
-    plan_copy.plan_lru_copy(*args, rows, hosts, 0, sync, num_programs=num_programs, chunk_programs=4)
+    plan_copy.plan_lru_copy(
+        *args, rows, hosts, 0, sync, num_programs=num_programs, chunk_programs=4, cooperative=cooperative
+    )
     ((grid, kwargs),) = k.calls
     assert grid == (num_programs,), grid
     assert kwargs["TICKET"] is (num_programs > 1), kwargs["TICKET"]
-    assert "launch_cooperative_grid" not in kwargs
+    assert "launch_cooperative_grid" not in kwargs, kwargs

@@ -4,11 +4,13 @@ Two identical pools (int4-like, six operands of mixed dtypes, rows longer than o
 20 rows for 54 experts), one planned by the one-launch path and one by the two-launch path (`plan_lru`, then
 `gather_rows_multi` per four operands). Each captures one decode step (4 layers: plan + telemetry) in a CUDA
 graph, replays it 25 times with new routing (misses, evictions, padding and out-of-range ids); after every
-replay the tables, counters, telemetry and every used pool row must be equal, and the sync word zero. Four
-launch modes of the one-launch kernel: cooperative, a plain grid (the default: roles by ticket), and each of them as a
-programmatic dependent launch (skipped where PDL is not available: they would run as the first two).
+replay the tables, counters, telemetry and every used pool row must be equal, and the sync words zero. Four
+launch modes of the one-launch kernel, each pinned by the environment: cooperative (roles by program id) and a
+plain grid (roles by ticket), both without PDL and overlap; and each as a programmatic dependent launch with
+overlap (the early trigger and the deferred commit; the plain one is the default), skipped where PDL is not
+available.
 
-Programs of the one-launch kernel wait for its program 0: a scheduling bug would hang, not fail. So the check runs
+Programs of the one-launch kernel wait for its role 0: a scheduling bug would hang, not fail. So the check runs
 in a subprocess under a timeout: a deadlock fails the test (and the hung process is killed with it).
 """
 
@@ -133,7 +135,7 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize(
     ("cooperative", "pdl"),
     [("1", "1"), ("1", "0"), ("0", "0"), ("0", "1")],
-    ids=["pdl-cooperative", "cooperative", "plain", "pdl"],
+    ids=["pdl-cooperative-overlap", "cooperative", "plain", "pdl-overlap"],
 )
 def test_one_launch_plan_copy_replays_like_two_launches(cooperative: str, pdl: str) -> None:
     if pdl == "1":
@@ -142,7 +144,12 @@ def test_one_launch_plan_copy_replays_like_two_launches(cooperative: str, pdl: s
 
         if not (torch.cuda.is_available() and pdl_available(torch.empty(1, device="cuda"))):
             pytest.skip("PDL is not available on this device / Triton: the mode would run as a plain launch")
-    env = dict(os.environ, POOLED_RUNNER_PLAN_COOPERATIVE=cooperative, POOLED_RUNNER_PLAN_PDL=pdl)
+    env = dict(
+        os.environ,
+        POOLED_RUNNER_PLAN_COOPERATIVE=cooperative,
+        POOLED_RUNNER_PLAN_PDL=pdl,
+        POOLED_RUNNER_PLAN_OVERLAP=pdl,  # overlap with PDL (its default), neither without
+    )
     env.pop("POOLED_RUNNER_PLAN_SPLIT_COPY", None)
     try:
         proc = subprocess.run(
