@@ -45,8 +45,8 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return nbytes / (ms * 1e-3) / 1e9
 
 
-def time_graph(fn: Callable[[], object], warmup: int = 3, iters: int = 20, per_replay: int = 1) -> float:
-    """Median milliseconds of one call of `fn`, captured in a CUDA graph `per_replay` times and replayed."""
+def capture_graph(fn: Callable[[], object], warmup: int, per_replay: int) -> torch.cuda.CUDAGraph:
+    """`fn` called `warmup` times eagerly on a side stream, then captured `per_replay` times in one graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -57,6 +57,12 @@ def time_graph(fn: Callable[[], object], warmup: int = 3, iters: int = 20, per_r
     with torch.cuda.graph(graph):
         for _ in range(per_replay):
             fn()
+    return graph
+
+
+def time_graph(fn: Callable[[], object], warmup: int = 3, iters: int = 20, per_replay: int = 1) -> float:
+    """Median milliseconds of one call of `fn`, captured in a CUDA graph `per_replay` times and replayed."""
+    graph = capture_graph(fn, warmup, per_replay)
     return time_cuda(graph.replay, warmup=2, iters=iters) / per_replay
 
 
@@ -67,18 +73,7 @@ def time_graphs(
     `per_replay` times in one graph (the CPU's launch of a replay is then outside all but the first copy), the
     graphs are timed in turn for `rounds` rounds (clock and thermal drift hit them alike), each round the median
     of `iters` replays; the result is the median over rounds. Captured after 2 eager warm-up calls each."""
-    stream = torch.cuda.Stream()
-    graphs: dict[str, torch.cuda.CUDAGraph] = {}
-    for name, fn in fns.items():
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graphs[name] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[name]):
-            for _ in range(per_replay):
-                fn()
+    graphs = {name: capture_graph(fn, 2, per_replay) for name, fn in fns.items()}
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, graph in graphs.items():

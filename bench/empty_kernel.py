@@ -22,6 +22,6 @@ def _empty_kernel(ptr, PDL: tl.constexpr, TRIGGER: tl.constexpr):
 def launch_empty(t: torch.Tensor, pdl: bool = False, trigger: bool = False) -> None:
     """Launch the empty kernel on `t`'s device (never writes `t`); `pdl` where `pdl_available(t)`; `trigger`: it
     lets the next kernel launch first thing (as the plan + copy with `early_trigger`)."""
-    pdl = pdl and pdl_available(t)
-    launch: dict[str, object] = {"launch_pdl": True} if pdl else {}
-    _empty_kernel[(1,)](t, PDL=pdl, TRIGGER=trigger and pdl_available(t), num_warps=1, **launch)
+    can_pdl = pdl_available(t)
+    launch: dict[str, object] = {"launch_pdl": True} if pdl and can_pdl else {}
+    _empty_kernel[(1,)](t, PDL=pdl and can_pdl, TRIGGER=trigger and can_pdl, num_warps=1, **launch)

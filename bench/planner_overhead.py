@@ -20,7 +20,9 @@ ROWS = 384
 RESIDENT_PER_LAYER = ROWS // L
 
 
-def _one_launch(cooperative: bool, pdl: bool, overlap: bool, note: str = "") -> tuple[str, dict[str, object]]:
+def _one_launch(
+    cooperative: bool, pdl: bool, overlap: bool, note: str = "", **more: object
+) -> tuple[str, dict[str, object]]:
     """A one-launch planner row with every launch choice explicit (the environment's defaults do not leak in)."""
     label = ", ".join(
         [
@@ -31,7 +33,7 @@ def _one_launch(cooperative: bool, pdl: bool, overlap: bool, note: str = "") -> 
         ]
     )
     kwargs = {"fused": True, "one_launch": True, "cooperative": cooperative, "pdl": pdl, "overlap": overlap}
-    return label + note, kwargs
+    return label + note, {**kwargs, **more}
 
 
 # --planners: name -> (label, DevicePlanner keywords)
@@ -43,7 +45,7 @@ PLANNERS: dict[str, tuple[str, dict[str, object]]] = {
     "one-coop-pdl": _one_launch(True, True, False),
     "one-nc": _one_launch(False, False, False),
     "one-pdl": _one_launch(False, True, False),
-    "one-w1": ("fused, one launch, 1 warp", {"fused": True, "one_launch": True, "plan_warps": 1}),
+    "one-w1": _one_launch(False, True, True, ", 1 warp", plan_warps=1),
     "two": ("fused, two launches", {"fused": True, "one_launch": False}),
     "ops": ("torch ops", {"fused": False}),
 }
