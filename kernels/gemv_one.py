@@ -16,6 +16,26 @@ from .workspace import SYNC_WORDS, _counters
 
 
 @triton.jit
+def _wait_for_act(sync_ptr, ready_ptr, passed_ptr, pair, nb1, nb2, spin_limit):
+    """A down tile: poll until the pair's `nb1` gate_up tiles are counted (at most `spin_limit` polls, then
+    raise the sticky error word), acquire their act, count this tile past the wait; the pair's last of `nb2`
+    resets both counters for the next launch."""
+    polls = 0
+    while (tl.load(ready_ptr + pair, volatile=True) < nb1) & (polls < spin_limit):
+        polls += 1
+    if polls >= spin_limit:
+        tl.store(sync_ptr, 1)
+    # every warp has left the loop before this program counts as passed (the pair's last waiter resets
+    # `ready`: a warp still polling then would poll to the limit; as `plan_sync._wait_for_plan`)
+    tl.debug_barrier()
+    tl.atomic_add(ready_ptr + pair, 0, sem="acquire", scope="gpu")  # order the act loads after the wait
+    tl.debug_barrier()  # ... every warp's act loads, not only the acquiring thread's
+    if tl.atomic_add(passed_ptr + pair, 1, sem="relaxed") == nb2 - 1:
+        tl.store(ready_ptr + pair, 0)  # the pair's last waiter: reset for the next launch
+        tl.store(passed_ptr + pair, 0)
+
+
+@triton.jit
 def _fused_kernel(
     x_ptr, act_ptr, y_ptr, out_ptr, sync_ptr, ids_ptr, l2p_ptr, tw_ptr,
     wp1, sp1, zp1, gp1, wb1, sb1, zb1, gb1,
@@ -63,15 +83,7 @@ def _fused_kernel(
     else:
         item2 = item - g1
         pair, code = _slot_pair(ids_ptr, l2p_ptr, item2 // nb2, num_pairs, num_experts, num_rows, P_POW2)
-        polls = 0
-        while (tl.load(ready_ptr + pair, volatile=True) < nb1) & (polls < spin_limit):
-            polls += 1
-        if polls >= spin_limit:
-            tl.store(sync_ptr, 1)
-        tl.atomic_add(ready_ptr + pair, 0, sem="acquire", scope="gpu")  # order the act loads after the wait
-        if tl.atomic_add(passed_ptr + pair, 1, sem="relaxed") == nb2 - 1:
-            tl.store(ready_ptr + pair, 0)  # the pair's last waiter: reset for the next launch
-            tl.store(passed_ptr + pair, 0)
+        _wait_for_act(sync_ptr, ready_ptr, passed_ptr, pair, nb1, nb2, spin_limit)
         _down_tile(
             pair, code, item2 % nb2, act_ptr, y_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
             wp2, sp2, zp2, gp2, wb2, sb2, zb2, gb2, w_se2, s_se2, z_se2, g_se2, w_sn2, s_sn2, z_sn2,

@@ -35,8 +35,12 @@ if triton is not None:
     def _wait_for_plan(sync_ptr, num_programs):
         """Roles 1..P-1: wait until role 0 published, return the admissions; the last one resets."""
         seen = tl.load(sync_ptr, volatile=True)
-        while seen == 0:
+        while seen == 0:  # each thread polls on its own: the warps of a program leave at different times
             seen = tl.load(sync_ptr, volatile=True)
+        # Every warp of this program has seen the publication before it counts as arrived: the arrival below is
+        # one thread's, and once all roles have arrived the last one resets the word to 0, so a warp still in
+        # the loop then would spin forever (a graphed decode step hung on the H200, 2026-12-02).
+        tl.debug_barrier()
         # one read-modify-write: acquires role 0's release (its pairs), counts this arrival in the high bits
         word = tl.atomic_add(sync_ptr, _ARRIVAL, sem="acquire", scope="gpu")
         if word // _ARRIVAL == num_programs - 2:  # the last arriver: every spinner has read it
