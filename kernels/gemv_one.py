@@ -23,7 +23,7 @@ def _wait_for_act(sync_ptr, ready_ptr, passed_ptr, pair, nb1, nb2, spin_limit):
     polls = 0
     while (tl.load(ready_ptr + pair, volatile=True) < nb1) & (polls < spin_limit):
         polls += 1
-    if polls >= spin_limit:
+    if polls >= spin_limit:  # thread 0's verdict is the one that counts: it alone acquires below
         tl.store(sync_ptr, 1)
     # every warp has left the loop before this program counts as passed (the pair's last waiter resets
     # `ready`: a warp still polling then would poll to the limit; as `plan_sync._wait_for_plan`)
@@ -31,8 +31,9 @@ def _wait_for_act(sync_ptr, ready_ptr, passed_ptr, pair, nb1, nb2, spin_limit):
     tl.atomic_add(ready_ptr + pair, 0, sem="acquire", scope="gpu")  # order the act loads after the wait
     tl.debug_barrier()  # ... every warp's act loads, not only the acquiring thread's
     if tl.atomic_add(passed_ptr + pair, 1, sem="relaxed") == nb2 - 1:
-        tl.store(ready_ptr + pair, 0)  # the pair's last waiter: reset for the next launch
-        tl.store(passed_ptr + pair, 0)
+        # the pair's last waiter: reset for the next launch (atomics, as every other access to the counters)
+        tl.atomic_xchg(ready_ptr + pair, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(passed_ptr + pair, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -66,7 +67,7 @@ def _fused_kernel(
     if TICKETS:
         item = tl.atomic_add(sync_ptr + 1, 1, sem="relaxed")
         if item == total - 1:  # every item is taken: reset for the next launch
-            tl.store(sync_ptr + 1, 0)
+            tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
     else:
         item = tl.program_id(0)
     if item < g1:

@@ -38,8 +38,10 @@ if triton is not None:
         while seen == 0:  # each thread polls on its own: the warps of a program leave at different times
             seen = tl.load(sync_ptr, volatile=True)
         # Every warp of this program has seen the publication before it counts as arrived: the arrival below is
-        # one thread's, and once all roles have arrived the last one resets the word to 0, so a warp still in
-        # the loop then would spin forever (a graphed decode step hung on the H200, 2026-12-02).
+        # one thread's, and once all roles have arrived the last one resets the word to 0, so a warp of another
+        # program still in the loop then would spin forever. Roles by ticket had a barrier here by accident
+        # (Triton's shared-memory analysis: the arrival's broadcast reuses the ticket's slot), roles by program
+        # id (the cooperative launch) had none; the hang was never observed (bench/sync_stress.py).
         tl.debug_barrier()
         # one read-modify-write: acquires role 0's release (its pairs), counts this arrival in the high bits
         word = tl.atomic_add(sync_ptr, _ARRIVAL, sem="acquire", scope="gpu")

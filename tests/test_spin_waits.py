@@ -2,10 +2,13 @@
 
 A wait in Triton is a loop on a volatile load that every thread runs on its own, so the warps of a program
 leave it at different times; the arrival after it is one thread's atomic. Where the word (or counter) waited on
-is reset by the last arriver, a warp still in the loop then would spin forever (the plan + copy's wait hung a
-graphed decode step on the H200, 2026-12-02) or poll to its limit (the one-launch GEMV). So between the loop's
-last load and the arrival there must be a CTA barrier: then a program arrives only once all its warps have
-left the loop. The interpreter runs a program's threads in lockstep and cannot show this; the PTX does.
+is reset by the last arriver, a warp of another program still in the loop then would spin forever (the plan +
+copy's `_wait_for_plan`) or poll to its limit (the one-launch GEMV's `_wait_for_act`). So between the loop's
+last load and the arrival there must be a CTA barrier: then a program arrives only once all its warps have left
+the loop. Before 2026-12-02 the plan's wait had one only by accident, in the plain grid's roles by ticket, and
+none with the cooperative launch (the hang was never observed: bench/sync_stress.py). The interpreter runs a
+program's threads in lockstep and cannot show this; the PTX does. The kernels compiled here are small wrappers
+around the two wait functions (the real kernels call the same functions).
 """
 
 from __future__ import annotations
@@ -22,9 +25,8 @@ from triton.runtime.jit import JITFunction
 from tests.interpreter import interpreter_imports
 
 with interpreter_imports():
-    from pooled_runner.kernels import gemv, plan_sync  # gemv first: it imports gemv_one at its end
-
-    gemv_one = gemv.gemv_one_launch.__globals__
+    from pooled_runner.kernels import gemv, plan_sync  # noqa: F401 (gemv first: it imports gemv_one at its end)
+    from pooled_runner.kernels.gemv_one import _wait_for_act as _act_wait
 
 
 def _compiled(fn) -> JITFunction:
@@ -33,7 +35,7 @@ def _compiled(fn) -> JITFunction:
 
 
 _wait_for_plan = _compiled(plan_sync._wait_for_plan)
-_wait_for_act = _compiled(gemv_one["_wait_for_act"])
+_wait_for_act = _compiled(_act_wait)
 
 
 def _plan_wait_kernel(sync_ptr, out_ptr, num_programs):
@@ -56,6 +58,9 @@ def _instructions(ptx: str) -> list[str]:
     return [line for line in lines if line and not line.startswith((".loc", ".reg", ".param"))]
 
 
+BARRIER = re.compile(r"^(bar|barrier)(\.cta)?\.sync\b")  # bar.sync 0, barrier.sync ...
+
+
 def _barrier_between_poll_and_arrival(ins: list[str], arrival: str) -> None:
     """The last polling load comes before the first `arrival` atomic, with a `bar.sync` between them."""
     polls = [i for i, line in enumerate(ins) if re.search(r"\bld\.volatile\.global\b", line)]
@@ -66,7 +71,7 @@ def _barrier_between_poll_and_arrival(ins: list[str], arrival: str) -> None:
     last_poll, first_arrival = polls[-1], arrivals[0]
     assert last_poll < first_arrival, f"poll at {last_poll} after the arrival at {first_arrival}"
     between = ins[last_poll + 1 : first_arrival]
-    assert any(line.startswith("bar.sync") for line in between), (
+    assert any(BARRIER.match(line) for line in between), (
         "no CTA barrier between the last poll and the arrival:\n" + "\n".join(between)
     )
 
@@ -88,4 +93,4 @@ def test_gemv_one_wait_counts_a_tile_only_after_every_warp_saw_its_act(num_warps
     acquire = next(i for i, line in enumerate(ins) if re.search(r"\b(ld|atom)\.global\.gpu\.acquire\b", line))
     passed = next(i for i, line in enumerate(ins) if re.search(r"\batom\.global\.gpu\.relaxed\.add\b", line))
     assert acquire < passed, (acquire, passed)
-    assert any(line.startswith("bar.sync") for line in ins[acquire + 1 : passed]), ins[acquire : passed + 1]
+    assert any(BARRIER.match(line) for line in ins[acquire + 1 : passed]), ins[acquire : passed + 1]
