@@ -39,22 +39,23 @@ step() {  # step NAME CAP_SECONDS COMMAND...   (SKIP="name ..." leaves steps out
 }
 
 # the kernel-level GPU tests (step gpu_tests); the others (planner, staging, transformers, TP) are gpu_tests_stack.
-# faulthandler_timeout: a test still running after 120 s prints every thread's Python stack into the log (one
-# gpu_tests_stack run stopped at its cap on 2026-12-02 with no way to tell where it stood)
+# faulthandler_timeout: a test still running after 45 s (the longest took 34 s on the H200) prints every thread's
+# Python stack into the log, before the step's cap stops it (one gpu_tests_stack run stopped at its cap on
+# 2026-12-02, after 36 tests, with no way to tell where it stood; hence also its cap of 360 s for ~270 s of tests)
 KERNEL_TESTS="tests/test_kernels_gpu.py tests/test_kernels_swap_gpu.py tests/test_pdl_gpu.py"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || true
 if [ "${QUICK:-0}" = 1 ]; then
   # ~330 + ~90 + ~130 s measured (2026-12-01): the caps leave the call's 10 minutes little room
-  step gpu_tests "${GPU_TESTS_CAP:-360}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 -o faulthandler_timeout=120 $KERNEL_TESTS
+  step gpu_tests "${GPU_TESTS_CAP:-360}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 -o faulthandler_timeout=45 $KERNEL_TESTS
   step bench_kernels "${BENCH_KERNELS_CAP:-130}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_variants "${BENCH_VARIANTS_CAP:-130}" "$PY" -m bench.kernels --variants --budget 100 --out "$OUT/bench_variants.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
 else
   if [ -n "${GPU_TESTS:-}" ]; then
-    step gpu_tests "${GPU_TESTS_CAP:-330}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 -o faulthandler_timeout=120 $GPU_TESTS
+    step gpu_tests "${GPU_TESTS_CAP:-330}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 -o faulthandler_timeout=45 $GPU_TESTS
   else  # two steps: all GPU tests together outgrew one 10-minute device call (H200, 2026-11-30: > 540 s);
     # the kernel files alone took 304-319 s of pytest time (308-324 s per step) on 2026-12-01, hence a cap of 400
-    step gpu_tests "${GPU_TESTS_CAP:-400}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 -o faulthandler_timeout=120 $KERNEL_TESTS
-    step gpu_tests_stack "${GPU_TESTS_STACK_CAP:-330}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 -o faulthandler_timeout=120 tests $(for f in $KERNEL_TESTS; do printf -- '--ignore=%s ' "$f"; done)
+    step gpu_tests "${GPU_TESTS_CAP:-400}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 -o faulthandler_timeout=45 $KERNEL_TESTS
+    step gpu_tests_stack "${GPU_TESTS_STACK_CAP:-360}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 -o faulthandler_timeout=45 tests $(for f in $KERNEL_TESTS; do printf -- '--ignore=%s ' "$f"; done)
   fi
   step bench_kernels "${BENCH_KERNELS_CAP:-200}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_variants "${BENCH_VARIANTS_CAP:-200}" "$PY" -m bench.kernels --variants --budget 150 --out "$OUT/bench_variants.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
