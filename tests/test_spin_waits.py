@@ -8,47 +8,38 @@ last load and the arrival there must be a CTA barrier: then a program arrives on
 the loop. Before 2026-12-02 the plan's wait had one only by accident, in the plain grid's roles by ticket, and
 none with the cooperative launch (the hang was never observed: bench/sync_stress.py). The interpreter runs a
 program's threads in lockstep and cannot show this; the PTX does. The kernels compiled here are small wrappers
-around the two wait functions (the real kernels call the same functions).
+around the two wait functions (the real kernels call the same functions), compiled in a fresh process
+(`tests/spin_wait_ptx.py`: the interpreter the other CPU tests use patches `triton.language` meanwhile).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-import triton
-import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
 
-from tests.interpreter import interpreter_imports
-
-with interpreter_imports():
-    from pooled_runner.kernels import gemv, plan_sync  # noqa: F401 (gemv first: it imports gemv_one at its end)
-    from pooled_runner.kernels.gemv_one import _wait_for_act as _act_wait
+REPO = Path(__file__).resolve().parents[1]
 
 
-def _compiled(fn) -> JITFunction:
-    """`fn` as a compiled-mode JITFunction (under the interpreter, `triton.jit` gave an interpreted one)."""
-    return fn if isinstance(fn, JITFunction) else JITFunction(fn.fn)
-
-
-_wait_for_plan = _compiled(plan_sync._wait_for_plan)
-_wait_for_act = _compiled(_act_wait)
-
-
-def _plan_wait_kernel(sync_ptr, out_ptr, num_programs):
-    tl.store(out_ptr, _wait_for_plan(sync_ptr, num_programs))
-
-
-def _act_wait_kernel(sync_ptr, ready_ptr, passed_ptr, pair, nb1, nb2, spin_limit):
-    _wait_for_act(sync_ptr, ready_ptr, passed_ptr, pair, nb1, nb2, spin_limit)
-
-
-def _ptx(kernel, signature: dict[str, str], num_warps: int) -> str:
-    src = ASTSource(fn=JITFunction(kernel), signature=signature, constexprs={})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+@pytest.fixture(scope="module")
+def ptx() -> dict[str, str]:
+    """The PTX of every case of `tests/spin_wait_ptx.py`, compiled in a fresh process without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.spin_wait_ptx"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"compiling the spin waits failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout)
 
 
 def _instructions(ptx: str) -> list[str]:
@@ -77,16 +68,17 @@ def _barrier_between_poll_and_arrival(ins: list[str], arrival: str) -> None:
 
 
 @pytest.mark.parametrize("num_warps", [1, 4, 8])
-def test_plan_wait_arrives_only_after_every_warp_saw_the_plan(num_warps: int) -> None:
-    ptx = _ptx(_plan_wait_kernel, {"sync_ptr": "*i32", "out_ptr": "*i32", "num_programs": "i32"}, num_warps)
-    _barrier_between_poll_and_arrival(_instructions(ptx), r"\batom\.global\.gpu\.acquire\.add\b")
+def test_plan_wait_arrives_only_after_every_warp_saw_the_plan(ptx: dict[str, str], num_warps: int) -> None:
+    _barrier_between_poll_and_arrival(
+        _instructions(ptx[f"plan-{num_warps}"]), r"\batom\.global\.gpu\.acquire\.add\b"
+    )
 
 
 @pytest.mark.parametrize("num_warps", [1, 4])
-def test_gemv_one_wait_counts_a_tile_only_after_every_warp_saw_its_act(num_warps: int) -> None:
-    sig = {name: "*i32" for name in ("sync_ptr", "ready_ptr", "passed_ptr")}
-    sig |= {name: "i32" for name in ("pair", "nb1", "nb2", "spin_limit")}
-    ins = _instructions(_ptx(_act_wait_kernel, sig, num_warps))
+def test_gemv_one_wait_counts_a_tile_only_after_every_warp_saw_its_act(
+    ptx: dict[str, str], num_warps: int
+) -> None:
+    ins = _instructions(ptx[f"act-{num_warps}"])
     # poll, barrier, acquire of the act (Triton emits the unused atomic as an acquire load), barrier (every
     # warp's later act loads follow it), then the count past the wait that lets the last waiter reset `ready`
     _barrier_between_poll_and_arrival(ins, r"\b(ld|atom)\.global\.gpu\.acquire\b")
