@@ -8,8 +8,12 @@ Rule (all integer arithmetic; device and host forms agree exactly):
   - Shadow scoring, at every tick before the update, for each expert routed now: would an idealized LRU cache of
     `num_rows` rows hold it (fewer than `num_rows` experts used more recently), and would an idealized frequency
     cache hold it (fewer than `num_rows` experts of higher (value, last use), values as of the previous tick)?
-    Shadow misses are summed into `misses = [lru, freq]` (x256, decayed by `>> duel_shift` every step).
-  - Mode: frequency while `freq + (freq >> margin_shift) < lru`, else LRU (ties and near-ties go to LRU).
+    The misses where the two disagree are summed into `misses = [lru only, freq only]` (x256, decayed by
+    `>> duel_shift` every step). Misses both shadows share (cold misses, the long tail) are left out: summed in,
+    they made the relative margin an absolute hurdle that grew with the miss rate, and at 50% rows of a skewed
+    trace the frequency mode came tens of steps late (docs/BENCHMARKS.md, sixteenth session).
+  - Mode: frequency while `freq_only + (freq_only >> margin_shift) < lru_only`, else LRU (ties and near-ties go
+    to LRU).
   - LRU mode decides exactly as `LRUPolicy` (victim key 0, candidates by expert id, always admit). Frequency
     mode: victims of lowest value first (ties: least recently used, then row index), candidates of highest count
     first, and a candidate displaces its victim only if `count + recent_bonus * ONE >= victim value`.
@@ -42,7 +46,7 @@ class AdaptivePolicy:
         decay_shift: int = 9,
         recent_bonus: int = 32,
         duel_shift: int = 5,
-        margin_shift: int = 5,
+        margin_shift: int = 2,
     ):
         if num_rows < 1 or recent_bonus < 0:
             raise ValueError(f"num_rows={num_rows} must be >= 1 and recent_bonus={recent_bonus} >= 0")
@@ -98,7 +102,8 @@ class AdaptivePolicy:
         if layer == 0:  # once per step
             misses -= misses >> self.duel_shift
             count -= count >> self.decay_shift
-        misses += torch.stack([lru_miss.sum(), freq_miss.sum()]) * SCORE
+        disagree = lru_miss != freq_miss  # [E]
+        misses += torch.stack([(lru_miss & disagree).sum(), (freq_miss & disagree).sum()]) * SCORE
         freq = misses[1:2]
         mode.copy_((freq + (freq >> self.margin_shift) < misses[0:1]).to(torch.int64))
         start = present & (last != now - L)  # not routed at this layer's previous step
@@ -140,14 +145,13 @@ class AdaptivePolicy:
         L, R, lo = self._layers, self.num_rows, layer * self._max_experts
         last_all, count = self._h_last, self._h_count
         value = [c + self._bonus * (now - 1 - t < L) for c, t in zip(count, last_all)]
-        lru_miss = freq_miss = 0
+        lru_miss = freq_miss = 0  # misses of one shadow where the other hits
         for e in present:
             t, v = last_all[lo + e], value[lo + e]
-            if t == NEVER or sum(x > t for x in last_all) >= R:
-                lru_miss += 1
-            above = sum(w > v or (w == v and x > t) for w, x in zip(value, last_all))
-            if t == NEVER or above >= R:
-                freq_miss += 1
+            lru = t == NEVER or sum(x > t for x in last_all) >= R
+            freq = t == NEVER or sum(w > v or (w == v and x > t) for w, x in zip(value, last_all)) >= R
+            lru_miss += lru and not freq
+            freq_miss += freq and not lru
         if layer == 0:
             self._h_misses = [m - (m >> self.duel_shift) for m in self._h_misses]
             self._h_count = count = [c - (c >> self.decay_shift) for c in count]

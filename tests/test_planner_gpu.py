@@ -54,7 +54,7 @@ CASES = [(w, "lru") for w in WIDTHS] + [
     ("mtp_bs3_ns3", "freq"),
     ("M2", "aging"),
     ("mtp_bs2_ns1", "aging"),
-    ("M1", "adaptive"),  # (added after the session's last GPU call: not yet run on a GPU)
+    ("M1", "adaptive"),
     ("mtp_bs3_ns3", "adaptive"),
 ]
 

@@ -27,7 +27,7 @@ def skewed_ids(T: int, K: int, E: int, g: torch.Generator) -> torch.Tensor:
         ([5, 7, 3], 6, 2, 3, {}, True),
         ([1], 1, 1, 2, {}, False),
         ([9, 9], 17, 3, 4, dict(decay_shift=1, duel_shift=1, margin_shift=30), True),
-        ([13, 4, 6, 11], 9, 3, 5, dict(decay_shift=2, recent_bonus=1, duel_shift=2, margin_shift=1), False),
+        ([13, 4, 6, 11], 9, 3, 5, dict(decay_shift=2, recent_bonus=1, duel_shift=2, margin_shift=1), True),
         ([8, 5, 7], 7, 3, 1, dict(recent_bonus=0, duel_shift=1), True),
     ],
 )
