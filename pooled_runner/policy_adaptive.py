@@ -148,10 +148,10 @@ class AdaptivePolicy:
         lru_miss = freq_miss = 0  # misses of one shadow where the other hits
         for e in present:
             t, v = last_all[lo + e], value[lo + e]
-            lru = t == NEVER or sum(x > t for x in last_all) >= R
-            freq = t == NEVER or sum(w > v or (w == v and x > t) for w, x in zip(value, last_all)) >= R
-            lru_miss += lru and not freq
-            freq_miss += freq and not lru
+            lru_out = t == NEVER or sum(x > t for x in last_all) >= R
+            freq_out = t == NEVER or sum(w > v or (w == v and x > t) for w, x in zip(value, last_all)) >= R
+            lru_miss += int(lru_out and not freq_out)
+            freq_miss += int(freq_out and not lru_out)
         if layer == 0:
             self._h_misses = [m - (m >> self.duel_shift) for m in self._h_misses]
             self._h_count = count = [c - (c >> self.decay_shift) for c in count]
