@@ -5,13 +5,50 @@ Read through the functions here, never with os.environ elsewhere, so the full li
 
 from __future__ import annotations
 
+import difflib
 import os
+from collections.abc import Mapping
 
 PREFIX = "POOLED_RUNNER_"
+# Every name a function below reads, plus the test harness's two (scripts/test.sh, tests/engine/server.py).
+KNOWN = frozenset(
+    {
+        "LOG_LEVEL", "FORCE_TORCH_PATH", "DEBUG_CHECKS", "TORCH_PLANNER", "PLAN_SPLIT_COPY", "PLAN_COOPERATIVE",
+        "PLAN_PDL", "PLAN_OVERLAP", "MOE_PDL", "CACHE_DIR", "MOE_DECODE", "SERVE_CONFIG",
+        "TEST_WORKERS", "TEST_STARTUP_TIMEOUT",
+    }
+)  # fmt: skip
+_checked = False
+
+
+def check_names(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a `POOLED_RUNNER_` variable that no knob reads: a misspelt knob would otherwise be ignored in
+    silence and the run would use the default. Raises ValueError naming the closest knob. The knob readers
+    below call it once per process, at the first read."""
+    unknown = sorted(k for k in (os.environ if environ is None else environ) if k.startswith(PREFIX))
+    unknown = [k for k in unknown if k[len(PREFIX) :] not in KNOWN]
+    if unknown:
+        hints = []
+        for k in unknown:
+            close = difflib.get_close_matches(k[len(PREFIX) :], sorted(KNOWN), n=1, cutoff=0.5)
+            hints.append(f"{k} (did you mean {PREFIX}{close[0]}?)" if close else k)
+        raise ValueError(
+            f"unknown environment variable(s) {', '.join(hints)}; the knobs are "
+            f"{', '.join(PREFIX + n for n in sorted(KNOWN))} (pooled_runner/envs.py): unset or rename it"
+        )
+
+
+def _read(name: str) -> str | None:
+    global _checked
+    if not _checked:
+        check_names()
+        _checked = True
+    assert name in KNOWN, f"{name} is read but not in envs.KNOWN"
+    return os.environ.get(PREFIX + name)
 
 
 def _get_bool(name: str, default: bool) -> bool:
-    raw = os.environ.get(PREFIX + name)
+    raw = _read(name)
     if raw is None or raw == "":
         return default
     value = raw.strip().lower()
@@ -23,7 +60,7 @@ def _get_bool(name: str, default: bool) -> bool:
 
 
 def _get_str(name: str, default: str) -> str:
-    return os.environ.get(PREFIX + name) or default
+    return _read(name) or default
 
 
 def log_level() -> str:

@@ -165,3 +165,28 @@ def test_forward_before_install_and_bad_layer():
         moe.forward(3, torch.randn(1, 8), torch.zeros(1, 2, dtype=torch.long), torch.rand(1, 2))
     with pytest.raises(RuntimeError, match="register_layer\\(\\) after install"):
         moe.register_layer(4)
+
+
+def test_misspelt_environment_knob_is_refused_with_the_closest_name(monkeypatch):
+    """A POOLED_RUNNER_ variable no knob reads (say the PLAN_ of POOLED_RUNNER_PLAN_PDL left out) is refused at
+    the first knob read, naming the knob it resembles; known names pass, and every reader's name is known."""
+    import re
+    from pathlib import Path
+
+    from pooled_runner import envs
+
+    envs.check_names({"POOLED_RUNNER_PLAN_PDL": "0", "POOLED_RUNNER_TEST_WORKERS": "2", "OTHER": "x"})
+    with pytest.raises(
+        ValueError, match=r"POOLED_RUNNER_COOPERATIVE \(did you mean POOLED_RUNNER_PLAN_COOPERATIVE\?\)"
+    ):
+        envs.check_names({"POOLED_RUNNER_COOPERATIVE": "1"})
+    monkeypatch.setattr(envs, "_checked", False)
+    monkeypatch.setenv("POOLED_RUNNER_PLAN_OVERLAPP", "0")
+    with pytest.raises(ValueError, match="POOLED_RUNNER_PLAN_OVERLAPP"):
+        envs.plan_overlap()
+    monkeypatch.delenv("POOLED_RUNNER_PLAN_OVERLAPP")
+    monkeypatch.setenv("POOLED_RUNNER_PLAN_OVERLAP", "0")
+    assert envs.plan_overlap() is False
+    source = Path(envs.__file__).read_text()
+    read = set(re.findall(r'_get_(?:bool|str)\("([A-Z_0-9]+)"', source))
+    assert read and read <= envs.KNOWN, sorted(read - envs.KNOWN)
