@@ -102,3 +102,40 @@ def test_ages_survive_the_clock_renumbering_of_a_boundary():
     assert torch.equal(policy.last_use[never], before_last[never])
     assert torch.equal(policy.last_use[~never] - int(planner.clock), before_last[~never] - before_clock)
     assert torch.equal(policy.count, counts)
+
+
+def test_duel_counts_only_the_misses_where_the_shadows_disagree():
+    """Cold misses (both shadows miss) add nothing to the duel; the old rule summed them into both sides. Then
+    a rule-by-rule check of one tick against a hand count of the two shadows over the host state."""
+    pool = make_pool([6, 6], 4, seed=5)
+    policy = AdaptivePolicy(4, margin_shift=2)
+    planner = DevicePlanner(pool, policy, max_routed=6)
+    planner.plan(0, torch.tensor([[0, 1, 2]]))
+    planner.plan(1, torch.tensor([[3, 4, 5]]))
+    assert policy.misses is not None and policy.misses.tolist() == [0, 0]  # six cold misses, shared
+    twin_policy = AdaptivePolicy(4, margin_shift=2)
+    twin = HostTwin(make_pool([6, 6], 4, seed=5), twin_policy)
+    g = torch.Generator().manual_seed(9)
+    for step in range(30):
+        layer = step % 2
+        ids = skewed_ids(2, 3, 6, g)
+        state = twin_policy.host_state()
+        present = sorted({int(e) for e in ids.reshape(-1).tolist() if 0 <= e < 6})
+        lo, L, now = layer * 6, 2, twin.clock + 1
+        last, count = state["last_use"], state["count"]
+        value = [c + 32 * (1 << 16) * (now - 1 - t < L) for c, t in zip(count, last)]
+        lru_only = freq_only = 0
+        for e in present:
+            t, v = last[lo + e], value[lo + e]
+            lru_out = t < 0 or sum(x > t for x in last) >= 4
+            freq_out = t < 0 or sum(w > v or (w == v and x > t) for w, x in zip(value, last)) >= 4
+            lru_only += lru_out and not freq_out
+            freq_only += freq_out and not lru_out
+        before = list(state["misses"])
+        if layer == 0:
+            before = [m - (m >> 5) for m in before]
+        twin.plan(layer, ids)
+        assert twin_policy.host_state()["misses"] == [
+            before[0] + 256 * lru_only,
+            before[1] + 256 * freq_only,
+        ], step
