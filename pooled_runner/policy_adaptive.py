@@ -60,9 +60,7 @@ class AdaptivePolicy:
         self._bonus = recent_bonus * ONE
         self.count: torch.Tensor | None = None  # [L * E_max + 1] int64; last slot is a dummy
         self.last_use: torch.Tensor | None = None  # [L * E_max] int64
-        self.misses: torch.Tensor | None = (
-            None  # [2] int64: misses of the LRU shadow only, of the freq one only
-        )
+        self.misses: torch.Tensor | None = None  # [2] int64: LRU-shadow-only, freq-shadow-only misses
         self.mode: torch.Tensor | None = None  # [1] int64: 1 = frequency
         self._layers, self._max_experts = 0, 0
         self._h_count: list[int] = []

@@ -10,8 +10,8 @@
 # Each step has a time cap so one slow step cannot eat the others' time; add new steps with `step`.
 # SKIP="name ..." leaves steps out; ONLY="name ..." runs only those; GPU_TESTS="files" narrows gpu_tests (and
 # then gpu_tests_stack does not run). One device call runs at most 10 minutes: run the steps in a few calls
-# (e.g. ONLY="gpu_tests", then ONLY="gpu_tests_stack bench_planner", then ONLY="bench_kernels bench_variants"
-# bench_prefill"; sum the caps of a call's steps to stay under 600 s).
+# (e.g. ONLY="gpu_tests", then ONLY="gpu_tests_stack bench_planner", then
+# ONLY="bench_kernels bench_variants bench_prefill"; keep the sum of a call's step caps under 600 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_out}"
