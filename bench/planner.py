@@ -13,8 +13,11 @@ CPU (`--quality`): hit rates of LRU, the frequency, aging and adaptive policies 
 synthetic traces (24 layers, 128 experts, top-8, per-layer Zipf skew, token-to-token reuse, popularity drift), 25%
 and 50% rows.
 
+  - forms (`--forms`, alone): the one-launch plan + copy's launch forms on miss-heavy steps of T tokens, taking
+    turns round by round (`planner_forms.py`).
 Usage: python bench/planner.py [--out results.md] [--quick] [--planners one,one-coop,two,ops] [--copy-programs 32,64]
                               [--no-trace] [--node-cost]                                   (GPU)
+       python bench/planner.py --forms one,one-coop,one-pdl [--form-tokens 1,4,16,64] [--quick]  (GPU)
        python bench/planner.py --quality [--out quality.md]        (CPU)
 """
 
@@ -33,6 +36,7 @@ from pooled_runner.kernels.plan_copy import COPY_PROGRAMS
 
 from bench.common import commit_id
 from bench.common import write_progress as write
+from bench.planner_forms import FORMS, TOKENS, launch_forms
 from bench.planner_overhead import PLANNERS, ROWS, E, H, K, L, build, node_cost, overhead
 from bench.traces import Trace, belady_hit_rate, policy_hit_rate, synthetic_trace
 from pooled_runner.cycle_lru import CycleLRUPolicy
@@ -213,6 +217,17 @@ def main() -> None:
     )
     ap.add_argument("--no-trace", action="store_true", help="only the overhead table")
     ap.add_argument(
+        "--forms",
+        default="",
+        help="only the launch-form table, for this comma list of --planners names (one-launch forms; ratios are "
+        f"to the first), e.g. {','.join(FORMS)}",
+    )
+    ap.add_argument(
+        "--form-tokens",
+        default=",".join(map(str, TOKENS)),
+        help="tokens per step of the launch-form table (comma list)",
+    )
+    ap.add_argument(
         "--node-cost",
         action="store_true",
         help="also time the MoE with an empty one-program kernel per layer where the plan goes (plain and PDL "
@@ -223,6 +238,12 @@ def main() -> None:
     if not args.planners or any(p not in PLANNERS for p in args.planners):
         raise SystemExit(f"--planners {args.planners}: expected a comma list of {', '.join(PLANNERS)}")
     args.copy_programs = [int(p) for p in args.copy_programs.split(",")]
+    args.forms = [f.strip() for f in args.forms.split(",") if f.strip()]
+    if any(f not in PLANNERS or not PLANNERS[f][1].get("one_launch") for f in args.forms):
+        raise SystemExit(f"--forms {args.forms}: expected one-launch names of {', '.join(PLANNERS)}")
+    args.form_tokens = [int(t) for t in args.form_tokens.split(",")]
+    if not args.form_tokens or min(args.form_tokens) < 1:
+        raise SystemExit(f"--form-tokens {args.form_tokens}: expected a comma list of token counts >= 1")
     if args.quality:
         quality(args)
         return
@@ -235,6 +256,9 @@ def main() -> None:
         f"triton {triton.__version__}, commit {args.commit or commit_id()}",
     ]
     write(args.out, lines)
+    if args.forms:
+        launch_forms(lines, args)
+        return
     overhead(lines, args)
     torch.cuda.empty_cache()
     if args.node_cost:

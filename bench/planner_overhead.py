@@ -51,8 +51,8 @@ PLANNERS: dict[str, tuple[str, dict[str, object]]] = {
 }
 
 
-def build(policy: Policy, **planner_kwargs: object):  # type: ignore[no-untyped-def]
-    """Pooled stack, DevicePlanner(**planner_kwargs), telemetry and kernel path of the GPU rows."""
+def build(policy: Policy, max_routed: int = 8 * K, **planner_kwargs: object):  # type: ignore[no-untyped-def]
+    """Pooled stack, DevicePlanner(max_routed=..., **planner_kwargs), telemetry and kernel path of the GPU rows."""
     from pooled_runner import PoolConfig, PooledMoE
     from pooled_runner.kernel_path import KernelPath
 
@@ -71,7 +71,7 @@ def build(policy: Policy, **planner_kwargs: object):  # type: ignore[no-untyped-
     priority = [(layer, e) for e in range(E) for layer in range(L)]  # experts 0..63 of every layer resident
     moe.install(lambda layer, e: distinct[(layer * E + e) % len(distinct)], priority)
     assert moe.pool is not None
-    planner = DevicePlanner(moe.pool, policy, max_routed=8 * K, debug_checks=False, **planner_kwargs)  # type: ignore[arg-type]
+    planner = DevicePlanner(moe.pool, policy, max_routed=max_routed, debug_checks=False, **planner_kwargs)  # type: ignore[arg-type]
     tel = RouteTelemetry([E] * L, moe.pool.device, fused=planner.fused)
     return moe, planner, tel, KernelPath(moe.format, moe.pool, moe.bank, H, I)
 

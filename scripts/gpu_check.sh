@@ -69,6 +69,8 @@ else
   step bench_prefill "${BENCH_PREFILL_CAP:-150}" "$PY" -m bench.prefill --quick --out "$OUT/bench_prefill.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_prefill_int4 "${BENCH_PREFILL_INT4_CAP:-120}" "$PY" -m bench.prefill --quick --shapes qwen3 --formats int4-g128 --fracs 0.25 --out "$OUT/bench_prefill_int4.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_planner "${BENCH_PLANNER_CAP:-120}" "$PY" -m bench.planner --quick --out "$OUT/bench_planner.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  # the plan + copy's launch forms against each other at 1-64 tokens per step (bench/planner_forms.py)
+  step bench_planner_forms "${BENCH_PLANNER_FORMS_CAP:-240}" "$PY" -m bench.planner --quick --forms one,one-coop,one-pdl,one-nc,one-coop-pdl --out "$OUT/bench_planner_forms.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_decode "${BENCH_DECODE_CAP:-360}" "$PY" -m bench.decode --quick --out "$OUT/bench_decode.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # MTP: ours at num_spec 0 and 3, with and without draft-lane pruning (budgets 0 and 8 unpaid routes per step)
   step bench_decode_mtp "${BENCH_DECODE_MTP_CAP:-240}" "$PY" -m bench.decode --quick --mtp per-layer --families per-layer --ours-only --draft-budgets 0,8 --out "$OUT/bench_decode_mtp.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
