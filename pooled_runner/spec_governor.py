@@ -46,11 +46,13 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-MIN_RELATIVE_VARIANCE = (
-    0.02**2
-)  # floor of a depth's step-time variance (relative): two equal samples prove little
+# floor of a depth's step-time variance (relative): two equal samples prove little
+MIN_RELATIVE_VARIANCE = 0.02**2
+# steps in a row dropped as outliers (longer than `outlier_factor` x their depth's average) before the running
+# average restarts from them (a change of conditions)
 MAX_OUTLIERS_IN_A_ROW = 3
-CLEAR_LOSS = 0.9  # a probe below this share of the current rate loses clearly: its interval grows 4x, not 2x  # running steps dropped as outliers before the average restarts from them
+# a probe below this share of the current rate loses clearly: its interval grows 4x, not 2x
+CLEAR_LOSS = 0.9
 
 
 def expected_chain_tokens(depth: int, accept: float) -> float:
