@@ -60,9 +60,11 @@ class PoolConfig:
     # Help text for the CLI flag of each field; the flag name is `--moe-expert-pool-<field>` unless listed in
     # `_FLAG_NAMES`.
     _HELP: ClassVar[dict[str, str]] = {
-        "pool_rows": "GPU rows of the expert pool shared by all pooled MoE layers (required).",
-        "weight_format": "Expert weight format.",
-        "device": "Device of the pool rows (auto: cuda if available, else cpu).",
+        "pool_rows": "GPU rows of the expert pool shared by all pooled MoE layers (required with --model; the "
+        "embedded model has its own default).",
+        "weight_format": "Expert weight format (the launcher serves bf16 only; the others are for the Python API).",
+        "device": "Device of the pool rows: cuda, cuda:N or cpu (auto: cpu under SGLang's --device cpu, else cuda "
+        "if available, else cpu).",
         "prefill_staging": "Stage a layer's non-resident experts into VRAM for prefill steps of at least "
         "--moe-expert-pool-staging-min-tokens tokens.",
         "staging_min_tokens": "Smallest step, in tokens, that uses prefill staging.",
@@ -101,8 +103,17 @@ class PoolConfig:
             out.append(f"pool_rows={self.pool_rows!r} must be a positive integer (--moe-expert-pool-rows N)")
         if self.weight_format not in FORMATS:
             out.append(f"weight_format={self.weight_format!r} is not one of {sorted(FORMATS)}")
-        if self.staging_min_tokens < 1:
-            out.append(f"staging_min_tokens={self.staging_min_tokens} must be >= 1")
+        for name in ("prefill_staging", "telemetry", "draft_pruning"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):  # "no" or "false" would be truthy
+                out.append(
+                    f"{name}={value!r} must be True or False ({flag_name(name)} / --no-{flag_name(name)[2:]})"
+                )
+        if type(self.staging_min_tokens) is not int or self.staging_min_tokens < 1:  # not bool, float or str
+            out.append(
+                f"staging_min_tokens={self.staging_min_tokens!r} must be an integer >= 1 "
+                "(--moe-expert-pool-staging-min-tokens N)"
+            )
         if type(self.staging_chunk_experts) is not int or self.staging_chunk_experts < 1:  # not bool either
             out.append(
                 f"staging_chunk_experts={self.staging_chunk_experts!r} must be an integer >= 1 "
@@ -118,10 +129,7 @@ class PoolConfig:
                 "(--moe-expert-pool-spec-governor)"
             )
         if self.device != AUTO:
-            try:
-                torch.device(self.device)
-            except (RuntimeError, TypeError):
-                out.append(f"device={self.device!r} is not a torch device (use cuda, cuda:N or cpu)")
+            out += device_problems(self.device)
         return out
 
     @classmethod
@@ -135,7 +143,10 @@ class PoolConfig:
         if device == AUTO:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         requested["device"] = device
-        if torch.device(device).type != "cuda" and requested.get("prefill_staging", True):
+        problems = device_problems(device)
+        if problems:  # before torch.device() below, which raises a bare RuntimeError on a bad name
+            raise ValueError("invalid PoolConfig: " + "; ".join(problems))
+        if torch.device(device).type != "cuda" and requested.get("prefill_staging", True) is True:
             logger.info("prefill staging disabled: device %s has nothing to stage into", device)
             requested["prefill_staging"] = False
         return cls(**requested)
@@ -146,6 +157,23 @@ class PoolConfig:
 
     def replace(self, **changes: Any) -> PoolConfig:
         return dataclasses.replace(self, **changes)
+
+
+def device_problems(device: object) -> list[str]:
+    """Problems with a pool device name: it must be "cpu", "cuda" or "cuda:N", and CUDA must be there for a
+    CUDA device (empty when valid)."""
+    hint = "use cuda, cuda:N or cpu (--moe-expert-pool-device)"
+    try:
+        parsed = torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError):
+        return [f"device={device!r} is not a torch device: {hint}"]
+    if parsed.type not in ("cuda", "cpu"):
+        return [f"device={device!r}: the pool runs on CUDA or the CPU only; {hint}"]
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        return [f"device={device!r} but CUDA is not available on this machine: use cpu (or auto)"]
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        return [f"device={device!r} but this machine has {torch.cuda.device_count()} CUDA device(s)"]
+    return []
 
 
 def flag_name(field_name: str) -> str:

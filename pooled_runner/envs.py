@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 PREFIX = "POOLED_RUNNER_"
 # Every name a function below reads, plus the test harness's two (scripts/test.sh, tests/engine/server.py).
@@ -63,9 +63,15 @@ def _get_str(name: str, default: str) -> str:
     return _read(name) or default
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def log_level() -> str:
-    """POOLED_RUNNER_LOG_LEVEL: level of the `pooled_runner` logger (default INFO)."""
-    return _get_str("LOG_LEVEL", "INFO").upper()
+    """POOLED_RUNNER_LOG_LEVEL: level of the `pooled_runner` logger (default INFO; one of LOG_LEVELS)."""
+    value = _get_str("LOG_LEVEL", "INFO").strip().upper()
+    if value not in LOG_LEVELS:
+        raise ValueError(f"{PREFIX}LOG_LEVEL={value!r}: expected one of {', '.join(LOG_LEVELS)}")
+    return value
 
 
 def force_torch_path() -> bool:
@@ -148,3 +154,26 @@ def moe_decode_kernel() -> str:
 def serve_config() -> str:
     """POOLED_RUNNER_SERVE_CONFIG: JSON of the resolved serving config, set by the launcher for its children."""
     return _get_str("SERVE_CONFIG", "")
+
+
+def check_all() -> list[str]:
+    """Read every knob once and return each problem (an unknown name, a value a knob refuses), so that a launch
+    refuses a bad environment before it starts anything rather than when a child first reads the knob."""
+    try:
+        check_names()
+    except ValueError as exc:
+        return [str(exc)]
+    problems = []
+    for read in READERS:
+        try:
+            read()
+        except ValueError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+# every knob reader above (tests/test_config_and_inputs.py checks that none is missing)
+READERS: tuple[Callable[[], object], ...] = (
+    log_level, force_torch_path, debug_checks, torch_planner, plan_split_copy, plan_cooperative, plan_pdl,
+    plan_overlap, moe_pdl, cache_dir, moe_decode_kernel, serve_config,
+)  # fmt: skip

@@ -18,10 +18,12 @@ Everything up to `LaunchPlan` runs without importing SGLang, so bad flags are re
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         add_help=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,  # never swallow an SGLang flag as an abbreviation of ours
         description="SGLang server with pooled MoE experts. Flags not listed here are SGLang's (below).",
     )
@@ -182,10 +185,89 @@ def spec_governor_problems(governor: str, argv: list[str], tp_size: int = 1) -> 
     return []
 
 
+def argv_problems(argv: list[str], pooled: bool) -> list[str]:
+    """Problems with SGLang's argv that the launcher cannot serve or cannot see through, each with the fix."""
+    out: list[str] = []
+    if _has_flag(argv, "--config"):
+        # SGLang merges the file under the command line; the launcher reads the command line only, so it would
+        # check (and prepend the embedded model for) a command line that is not the one SGLang serves
+        out.append(
+            "--config FILE is not read by this launcher (its model, --tp-size and speculative settings would "
+            "escape the pool's checks): pass those options on the command line instead"
+        )
+    known = {flag_name(f.name) for f in cli_fields()} | {
+        "--no-moe-expert-pool",
+        "--moe-expert-pool-stats-interval",
+    }
+    known |= {"--no-" + name[2:] for name in known}
+    for arg in argv:
+        name = arg.split("=", 1)[0]
+        if name.startswith(("--moe-expert-pool", "--no-moe-expert-pool")) and name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+            out.append(
+                f"unknown flag {name}" + (f": did you mean {close[0]}?" if close else f" (see {PROG} --help)")
+            )
+    if pooled and _has_flag(argv, "--quantization"):
+        out.append(
+            "--quantization: the pool handles unquantized (bf16/fp16/fp32) experts only; drop --quantization "
+            "or pass --no-moe-expert-pool"
+        )
+    return out
+
+
+def _device_problems(
+    argv: list[str], ours: argparse.Namespace, cuda_available: bool, tp_size: int
+) -> list[str]:
+    """SGLang's `--device` against this machine and the pool's device."""
+    out: list[str] = []
+    sglang_device = _flag_value(argv, "--device")
+    if sglang_device is not None and sglang_device != "cpu" and not cuda_available:
+        out.append(f"--device {sglang_device} but CUDA is not available on this machine: use --device cpu")
+    pool_device = str(getattr(ours, "device", "auto"))
+    if sglang_device == "cpu" and pool_device.startswith("cuda"):
+        out.append(
+            f"--device cpu with {flag_name('device')} {pool_device}: the pool must be where the model runs; "
+            f"drop {flag_name('device')} (auto follows --device)"
+        )
+    if tp_size > 1 and pool_device.startswith("cuda:"):
+        out.append(
+            f"{flag_name('device')} {pool_device} with --tp-size {tp_size}: each rank's pool belongs on that "
+            f"rank's GPU; use {flag_name('device')} cuda (or auto)"
+        )
+    return out
+
+
+def _model_facts(model_path: str) -> ModelFacts | None:
+    """`read_model_facts` of a local folder, or of a hub id's config.json when it is already in the local
+    Hugging Face cache (no download here); None, with a warning, when neither is there."""
+    facts = read_model_facts(model_path)
+    if facts is not None or Path(model_path).expanduser().exists():
+        return facts
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model_path, "config.json")
+    except Exception:  # not a hub id, or no huggingface_hub: nothing to read
+        cached = None
+    if isinstance(cached, str):
+        return read_model_facts(str(Path(cached).parent))
+    logger.warning(
+        "pooled_runner: no config.json of %s on this machine (not a local folder, not in the Hugging Face cache): "
+        "the checks of %s, quantization and --tp-size against the model are skipped. Download it first "
+        "(huggingface-cli download %s) or pass a local path to have them",
+        model_path,
+        flag_name("pool_rows"),
+        model_path,
+    )
+    return None
+
+
 def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bool) -> LaunchPlan:
     """Turn our parsed flags and SGLang's argv into a LaunchPlan; ValueError lists every problem at once."""
     argv = list(rest)
-    problems: list[str] = []
+    problems: list[str] = argv_problems(argv, pooled=not ours.no_pool)
+    if _flag_value(argv, "--device") == "cpu":
+        cuda_available = False  # serve on the CPU as asked: the pool (device auto) and the CPU patches follow
     embedded = not _has_flag(argv, *_MODEL_FLAGS)
     rows = ours.pool_rows
     try:
@@ -193,6 +275,7 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
     except ValueError as exc:
         problems.append(str(exc))
         tp_size = 1
+    problems += _device_problems(argv, ours, cuda_available, tp_size)
     memory: RankMemory | None = None
     if embedded:
         from pooled_runner.sglang.embedded import DEFAULT_POOL_ROWS, ensure_embedded_model
@@ -209,18 +292,28 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
                 "layers. Use one of them (drop --enable-paged-experts, or pass --no-moe-expert-pool)"
             )
         model_path = _flag_value(argv, *_MODEL_FLAGS)
-        facts = read_model_facts(model_path) if model_path else None
-        problems += pool_problems(rows, facts, tp_size, cpu=not cuda_available)
+        facts = _model_facts(model_path) if model_path else None
+        row_problems = pool_problems(rows, facts, tp_size, cpu=not cuda_available)
+        problems += row_problems
         problems += spec_governor_problems(ours.spec_governor, argv, tp_size)
         if ours.stats_interval <= 0:
             problems.append(f"--moe-expert-pool-stats-interval {ours.stats_interval}: must be positive")
-        if not problems:
-            values = {f.name: getattr(ours, f.name) for f in cli_fields()}
-            values["pool_rows"] = rows
-            try:
-                pool = PoolConfig.resolve(**values)
-            except ValueError as exc:
-                problems.append(str(exc))
+        if ours.weight_format != "bf16":
+            problems.append(
+                f"{flag_name('weight_format')} {ours.weight_format}: serving loads unquantized checkpoints into "
+                "bf16 rows only (the other formats are for the Python API and the benchmarks); use bf16"
+            )
+        values = {f.name: getattr(ours, f.name) for f in cli_fields()}
+        # a bad row count is reported above, with the model's numbers: check the other fields with a valid one
+        values["pool_rows"] = rows if rows is not None and rows > 0 else 1
+        if values["device"] == "auto" and _flag_value(argv, "--device") == "cpu":
+            values["device"] = "cpu"  # serving on the CPU as asked, on a machine with CUDA
+        try:
+            pool = PoolConfig.resolve(**values)
+        except ValueError as exc:
+            problems.append(str(exc))
+        if problems:
+            pool = None
         if not problems and pool is not None and facts is not None and facts.hidden_size > 0:
             memory = rank_memory(
                 pool.weight_format,
@@ -325,6 +418,10 @@ def serve(server_args: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    env_problems = envs.check_all()  # every knob now, not when a child first reads it
+    if env_problems:
+        print(f"{PROG}: cannot launch:\n  - " + "\n  - ".join(env_problems), file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=envs.log_level(), format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S"
     )

@@ -1,0 +1,183 @@
+"""What the launcher and `PoolConfig` refuse before anything starts, each with the fix: options the launcher
+cannot see through (SGLang's --config), misspelt pool flags, configurations serving cannot load (quantized
+checkpoints, non-bf16 pool formats), devices that do not match the machine or SGLang's --device, bad knob values,
+wrongly typed config values; and a hub model id read from the local Hugging Face cache."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from pooled_runner import envs
+from pooled_runner.config import PoolConfig
+from pooled_runner.launch import build_parser, main, resolve_launch
+
+QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "num_hidden_layers": 6,
+    "num_experts": 10,
+    "num_experts_per_tok": 3,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [2],
+}
+
+
+def plan(argv: list[str], cuda: bool = False):  # type: ignore[no-untyped-def]
+    ours, rest = build_parser().parse_known_args(argv)
+    return resolve_launch(ours, rest, cuda_available=cuda)
+
+
+def refusal(argv: list[str], cuda: bool = False) -> str:
+    with pytest.raises(ValueError, match="cannot launch") as info:
+        plan(argv, cuda)
+    return str(info.value)
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> str:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(QWEN3_MOE))
+    return str(folder)
+
+
+def test_sglang_config_file_is_refused(model: str) -> None:
+    # SGLang would serve the file's model under the command line's checks (or the embedded model's)
+    assert "--config FILE is not read by this launcher" in refusal(["--config", "serve.yaml"])
+    assert "--config FILE" in refusal(
+        ["--model", model, "--moe-expert-pool-rows", "8", "--config=serve.yaml"]
+    )
+
+
+def test_misspelt_pool_flag_names_the_right_one(model: str) -> None:
+    message = refusal(["--model", model, "--moe-expert-pool-row", "8"])
+    assert "unknown flag --moe-expert-pool-row: did you mean --moe-expert-pool-rows?" in message
+    message = refusal(
+        ["--model", model, "--moe-expert-pool-rows", "8", "--no-moe-expert-pool-prefil-staging"]
+    )
+    assert "did you mean --no-moe-expert-pool-prefill-staging?" in message
+    # SGLang's own --moe-* flags still pass (no abbreviation, no prefix of ours)
+    assert (
+        "--moe-runner-backend"
+        in plan(
+            ["--model", model, "--moe-expert-pool-rows", "8", "--moe-runner-backend", "triton"]
+        ).sglang_argv
+    )
+
+
+def test_quantization_and_non_bf16_pool_formats_are_refused_for_serving(model: str) -> None:
+    message = refusal(["--model", model, "--moe-expert-pool-rows", "8", "--quantization", "fp8"])
+    assert "--quantization: the pool handles unquantized" in message and "--no-moe-expert-pool" in message
+    unpooled = plan(["--model", model, "--no-moe-expert-pool", "--quantization", "fp8"])
+    assert unpooled.serve.pool is None
+    message = refusal(
+        ["--model", model, "--moe-expert-pool-rows", "8", "--moe-expert-pool-weight-format", "int4-g128"]
+    )
+    assert (
+        "--moe-expert-pool-weight-format int4-g128: serving loads unquantized checkpoints into bf16 rows"
+        in message
+    )
+
+
+def test_devices_must_match_the_machine_and_sglang(model: str) -> None:
+    base = ["--model", model, "--moe-expert-pool-rows", "8"]
+    assert "--device cuda but CUDA is not available" in refusal([*base, "--device", "cuda"], cuda=False)
+    cpu_on_gpu_box = plan([*base, "--device", "cpu"], cuda=True)  # serve on the CPU as asked
+    assert cpu_on_gpu_box.serve.cpu and cpu_on_gpu_box.serve.pool.device == "cpu"
+    assert "--max-total-tokens" in cpu_on_gpu_box.sglang_argv
+    assert "--disable-cuda-graph" not in cpu_on_gpu_box.sglang_argv
+    message = refusal([*base, "--device", "cpu", "--moe-expert-pool-device", "cuda"], cuda=True)
+    assert "the pool must be where the model runs" in message
+    message = refusal([*base, "--tp-size", "2", "--moe-expert-pool-device", "cuda:1"], cuda=True)
+    assert "each rank's pool belongs on that rank's GPU" in message
+    for bad in ("gpu", "meta"):
+        message = refusal([*base, "--moe-expert-pool-device", bad])
+        assert f"device={bad!r}" in message and "use cuda, cuda:N or cpu" in message
+
+
+def test_every_config_problem_in_one_message(model: str) -> None:
+    message = refusal(
+        ["--model", model, "--moe-expert-pool-rows", "0", "--moe-expert-pool-staging-min-tokens", "0"]
+    )
+    assert "must be a positive number of rows" in message and "staging_min_tokens=0" in message
+    assert "pool_rows=" not in message  # the rows are reported once, with the model's numbers
+
+
+def test_hub_id_is_read_from_the_local_cache_or_warned_about(
+    model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with caplog.at_level(logging.WARNING, logger="pooled_runner"):
+        p = plan(["--model", "some-org/some-moe", "--moe-expert-pool-rows", "999"])
+    assert p.facts is None and p.serve.pool is not None  # nothing to check against: accepted, with a warning
+    assert "no config.json of some-org/some-moe" in caplog.text and "checks" in caplog.text
+    # the same id once its config.json is in the cache (the layout huggingface_hub writes): checked
+    repo = tmp_path / "hub" / "models--some-org--some-moe"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text(json.dumps(QWEN3_MOE))
+    assert "above the 50 routed experts" in refusal(
+        ["--model", "some-org/some-moe", "--moe-expert-pool-rows", "999"]
+    )
+
+
+def test_bad_knob_values_refused_at_launch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(envs, "_checked", False)
+    monkeypatch.setenv("POOLED_RUNNER_DEBUG_CHECKS", "maybe")
+    monkeypatch.setenv("POOLED_RUNNER_LOG_LEVEL", "verbose")
+    problems = envs.check_all()
+    assert len(problems) == 2, problems
+    assert (
+        "POOLED_RUNNER_DEBUG_CHECKS='maybe'" in problems[1]
+        and "POOLED_RUNNER_LOG_LEVEL='VERBOSE'" in problems[0]
+    )
+    assert "DEBUG, INFO, WARNING" in problems[0]
+    assert main(["--moe-expert-pool-rows", "8"]) == 2  # before any model is generated or SGLang imported
+    assert "POOLED_RUNNER_DEBUG_CHECKS" in capsys.readouterr().err
+
+
+def test_check_all_reads_every_knob() -> None:
+    readers = {
+        name
+        for name, fn in inspect.getmembers(envs, inspect.isfunction)
+        if fn.__module__ == envs.__name__ and (fn.__doc__ or "").startswith(envs.PREFIX)
+    }
+    assert readers and readers == {fn.__name__ for fn in envs.READERS}, readers ^ {
+        fn.__name__ for fn in envs.READERS
+    }
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("prefill_staging", "no", "prefill_staging='no' must be True or False"),
+        ("telemetry", "false", "telemetry='false' must be True or False"),
+        ("draft_pruning", 1, "draft_pruning=1 must be True or False"),
+        ("staging_min_tokens", 2.5, "staging_min_tokens=2.5 must be an integer >= 1"),
+        ("staging_min_tokens", "512", "staging_min_tokens='512' must be an integer >= 1"),
+        ("staging_min_tokens", True, "staging_min_tokens=True must be an integer >= 1"),
+        ("device", "gpu", "device='gpu' is not a torch device"),
+        ("device", "meta", "device='meta': the pool runs on CUDA or the CPU only"),
+    ],
+)
+def test_python_api_refuses_wrongly_typed_values(field: str, value: object, expected: str) -> None:
+    with pytest.raises(ValueError, match="invalid PoolConfig") as info:
+        PoolConfig.resolve(pool_rows=4, **{"device": "cpu", field: value})
+    assert expected in str(info.value)
+
+
+def test_cuda_pool_refused_without_cuda() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks a machine without CUDA")
+    with pytest.raises(ValueError, match="CUDA is not available on this machine"):
+        PoolConfig.resolve(pool_rows=4, device="cuda")
