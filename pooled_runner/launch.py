@@ -43,6 +43,12 @@ _TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16}
 _DTYPES |= {"float16": torch.float16, "half": torch.float16}
 CPU_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+# SGLang flags the launcher reads from argv itself (so an abbreviation of one, which SGLang would take, is refused)
+_READ_FLAGS = frozenset(
+    {*_MODEL_FLAGS, *_TP_FLAGS, "--device", "--dtype", "--enable-metrics", "--speculative-algorithm"}
+    | {"--speculative-adaptive", "--disable-cuda-graph", "--max-total-tokens", "--quantization", "--config"}
+    | {"--enable-paged-experts"}
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,6 +212,14 @@ def argv_problems(argv: list[str], pooled: bool) -> list[str]:
             close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
             out.append(
                 f"unknown flag {name}" + (f": did you mean {close[0]}?" if close else f" (see {PROG} --help)")
+            )
+    for arg in argv:
+        name = arg.split("=", 1)[0]
+        if name.startswith("--") and name not in _READ_FLAGS and any(f.startswith(name) for f in _READ_FLAGS):
+            # SGLang's parser takes abbreviations; the launcher's scan of argv would miss this one
+            full = sorted(f for f in _READ_FLAGS if f.startswith(name))
+            out.append(
+                f"{name} abbreviates {' or '.join(full)}: write it in full (the launcher reads it too)"
             )
     if pooled and _has_flag(argv, "--quantization"):
         out.append(

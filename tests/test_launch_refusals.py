@@ -70,6 +70,18 @@ def test_misspelt_pool_flag_names_the_right_one(model: str) -> None:
     )
 
 
+def test_abbreviated_sglang_flags_the_launcher_reads_are_refused(model: str) -> None:
+    # SGLang would take --model-p as --model-path while the launcher served (and checked) the embedded model
+    assert "--model-p abbreviates --model-path: write it in full" in refusal(["--model-p", model])
+    assert "--tensor-parallel abbreviates --tensor-parallel-size" in refusal(
+        ["--model", model, "--moe-expert-pool-rows", "8", "--tensor-parallel=2"]
+    )
+    ok = plan(
+        ["--model", model, "--moe-expert-pool-rows", "8", "--tp", "1", "--enable-metrics-for-all-schedulers"]
+    )
+    assert ok.tp_size == 1  # full names (and longer SGLang flags) pass
+
+
 def test_quantization_and_non_bf16_pool_formats_are_refused_for_serving(model: str) -> None:
     message = refusal(["--model", model, "--moe-expert-pool-rows", "8", "--quantization", "fp8"])
     assert "--quantization: the pool handles unquantized" in message and "--no-moe-expert-pool" in message
