@@ -6,6 +6,7 @@ Read through the functions here, never with os.environ elsewhere, so the full li
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from collections.abc import Callable, Mapping
 
@@ -63,14 +64,12 @@ def _get_str(name: str, default: str) -> str:
     return _read(name) or default
 
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
 def log_level() -> str:
-    """POOLED_RUNNER_LOG_LEVEL: level of the `pooled_runner` logger (default INFO; one of LOG_LEVELS)."""
+    """POOLED_RUNNER_LOG_LEVEL: level of the `pooled_runner` logger (default INFO; any name `logging` takes)."""
     value = _get_str("LOG_LEVEL", "INFO").strip().upper()
-    if value not in LOG_LEVELS:
-        raise ValueError(f"{PREFIX}LOG_LEVEL={value!r}: expected one of {', '.join(LOG_LEVELS)}")
+    levels = logging.getLevelNamesMapping()
+    if value not in levels:
+        raise ValueError(f"{PREFIX}LOG_LEVEL={value!r}: expected one of {', '.join(sorted(levels))}")
     return value
 
 
@@ -172,7 +171,7 @@ def check_all() -> list[str]:
     return problems
 
 
-# every knob reader above (tests/test_config_and_inputs.py checks that none is missing)
+# every knob reader above (tests/test_launch_refusals.py checks that none is missing)
 READERS: tuple[Callable[[], object], ...] = (
     log_level, force_torch_path, debug_checks, torch_planner, plan_split_copy, plan_cooperative, plan_pdl,
     plan_overlap, moe_pdl, cache_dir, moe_decode_kernel, serve_config,

@@ -47,7 +47,7 @@ CPU_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 _READ_FLAGS = frozenset(
     {*_MODEL_FLAGS, *_TP_FLAGS, "--device", "--dtype", "--enable-metrics", "--speculative-algorithm"}
     | {"--speculative-adaptive", "--disable-cuda-graph", "--max-total-tokens", "--quantization", "--config"}
-    | {"--enable-paged-experts"}
+    | {"--enable-paged-experts", "--revision", "--download-dir"}
 )
 
 
@@ -84,13 +84,15 @@ def _has_flag(argv: list[str], *names: str) -> bool:
 
 
 def _flag_value(argv: list[str], *names: str) -> str | None:
+    """The value of the last of `names` in argv (SGLang's argparse keeps the last one too); None if absent."""
+    value = None
     for i, a in enumerate(argv):
         for n in names:
             if a == n and i + 1 < len(argv):
-                return argv[i + 1]
-            if a.startswith(n + "="):
-                return a.split("=", 1)[1]
-    return None
+                value = argv[i + 1]
+            elif a.startswith(n + "="):
+                value = a.split("=", 1)[1]
+    return value
 
 
 @dataclass(frozen=True)
@@ -215,13 +217,18 @@ def argv_problems(argv: list[str], pooled: bool) -> list[str]:
             )
     for arg in argv:
         name = arg.split("=", 1)[0]
-        if name.startswith("--") and name not in _READ_FLAGS and any(f.startswith(name) for f in _READ_FLAGS):
+        if (
+            len(name) > 2
+            and name.startswith("--")
+            and name not in _READ_FLAGS
+            and any(f.startswith(name) for f in _READ_FLAGS)
+        ):
             # SGLang's parser takes abbreviations; the launcher's scan of argv would miss this one
             full = sorted(f for f in _READ_FLAGS if f.startswith(name))
             out.append(
                 f"{name} abbreviates {' or '.join(full)}: write it in full (the launcher reads it too)"
             )
-    if pooled and _has_flag(argv, "--quantization"):
+    if pooled and _flag_value(argv, "--quantization") not in (None, "unquant"):
         out.append(
             "--quantization: the pool handles unquantized (bf16/fp16/fp32) experts only; drop --quantization "
             "or pass --no-moe-expert-pool"
@@ -235,13 +242,26 @@ def _device_problems(
     """SGLang's `--device` against this machine and the pool's device."""
     out: list[str] = []
     sglang_device = _flag_value(argv, "--device")
-    if sglang_device is not None and sglang_device != "cpu" and not cuda_available:
-        out.append(f"--device {sglang_device} but CUDA is not available on this machine: use --device cpu")
-    pool_device = str(getattr(ours, "device", "auto"))
-    if sglang_device == "cpu" and pool_device.startswith("cuda"):
+    if sglang_device is not None and sglang_device != "cpu" and not sglang_device.startswith("cuda"):
         out.append(
-            f"--device cpu with {flag_name('device')} {pool_device}: the pool must be where the model runs; "
-            f"drop {flag_name('device')} (auto follows --device)"
+            f"--device {sglang_device}: the pooled server runs on CUDA or the CPU (--device cuda or cpu)"
+        )
+    elif sglang_device is not None and sglang_device.startswith("cuda") and not cuda_available:
+        out.append(f"--device {sglang_device} but CUDA is not available on this machine: use --device cpu")
+    elif sglang_device == "cpu" and cuda_available:
+        # SGLang 0.5.23 picks its ops' code by platform, not by --device, and the CPU patches refuse a CUDA
+        # machine: hiding the GPUs is what makes it a CPU machine for both
+        out.append(
+            "--device cpu on a machine with CUDA: to serve on the CPU, hide the GPUs (CUDA_VISIBLE_DEVICES= "
+            "python -m pooled_runner.launch ...); to serve on the GPU, drop --device cpu"
+        )
+    pool_device = str(getattr(ours, "device", "auto"))
+    if (
+        pool_device == "cpu" and cuda_available and sglang_device != "cpu"
+    ):  # (cuda without CUDA: PoolConfig says it)
+        out.append(
+            f"{flag_name('device')} cpu while the model runs on CUDA: the pool must be where the model runs; "
+            f"drop {flag_name('device')} (auto follows the machine)"
         )
     if tp_size > 1 and pool_device.startswith("cuda:"):
         out.append(
@@ -251,16 +271,19 @@ def _device_problems(
     return out
 
 
-def _model_facts(model_path: str) -> ModelFacts | None:
-    """`read_model_facts` of a local folder, or of a hub id's config.json when it is already in the local
-    Hugging Face cache (no download here); None, with a warning, when neither is there."""
+def _model_facts(
+    model_path: str, revision: str | None = None, cache_dir: str | None = None
+) -> ModelFacts | None:
+    """`read_model_facts` of a local folder, or of a hub id's config.json at SGLang's `--revision` when it is
+    already in the local Hugging Face cache (SGLang's `--download-dir`, else the default; no download here);
+    None, with a warning, when neither is there."""
     facts = read_model_facts(model_path)
     if facts is not None or Path(model_path).expanduser().exists():
         return facts
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        cached = try_to_load_from_cache(model_path, "config.json")
+        cached = try_to_load_from_cache(model_path, "config.json", cache_dir=cache_dir, revision=revision)
     except Exception:  # not a hub id, or no huggingface_hub: nothing to read
         cached = None
     if isinstance(cached, str):
@@ -280,8 +303,6 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
     """Turn our parsed flags and SGLang's argv into a LaunchPlan; ValueError lists every problem at once."""
     argv = list(rest)
     problems: list[str] = argv_problems(argv, pooled=not ours.no_pool)
-    if _flag_value(argv, "--device") == "cpu":
-        cuda_available = False  # serve on the CPU as asked: the pool (device auto) and the CPU patches follow
     embedded = not _has_flag(argv, *_MODEL_FLAGS)
     rows = ours.pool_rows
     try:
@@ -289,8 +310,11 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
     except ValueError as exc:
         problems.append(str(exc))
         tp_size = 1
-    problems += _device_problems(argv, ours, cuda_available, tp_size)
+    if not ours.no_pool:
+        problems += _device_problems(argv, ours, cuda_available, tp_size)
     memory: RankMemory | None = None
+    if embedded and problems:  # say them before generating the embedded model (its checks come after)
+        raise ValueError("cannot launch:\n  - " + "\n  - ".join(problems))
     if embedded:
         from pooled_runner.sglang.embedded import DEFAULT_POOL_ROWS, ensure_embedded_model
 
@@ -306,7 +330,8 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
                 "layers. Use one of them (drop --enable-paged-experts, or pass --no-moe-expert-pool)"
             )
         model_path = _flag_value(argv, *_MODEL_FLAGS)
-        facts = _model_facts(model_path) if model_path else None
+        revision, download_dir = _flag_value(argv, "--revision"), _flag_value(argv, "--download-dir")
+        facts = _model_facts(model_path, revision, download_dir) if model_path else None
         row_problems = pool_problems(rows, facts, tp_size, cpu=not cuda_available)
         problems += row_problems
         problems += spec_governor_problems(ours.spec_governor, argv, tp_size)
@@ -320,8 +345,6 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
         values = {f.name: getattr(ours, f.name) for f in cli_fields()}
         # a bad row count is reported above, with the model's numbers: check the other fields with a valid one
         values["pool_rows"] = rows if rows is not None and rows > 0 else 1
-        if values["device"] == "auto" and _flag_value(argv, "--device") == "cpu":
-            values["device"] = "cpu"  # serving on the CPU as asked, on a machine with CUDA
         try:
             pool = PoolConfig.resolve(**values)
         except ValueError as exc:

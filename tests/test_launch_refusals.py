@@ -77,9 +77,18 @@ def test_abbreviated_sglang_flags_the_launcher_reads_are_refused(model: str) -> 
         ["--model", model, "--moe-expert-pool-rows", "8", "--tensor-parallel=2"]
     )
     ok = plan(
-        ["--model", model, "--moe-expert-pool-rows", "8", "--tp", "1", "--enable-metrics-for-all-schedulers"]
+        [
+            "--model",
+            model,
+            "--moe-expert-pool-rows",
+            "8",
+            "--tp",
+            "1",
+            "--enable-metrics-for-all-schedulers",
+            "--",
+        ]
     )
-    assert ok.tp_size == 1  # full names (and longer SGLang flags) pass
+    assert ok.tp_size == 1  # full names (and longer SGLang flags, and a bare --) pass
 
 
 def test_quantization_and_non_bf16_pool_formats_are_refused_for_serving(model: str) -> None:
@@ -87,6 +96,8 @@ def test_quantization_and_non_bf16_pool_formats_are_refused_for_serving(model: s
     assert "--quantization: the pool handles unquantized" in message and "--no-moe-expert-pool" in message
     unpooled = plan(["--model", model, "--no-moe-expert-pool", "--quantization", "fp8"])
     assert unpooled.serve.pool is None
+    # SGLang's "unquant" means no quantization: what the pool needs
+    assert plan(["--model", model, "--moe-expert-pool-rows", "8", "--quantization", "unquant"]).serve.pool
     message = refusal(
         ["--model", model, "--moe-expert-pool-rows", "8", "--moe-expert-pool-weight-format", "int4-g128"]
     )
@@ -99,17 +110,36 @@ def test_quantization_and_non_bf16_pool_formats_are_refused_for_serving(model: s
 def test_devices_must_match_the_machine_and_sglang(model: str) -> None:
     base = ["--model", model, "--moe-expert-pool-rows", "8"]
     assert "--device cuda but CUDA is not available" in refusal([*base, "--device", "cuda"], cuda=False)
-    cpu_on_gpu_box = plan([*base, "--device", "cpu"], cuda=True)  # serve on the CPU as asked
-    assert cpu_on_gpu_box.serve.cpu and cpu_on_gpu_box.serve.pool.device == "cpu"
-    assert "--max-total-tokens" in cpu_on_gpu_box.sglang_argv
-    assert "--disable-cuda-graph" not in cpu_on_gpu_box.sglang_argv
-    message = refusal([*base, "--device", "cpu", "--moe-expert-pool-device", "cuda"], cuda=True)
+    # SGLang picks its ops by platform and the CPU patches refuse CUDA: a CPU server on a GPU box hides the GPUs
+    message = refusal([*base, "--device", "cpu"], cuda=True)
+    assert "--device cpu on a machine with CUDA" in message and "CUDA_VISIBLE_DEVICES=" in message
+    assert "runs on CUDA or the CPU" in refusal([*base, "--device", "xpu"], cuda=True)
+    message = refusal([*base, "--moe-expert-pool-device", "cpu"], cuda=True)
     assert "the pool must be where the model runs" in message
     message = refusal([*base, "--tp-size", "2", "--moe-expert-pool-device", "cuda:1"], cuda=True)
     assert "each rank's pool belongs on that rank's GPU" in message
     for bad in ("gpu", "meta"):
         message = refusal([*base, "--moe-expert-pool-device", bad])
         assert f"device={bad!r}" in message and "use cuda, cuda:N or cpu" in message
+    assert plan([*base, "--device", "cpu"], cuda=False).serve.cpu  # the CPU machine's own case
+    assert plan(["--model", model, "--no-moe-expert-pool", "--device", "cpu"], cuda=True).serve.pool is None
+
+
+def test_the_last_of_a_repeated_flag_counts_as_in_sglang(model: str, tmp_path: Path) -> None:
+    message = refusal(
+        ["--model", str(tmp_path / "nowhere"), "--model", model, "--moe-expert-pool-rows", "999"]
+    )
+    assert "above the 50 routed experts" in message  # the model SGLang will serve is the one checked
+
+
+def test_refusals_come_before_the_embedded_model_is_generated(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pooled_runner.sglang.embedded as embedded
+
+    def generate() -> None:
+        raise AssertionError("the embedded model was generated for a refused launch")
+
+    monkeypatch.setattr(embedded, "ensure_embedded_model", generate)
+    assert "--config FILE" in refusal(["--config", "serve.yaml"])
 
 
 def test_every_config_problem_in_one_message(model: str) -> None:
@@ -139,6 +169,26 @@ def test_hub_id_is_read_from_the_local_cache_or_warned_about(
     assert "above the 50 routed experts" in refusal(
         ["--model", "some-org/some-moe", "--moe-expert-pool-rows", "999"]
     )
+    # SGLang's --revision and --download-dir pick the config.json that is checked
+    wide = json.dumps({**QWEN3_MOE, "num_experts": 200})  # 5 MoE layers x 200
+    (repo / "refs" / "v2").write_text("def456")
+    (repo / "snapshots" / "def456").mkdir()
+    (repo / "snapshots" / "def456" / "config.json").write_text(wide)
+    assert plan(["--model", "some-org/some-moe", "--revision", "v2", "--moe-expert-pool-rows", "999"]).facts
+    other = tmp_path / "downloads" / repo.name
+    (other / "refs").mkdir(parents=True)
+    (other / "refs" / "main").write_text("abc123")
+    (other / "snapshots" / "abc123").mkdir(parents=True)
+    (other / "snapshots" / "abc123" / "config.json").write_text(wide)
+    argv = [
+        "--model",
+        "some-org/some-moe",
+        "--download-dir",
+        str(other.parent),
+        "--moe-expert-pool-rows",
+        "999",
+    ]
+    assert plan(argv).facts is not None
 
 
 def test_bad_knob_values_refused_at_launch(
@@ -153,9 +203,11 @@ def test_bad_knob_values_refused_at_launch(
         "POOLED_RUNNER_DEBUG_CHECKS='maybe'" in problems[1]
         and "POOLED_RUNNER_LOG_LEVEL='VERBOSE'" in problems[0]
     )
-    assert "DEBUG, INFO, WARNING" in problems[0]
+    assert "DEBUG" in problems[0] and "WARNING" in problems[0]
     assert main(["--moe-expert-pool-rows", "8"]) == 2  # before any model is generated or SGLang imported
     assert "POOLED_RUNNER_DEBUG_CHECKS" in capsys.readouterr().err
+    monkeypatch.setenv("POOLED_RUNNER_LOG_LEVEL", "warn")  # any name `logging` takes
+    assert envs.log_level() == "WARN"
 
 
 def test_check_all_reads_every_knob() -> None:
