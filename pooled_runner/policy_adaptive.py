@@ -12,8 +12,11 @@ Rule (all integer arithmetic; device and host forms agree exactly):
     `>> duel_shift` every step). Misses both shadows share (cold misses, the long tail) are left out: summed in,
     they made the relative margin an absolute hurdle that grew with the miss rate, and at 50% rows of a skewed
     trace the frequency mode came tens of steps late (docs/BENCHMARKS.md, sixteenth session).
-  - Mode: frequency while `freq_only + (freq_only >> margin_shift) < lru_only`, else LRU (ties and near-ties go
-    to LRU).
+  - Mode: frequency while `freq_only + (freq_only >> margin_shift) + floor_misses * 256 < lru_only`, else LRU
+    (ties and near-ties go to LRU). The absolute floor makes the frequency shadow prove itself by a few misses
+    (decayed) before the pool leaves LRU: without it, short mistaken switches on drifting traces cost up to 0.2%
+    more misses than LRU; with 8, none of 30 recency-dominated quality cells (five seed bases) is above LRU, for
+    a later switch on skewed ones (docs/BENCHMARKS.md, seventeenth session).
   - LRU mode decides exactly as `LRUPolicy` (victim key 0, candidates by expert id, always admit). Frequency
     mode: victims of lowest value first (ties: least recently used, then row index), candidates of highest count
     first, and a candidate displaces its victim only if `count + recent_bonus * ONE >= victim value`.
@@ -47,9 +50,12 @@ class AdaptivePolicy:
         recent_bonus: int = 32,
         duel_shift: int = 5,
         margin_shift: int = 2,
+        floor_misses: int = 8,
     ):
-        if num_rows < 1 or recent_bonus < 0:
-            raise ValueError(f"num_rows={num_rows} must be >= 1 and recent_bonus={recent_bonus} >= 0")
+        if num_rows < 1 or recent_bonus < 0 or floor_misses < 0:
+            raise ValueError(
+                f"num_rows={num_rows} must be >= 1, recent_bonus={recent_bonus} and floor_misses={floor_misses} >= 0"
+            )
         if not (1 <= decay_shift <= 30 and 1 <= duel_shift <= 30 and 1 <= margin_shift <= 30):
             raise ValueError(
                 f"decay_shift={decay_shift}, duel_shift={duel_shift}, margin_shift={margin_shift} "
@@ -57,6 +63,7 @@ class AdaptivePolicy:
             )
         self.num_rows, self.decay_shift, self.recent_bonus = num_rows, decay_shift, recent_bonus
         self.duel_shift, self.margin_shift = duel_shift, margin_shift
+        self._floor = floor_misses * SCORE
         self._bonus = recent_bonus * ONE
         self.count: torch.Tensor | None = None  # [L * E_max + 1] int64; last slot is a dummy
         self.last_use: torch.Tensor | None = None  # [L * E_max] int64
@@ -105,7 +112,7 @@ class AdaptivePolicy:
         disagree = lru_miss != freq_miss  # [E]
         misses += torch.stack([(lru_miss & disagree).sum(), (freq_miss & disagree).sum()]) * SCORE
         freq = misses[1:2]
-        mode.copy_((freq + (freq >> self.margin_shift) < misses[0:1]).to(torch.int64))
+        mode.copy_((freq + (freq >> self.margin_shift) + self._floor < misses[0:1]).to(torch.int64))
         start = present & (last != now - L)  # not routed at this layer's previous step
         count[lo : lo + E] += start.to(torch.int64) * ONE
         last.copy_(torch.where(present, now, last))
@@ -158,7 +165,7 @@ class AdaptivePolicy:
         self._h_misses[0] += lru_miss * SCORE
         self._h_misses[1] += freq_miss * SCORE
         freq = self._h_misses[1]
-        self._h_mode = int(freq + (freq >> self.margin_shift) < self._h_misses[0])
+        self._h_mode = int(freq + (freq >> self.margin_shift) + self._floor < self._h_misses[0])
         for e in present:
             if last_all[lo + e] != now - L:
                 count[lo + e] += ONE

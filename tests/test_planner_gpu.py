@@ -40,7 +40,8 @@ def make_policy(name: str):
     if name == "aging":
         return AgingFreqPolicy(decay_steps=3)
     if name == "adaptive":
-        return AdaptivePolicy(ROWS, decay_shift=2, duel_shift=1, margin_shift=1)
+        # no floor: both modes within the few captured steps (the floor itself is tested on the CPU)
+        return AdaptivePolicy(ROWS, decay_shift=2, duel_shift=1, margin_shift=1, floor_misses=0)
     return (
         LRUPolicy() if name in ("lru", "lru-ops") else FreqDecayPolicy(decay_steps=4, recent_bonus=2, cap=6)
     )

@@ -24,11 +24,19 @@ def skewed_ids(T: int, K: int, E: int, g: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("layers", "rows", "K", "max_T", "kw", "both_modes"),
     [
-        ([5, 7, 3], 6, 2, 3, {}, True),
+        ([5, 7, 3], 6, 2, 3, dict(floor_misses=0), True),
+        ([5, 7, 3], 6, 2, 3, {}, None),  # the default floor: whichever modes these few steps reach
         ([1], 1, 1, 2, {}, False),
-        ([9, 9], 17, 3, 4, dict(decay_shift=1, duel_shift=1, margin_shift=30), True),
-        ([13, 4, 6, 11], 9, 3, 5, dict(decay_shift=2, recent_bonus=1, duel_shift=2, margin_shift=1), True),
-        ([8, 5, 7], 7, 3, 1, dict(recent_bonus=0, duel_shift=1), True),
+        ([9, 9], 17, 3, 4, dict(decay_shift=1, duel_shift=1, margin_shift=30, floor_misses=0), True),
+        (
+            [13, 4, 6, 11],
+            9,
+            3,
+            5,
+            dict(decay_shift=2, recent_bonus=1, duel_shift=2, margin_shift=1, floor_misses=1),
+            True,
+        ),
+        ([8, 5, 7], 7, 3, 1, dict(recent_bonus=0, duel_shift=1, floor_misses=0), True),
     ],
 )
 def test_device_planner_equals_twin(layers, rows, K, max_T, kw, both_modes):
@@ -51,11 +59,13 @@ def test_device_planner_equals_twin(layers, rows, K, max_T, kw, both_modes):
     assert (c["hits"], c["misses"], c["admissions"]) == (twin.hits, twin.misses, twin.admissions)
     planner.store_to_pool()
     pool.check_invariants()
-    assert modes == ({0, 1} if both_modes else {0})  # LRU first (a tie), frequency once it misses less
+    if both_modes is not None:
+        assert modes == ({0, 1} if both_modes else {0})  # LRU first (a tie), frequency once it misses less
 
 
 def test_bad_parameters_and_pool_size():
-    for kw in (dict(num_rows=0), dict(num_rows=4, decay_shift=0), dict(num_rows=4, recent_bonus=-1)):
+    bad = (dict(num_rows=0), dict(num_rows=4, decay_shift=0), dict(num_rows=4, recent_bonus=-1))
+    for kw in (*bad, dict(num_rows=4, floor_misses=-1)):
         with pytest.raises(ValueError):
             AdaptivePolicy(**kw)
     assert isinstance(make_policy("adaptive", num_rows=3), AdaptivePolicy)
@@ -139,3 +149,25 @@ def test_duel_counts_only_the_misses_where_the_shadows_disagree():
             before[0] + 256 * lru_only,
             before[1] + 256 * freq_only,
         ], step
+
+
+@pytest.mark.parametrize(("lru_only", "freq_only"), [(11 * 256, 2 * 256), (900, 100), (40 * 256, 30 * 256)])
+def test_frequency_mode_needs_the_floor_beyond_the_margin(lru_only: int, freq_only: int) -> None:
+    """Mode = frequency iff freq + (freq >> margin_shift) + floor_misses * 256 < lru, in both forms, for floors
+    around the lead (a tick that routes nothing adds no shadow miss and, off layer 0, decays nothing)."""
+    for floor in (0, 1, 2, 8, 9):
+        expected = int(freq_only + (freq_only >> 2) + floor * 256 < lru_only)
+        policy = AdaptivePolicy(4, margin_shift=2, floor_misses=floor)
+        policy.bind(2, 3, torch.device("cpu"))
+        assert policy.misses is not None and policy.mode is not None
+        policy.misses.copy_(torch.tensor([lru_only, freq_only]))
+        policy.observe(1, torch.zeros(3, dtype=torch.bool), torch.tensor([5]))
+        host = AdaptivePolicy(4, margin_shift=2, floor_misses=floor)
+        host.host_reset(2, 3)
+        host._h_misses = [lru_only, freq_only]
+        host.host_observe(1, [], 5)
+        assert (int(policy.mode), host.host_state()["mode"][0]) == (expected, expected), (
+            floor,
+            lru_only,
+            freq_only,
+        )
