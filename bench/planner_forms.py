@@ -4,12 +4,12 @@ plain grid by ticket or cooperative grid, PDL or not, overlap or not) on miss-he
 Why: on whole decode steps (`bench.decode`, 2026-12-02) the default form was 1.4-2.8% faster than the old one at
 one token per step but 2.1-4.5% slower at 64, within about twice the run-to-run spread of those rows. Here every
 form replays the same synthetic trace through one captured step per T, and the forms take turns round by round
-(clock and thermal drift hit them alike), so that a difference of a percent or two is measurable, and which of
+(clock and thermal drift hit them alike; each round starts with the next form, so no form always runs first), so that a difference of a percent or two is measurable, and which of
 the three launch choices it comes from.
 
 Each form builds its own pooled stack (`planner_overhead.build`) and its own graphs. Round 0 fills the pools
 and is not counted; every form sees the same routing in the same state (the planners decide alike: checked on
-the hit counters), so each later round replays identical work per form.
+the hit counters of every counted round), so each later round replays identical work per form.
 """
 
 from __future__ import annotations
@@ -51,17 +51,18 @@ def launch_forms(lines: list[str], args: argparse.Namespace) -> None:
     counts: dict[tuple[int, str], tuple[int, int]] = {}
     for r in range(rounds):
         for T in tokens:
-            for name in forms:
+            for name in forms[r % len(forms) :] + forms[: r % len(forms)]:  # each round led by the next form
                 ms, hits, misses = stacks[name].replay(T)
                 if r:
                     times[T, name].append(ms)
                     counts[T, name] = (hits, misses)
+            if r:
+                assert len({counts[T, name] for name in forms}) == 1, (r, T, {n: counts[T, n] for n in forms})
     for T in tokens:
         first = times[T, forms[0]]
         for name in forms:
             ratios = [t / f for t, f in zip(times[T, name], first)]
             hits, misses = counts[T, name]
-            assert counts[T, name] == counts[T, forms[0]], (T, name, counts[T, name], counts[T, forms[0]])
             lines.append(
                 f"| {T} | {PLANNERS[name][0]} | {hits / steps:.1f} | {misses / steps:.1f} | "
                 f"{statistics.median(times[T, name]):.3f} | {statistics.median(ratios):.3f} "

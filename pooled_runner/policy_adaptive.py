@@ -15,8 +15,9 @@ Rule (all integer arithmetic; device and host forms agree exactly):
   - Mode: frequency while `freq_only + (freq_only >> margin_shift) + floor_misses * 256 < lru_only`, else LRU
     (ties and near-ties go to LRU). The absolute floor makes the frequency shadow prove itself by a few misses
     (decayed) before the pool leaves LRU: without it, short mistaken switches on drifting traces cost up to 0.2%
-    more misses than LRU; with 8, none of 30 recency-dominated quality cells (five seed bases) is above LRU, for
-    a later switch on skewed ones (docs/BENCHMARKS.md, seventeenth session).
+    more misses than LRU; with 8, none of 30 recency-dominated quality cells (five seed bases) is above LRU at
+    three decimals (four by at most 0.05%), for a later switch on skewed ones (docs/BENCHMARKS.md, seventeenth
+    session).
   - LRU mode decides exactly as `LRUPolicy` (victim key 0, candidates by expert id, always admit). Frequency
     mode: victims of lowest value first (ties: least recently used, then row index), candidates of highest count
     first, and a candidate displaces its victim only if `count + recent_bonus * ONE >= victim value`.

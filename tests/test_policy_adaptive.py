@@ -151,7 +151,10 @@ def test_duel_counts_only_the_misses_where_the_shadows_disagree():
         ], step
 
 
-@pytest.mark.parametrize(("lru_only", "freq_only"), [(11 * 256, 2 * 256), (900, 100), (40 * 256, 30 * 256)])
+@pytest.mark.parametrize(
+    ("lru_only", "freq_only"),
+    [(11 * 256, 2 * 256), (900, 100), (40 * 256, 30 * 256), (2688, 512)],  # the last: a tie at floor 8 (LRU)
+)
 def test_frequency_mode_needs_the_floor_beyond_the_margin(lru_only: int, freq_only: int) -> None:
     """Mode = frequency iff freq + (freq >> margin_shift) + floor_misses * 256 < lru, in both forms, for floors
     around the lead (a tick that routes nothing adds no shadow miss and, off layer 0, decays nothing)."""
