@@ -120,7 +120,10 @@ def plan_overlap() -> bool:
     (elsewhere nothing can run beside the plan). Measured on the H200 (6 Qwen3-like bf16 layers, M=1, graph
     replay): with the cooperative launch and no PDL it gained 0.5% of the step (2026-12-01: 190.5 vs 191.4 µs) and,
     in one run of 2026-12-02, 10.0% against 15.7% planner share; with the plan + copy PDL-launched as a plain grid the planner's share
-    fell to 2.5-2.7% (three runs, 8.1% in a fourth; docs/BENCHMARKS.md)."""
+    fell to 2.5-2.7% (three runs, 8.1% in a fourth; docs/BENCHMARKS.md). Off with PDL on (the other defaults) was
+    the slowest launch form of `bench/planner_forms.py` in three runs (2026-12-02): 2-4% slower at one token per
+    step, 0.5-13.5% at 64; to leave the overlap out, take the old form whole (POOLED_RUNNER_PLAN_PDL=0 and
+    POOLED_RUNNER_PLAN_COOPERATIVE=1 as well): 2% slower at one token, even at 64."""
     return _get_bool("PLAN_OVERLAP", True)
 
 
