@@ -15,21 +15,8 @@ import torch
 
 from pooled_runner import envs
 from pooled_runner.config import PoolConfig
-from pooled_runner.launch import build_parser, main, resolve_launch
-
-QWEN3_MOE = {
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "num_hidden_layers": 6,
-    "num_experts": 10,
-    "num_experts_per_tok": 3,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [2],
-}
-
-
-def plan(argv: list[str], cuda: bool = False):  # type: ignore[no-untyped-def]
-    ours, rest = build_parser().parse_known_args(argv)
-    return resolve_launch(ours, rest, cuda_available=cuda)
+from pooled_runner.launch import main
+from tests.test_launch_plan import QWEN3_MOE, plan
 
 
 def refusal(argv: list[str], cuda: bool = False) -> str:
