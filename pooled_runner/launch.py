@@ -18,6 +18,7 @@ Everything up to `LaunchPlan` runs without importing SGLang, so bad flags are re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import logging
 import os
@@ -207,7 +208,8 @@ def argv_problems(argv: list[str], pooled: bool) -> list[str]:
         "--no-moe-expert-pool",
         "--moe-expert-pool-stats-interval",
     }
-    known |= {"--no-" + name[2:] for name in known}
+    # the --no- forms of the on/off fields only (`--no-moe-expert-pool-rows` is no flag)
+    known |= {"--no-" + flag_name(f.name)[2:] for f in cli_fields() if f.type in ("bool", bool)}
     for arg in argv:
         name = arg.split("=", 1)[0]
         if name.startswith(("--moe-expert-pool", "--no-moe-expert-pool")) and name not in known:
@@ -299,6 +301,11 @@ def _model_facts(
     return None
 
 
+def _cli_default(f: Any) -> Any:
+    """The value our parser gives a PoolConfig field's flag when it is absent (None for the required rows)."""
+    return None if f.default is dataclasses.MISSING else f.default
+
+
 def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bool) -> LaunchPlan:
     """Turn our parsed flags and SGLang's argv into a LaunchPlan; ValueError lists every problem at once."""
     argv = list(rest)
@@ -323,7 +330,11 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
             rows = DEFAULT_POOL_ROWS
     pool: PoolConfig | None = None
     facts: ModelFacts | None = None
-    if not ours.no_pool:
+    if ours.no_pool:
+        ignored = [flag_name(f.name) for f in cli_fields() if getattr(ours, f.name) != _cli_default(f)]
+        if ignored:
+            logger.warning("pooled_runner: %s have no effect with --no-moe-expert-pool", ", ".join(ignored))
+    else:
         if _has_flag(argv, "--enable-paged-experts"):
             problems.append(
                 "--enable-paged-experts is SGLang's own per-layer expert paging; it cannot wrap the pooled "

@@ -48,6 +48,10 @@ def test_misspelt_pool_flag_names_the_right_one(model: str) -> None:
         ["--model", model, "--moe-expert-pool-rows", "8", "--no-moe-expert-pool-prefil-staging"]
     )
     assert "did you mean --no-moe-expert-pool-prefill-staging?" in message
+    message = refusal(
+        ["--model", model, "--no-moe-expert-pool-rows"]
+    )  # only the on/off flags have --no- forms
+    assert "unknown flag --no-moe-expert-pool-rows" in message
     # SGLang's own --moe-* flags still pass (no abbreviation, no prefix of ours)
     assert (
         "--moe-runner-backend"
@@ -232,3 +236,26 @@ def test_cuda_pool_refused_without_cuda() -> None:
         pytest.skip("checks a machine without CUDA")
     with pytest.raises(ValueError, match="CUDA is not available on this machine"):
         PoolConfig.resolve(pool_rows=4, device="cuda")
+
+
+def test_pool_flags_with_no_pool_are_warned_about(model: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="pooled_runner"):
+        p = plan(
+            [
+                "--model",
+                model,
+                "--no-moe-expert-pool",
+                "--moe-expert-pool-rows",
+                "8",
+                "--moe-expert-pool-telemetry",
+            ]
+        )
+    assert p.serve.pool is None
+    assert (
+        "--moe-expert-pool-rows, --moe-expert-pool-telemetry have no effect with --no-moe-expert-pool"
+        in caplog.text
+    )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pooled_runner"):
+        plan(["--model", model, "--no-moe-expert-pool"])
+    assert "no effect" not in caplog.text
