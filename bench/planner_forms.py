@@ -4,8 +4,8 @@ plain grid by ticket or cooperative grid, PDL or not, overlap or not) on miss-he
 Why: on whole decode steps (`bench.decode`, 2026-12-02) the default form was 1.4-2.8% faster than the old one at
 one token per step but 2.1-4.5% slower at 64, within about twice the run-to-run spread of those rows. Here every
 form replays the same synthetic trace through one captured step per T, and the forms take turns round by round
-(clock and thermal drift hit them alike; each round starts with the next form, so no form always runs first), so that a difference of a percent or two is measurable, and which of
-the three launch choices it comes from.
+(clock and thermal drift hit them alike; each round starts with the next form, so no form always runs first),
+so that a difference of a percent or two is measurable, and which of the three launch choices it comes from.
 
 Each form builds its own pooled stack (`planner_overhead.build`) and its own graphs. Round 0 fills the pools
 and is not counted; every form sees the same routing in the same state (the planners decide alike: checked on

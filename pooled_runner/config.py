@@ -63,8 +63,7 @@ class PoolConfig:
         "pool_rows": "GPU rows of the expert pool shared by all pooled MoE layers (required with --model; the "
         "embedded model has its own default).",
         "weight_format": "Expert weight format (the launcher serves bf16 only; the others are for the Python API).",
-        "device": "Device of the pool rows: cuda, cuda:N or cpu (auto: cpu under SGLang's --device cpu, else cuda "
-        "if available, else cpu).",
+        "device": "Device of the pool rows: cuda, cuda:N or cpu (auto: cuda if available, else cpu).",
         "prefill_staging": "Stage a layer's non-resident experts into VRAM for prefill steps of at least "
         "--moe-expert-pool-staging-min-tokens tokens.",
         "staging_min_tokens": "Smallest step, in tokens, that uses prefill staging.",
@@ -103,12 +102,11 @@ class PoolConfig:
             out.append(f"pool_rows={self.pool_rows!r} must be a positive integer (--moe-expert-pool-rows N)")
         if self.weight_format not in FORMATS:
             out.append(f"weight_format={self.weight_format!r} is not one of {sorted(FORMATS)}")
-        for name in ("prefill_staging", "telemetry", "draft_pruning"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):  # "no" or "false" would be truthy
-                out.append(
-                    f"{name}={value!r} must be True or False ({flag_name(name)} / --no-{flag_name(name)[2:]})"
-                )
+        for f in cli_fields():  # the on/off fields
+            value = getattr(self, f.name)
+            if is_switch(f) and not isinstance(value, bool):  # "no" or "false" would be truthy
+                flag = flag_name(f.name)
+                out.append(f"{f.name}={value!r} must be True or False ({flag} / --no-{flag[2:]})")
         if type(self.staging_min_tokens) is not int or self.staging_min_tokens < 1:  # not bool, float or str
             out.append(
                 f"staging_min_tokens={self.staging_min_tokens!r} must be an integer >= 1 "
@@ -143,10 +141,8 @@ class PoolConfig:
         if device == AUTO:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         requested["device"] = device
-        problems = device_problems(device)
-        if problems:  # before torch.device() below, which raises a bare RuntimeError on a bad name
-            raise ValueError("invalid PoolConfig: " + "; ".join(problems))
-        if torch.device(device).type != "cuda" and requested.get("prefill_staging", True) is True:
+        # a bad device name is reported by __post_init__ with every other problem (torch.device() would raise)
+        if not str(device).startswith("cuda") and requested.get("prefill_staging", True) is True:
             logger.info("prefill staging disabled: device %s has nothing to stage into", device)
             requested["prefill_staging"] = False
         return cls(**requested)
@@ -181,6 +177,11 @@ def flag_name(field_name: str) -> str:
     return PoolConfig._FLAG_NAMES.get(field_name, "--moe-expert-pool-" + field_name.replace("_", "-"))
 
 
+def is_switch(f: dataclasses.Field[Any]) -> bool:
+    """An on/off field (a `--flag / --no-flag` pair on the CLI)."""
+    return f.type in ("bool", bool)
+
+
 def cli_fields() -> list[dataclasses.Field[Any]]:
     """The dataclass fields that become CLI flags, in declaration order."""
     return [f for f in dataclasses.fields(PoolConfig) if not f.name.startswith("_")]
@@ -191,7 +192,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("pooled_runner (expert pool)")
     for f in cli_fields():
         name, helptext = flag_name(f.name), PoolConfig._HELP[f.name]
-        if f.type in ("bool", bool):
+        if is_switch(f):
             group.add_argument(
                 name, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=helptext
             )

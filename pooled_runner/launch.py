@@ -18,7 +18,6 @@ Everything up to `LaunchPlan` runs without importing SGLang, so bad flags are re
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import logging
 import os
@@ -204,29 +203,18 @@ def argv_problems(argv: list[str], pooled: bool) -> list[str]:
             "--config FILE is not read by this launcher (its model, --tp-size and speculative settings would "
             "escape the pool's checks): pass those options on the command line instead"
         )
-    known = {flag_name(f.name) for f in cli_fields()} | {
-        "--no-moe-expert-pool",
-        "--moe-expert-pool-stats-interval",
-    }
-    # the --no- forms of the on/off fields only (`--no-moe-expert-pool-rows` is no flag)
-    known |= {"--no-" + flag_name(f.name)[2:] for f in cli_fields() if f.type in ("bool", bool)}
+    our_flags = sorted(s for a in build_parser()._actions for s in a.option_strings if s.startswith("--"))
     for arg in argv:
         name = arg.split("=", 1)[0]
-        if name.startswith(("--moe-expert-pool", "--no-moe-expert-pool")) and name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+        # our flags never reach argv: one that looks like ours is misspelt (or a --no- form no flag has)
+        if name.startswith(("--moe-expert-pool", "--no-moe-expert-pool")):
+            close = difflib.get_close_matches(name, our_flags, n=1, cutoff=0.6)
             out.append(
                 f"unknown flag {name}" + (f": did you mean {close[0]}?" if close else f" (see {PROG} --help)")
             )
-    for arg in argv:
-        name = arg.split("=", 1)[0]
-        if (
-            len(name) > 2
-            and name.startswith("--")
-            and name not in _READ_FLAGS
-            and any(f.startswith(name) for f in _READ_FLAGS)
-        ):
-            # SGLang's parser takes abbreviations; the launcher's scan of argv would miss this one
-            full = sorted(f for f in _READ_FLAGS if f.startswith(name))
+        # SGLang's parser takes abbreviations; the launcher's scan of argv would miss this one
+        full = sorted(f for f in _READ_FLAGS if f.startswith(name) and f != name)
+        if len(name) > 2 and name.startswith("--") and full and name not in _READ_FLAGS:
             out.append(
                 f"{name} abbreviates {' or '.join(full)}: write it in full (the launcher reads it too)"
             )
@@ -257,10 +245,8 @@ def _device_problems(
             "--device cpu on a machine with CUDA: to serve on the CPU, hide the GPUs (CUDA_VISIBLE_DEVICES= "
             "python -m pooled_runner.launch ...); to serve on the GPU, drop --device cpu"
         )
-    pool_device = str(getattr(ours, "device", "auto"))
-    if (
-        pool_device == "cpu" and cuda_available and sglang_device != "cpu"
-    ):  # (cuda without CUDA: PoolConfig says it)
+    pool_device = str(getattr(ours, "device", "auto"))  # (a CUDA pool without CUDA: PoolConfig says it)
+    if pool_device == "cpu" and cuda_available and sglang_device != "cpu":
         out.append(
             f"{flag_name('device')} cpu while the model runs on CUDA: the pool must be where the model runs; "
             f"drop {flag_name('device')} (auto follows the machine)"
@@ -301,9 +287,8 @@ def _model_facts(
     return None
 
 
-def _cli_default(f: Any) -> Any:
-    """The value our parser gives a PoolConfig field's flag when it is absent (None for the required rows)."""
-    return None if f.default is dataclasses.MISSING else f.default
+def _refusal(problems: list[str]) -> ValueError:
+    return ValueError("cannot launch:\n  - " + "\n  - ".join(problems))
 
 
 def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bool) -> LaunchPlan:
@@ -321,7 +306,7 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
         problems += _device_problems(argv, ours, cuda_available, tp_size)
     memory: RankMemory | None = None
     if embedded and problems:  # say them before generating the embedded model (its checks come after)
-        raise ValueError("cannot launch:\n  - " + "\n  - ".join(problems))
+        raise _refusal(problems)
     if embedded:
         from pooled_runner.sglang.embedded import DEFAULT_POOL_ROWS, ensure_embedded_model
 
@@ -331,7 +316,10 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
     pool: PoolConfig | None = None
     facts: ModelFacts | None = None
     if ours.no_pool:
-        ignored = [flag_name(f.name) for f in cli_fields() if getattr(ours, f.name) != _cli_default(f)]
+        defaults = build_parser().parse_args([])
+        ignored = [
+            flag_name(f.name) for f in cli_fields() if getattr(ours, f.name) != getattr(defaults, f.name)
+        ]
         if ignored:
             logger.warning("pooled_runner: %s have no effect with --no-moe-expert-pool", ", ".join(ignored))
     else:
@@ -343,8 +331,7 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
         model_path = _flag_value(argv, *_MODEL_FLAGS)
         revision, download_dir = _flag_value(argv, "--revision"), _flag_value(argv, "--download-dir")
         facts = _model_facts(model_path, revision, download_dir) if model_path else None
-        row_problems = pool_problems(rows, facts, tp_size, cpu=not cuda_available)
-        problems += row_problems
+        problems += pool_problems(rows, facts, tp_size, cpu=not cuda_available)
         problems += spec_governor_problems(ours.spec_governor, argv, tp_size)
         if ours.stats_interval <= 0:
             problems.append(f"--moe-expert-pool-stats-interval {ours.stats_interval}: must be positive")
@@ -374,7 +361,7 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
                 cpu=not cuda_available,
             )
     if problems:
-        raise ValueError("cannot launch:\n  - " + "\n  - ".join(problems))
+        raise _refusal(problems)
     cpu = not cuda_available
     if pool is not None and not cpu and not _has_flag(argv, "--disable-cuda-graph"):
         # PooledMoE's decode steps are capturable (device planner; tested with torch CUDA graphs on an H200),
@@ -438,7 +425,7 @@ def prepare_sglang(plan: LaunchPlan) -> Any:
 
         refusal = adaptive_refusal(server_args)
         if refusal:
-            raise ValueError(f"cannot launch:\n  - {refusal}")
+            raise _refusal([refusal])
     if pool is not None and plan.facts is not None and plan.facts.top_k:
         from pooled_runner.sglang.spec import check_launch
 
@@ -468,7 +455,7 @@ def serve(server_args: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     env_problems = envs.check_all()  # every knob now, not when a child first reads it
     if env_problems:
-        print(f"{PROG}: cannot launch:\n  - " + "\n  - ".join(env_problems), file=sys.stderr)
+        print(f"{PROG}: {_refusal(env_problems)}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=envs.log_level(), format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S"
