@@ -19,6 +19,7 @@ from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NV
 from .gemv import GEMV_MAX_PAIRS, GemvConfig, gemv_moe, gemv_supported
 from .moe_gemm import INLINE_MAX_PAIRS, DecodeRouting, GemmConfig, gemm1, gemm2, interpreting
 from .operands import KernelFormat, Projection, make_projection
+from .splitk import SPLITK_MAX_PAIRS, splitk_moe, splitk_supported
 
 # Off: on the H200 (2026-11-30, commit 216b10f) the two-launch decode path was slower than align + gemm1 +
 # gemm2 + combine at every decode shape measured (Qwen3-like bf16 M=1: 59.0 vs 41.2 µs; DeepSeek-like bf16
@@ -30,9 +31,11 @@ AUTO_DECODE_PATH = False
 #   "align-fc"  align + gemm1 + gemm2 with the combine fused into gemm2 (last arriver per token and N block);
 #   "inline"    gemm1 + gemm2 computing the align in every program (T*K <= INLINE_MAX_PAIRS, else "align-fc"),
 #               combine fused: two launches; same blocks, tiles and sums as "align", so the same output;
-#   "gemv"      gemv.py (CUDA cores, per routed pair); "mma": decode.py.
+#   "gemv"      gemv.py (CUDA cores, per routed pair); "mma": decode.py;
+#   "splitk"    splitk.py: one launch, each program a slice of one pair's activation and its down share
+#               (dense weights; others take the default).
 # POOLED_RUNNER_MOE_DECODE, read once here; unset: `default_variant` (measured below).
-VARIANTS = ("align", "align-fc", "inline", "gemv", "mma")
+VARIANTS = ("align", "align-fc", "inline", "gemv", "mma", "splitk")
 DECODE_VARIANT = envs.moe_decode_kernel()
 
 # `default_variant`: on the H200 (2026-11-30, commit e87d7f6, bench/kernels.py --variants) "inline" beat "align"
@@ -84,6 +87,16 @@ def swapped_tiles(weight_fmt: int, intermediate_size: int) -> bool:
     return weight_fmt in (FMT_INT4, FMT_NVFP4)
 
 
+# Dense decode steps of at most SPLITK_DEFAULT_MAX_PAIRS routed pairs on narrow experts (I <= SPLITK_DEFAULT_MAX_I)
+# take the one-launch split path (`splitk.py`), unless the caller gives MMA tiles or the pairs share experts
+# heavily. On the H200 (2026-12-02, `bench/splitk_sweep.py`, graph replay, interleaved rounds, the fp64 sums; two
+# runs), against the default then: Qwen3-like bf16 M=1 27.13 vs 28.42 µs (1.047x; 1.168x stock SGLang), M=2 47.06
+# vs 49.10 (1.043x); but M=3 and 4 (24 and 32 pairs) 0.905x and 0.906x, DeepSeek-like (I 2048) M=1 0.982x, M=2
+# 1.002x. Numbers in docs/BENCHMARKS.md (eighteenth session).
+SPLITK_DEFAULT_MAX_PAIRS = 16
+SPLITK_DEFAULT_MAX_I = 1024
+
+
 def default_variant(
     weight_fmt: int,
     num_pairs: int,
@@ -93,13 +106,18 @@ def default_variant(
     num_experts: int = 0,
 ) -> str:
     """The decode kernels used when neither the caller nor POOLED_RUNNER_MOE_DECODE names one: the GEMV path
-    up to GEMV_DEFAULT_MAX_PAIRS[format] routed pairs unless the caller gives MMA tiles (`configs`) or the
-    step's pairs share experts heavily (`little_expert_reuse`; skipped when `num_tokens` or `num_experts` is 0),
-    else inline up to INLINE_DEFAULT_MAX_PAIRS routed pairs where the tiles are not swapped, else the align
-    path. Swapped: those of `configs` where the caller gives them, else `swapped_tiles`."""
-    gemv_ok = configs is None and num_pairs <= GEMV_DEFAULT_MAX_PAIRS.get(weight_fmt, 0)
-    if gemv_ok and little_expert_reuse(num_pairs, num_tokens, num_experts):
+    up to GEMV_DEFAULT_MAX_PAIRS[format] routed pairs, and for dense weights on experts with I <=
+    SPLITK_DEFAULT_MAX_I the one-launch split path up to SPLITK_DEFAULT_MAX_PAIRS, unless the caller gives MMA
+    tiles (`configs`) or the step's pairs share experts heavily (`little_expert_reuse`; skipped when
+    `num_tokens` or `num_experts` is 0); else inline up to INLINE_DEFAULT_MAX_PAIRS routed pairs where the tiles
+    are not swapped, else the align path. Swapped: those of `configs` where the caller gives them, else
+    `swapped_tiles`."""
+    distinct = configs is None and little_expert_reuse(num_pairs, num_tokens, num_experts)
+    if distinct and num_pairs <= GEMV_DEFAULT_MAX_PAIRS.get(weight_fmt, 0):
         return "gemv"
+    narrow = weight_fmt == FMT_DENSE and intermediate_size <= SPLITK_DEFAULT_MAX_I
+    if distinct and narrow and num_pairs <= SPLITK_DEFAULT_MAX_PAIRS:
+        return "splitk"
     swapped = any(c.swap_ab for c in configs) if configs else swapped_tiles(weight_fmt, intermediate_size)
     if num_pairs <= INLINE_DEFAULT_MAX_PAIRS and not swapped:
         return "inline"
@@ -205,7 +223,13 @@ def pooled_fused_moe(
     variant = variant or DECODE_VARIANT or default_variant(fmt.fmt, T * K, I, configs, T, num_experts)
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
+    if variant == "splitk" and not splitk_supported(fmt):
+        variant = default_variant(fmt.fmt, T * K, I, configs, T, num_experts)
     if decode is None and T * K <= GEMV_MAX_PAIRS:
+        if variant == "splitk" and T * K <= SPLITK_MAX_PAIRS:
+            return splitk_moe(
+                hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt, None, after_plan
+            )
         if variant == "gemv" and gemv_supported(fmt, H, I):
             return gemv_moe(
                 hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt, gemv_config, after_plan

@@ -1,8 +1,8 @@
 """Per-device int32 workspace of the kernels that synchronize programs of one launch: arrival counters of the
 fused combines (`gemv._down_tile`, `decode_align._arrive_and_combine`), of split-K gate_up
 (`gemv_tiles._gate_up_tile`) and the sync words of the one-launch GEMV
-kernel. Zero between launches: each kernel resets what it uses (one stream at a time per device), except the
-sticky error word 0 (`spin_timeouts`).
+kernel, and the fp64 sums of the one-launch split path (`splitk.py`). Zero between launches: each kernel resets
+what it uses (one stream at a time per device), except the sticky error word 0 (`spin_timeouts`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ MAX_SYNC_PAIRS = 128  # routed pairs a synchronizing launch may have (per-pair w
 SYNC_WORDS = 2 + 2 * MAX_SYNC_PAIRS  # [0] error, [1] ticket, ready and passed counts per pair; then arrivals
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_SUMS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 # Buffers replaced by a larger one stay alive: graphs captured before the growth keep their addresses.
 _RETIRED: list[torch.Tensor] = []
 
@@ -47,3 +48,26 @@ def spin_timeouts(device: torch.device) -> int:
     """Nonzero if a one-launch GEMV step on `device` gave up waiting (its output was wrong); host sync."""
     buf = _COUNTERS.get(torch.device(device))
     return 0 if buf is None else int(buf[0].item())
+
+
+def _float_sums(device: torch.device, n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """`n` sums of `dtype` (`splitk.py`: fp64), zero between launches (the kernel's last program zeroes what
+    it used). Allocated on first use of a size, as `_counters` (make that use happen before graph capture)."""
+    buf = _SUMS.get((device, dtype))
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"kernel workspace of {n} fp64 sums first needed during a CUDA graph capture: run one eager step "
+                "of this width before capturing (warm-up)"
+            )
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(n, 16384), dtype=dtype, device=device)
+        _SUMS[(device, dtype)] = buf
+    return buf
+
+
+def sums_ready(device: torch.device, n: int, dtype: torch.dtype = torch.float64) -> bool:
+    """Whether `_float_sums(device, n, dtype)` would return the existing buffer (no allocation)."""
+    buf = _SUMS.get((device, dtype))
+    return buf is not None and buf.numel() >= n

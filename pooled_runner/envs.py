@@ -144,12 +144,15 @@ def moe_decode_kernel() -> str:
     Unset (""): the measured default per format and width (`kernels/fused_moe.py` `default_variant`).
     `align`: align + gemm1 + gemm2 + combine, as wider steps. `align-fc`: the combine fused into
     gemm2. `inline`: no align launch (each gemm program computes its block), combine fused. `gemv`: two launches
-    on CUDA cores (kernels/gemv.py). `mma`: the two-launch MMA decode path (kernels/decode.py). Read once, at
-    import (kernels/fused_moe.py).
+    on CUDA cores (kernels/gemv.py). `mma`: the two-launch MMA decode path (kernels/decode.py). `splitk`: one
+    launch (kernels/splitk.py; dense weights, the others take the default). Read once, at import
+    (kernels/fused_moe.py).
     """
     value = _get_str("MOE_DECODE", "").strip().lower()
-    if value not in ("", "align", "align-fc", "inline", "gemv", "mma"):
-        raise ValueError(f"{PREFIX}MOE_DECODE={value!r}: expected align, align-fc, inline, gemv or mma")
+    if value not in ("", "align", "align-fc", "inline", "gemv", "mma", "splitk"):
+        raise ValueError(
+            f"{PREFIX}MOE_DECODE={value!r}: expected align, align-fc, inline, gemv, mma or splitk"
+        )
     return value
 
 

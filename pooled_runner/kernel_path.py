@@ -108,8 +108,9 @@ class KernelPath:
         k order with the layer's full location table. Every routed pair is computed by exactly one pass with
         the tiles `pooled_fused_moe` uses for T tokens on the align path, so the output is bitwise that of the
         unstaged step wherever that step takes the align path: always above GEMV_MAX_PAIRS (64) routed pairs;
-        smaller int4 / NVFP4 steps may take the GEMV path unstaged (`default_variant`), which rounds differently
-        (~1e-3 relative), so a `staging_min_tokens` that small trades bitwise equality for staging.
+        smaller int4 / NVFP4 steps may take the GEMV path unstaged, and dense ones of up to 16 pairs the
+        one-launch split path (`default_variant`), which round differently (~1e-3 relative), so a
+        `staging_min_tokens` that small trades bitwise equality for staging.
         `passes` is consumed lazily (each is enqueued before the next is requested: the stager's ring).
         """
         T, K = topk_ids.shape

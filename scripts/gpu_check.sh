@@ -43,7 +43,7 @@ step() {  # step NAME CAP_SECONDS COMMAND...   (SKIP="name ..." leaves steps out
 # faulthandler_timeout: a test still running after 45 s (the longest took 34 s on the H200) prints every thread's
 # Python stack into the log, before the step's cap stops it (one gpu_tests_stack run stopped at its cap on
 # 2026-12-02, after 36 tests, with no way to tell where it stood; hence also its cap of 360 s for ~270 s of tests)
-KERNEL_TESTS="tests/test_kernels_gpu.py tests/test_kernels_swap_gpu.py tests/test_pdl_gpu.py"
+KERNEL_TESTS="tests/test_kernels_gpu.py tests/test_kernels_swap_gpu.py tests/test_pdl_gpu.py tests/test_splitk_gpu.py"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || true
 if [ "${QUICK:-0}" = 1 ]; then
   # ~330 + ~90 + ~130 s measured (2026-12-01): the caps leave the call's 10 minutes little room, and on
@@ -65,6 +65,8 @@ else
   # Qwen3-like bf16 decode: the GEMV against the default inline MMA path (issue #4's 1.2x-stock target at M=1; the
   # general variants step above may run out of budget before the bf16 cases)
   step bench_variants_bf16 "${BENCH_VARIANTS_BF16_CAP:-120}" "$PY" -m bench.kernels --variants --formats bf16 --shapes qwen3 --no-align-sweep --budget 90 --out "$OUT/bench_variants_bf16.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  # the one-launch split path (kernels/splitk.py): its tiles, then against the default decode path per shape and M
+  step bench_splitk "${BENCH_SPLITK_CAP:-330}" "$PY" -m bench.splitk_sweep --budget 150 --out "$OUT/bench_splitk.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_pdl "${BENCH_PDL_CAP:-150}" "$PY" -m bench.kernel_pdl --budget 110 --out "$OUT/bench_pdl.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_prefill "${BENCH_PREFILL_CAP:-150}" "$PY" -m bench.prefill --quick --out "$OUT/bench_prefill.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_prefill_int4 "${BENCH_PREFILL_INT4_CAP:-120}" "$PY" -m bench.prefill --quick --shapes qwen3 --formats int4-g128 --fracs 0.25 --out "$OUT/bench_prefill_int4.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}

@@ -55,7 +55,8 @@ def test_swapped_operand_gemms_match_reference(name, H, I, dtype, T, K, E, R):
 def test_swapped_tiles_and_default_variant_rules():
     """Which formats and shapes swap their decode tiles, and the default variant that follows (stated here, not
     recomputed): swapped tiles never take inline; int4 and NVFP4 up to 64 routed pairs take the GEMV
-    path unless the caller gives MMA tiles; caller-given tiles decide over the format's rule."""
+    path and dense weights on narrow experts up to 16 the split path, unless the caller gives MMA tiles;
+    caller-given tiles decide over the format's rule."""
     from pooled_runner.kernels.dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NVFP4
     from pooled_runner.kernels.fused_moe import default_variant, swapped_tiles
 
@@ -65,7 +66,8 @@ def test_swapped_tiles_and_default_variant_rules():
         assert (swapped_tiles(fmt, 768), swapped_tiles(fmt, 2048)) == (small_i, large_i), fmt
     # (format, routed pairs, I) -> default variant
     table = [
-        (FMT_DENSE, 1, 768, "inline"), (FMT_DENSE, 8, 2048, "inline"), (FMT_DENSE, 9, 768, "align"),
+        (FMT_DENSE, 1, 768, "splitk"), (FMT_DENSE, 16, 1024, "splitk"), (FMT_DENSE, 17, 768, "align"),
+        (FMT_DENSE, 1, 1025, "inline"), (FMT_DENSE, 8, 2048, "inline"), (FMT_DENSE, 9, 2048, "align"),
         (FMT_INT4, 1, 768, "gemv"), (FMT_INT4, 64, 2048, "gemv"), (FMT_INT4, 65, 2048, "align"),
         (FMT_NVFP4, 8, 768, "gemv"), (FMT_NVFP4, 64, 2048, "gemv"), (FMT_NVFP4, 65, 2048, "align"),
         (FMT_FP8_CHANNEL, 8, 768, "inline"), (FMT_FP8_CHANNEL, 8, 2048, "align"),
@@ -89,6 +91,8 @@ def test_swapped_tiles_and_default_variant_rules():
     assert default_variant(FMT_INT4, 8, 2048, (plain, plain)) == "inline"
     assert default_variant(FMT_DENSE, 8, 768, (swapped, swapped)) == "align"
     assert default_variant(FMT_DENSE, 9, 768, (plain, plain)) == "align"
+    assert default_variant(FMT_DENSE, 8, 768, (plain, plain)) == "inline"  # caller's MMA tiles: no split path
+    assert default_variant(FMT_DENSE, 16, 768, None, 8, 4) == "align"  # 8 tokens of top-2 over 4 experts
 
 
 def test_decode_path_refuses_swapped_tiles():
