@@ -92,7 +92,8 @@ def swapped_tiles(weight_fmt: int, intermediate_size: int) -> bool:
 # heavily. On the H200 (2026-12-02, `bench/splitk_sweep.py`, graph replay, interleaved rounds, the fp64 sums; two
 # runs), against the default then: Qwen3-like bf16 M=1 27.13 vs 28.42 µs (1.047x; 1.168x stock SGLang), M=2 47.06
 # vs 49.10 (1.043x); but M=3 and 4 (24 and 32 pairs) 0.905x and 0.906x, DeepSeek-like (I 2048) M=1 0.982x, M=2
-# 1.002x. Numbers in docs/BENCHMARKS.md (eighteenth session).
+# 1.002x. On an H100 (same day): M=1 1.053x inline; M=2 1.011x align, but 0.972x inline (inline at M=2 was not
+# timed on the H200). Numbers in docs/BENCHMARKS.md (eighteenth session).
 SPLITK_DEFAULT_MAX_PAIRS = 16
 SPLITK_DEFAULT_MAX_I = 1024
 

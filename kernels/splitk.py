@@ -60,9 +60,10 @@ class SplitConfig:
     block_h: int = 256
     num_warps: int = 8
     num_stages: int = 4
-    # fp32 sums instead of fp64: 0.4-1.8% faster on the H100 (2026-12-02, bench/splitk_sweep.py --forms fp32),
-    # but the rounding then depends on the programs' order, so outputs change by an ulp from run to run: for
-    # the bench's comparison only
+    # fp32 sums instead of fp64: from 0.5% slower to 1.8% faster on the H100 (2026-12-02, two runs of
+    # bench/splitk_sweep.py --forms fp32), about 0.9 µs faster at Qwen3-like M=1 on the H200 (across runs); but
+    # the rounding then depends on the programs' order, so outputs change by an ulp from run to run: for the
+    # bench's comparison only
     fp32_sums: bool = False
 
 

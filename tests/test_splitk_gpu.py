@@ -29,6 +29,7 @@ def layers():
         fmt = operands.KernelFormat(0)
         p13, p2 = fused_moe.make_projections(fmt, {"w13": w13[perm], "w2": w2[perm]}, None, H, I)
         out[name] = (w13, w2, l2p, fmt, p13, p2)
+    del w13, w2, perm, l2p, p13, p2  # else this frame keeps the last layer alive past empty_cache below
     yield out
     out.clear()
     torch.cuda.empty_cache()
