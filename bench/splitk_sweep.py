@@ -102,13 +102,13 @@ def main() -> None:
     lines = [
         f"date {datetime.date.today()}, GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
         f"{triton.__version__}, commit {args.commit or commit_id()}; HBM read {hbm:.0f} GB/s",
-        f"sweep at {args.sweep_shape} bf16 M={args.sweep_m}; default tile ({_cfg(splitk_configs(0, 0))})",
+        f"sweep at {args.sweep_shape} bf16 M={args.sweep_m}; default tile ({_cfg(splitk_configs(0, 0, torch.device('cuda')))})",
     ]
     write(args.out, lines)
     ranked = _sweep(args_, time.perf_counter() + args.budget, lines, args.out) if args.budget > 0 else []
-    best = ranked[0][1] if ranked else splitk_configs(0, 0)
+    best = ranked[0][1] if ranked else splitk_configs(0, 0, torch.device("cuda"))
     del args_, rows
-    forms = {"splitk": splitk_configs(0, 0)}
+    forms = {"splitk": splitk_configs(0, 0, torch.device("cuda"))}
     if best != forms["splitk"]:
         forms["best tile"] = best
     for name in args.forms.split(",") if args.forms else []:
@@ -140,6 +140,8 @@ def main() -> None:
             try:
                 fns[n]()
             except Exception as exc:
+                if n == "splitk":  # the baseline of every ratio
+                    raise
                 lines.append(f"({shape} M={m}: form {n} failed: {type(exc).__name__}: {str(exc)[:200]})")
                 forms.pop(n)
                 fns.pop(n)

@@ -96,6 +96,9 @@ def swapped_tiles(weight_fmt: int, intermediate_size: int) -> bool:
 # timed on the H200). Numbers in docs/BENCHMARKS.md (eighteenth session).
 SPLITK_DEFAULT_MAX_PAIRS = 16
 SPLITK_DEFAULT_MAX_I = 1024
+# ...and H <= SPLITK_DEFAULT_MAX_H: measured wins were at H 2048 only; DeepSeek-like H 7168 (I 2048) was a tie or a
+# loss, so e.g. its TP=2 shard (I 1024 per rank) keeps the inline path until measured
+SPLITK_DEFAULT_MAX_H = 4096
 
 
 def default_variant(
@@ -105,18 +108,22 @@ def default_variant(
     configs: tuple[GemmConfig, ...] | None = None,
     num_tokens: int = 0,
     num_experts: int = 0,
+    hidden_size: int = 0,
 ) -> str:
     """The decode kernels used when neither the caller nor POOLED_RUNNER_MOE_DECODE names one: the GEMV path
     up to GEMV_DEFAULT_MAX_PAIRS[format] routed pairs, and for dense weights on experts with I <=
-    SPLITK_DEFAULT_MAX_I the one-launch split path up to SPLITK_DEFAULT_MAX_PAIRS, unless the caller gives MMA
+    SPLITK_DEFAULT_MAX_I and H <= SPLITK_DEFAULT_MAX_H (0: not given) the one-launch split path up to
+    SPLITK_DEFAULT_MAX_PAIRS, unless the caller gives MMA
     tiles (`configs`) or the step's pairs share experts heavily (`little_expert_reuse`; skipped when
     `num_tokens` or `num_experts` is 0); else inline up to INLINE_DEFAULT_MAX_PAIRS routed pairs where the tiles
     are not swapped, else the align path. Swapped: those of `configs` where the caller gives them, else
     `swapped_tiles`."""
     distinct = configs is None and little_expert_reuse(num_pairs, num_tokens, num_experts)
+    # hidden_size 0: not given (the rule's tables); every program of the split path adds H sums per pair
     if distinct and num_pairs <= GEMV_DEFAULT_MAX_PAIRS.get(weight_fmt, 0):
         return "gemv"
     narrow = weight_fmt == FMT_DENSE and intermediate_size <= SPLITK_DEFAULT_MAX_I
+    narrow = narrow and hidden_size <= SPLITK_DEFAULT_MAX_H
     if distinct and narrow and num_pairs <= SPLITK_DEFAULT_MAX_PAIRS:
         return "splitk"
     swapped = any(c.swap_ab for c in configs) if configs else swapped_tiles(weight_fmt, intermediate_size)
@@ -208,8 +215,8 @@ def pooled_fused_moe(
         `gemv_supported`, "mma" as decode=True); None: POOLED_RUNNER_MOE_DECODE, else `default_variant`. Wider steps take the align path.
         `decode` given wins over `variant`. gemv_config: the GEMV path's tiles (default `gemv_configs`).
       after_plan: the step's plan + copy may still be running beside this call's first kernel (the value
-        `DevicePlanner.plan` returned, nothing launched since; kernels/plan_copy.py); the GEMV and inline decode
-        kernels then read location codes as that allows (OVERLAP); the other paths, and non-contiguous ids or
+        `DevicePlanner.plan` returned, nothing launched since; kernels/plan_copy.py); the GEMV, inline and split
+        decode kernels then read location codes as that allows (OVERLAP); the other paths, and non-contiguous ids or
         weights (copied first), start with a plain launch, after the plan ends.
     """
     T, K = topk_ids.shape
@@ -221,11 +228,11 @@ def pooled_fused_moe(
         return torch.empty((0, H), dtype=hidden.dtype, device=hidden.device)
     # a copy made here would launch between the plan and the first GEMM, which then is not the plan's dependent
     after_plan = after_plan and topk_ids.is_contiguous() and topk_weights.is_contiguous()
-    variant = variant or DECODE_VARIANT or default_variant(fmt.fmt, T * K, I, configs, T, num_experts)
+    variant = variant or DECODE_VARIANT or default_variant(fmt.fmt, T * K, I, configs, T, num_experts, H)
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
     if variant == "splitk" and not splitk_supported(fmt):
-        variant = default_variant(fmt.fmt, T * K, I, configs, T, num_experts)
+        variant = default_variant(fmt.fmt, T * K, I, configs, T, num_experts, H)
     if decode is None and T * K <= GEMV_MAX_PAIRS:
         if variant == "splitk" and T * K <= SPLITK_MAX_PAIRS:
             return splitk_moe(

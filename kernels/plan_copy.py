@@ -19,7 +19,7 @@ hits, the admission copy has none: this kernel saves that launch. A grid of P pr
     this step cannot evict, or a host code) or the new row with its weights visible to an acquire load
     (`pdl.load_acquire`);
   - and every program lets the next kernel launch first thing (PDL `trigger`), so that the MoE's first GEMM
-    runs beside the plan; that GEMM must then follow the rule above (`OVERLAP` in `moe_gemm.py` and `gemv.py`:
+    runs beside the plan; that GEMM must then follow the rule above (`OVERLAP` in `moe_gemm.py`, `gemv.py` and `splitk.py`:
     read a code with acquire, wait for this kernel only on a host code, and wait before it ends, so that its
     completion still implies this kernel's).
 Roles: in a plain grid each program takes the role of its ticket (`plan_sync._draw_ticket`: the order in which

@@ -18,8 +18,10 @@ Why fp64 sums: the programs add in whatever order they finish. fp32 sums would r
 a few outputs per launch would change by an ulp from run to run. Each addend is an fp32 value (24-bit
 significand); in fp64 (53 bits) the sum of N addends is exact while the largest and the smallest nonzero one
 are less than 2^(28 - log2 N) apart (2^21 for the ~100 addends of an output at Qwen3-like M=1), so the order
-cannot matter. Past that, the order moves the sum by about 2^-53 of it, which shows only where the sum lies that
-close to a rounding boundary of the output dtype. So a launch gives the same output as any other with the same
+cannot matter (a sufficient condition, and data-dependent: a simulation of that case with random weights found
+it unmet for about 1e-4 of the outputs, none of which changed with the order). Past it, the order moves the sum
+by about 2^-53 of the largest partial sum, which shows only where the sum lies that close to a rounding boundary
+of the output dtype. So a launch gives the same output as any other with the same
 inputs (eager, graph replay, any schedule), but for such near-ties.
 
 PDL (`kernels/pdl.py`): launched as a programmatic dependent of the kernel before it and waits first thing; in
@@ -67,10 +69,22 @@ class SplitConfig:
     fp32_sums: bool = False
 
 
-def splitk_configs(hidden_size: int, intermediate_size: int) -> SplitConfig:
-    """Default tiles (the interpreter gets small ones: its cost grows with tile size)."""
+# shared memory of the default tile (Triton 3.6-3.8, sm_80-sm_120): more than sm_86 / sm_89 / sm_120 give a block
+DEFAULT_TILE_SMEM = 110_592
+
+
+def splitk_configs(
+    hidden_size: int, intermediate_size: int, device: torch.device | None = None
+) -> SplitConfig:
+    """Default tiles (the interpreter gets small ones: its cost grows with tile size). On a CUDA `device` whose
+    blocks get less shared memory than the default tile needs (sm_86, sm_89, sm_120: 99 KiB), one stage less
+    (72 KiB; not measured there)."""
     if interpreting():
         return SplitConfig(16, 32, 32, num_stages=1)
+    if device is not None and device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        if getattr(props, "shared_memory_per_block_optin", DEFAULT_TILE_SMEM) < DEFAULT_TILE_SMEM:
+            return SplitConfig(num_stages=3)
     return SplitConfig()
 
 
@@ -185,18 +199,21 @@ def splitk_moe(
         raise ValueError(
             f"one-launch split path: {num_pairs} routed pairs > SPLITK_MAX_PAIRS={SPLITK_MAX_PAIRS}"
         )
+    # a copy launched here would come between the plan and this kernel, which then is not the plan's dependent
+    after_plan = after_plan and topk_ids.is_contiguous() and topk_weights.is_contiguous()
     ids = topk_ids.contiguous()
     tw = topk_weights.contiguous()
     if tw.shape != (T, K) or hidden.shape[0] != T:
         raise ValueError(
             f"topk_weights {tuple(tw.shape)}, hidden {tuple(hidden.shape)}: expected [{T}, {K}], [{T}, H]"
         )
-    cfg = config or splitk_configs(H, I)
-    if cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1) or cfg.block_k < 16 or cfg.block_h < 16:
-        raise ValueError(f"one-launch split path: tiles {cfg}: block_n a power of two >= 16, block_k/h >= 16")
+    cfg = config or splitk_configs(H, I, hidden.device)
+    tiles = (cfg.block_n, cfg.block_k, cfg.block_h)
+    if any(b < 16 or b & (b - 1) for b in tiles):
+        raise ValueError(f"one-launch split path: tiles {cfg}: block_n, block_k, block_h powers of two >= 16")
+    if num_pairs == 0:  # no program would run: nothing routed, every row zero
+        return torch.zeros((T, H), dtype=hidden.dtype, device=hidden.device)
     out = torch.empty((T, H), dtype=hidden.dtype, device=hidden.device)
-    if T == 0:
-        return out
     sum_dtype = torch.float32 if cfg.fp32_sums else torch.float64
     if not (counters_ready(hidden.device, 1) and sums_ready(hidden.device, T * H, sum_dtype)):
         # the workspace's growth launches kernels: this one is no longer the plan's dependent

@@ -57,7 +57,7 @@ def _float_sums(device: torch.device, n: int, dtype: torch.dtype = torch.float64
     if buf is None or buf.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"kernel workspace of {n} fp64 sums first needed during a CUDA graph capture: run one eager step "
+                f"kernel workspace of {n} {dtype} sums first needed during a CUDA graph capture: run one eager step "
                 "of this width before capturing (warm-up)"
             )
         if buf is not None:

@@ -62,7 +62,7 @@ else
   fi
   step bench_kernels "${BENCH_KERNELS_CAP:-200}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_variants "${BENCH_VARIANTS_CAP:-200}" "$PY" -m bench.kernels --variants --budget 150 --out "$OUT/bench_variants.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
-  # Qwen3-like bf16 decode: the GEMV against the default inline MMA path (issue #4's 1.2x-stock target at M=1; the
+  # Qwen3-like bf16 decode: the GEMV against the other paths (the default there is now the split path) (issue #4's 1.2x-stock target at M=1; the
   # general variants step above may run out of budget before the bf16 cases)
   step bench_variants_bf16 "${BENCH_VARIANTS_BF16_CAP:-120}" "$PY" -m bench.kernels --variants --formats bf16 --shapes qwen3 --no-align-sweep --budget 90 --out "$OUT/bench_variants_bf16.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # the one-launch split path (kernels/splitk.py): its tiles, then against the default decode path per shape and M

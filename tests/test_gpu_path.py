@@ -41,7 +41,7 @@ def _route(T: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # With overlap (POOLED_RUNNER_PLAN_OVERLAP=1) the plan + copy runs beside the first GEMM: bf16 at M=1 takes the
-# inline MMA GEMMs there, int4 / NVFP4 at M = 1 and 4 the GEMV (both OVERLAP); wider steps the align path.
+# one-launch split path there (kernels/splitk.py), int4 / NVFP4 at M = 1 and 4 the GEMV (both OVERLAP); wider steps the align path.
 @pytest.mark.parametrize(
     ("M", "weight_format", "overlap"),
     [(1, "bf16", False), (4, "bf16", False), (12, "bf16", False), (1, "bf16", True), (12, "bf16", True)]

@@ -78,7 +78,7 @@ def test_splitk_matches_references(H, I, T, K, cfg, dtype):
         if step == 1:
             assert torch.equal(out[0], torch.zeros_like(out[0])), "token with no routed pair: row not zero"
         sums = workspace._SUMS[(x.device, torch.float64)]
-        assert not sums.any(), f"fp32 sums not zeroed after the launch: {sums.nonzero()[:5].tolist()}"
+        assert not sums.any(), f"fp64 sums not zeroed after the launch: {sums.nonzero()[:5].tolist()}"
         cnt = workspace._COUNTERS[x.device][workspace.SYNC_WORDS]
         assert int(cnt) == 0, f"arrival counter left at {int(cnt)}"
 
@@ -90,9 +90,24 @@ def test_splitk_overlap_and_variant():
     ids, w = random_routing(2, 4, 7, g)
     ref = splitk_moe_ref(x, ids, w, l2p, 7, w13, w2, fmt)
     cfg = SplitConfig(16, 32, 32, num_stages=1)
-    assert_close(splitk_moe(x, ids, w, l2p, 7, w13, w2, fmt, cfg, after_plan=True), ref, "overlap")
-    out = pooled_fused_moe(x, ids, w, l2p, 7, w13, w2, fmt, variant="splitk")
-    assert_close(out, ref, "variant splitk")
+    plain = splitk_moe(x, ids, w, l2p, 7, w13, w2, fmt, cfg)
+    assert_close(plain, ref, "splitk")
+    # pairs taken by id (another program order): the same bits, as the fp64 sums promise
+    assert torch.equal(splitk_moe(x, ids, w, l2p, 7, w13, w2, fmt, cfg, after_plan=True), plain), "overlap"
+    # the dispatch really runs the split path (its default interpreter tiles are `cfg`), and picks it by default
+    assert torch.equal(pooled_fused_moe(x, ids, w, l2p, 7, w13, w2, fmt, variant="splitk"), plain), "variant"
+    # one token's pairs are distinct experts (two tokens' 8 pairs over 7 experts share too many for the default)
+    one = splitk_moe(x[:1], ids[:1], w[:1], l2p, 7, w13, w2, fmt, cfg)
+    assert torch.equal(pooled_fused_moe(x[:1], ids[:1], w[:1], l2p, 7, w13, w2, fmt), one), "default variant"
+
+
+def test_splitk_no_pairs_writes_zeros():
+    """K = 0 (no program runs): every row of the output is still written."""
+    g, fmt, w13, w2, l2p = _layer("bf16", 40, 24, torch.bfloat16)
+    x = torch.randn(3, 40, generator=g).bfloat16()
+    ids, w = torch.empty(3, 0, dtype=torch.long), torch.empty(3, 0)
+    out = splitk_moe(x, ids, w, l2p, 7, w13, w2, fmt)
+    assert out.shape == (3, 40) and not out.any(), "no routed pair: the output must be zeros"
 
 
 def test_splitk_refuses_bad_input():
@@ -106,7 +121,8 @@ def test_splitk_refuses_bad_input():
     ids, w = random_routing(11, 6, 7, g)  # 66 pairs
     with pytest.raises(ValueError, match="routed pairs"):
         splitk_moe(x, ids, w, l2p, 7, w13, w2, fmt)
-    with pytest.raises(ValueError, match="block_n"):
-        splitk_moe(x[:1], ids[:1], w[:1], l2p, 7, w13, w2, fmt, SplitConfig(24, 32, 32))
+    for bad in (SplitConfig(24, 32, 32), SplitConfig(16, 48, 32), SplitConfig(16, 32, 8)):
+        with pytest.raises(ValueError, match="powers of two"):
+            splitk_moe(x[:1], ids[:1], w[:1], l2p, 7, w13, w2, fmt, bad)
     with pytest.raises(ValueError, match="dtype"):
         splitk_moe(x[:1].half(), ids[:1], w[:1], l2p, 7, w13, w2, fmt)

@@ -93,6 +93,8 @@ def test_swapped_tiles_and_default_variant_rules():
     assert default_variant(FMT_DENSE, 9, 768, (plain, plain)) == "align"
     assert default_variant(FMT_DENSE, 8, 768, (plain, plain)) == "inline"  # caller's MMA tiles: no split path
     assert default_variant(FMT_DENSE, 16, 768, None, 8, 4) == "align"  # 8 tokens of top-2 over 4 experts
+    assert default_variant(FMT_DENSE, 8, 768, None, 1, 128, 2048) == "splitk"  # Qwen3-like M=1
+    assert default_variant(FMT_DENSE, 8, 1024, None, 1, 256, 7168) == "inline"  # DeepSeek-like TP=2 shard
 
 
 def test_decode_path_refuses_swapped_tiles():

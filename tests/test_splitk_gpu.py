@@ -39,6 +39,7 @@ def layers():
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_splitk_resident_real_shapes(layers, shape, M):
     from pooled_runner.kernels.fused_moe import pooled_fused_moe
+    from pooled_runner.kernels.splitk import splitk_moe
 
     H, _, E, K = SHAPES[shape]
     w13, w2, l2p, fmt, p13, p2 = layers[shape]
@@ -49,6 +50,9 @@ def test_splitk_resident_real_shapes(layers, shape, M):
         ids[1] = -1  # a token with no pair here: its row is zeros
     poison_allocator()
     out = pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="splitk")
+    assert torch.equal(out, splitk_moe(x, ids, w, l2p, E, p13, p2, fmt)), (
+        "the variant did not run the split path"
+    )
     ref = gpu_reference(x, ids, w, lambda e: w13[e], lambda e: w2[e])
     assert_close(out, ref, f"splitk {shape} M={M}")
     inline = pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="inline")
@@ -135,7 +139,7 @@ def test_splitk_graph_replay_with_new_routing():
         graph.replay()
         torch.cuda.synchronize()
         sums = workspace._SUMS[(x.device, torch.float64)]
-        assert not sums.any(), f"step {step}: fp32 sums not zeroed: {sums.nonzero()[:5].tolist()}"
+        assert not sums.any(), f"step {step}: fp64 sums not zeroed: {sums.nonzero()[:5].tolist()}"
         eager = pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="splitk")
         bad = (out != eager).nonzero()
         assert not bad.numel(), f"step {step}: replay differs from eager at {bad[:5].tolist()} (fp64 sums)"
