@@ -7,7 +7,7 @@ sweep, and the `--forms`) against the default path (which is splitk itself where
 routing (seeded); the split path's largest difference from the inline path is printed beside each row.
 
 Usage: python -m bench.splitk_sweep [--sweep-shape qwen3] [--sweep-m 1] [--cases qwen3:1,qwen3:2,...]
-       [--budget 150 (0: no sweep)] [--forms fp32] [--out splitk.md]
+       [--budget 150 (0: no sweep)] [--forms fp32,fill,fill+tail,...] [--out splitk.md]
 """
 
 from __future__ import annotations
@@ -42,7 +42,23 @@ BLOCK_K = (128, 256)
 # SplitConfig fields other than the tiles (`kernels/splitk.py`). Measured and dropped (2026-12-02, H100): the
 # down slice asked into L2 (`prefetch.global.L2::evict_last`) at each program's start with gate/up loads
 # evict-first: 4-26% slower; fp64 `red` through inline PTX did not compile (pointer and fp64 operands).
-FORMS = {"fp32": {"fp32_sums": True}}
+FORMS = {
+    "fp32": {"fp32_sums": True},
+    "fill": {"fill_sms": True},
+    "tail": {"wide_tail": True},
+    "rotate": {"rotate": True},
+    "nosums": {"probe_no_sums": True},  # wrong output: what the adds cost
+}
+
+
+def _form(name: str) -> dict[str, bool]:
+    """SplitConfig fields of a form name, parts joined by "+" (e.g. "fill+tail")."""
+    fields: dict[str, bool] = {}
+    for part in name.split("+"):
+        if part not in FORMS:
+            raise SystemExit(f"unknown form {part!r}: expected parts of {', '.join(FORMS)} joined by +")
+        fields.update(FORMS[part])
+    return fields
 
 
 def _layer(shape: str, m: int, seed: int):  # type: ignore[no-untyped-def]
@@ -112,13 +128,13 @@ def main() -> None:
     if best != forms["splitk"]:
         forms["best tile"] = best
     for name in args.forms.split(",") if args.forms else []:
-        forms[name] = dataclasses.replace(forms["splitk"], **FORMS[name])
+        forms[name] = dataclasses.replace(forms["splitk"], **_form(name))
     names = list(forms)  # the table's columns (a form that fails is left out of later cases)
     head = " | ".join(f"{n} µs (% bound)" for n in names)
     lines += [
         "",
         f"interleaved ({args.rounds} rounds); splitk: the default tile ({_cfg(forms['splitk'])}); best tile of "
-        f"the sweep: {_cfg(best)}; forms: {', '.join(f'{n} {FORMS[n]}' for n in forms if n in FORMS)}",
+        f"the sweep: {_cfg(best)}; forms: {', '.join(f'{n} {_form(n)}' for n in list(forms)[1:] if n != 'best tile')}",
         "",
         f"| shape | M | bound µs | default path µs (% bound) | inline µs | align µs | gemv µs | {head} | fastest "
         "other path / splitk | fastest other path / fastest splitk form | stock SGLang / fastest | max diff vs "
@@ -146,8 +162,11 @@ def main() -> None:
                 forms.pop(n)
                 fns.pop(n)
         t = {k: v * 1e3 for k, v in time_graphs(fns, rounds=args.rounds).items()}
-        fastest = min(forms, key=lambda n: t[n])
-        diff = (fns["splitk"]().float() - fns["inline"]().float()).abs().max().item()
+        # a probe's output is wrong: never the fastest form
+        fastest = min((n for n in forms if "nosums" not in n), key=lambda n: t[n])
+        ref = fns["splitk"]().float()
+        form_diffs = {n: (fns[n]().float() - ref).abs().max().item() for n in forms if "nosums" not in n}
+        diff = (ref - fns["inline"]().float()).abs().max().item()
         other = min(("inline", "align", "gemv"), key=lambda n: t[n])  # the fastest path that is not splitk
         stock = f"{STOCK_QWEN3_BF16_M1_US / t[fastest]:.3f}x" if (shape, m) == ("qwen3", "1") else "-"
         cells = " | ".join(f"{t[n]:.2f} ({bound / t[n]:.0%})" if n in t else "failed" for n in names)
@@ -156,6 +175,7 @@ def main() -> None:
             f"{t['align']:.2f} | {t['gemv']:.2f} | {cells} | {t[other] / t['splitk']:.3f} ({other}) | "
             f"{t[other] / t[fastest]:.3f} ({fastest}) | {stock} | {diff:.1e} |"
         )
+        lines.append(f"({shape} M={m}: forms' max diff vs splitk: {form_diffs})")
         write(args.out, lines)
         del a, _rows, fns
 

@@ -41,11 +41,13 @@ def _route(T: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # With overlap (POOLED_RUNNER_PLAN_OVERLAP=1) the plan + copy runs beside the first GEMM: bf16 at M=1 takes the
-# one-launch split path there (kernels/splitk.py), int4 / NVFP4 at M = 1 and 4 the GEMV (both OVERLAP); wider steps the align path.
+# one-launch split path there (kernels/splitk.py), int4 / NVFP4 at M = 1 and 4 the GEMV, fp8 at M = 1 and 2
+# (4 and 8 pairs) the inline path's gemm1 (all three OVERLAP); wider steps the align path.
 @pytest.mark.parametrize(
     ("M", "weight_format", "overlap"),
     [(1, "bf16", False), (4, "bf16", False), (12, "bf16", False), (1, "bf16", True), (12, "bf16", True)]
-    + [(M, f, True) for f in ("int4-g128", "nvfp4") for M in (1, 4)],
+    + [(M, f, True) for f in ("int4-g128", "nvfp4") for M in (1, 4)]
+    + [(M, "fp8", True) for M in (1, 2)],
 )
 def test_captured_decode_equals_resident_and_replays_with_new_routing(M, weight_format, overlap, monkeypatch):
     monkeypatch.setenv("POOLED_RUNNER_PLAN_OVERLAP", "1" if overlap else "0")
