@@ -44,13 +44,12 @@ from . import pdl
 from .dequant import FMT_DENSE
 from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _launch_args, interpreting
 from .gemm_parts import _mma, _row_bases
-from .gemv_config import _sms_of
 from .gemv_tiles import _slot_pair, _slot_pair_by_id
 from .operands import KernelFormat, Projection
 from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters, _float_sums, counters_ready, sums_ready
 
 SPLITK_MAX_PAIRS = 64  # T*K up to this (the schedule sorts P_POW2 keys in every program)
-SPLITK_TAIL_MAX = 4096  # `wide_tail`: sums rounded per load by the last program
+SPLITK_TAIL_MAX = 4096  # sums rounded per load by the last program
 
 
 @dataclass(frozen=True)
@@ -69,15 +68,9 @@ class SplitConfig:
     # the rounding then depends on the programs' order, so outputs change by an ulp from run to run: for the
     # bench's comparison only
     fp32_sums: bool = False
-    # forms under measurement (bench/splitk_sweep.py --forms): `fill_sms` narrows each program's slice of I
-    # below block_n (a multiple of 16) so the grid covers the SMs (e.g. 8 pairs of I 768 on 132 SMs: 16 slices
-    # of 48, 128 programs, instead of 12 of 64); `wide_tail` lets the last program round up to 4096 sums per
-    # load instead of block_h; `rotate` starts each program's down loop at its own tile of H (fewer programs
-    # adding to the same sums at once); `probe_no_sums` masks the adds off (wrong output: what they cost)
-    fill_sms: bool = False
-    wide_tail: bool = False
+    # under measurement (bench/splitk_sweep.py --forms rotate): each program starts its down loop at its own
+    # tile of H, so fewer programs add into the same sums at once
     rotate: bool = False
-    probe_no_sums: bool = False
 
 
 # shared memory of the default tile (Triton 3.6-3.8, sm_80-sm_120): more than sm_86 / sm_89 / sm_120 give a block
@@ -103,15 +96,15 @@ def splitk_configs(
 def _splitk_kernel(
     x_ptr, out_ptr, sum_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
     w1p, w1b, w1_se, w1_sn, w2p, w2b, w2_se, w2_sn,
-    num_tokens, num_pairs, num_experts, num_rows, I, H, stride_x, stride_out, num_programs, slice_n,
+    num_tokens, num_pairs, num_experts, num_rows, I, H, stride_x, stride_out, num_programs,
     TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr, COMPUTE: tl.constexpr, DOT_F32: tl.constexpr,
-    PDL: tl.constexpr, OVERLAP: tl.constexpr, FP32_SUMS: tl.constexpr = False, TAIL_BLOCK: tl.constexpr = 0,
-    ROTATE: tl.constexpr = False, PROBE_NO_SUMS: tl.constexpr = False,
+    PDL: tl.constexpr, OVERLAP: tl.constexpr, TAIL_BLOCK: tl.constexpr, FP32_SUMS: tl.constexpr = False,
+    ROTATE: tl.constexpr = False,
 ):  # fmt: skip
     if not OVERLAP:
         pdl.wait(PDL)  # the kernel before it (nothing triggers early but the plan + copy in OVERLAP)
-    num_nb = tl.cdiv(I, slice_n)  # slice_n <= BLOCK_N values of I per program
+    num_nb = tl.cdiv(I, BLOCK_N)
     slot = tl.program_id(0) // num_nb
     pid_n = tl.program_id(0) % num_nb
     if OVERLAP:
@@ -123,8 +116,8 @@ def _splitk_kernel(
         w1, _s, _z, _g = _row_bases(code, num_rows, w1p, w1p, w1p, w1p, w1b, w1b, w1b, w1b, w1_se, 0, 0, 0)
         w2, _s, _z, _g = _row_bases(code, num_rows, w2p, w2p, w2p, w2p, w2b, w2b, w2b, w2b, w2_se, 0, 0, 0)
         token = (pair // TOP_K).to(tl.int64)
-        offs_n = pid_n * slice_n + tl.arange(0, BLOCK_N)
-        n_ok = (tl.arange(0, BLOCK_N) < slice_n) & (offs_n < I)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < I
         acc_g = tl.zeros((16, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((16, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -153,8 +146,6 @@ def _splitk_kernel(
                         other=0.0).to(COMPUTE)  # fmt: skip
             part = _mma(act, b, tl.zeros((16, BLOCK_H), dtype=tl.float32), DOT_F32)
             y = tl.sum(tl.where((rows == 0)[:, None], part, 0.0), axis=0) * wk  # [BLOCK_H] fp32
-            if PROBE_NO_SUMS:  # every add masked off by a test on the data (no sum is that large): their cost
-                h_ok = h_ok & (y > 3.0e38)
             if FP32_SUMS:  # order-dependent rounding: the bench's comparison only (SplitConfig.fp32_sums)
                 tl.atomic_add(sum_ptr + token * H + offs_h, y, mask=h_ok, sem="relaxed", scope="gpu")
             else:
@@ -167,40 +158,18 @@ def _splitk_kernel(
     tl.debug_barrier()  # extends the arrival's acquire to the threads that read the sums below
     if arrived == num_programs - 1:
         tl.store(cnt_ptr, 0)  # ready for the next launch
-        if TAIL_BLOCK > 0:  # the T*H sums in blocks of TAIL_BLOCK (the out rows may be strided)
-            offs_t = tl.arange(0, TAIL_BLOCK)
-            for s0 in range(0, num_tokens * H, TAIL_BLOCK):
-                idx = s0 + offs_t
-                ok = idx < num_tokens * H
-                total = tl.load(sum_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
-                dst = out_ptr + (idx // H).to(tl.int64) * stride_out + idx % H
-                tl.store(dst, total.to(tl.float32).to(COMPUTE), mask=ok)
-                tl.store(sum_ptr + idx, tl.zeros((TAIL_BLOCK,), dtype=sum_ptr.dtype.element_ty), mask=ok)
-        else:
-            offs = tl.arange(0, BLOCK_H)
-            for t in range(0, num_tokens):
-                for h0 in range(0, H, BLOCK_H):
-                    h_ok = h0 + offs < H
-                    src = sum_ptr + t * H + h0 + offs
-                    total = tl.load(src, mask=h_ok, other=0.0, cache_modifier=".cg")
-                    tl.store(
-                        out_ptr + t * stride_out + h0 + offs, total.to(tl.float32).to(COMPUTE), mask=h_ok
-                    )
-                    tl.store(src, tl.zeros((BLOCK_H,), dtype=src.dtype.element_ty), mask=h_ok)
+        # the T*H sums TAIL_BLOCK per load (the out rows may be strided): one load at decode widths, where
+        # the first form's loop of BLOCK_H per load cost 1 µs (H200: Qwen3-like M=1 27.18 -> 26.15 µs)
+        offs = tl.arange(0, TAIL_BLOCK)
+        for s0 in range(0, num_tokens * H, TAIL_BLOCK):
+            idx = s0 + offs
+            ok = idx < num_tokens * H
+            total = tl.load(sum_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
+            dst = out_ptr + (idx // H).to(tl.int64) * stride_out + idx % H
+            tl.store(dst, total.to(tl.float32).to(COMPUTE), mask=ok)
+            tl.store(sum_ptr + idx, tl.zeros((TAIL_BLOCK,), dtype=sum_ptr.dtype.element_ty), mask=ok)
     if OVERLAP:
         pdl.wait(PDL)  # this kernel's completion implies the plan's
-
-
-def _slice_width(cfg: SplitConfig, I: int, num_pairs: int, device: torch.device) -> int:
-    """Values of I per program: block_n, or with `fill_sms` the narrowest multiple of 16 (>= 16, <= block_n)
-    that keeps the grid within one program per SM (132 SMs off CUDA: the interpreter's tests)."""
-    if not cfg.fill_sms:
-        return cfg.block_n
-    num_sms = 132
-    if device.type == "cuda":
-        num_sms = _sms_of(device.index if device.index is not None else torch.cuda.current_device())
-    slices = max(triton.cdiv(I, cfg.block_n), num_sms // num_pairs)
-    return max(16, min(cfg.block_n, triton.cdiv(triton.cdiv(I, slices), 16) * 16))
 
 
 def splitk_supported(fmt: KernelFormat) -> bool:
@@ -264,18 +233,17 @@ def splitk_moe(
     sums = _float_sums(hidden.device, T * H, sum_dtype)
     ptrs, strides, _native = _launch_args(w13, fmt)
     ptrs2, strides2, _native = _launch_args(w2, fmt)
-    slice_n = _slice_width(cfg, I, num_pairs, hidden.device)
-    grid = num_pairs * triton.cdiv(I, slice_n)
-    tail = min(SPLITK_TAIL_MAX, triton.next_power_of_2(T * H)) if cfg.wide_tail else 0
+    grid = num_pairs * triton.cdiv(I, cfg.block_n)
+    tail = min(SPLITK_TAIL_MAX, triton.next_power_of_2(T * H))
     use_pdl = pdl.pdl_enabled(hidden, fmt.fmt)
     _splitk_kernel[(grid,)](
         hidden, out, sums, cnt, ids, l2p, tw,
         ptrs[0], ptrs[4], strides[0], strides[4], ptrs2[0], ptrs2[4], strides2[0], strides2[4],
-        T, num_pairs, num_experts, w13.num_rows, I, H, hidden.stride(0), out.stride(0), grid, slice_n,
+        T, num_pairs, num_experts, w13.num_rows, I, H, hidden.stride(0), out.stride(0), grid,
         TOP_K=K, P_POW2=max(16, triton.next_power_of_2(num_pairs)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_H=cfg.block_h, COMPUTE=_TL_DTYPES[hidden.dtype], DOT_F32=interpreting(),
         PDL=use_pdl, OVERLAP=after_plan and (use_pdl or interpreting()), FP32_SUMS=cfg.fp32_sums,
-        TAIL_BLOCK=tail, ROTATE=cfg.rotate, PROBE_NO_SUMS=cfg.probe_no_sums,
+        TAIL_BLOCK=tail, ROTATE=cfg.rotate,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip
     return out
