@@ -93,6 +93,15 @@ def splitk_configs(
 
 
 @triton.jit
+def _fence_each_thread(lanes):
+    """`fence.acq_rel.gpu` in every thread holding an element of `lanes` (a tensor over the block's threads):
+    orders that thread's earlier writes and atomics (reds included) before its later ones, GPU-wide."""
+    return tl.inline_asm_elementwise(
+        "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [lanes], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
 def _splitk_kernel(
     x_ptr, out_ptr, sum_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
     w1p, w1b, w1_se, w1_sn, w2p, w2b, w2_se, w2_sn,
@@ -100,7 +109,7 @@ def _splitk_kernel(
     TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr, COMPUTE: tl.constexpr, DOT_F32: tl.constexpr,
     PDL: tl.constexpr, OVERLAP: tl.constexpr, TAIL_BLOCK: tl.constexpr, FP32_SUMS: tl.constexpr = False,
-    ROTATE: tl.constexpr = False,
+    ROTATE: tl.constexpr = False, FENCE: tl.constexpr = True,
 ):  # fmt: skip
     if not OVERLAP:
         pdl.wait(PDL)  # the kernel before it (nothing triggers early but the plan + copy in OVERLAP)
@@ -152,8 +161,12 @@ def _splitk_kernel(
                 tl.atomic_add(
                     sum_ptr + token * H + offs_h, y.to(tl.float64), mask=h_ok, sem="relaxed", scope="gpu"
                 )
-    # every program arrives (those of unrouted pairs too): the last one finishes the launch
-    tl.debug_barrier()  # every thread's adds happen before the (release) arrival
+    # every program arrives (those of unrouted pairs too): the last one finishes the launch. Each thread fences
+    # its own adds first: the one-thread release below did not cover the other warps' adds still in flight
+    # (H200, 2026-12-03: once the tail read the sums at once, some read before every add had landed)
+    if FENCE:
+        _fence_each_thread(tl.arange(0, BLOCK_H))
+    tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
     tl.debug_barrier()  # extends the arrival's acquire to the threads that read the sums below
     if arrived == num_programs - 1:
@@ -243,7 +256,7 @@ def splitk_moe(
         TOP_K=K, P_POW2=max(16, triton.next_power_of_2(num_pairs)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_H=cfg.block_h, COMPUTE=_TL_DTYPES[hidden.dtype], DOT_F32=interpreting(),
         PDL=use_pdl, OVERLAP=after_plan and (use_pdl or interpreting()), FP32_SUMS=cfg.fp32_sums,
-        TAIL_BLOCK=tail, ROTATE=cfg.rotate,
+        TAIL_BLOCK=tail, ROTATE=cfg.rotate, FENCE=not interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip
     return out
