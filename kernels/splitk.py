@@ -68,9 +68,6 @@ class SplitConfig:
     # the rounding then depends on the programs' order, so outputs change by an ulp from run to run: for the
     # bench's comparison only
     fp32_sums: bool = False
-    # under measurement (bench/splitk_sweep.py --forms rotate): each program starts its down loop at its own
-    # tile of H, so fewer programs add into the same sums at once
-    rotate: bool = False
 
 
 # shared memory of the default tile (Triton 3.6-3.8, sm_80-sm_120): more than sm_86 / sm_89 / sm_120 give a block
@@ -93,15 +90,6 @@ def splitk_configs(
 
 
 @triton.jit
-def _fence_each_thread(lanes):
-    """`fence.acq_rel.gpu` in every thread holding an element of `lanes` (a tensor over the block's threads):
-    orders that thread's earlier writes and atomics (reds included) before its later ones, GPU-wide."""
-    return tl.inline_asm_elementwise(
-        "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [lanes], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
 def _splitk_kernel(
     x_ptr, out_ptr, sum_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
     w1p, w1b, w1_se, w1_sn, w2p, w2b, w2_se, w2_sn,
@@ -109,7 +97,6 @@ def _splitk_kernel(
     TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr, COMPUTE: tl.constexpr, DOT_F32: tl.constexpr,
     PDL: tl.constexpr, OVERLAP: tl.constexpr, TAIL_BLOCK: tl.constexpr, FP32_SUMS: tl.constexpr = False,
-    ROTATE: tl.constexpr = False, FENCE: tl.constexpr = True,
 ):  # fmt: skip
     if not OVERLAP:
         pdl.wait(PDL)  # the kernel before it (nothing triggers early but the plan + copy in OVERLAP)
@@ -143,12 +130,8 @@ def _splitk_kernel(
         up = acc_u.to(COMPUTE).to(tl.float32)
         act = (gate * tl.sigmoid(gate) * up).to(COMPUTE)  # [16, BLOCK_N], rows 1-15 zero
         wk = tl.load(tw_ptr + pair).to(tl.float32)
-        num_hb = tl.cdiv(H, BLOCK_H)
-        for c in range(0, num_hb):
-            hb = c
-            if ROTATE:
-                hb = (c + tl.program_id(0)) % num_hb
-            offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
             h_ok = offs_h < H
             # B [BLOCK_N, BLOCK_H]: w2 rows h, columns n (the program's slice of I)
             b = tl.load(w2 + offs_h[None, :] * w2_sn + offs_n[:, None], mask=h_ok[None, :] & n_ok[:, None],
@@ -161,12 +144,8 @@ def _splitk_kernel(
                 tl.atomic_add(
                     sum_ptr + token * H + offs_h, y.to(tl.float64), mask=h_ok, sem="relaxed", scope="gpu"
                 )
-    # every program arrives (those of unrouted pairs too): the last one finishes the launch. Each thread fences
-    # its own adds first: the one-thread release below did not cover the other warps' adds still in flight
-    # (H200, 2026-12-03: once the tail read the sums at once, some read before every add had landed)
-    if FENCE:
-        _fence_each_thread(tl.arange(0, BLOCK_H))
-    tl.debug_barrier()
+    # every program arrives (those of unrouted pairs too): the last one finishes the launch
+    tl.debug_barrier()  # every thread's adds happen before the (release) arrival
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
     tl.debug_barrier()  # extends the arrival's acquire to the threads that read the sums below
     if arrived == num_programs - 1:
@@ -177,7 +156,12 @@ def _splitk_kernel(
         for s0 in range(0, num_tokens * H, TAIL_BLOCK):
             idx = s0 + offs
             ok = idx < num_tokens * H
-            total = tl.load(sum_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
+            # a barrier per block, and volatile loads: without both (Triton 3.6, H200, 2026-12-03) the outputs
+            # of the second and later blocks came out wrong, the same launch twice differing (a form with both
+            # was right in 40 of 40 launches per case, T 1-4, H 2048 and 7168; the old loop's BLOCK_H blocks,
+            # one value per thread, were right too); which of the two matters was not isolated
+            tl.debug_barrier()
+            total = tl.load(sum_ptr + idx, mask=ok, other=0.0, volatile=True)
             dst = out_ptr + (idx // H).to(tl.int64) * stride_out + idx % H
             tl.store(dst, total.to(tl.float32).to(COMPUTE), mask=ok)
             tl.store(sum_ptr + idx, tl.zeros((TAIL_BLOCK,), dtype=sum_ptr.dtype.element_ty), mask=ok)
@@ -256,7 +240,7 @@ def splitk_moe(
         TOP_K=K, P_POW2=max(16, triton.next_power_of_2(num_pairs)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_H=cfg.block_h, COMPUTE=_TL_DTYPES[hidden.dtype], DOT_F32=interpreting(),
         PDL=use_pdl, OVERLAP=after_plan and (use_pdl or interpreting()), FP32_SUMS=cfg.fp32_sums,
-        TAIL_BLOCK=tail, ROTATE=cfg.rotate, FENCE=not interpreting(),
+        TAIL_BLOCK=tail,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip
     return out
