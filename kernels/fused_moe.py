@@ -87,18 +87,19 @@ def swapped_tiles(weight_fmt: int, intermediate_size: int) -> bool:
     return weight_fmt in (FMT_INT4, FMT_NVFP4)
 
 
-# Dense decode steps of at most SPLITK_DEFAULT_MAX_PAIRS routed pairs on narrow experts (I <= SPLITK_DEFAULT_MAX_I)
-# take the one-launch split path (`splitk.py`), unless the caller gives MMA tiles or the pairs share experts
-# heavily. On the H200 (2026-12-02, `bench/splitk_sweep.py`, graph replay, interleaved rounds, the fp64 sums; two
-# runs), against the default then: Qwen3-like bf16 M=1 27.13 vs 28.42 µs (1.047x; 1.168x stock SGLang), M=2 47.06
-# vs 49.10 (1.043x); but M=3 and 4 (24 and 32 pairs) 0.905x and 0.906x, DeepSeek-like (I 2048) M=1 0.982x, M=2
-# 1.002x. On an H100 (same day): M=1 1.053x inline; M=2 1.011x align, but 0.972x inline (inline at M=2 was not
-# timed on the H200). Numbers in docs/BENCHMARKS.md (eighteenth session).
+# Dense decode steps of at most SPLITK_DEFAULT_MAX_PAIRS routed pairs on experts with I <= SPLITK_DEFAULT_MAX_I
+# and H <= SPLITK_DEFAULT_MAX_H take the one-launch split path (`splitk.py`), unless the caller gives MMA tiles or
+# the pairs share experts heavily. On the H200 (2026-12-03, `bench/splitk_sweep.py`, graph replay, interleaved
+# rounds, fp64 sums, its one-load tail; the final run, two earlier runs within 0.5%), against the fastest other
+# path: Qwen3-like bf16 M=1 25.99 vs inline 28.30 µs (1.089x; 1.220x stock SGLang's 31.7), M=2 45.86 vs inline
+# 47.72 (1.040x), DeepSeek-like (H 7168, I 2048) M=1 170.18 vs align 172.86 (1.016x), M=2 329.40 vs inline 335.80
+# (1.019x); but Qwen3-like M=3 and 4 (24 and 32 pairs) 0.941x and 0.947x: hence 16 pairs. The bounds on I and H
+# are the measured shapes' (TP shards between them, e.g. I 1024 at H 7168, were not timed). On an H100
+# (2026-12-02, before the one-load tail): M=1 1.053x inline; M=2 0.972x inline. docs/BENCHMARKS.md, eighteenth
+# and nineteenth sessions.
 SPLITK_DEFAULT_MAX_PAIRS = 16
-SPLITK_DEFAULT_MAX_I = 1024
-# ...and H <= SPLITK_DEFAULT_MAX_H: measured wins were at H 2048 only; DeepSeek-like H 7168 (I 2048) was a tie or a
-# loss, so e.g. its TP=2 shard (I 1024 per rank) keeps the inline path until measured
-SPLITK_DEFAULT_MAX_H = 4096
+SPLITK_DEFAULT_MAX_I = 2048
+SPLITK_DEFAULT_MAX_H = 7168
 
 
 def default_variant(

@@ -61,6 +61,28 @@ def test_splitk_resident_real_shapes(layers, shape, M):
         assert torch.equal(out[1], torch.zeros_like(out[1])), "a token with no routed pair: row not zero"
 
 
+@pytest.mark.parametrize(("shape", "M"), [("qwen3", 3), ("qwen3", 4), ("deepseek", 1), ("deepseek", 2)])
+def test_splitk_repeated_launches_agree(layers, shape, M):
+    """20 launches with fresh inputs, each twice: the same bits both times and the reference's values. Cases
+    whose T*H takes the last program more than one block of sums (a form of 2026-12-03 without a barrier per
+    block differed between launches in most of them)."""
+    from pooled_runner.kernels.splitk import splitk_moe
+
+    H, _, E, K = SHAPES[shape]
+    w13, w2, l2p, fmt, p13, p2 = layers[shape]
+    g = torch.Generator(device="cuda").manual_seed(500 + M)
+    for launch in range(20):
+        x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+        ids, w = routing(M, K, E, g)
+        first = splitk_moe(x, ids, w, l2p, E, p13, p2, fmt)
+        again = splitk_moe(x, ids, w, l2p, E, p13, p2, fmt)
+        diff = (first != again).nonzero()
+        assert diff.numel() == 0, f"launch {launch}: two launches differ at {diff[:5].tolist()}"
+        if launch % 5 == 0:  # the reference is slow: every fifth launch
+            ref = gpu_reference(x, ids, w, lambda e: w13[e], lambda e: w2[e])
+            assert_close(first, ref, f"splitk {shape} M={M} launch {launch}")
+
+
 def _mixed_layer(M: int):
     """Qwen3-like bf16 layer of 12 experts, 8 in pool rows, the rest pinned host rows, one not here."""
     from pooled_runner.kernels import fused_moe, operands
