@@ -100,33 +100,23 @@ def measure_bandwidths(nbytes: int = 1 << 30) -> Bandwidths:
     """Measure the three bandwidths the bound uses, on the current GPU."""
     dev = torch.randint(0, 1 << 30, (nbytes // 4,), dtype=torch.int32, device="cuda")
     host = torch.randint(0, 1 << 30, (nbytes // 4,), dtype=torch.int32).pin_memory()
-    hbm = read_bandwidth(dev, reps=5) * GB
-    zero_copy = read_bandwidth(host, reps=3) * GB
-    return Bandwidths(hbm, zero_copy, copy_bandwidth(nbytes) * GB)
-
-
-# (values per load, warps) of the streaming read, the best taken. The first alone (the probe until 2026-12-03)
-# read 3393-3807 GB/s on the H200, while the split MoE kernel read DeepSeek-like weights at 4.14 TB/s: one 4 KiB
-# load in flight per program was too little to fill HBM3e. The wider forms keep more bytes in flight.
-READ_FORMS = ((1024, 4), (4096, 8), (8192, 8))
+    hbm_ms = time_cuda(lambda: _read_kernel_sum(dev))
+    zc_ms = time_cuda(lambda: _read_kernel_sum(host))
+    return Bandwidths(nbytes / (hbm_ms / 1e3), nbytes / (zc_ms / 1e3), copy_bandwidth(nbytes) * GB)
 
 
 def read_bandwidth(t: torch.Tensor, reps: int = 5) -> float:
-    """GB/s of a Triton streaming read of `t` (device, or pinned host read in place) into the GPU: the best of
-    READ_FORMS, each the median of `reps` timings."""
+    """GB/s of a Triton streaming read of `t` (device, or pinned host read in place) into the GPU."""
     x = t.view(torch.int32).reshape(-1)
-    best_ms = min(
-        time_cuda(functools.partial(_read_kernel_sum, x, block, warps), warmup=1, iters=reps)
-        for block, warps in READ_FORMS
-    )
-    return x.numel() * 4 / (best_ms * 1e-3) / GB
+    ms = time_cuda(lambda: _read_kernel_sum(x), warmup=1, iters=reps)
+    return x.numel() * 4 / (ms * 1e-3) / GB
 
 
-def _read_kernel_sum(x: torch.Tensor, block: int = 1024, num_warps: int = 4) -> torch.Tensor:
+def _read_kernel_sum(x: torch.Tensor) -> torch.Tensor:
     """Stream `x` (device, or pinned host read in place through UVA) through a Triton reduction."""
-    programs = 132 * 8
+    programs, block = 132 * 8, 1024
     out = torch.empty(programs * block, dtype=torch.int32, device="cuda")
-    _read_kernel()[(programs,)](x, out, x.numel(), BLOCK=block, num_warps=num_warps)
+    _read_kernel()[(programs,)](x, out, x.numel(), BLOCK=block)
     return out
 
 
