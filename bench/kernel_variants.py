@@ -214,7 +214,7 @@ def variants_main(args: argparse.Namespace) -> None:
         "softmax top-k of random logits; host rows 1/8: every 8th distinct expert is read through the pinned "
         "host view. Columns: default = pooled_fused_moe's default kernels (fused_moe.default_variant and "
         "pick_configs: the GEMV for int4 and NVFP4 up to 64 routed pairs over mostly distinct experts, "
-        "kernels/splitk.py for bf16/fp16 up to 16 such pairs with I <= 2048 and H <= 7168, else swapped tiles on the align path where fused_moe.swapped_tiles says so, else inline up "
+        "kernels/splitk.py for bf16/fp16 up to 16 such pairs with I <= 1024, H <= 4096 and T*H <= 4096, else swapped tiles on the align path where fused_moe.swapped_tiles says so, else inline up "
         "to 8 routed pairs, else align); align = align + gemm1 + gemm2 + combine and inline = gemm1 + gemm2 "
         "computing the align inside every program, combine fused (<= 32 pairs, else as align with the combine "
         "fused), both with pick_configs' tiles unswapped; 'swap' = the same tiles with swapped operands "

@@ -12,6 +12,7 @@ import torch
 
 from pooled_runner import envs
 
+from . import splitk
 from .align import AlignOutput, align_blocks
 from .combine import combine
 from .decode import DECODE_MAX_PAIRS, decode_moe
@@ -88,18 +89,18 @@ def swapped_tiles(weight_fmt: int, intermediate_size: int) -> bool:
 
 
 # Dense decode steps of at most SPLITK_DEFAULT_MAX_PAIRS routed pairs on experts with I <= SPLITK_DEFAULT_MAX_I
-# and H <= SPLITK_DEFAULT_MAX_H take the one-launch split path (`splitk.py`), unless the caller gives MMA tiles or
-# the pairs share experts heavily. On the H200 (2026-12-03, `bench/splitk_sweep.py`, graph replay, interleaved
-# rounds, fp64 sums, its one-load tail; the final run, two earlier runs within 0.5%), against the fastest other
-# path: Qwen3-like bf16 M=1 25.99 vs inline 28.30 µs (1.089x; 1.220x stock SGLang's 31.7), M=2 45.86 vs inline
-# 47.72 (1.040x), DeepSeek-like (H 7168, I 2048) M=1 170.18 vs align 172.86 (1.016x), M=2 329.40 vs inline 335.80
-# (1.019x); but Qwen3-like M=3 and 4 (24 and 32 pairs) 0.941x and 0.947x: hence 16 pairs. The bounds on I and H
-# are the measured shapes' (TP shards between them, e.g. I 1024 at H 7168, were not timed). On an H100
-# (2026-12-02, before the one-load tail): M=1 1.053x inline; M=2 0.972x inline. docs/BENCHMARKS.md, eighteenth
-# and nineteenth sessions.
+# and H <= SPLITK_DEFAULT_MAX_H, whose T*H sums the last program rounds in one block (<= splitk.SPLITK_TAIL_MAX),
+# take the one-launch split path (`splitk.py`), unless the caller gives MMA tiles or the pairs share experts
+# heavily. On the H200 (2026-12-03, `bench/splitk_sweep.py`, graph replay, interleaved rounds, fp64 sums; the
+# final run, two earlier runs within 0.5%), against the fastest other path: Qwen3-like bf16 M=1 25.99 vs inline
+# 28.30 µs (1.089x; 1.220x stock SGLang's 31.7), M=2 45.86 vs inline 47.72 (1.040x); but M=3 and 4 (24 and 32
+# pairs) 0.941x and 0.947x: hence 16 pairs. DeepSeek-like (H 7168, I 2048) M=1 170.18 vs align 172.86 (1.016x),
+# M=2 329.40 vs inline 335.80 (1.019x), yet left out: its T*H takes the tail more than one block, a form whose
+# first version came out wrong on the H200 and whose fix (a barrier per block, volatile loads) has no known
+# cause (docs/BENCHMARKS.md, nineteenth session); one block was right in every form tried.
 SPLITK_DEFAULT_MAX_PAIRS = 16
-SPLITK_DEFAULT_MAX_I = 2048
-SPLITK_DEFAULT_MAX_H = 7168
+SPLITK_DEFAULT_MAX_I = 1024
+SPLITK_DEFAULT_MAX_H = 4096
 
 
 def default_variant(
@@ -114,7 +115,7 @@ def default_variant(
     """The decode kernels used when neither the caller nor POOLED_RUNNER_MOE_DECODE names one: the GEMV path
     up to GEMV_DEFAULT_MAX_PAIRS[format] routed pairs, and for dense weights on experts with I <=
     SPLITK_DEFAULT_MAX_I and H <= SPLITK_DEFAULT_MAX_H (0: not given) the one-launch split path up to
-    SPLITK_DEFAULT_MAX_PAIRS, unless the caller gives MMA
+    SPLITK_DEFAULT_MAX_PAIRS where T*H <= splitk.SPLITK_TAIL_MAX (one tail block), unless the caller gives MMA
     tiles (`configs`) or the step's pairs share experts heavily (`little_expert_reuse`; skipped when
     `num_tokens` or `num_experts` is 0); else inline up to INLINE_DEFAULT_MAX_PAIRS routed pairs where the tiles
     are not swapped, else the align path. Swapped: those of `configs` where the caller gives them, else
@@ -125,6 +126,7 @@ def default_variant(
         return "gemv"
     narrow = weight_fmt == FMT_DENSE and intermediate_size <= SPLITK_DEFAULT_MAX_I
     narrow = narrow and hidden_size <= SPLITK_DEFAULT_MAX_H
+    narrow = narrow and num_tokens * hidden_size <= splitk.SPLITK_TAIL_MAX  # one tail block
     if distinct and narrow and num_pairs <= SPLITK_DEFAULT_MAX_PAIRS:
         return "splitk"
     swapped = any(c.swap_ab for c in configs) if configs else swapped_tiles(weight_fmt, intermediate_size)

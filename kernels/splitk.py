@@ -150,8 +150,9 @@ def _splitk_kernel(
     tl.debug_barrier()  # extends the arrival's acquire to the threads that read the sums below
     if arrived == num_programs - 1:
         tl.store(cnt_ptr, 0)  # ready for the next launch
-        # the T*H sums TAIL_BLOCK per load (the out rows may be strided): one load at decode widths, where
-        # the first form's loop of BLOCK_H per load cost 1 µs (H200: Qwen3-like M=1 27.18 -> 26.15 µs)
+        # the T*H sums TAIL_BLOCK per load: one load where T*H <= SPLITK_TAIL_MAX (Qwen3-like T <= 2, the only
+        # case the default takes), where the first form's loop of BLOCK_H per load cost 1 µs (H200: Qwen3-like
+        # M=1 27.18 -> 26.15 µs)
         offs = tl.arange(0, TAIL_BLOCK)
         for s0 in range(0, num_tokens * H, TAIL_BLOCK):
             idx = s0 + offs

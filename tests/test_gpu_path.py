@@ -94,6 +94,16 @@ def test_captured_decode_equals_resident_and_replays_with_new_routing(M, weight_
     pooled.pool.check_invariants()
 
 
+def test_captured_split_path_with_the_tail_in_blocks(monkeypatch):
+    """The bf16 M=1 OVERLAP case on the split path (named, as the default takes it only where the sums fit one
+    tail block) with its last program rounding the 512 sums in 4 blocks of 128."""
+    from pooled_runner.kernels import fused_moe, splitk
+
+    monkeypatch.setattr(fused_moe, "DECODE_VARIANT", "splitk")
+    monkeypatch.setattr(splitk, "SPLITK_TAIL_MAX", 128)
+    test_captured_decode_equals_resident_and_replays_with_new_routing(1, "bf16", True, monkeypatch)
+
+
 def test_wide_step_under_capture_is_refused():
     pooled = _build(rows=L * E // 2, staging=False)
     g = torch.Generator(device="cuda").manual_seed(3)

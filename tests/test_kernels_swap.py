@@ -67,8 +67,7 @@ def test_swapped_tiles_and_default_variant_rules():
     # (format, routed pairs, I) -> default variant
     table = [
         (FMT_DENSE, 1, 768, "splitk"), (FMT_DENSE, 16, 1024, "splitk"), (FMT_DENSE, 17, 768, "align"),
-        (FMT_DENSE, 1, 2049, "inline"), (FMT_DENSE, 8, 2048, "splitk"), (FMT_DENSE, 17, 2048, "align"),
-        (FMT_DENSE, 8, 4096, "inline"), (FMT_DENSE, 9, 4096, "align"),
+        (FMT_DENSE, 1, 1025, "inline"), (FMT_DENSE, 8, 2048, "inline"), (FMT_DENSE, 9, 2048, "align"),
         (FMT_INT4, 1, 768, "gemv"), (FMT_INT4, 64, 2048, "gemv"), (FMT_INT4, 65, 2048, "align"),
         (FMT_NVFP4, 8, 768, "gemv"), (FMT_NVFP4, 64, 2048, "gemv"), (FMT_NVFP4, 65, 2048, "align"),
         (FMT_FP8_CHANNEL, 8, 768, "inline"), (FMT_FP8_CHANNEL, 8, 2048, "align"),
@@ -95,9 +94,14 @@ def test_swapped_tiles_and_default_variant_rules():
     assert default_variant(FMT_DENSE, 8, 768, (plain, plain)) == "inline"  # caller's MMA tiles: no split path
     assert default_variant(FMT_DENSE, 16, 768, None, 8, 4) == "align"  # 8 tokens of top-2 over 4 experts
     assert default_variant(FMT_DENSE, 8, 768, None, 1, 128, 2048) == "splitk"  # Qwen3-like M=1
-    assert default_variant(FMT_DENSE, 8, 2048, None, 1, 256, 7168) == "splitk"  # DeepSeek-like M=1
-    assert default_variant(FMT_DENSE, 8, 1024, None, 1, 256, 7168) == "splitk"  # its TP=2 shard (not timed)
-    assert default_variant(FMT_DENSE, 8, 2048, None, 1, 256, 7169) == "inline"  # H past the measured
+    assert default_variant(FMT_DENSE, 16, 768, None, 2, 128, 2048) == "splitk"  # Qwen3-like M=2: 4096 sums
+    assert (
+        default_variant(FMT_DENSE, 6, 768, None, 3, 128, 2048) == "inline"
+    )  # 3 x 2048 sums: two tail blocks
+    assert (
+        default_variant(FMT_DENSE, 8, 2048, None, 1, 256, 7168) == "inline"
+    )  # DeepSeek-like: two tail blocks
+    assert default_variant(FMT_DENSE, 8, 1024, None, 1, 256, 7168) == "inline"  # its TP=2 shard
 
 
 def test_decode_path_refuses_swapped_tiles():

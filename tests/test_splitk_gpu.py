@@ -130,12 +130,16 @@ def test_splitk_mixed_rows(M):
     assert not bad.numel(), f"pool rows vs host rows: outputs differ at {bad[:5].tolist()}"
 
 
-def test_splitk_graph_replay_with_new_routing():
+@pytest.mark.parametrize("tail_max", [4096, 512])
+def test_splitk_graph_replay_with_new_routing(tail_max, monkeypatch):
     """Captured steps replayed with new routing (host rows, padding) beside work on another stream: each
     replay equals the eager call bitwise (the fp64 sums do not depend on the programs' order) and matches the
-    reference, and the workspace is back at zero after every replay."""
-    from pooled_runner.kernels import workspace
+    reference, and the workspace is back at zero after every replay. With a tail of 512 sums per block, the
+    last program rounds in 8 blocks."""
+    from pooled_runner.kernels import splitk, workspace
     from pooled_runner.kernels.fused_moe import dense_row, pooled_fused_moe
+
+    monkeypatch.setattr(splitk, "SPLITK_TAIL_MAX", tail_max)
 
     M = 2
     H, E, K, l2p, fmt, p13, p2 = _mixed_layer(M)
