@@ -47,19 +47,7 @@ BLOCK_K = (128, 256)
 # 26.15 with the one-load tail (since the default); every add masked off by a test on the data: 27.85, so the
 # fp64 adds cost nothing measurable there. Each program's down loop started at its own tile of H (fewer programs
 # adding into the same sums at once): from 0.6% slower to 1.1% faster over three runs and six shapes: dropped.
-FORMS = {
-    "fp32": {"fp32_sums": True},
-}
-
-
-def _form(name: str) -> dict[str, bool]:
-    """SplitConfig fields of a form name, parts of FORMS joined by "+"."""
-    fields: dict[str, bool] = {}
-    for part in name.split("+"):
-        if part not in FORMS:
-            raise SystemExit(f"unknown form {part!r}: expected parts of {', '.join(FORMS)} joined by +")
-        fields.update(FORMS[part])
-    return fields
+FORMS = {"fp32": {"fp32_sums": True}}
 
 
 def _layer(shape: str, m: int, seed: int):  # type: ignore[no-untyped-def]
@@ -129,13 +117,15 @@ def main() -> None:
     if best != forms["splitk"]:
         forms["best tile"] = best
     for name in args.forms.split(",") if args.forms else []:
-        forms[name] = dataclasses.replace(forms["splitk"], **_form(name))
+        if name not in FORMS:
+            raise SystemExit(f"unknown form {name!r}: expected one of {', '.join(FORMS)}")
+        forms[name] = dataclasses.replace(forms["splitk"], **FORMS[name])
     names = list(forms)  # the table's columns (a form that fails is left out of later cases)
     head = " | ".join(f"{n} µs (% bound)" for n in names)
     lines += [
         "",
         f"interleaved ({args.rounds} rounds); splitk: the default tile ({_cfg(forms['splitk'])}); best tile of "
-        f"the sweep: {_cfg(best)}; forms: {', '.join(f'{n} {_form(n)}' for n in list(forms)[1:] if n != 'best tile')}",
+        f"the sweep: {_cfg(best)}; forms: {', '.join(f'{n} {FORMS[n]}' for n in forms if n in FORMS)}",
         "",
         f"| shape | M | bound µs | default path µs (% bound) | inline µs | align µs | gemv µs | {head} | fastest "
         "other path / splitk | fastest other path / fastest splitk form | stock SGLang / fastest | max diff vs "
