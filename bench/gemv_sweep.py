@@ -6,7 +6,8 @@ around `gemv_configs`' default, the gate_up kernel alone and the down + combine 
 reads 2/3 of a layer's expert bytes, down 1/3). Each row also gives max |difference| of its output to the
 default config's (split K changes only the fp32 summation order). Seeded; the default config runs first.
 
-Usage: python -m bench.gemv_sweep [--cases "deepseek:int4-g128:1,8;qwen3:int4-g128:1"] [--out sweep.md]
+Usage: python -m bench.gemv_sweep [--cases "deepseek:int4-g128:1,8;qwen3:int4-g128:1"] [--set wide|focus|default]
+                                 [--out sweep.md]
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def _row(shape, name, M, kernel, cfg: GemvConfig, us, pct, diff) -> str:
 
 
 def sweep_case(
-    shape: str, name: str, M: int, hbm: float, g: torch.Generator, deadline: float, focus: bool = False
+    shape: str, name: str, M: int, hbm: float, g: torch.Generator, deadline: float, config_set: str = "wide"
 ) -> list[str]:
     """The rows of one case: gate_up configs, then down configs (down reads the default config's act)."""
     H, I, _, _ = SHAPES[shape]
@@ -125,11 +126,12 @@ def sweep_case(
     rows = []
     for kernel, (launch, share) in kernels.items():
         ref = launch(base).clone()
-        configs = (
-            focus_configs(base, kernel)
-            if focus
-            else (gate_up_configs if kernel == "gate_up" else down_configs)(base)
-        )
+        if config_set == "default":
+            configs = [base]
+        elif config_set == "focus":
+            configs = focus_configs(base, kernel)
+        else:
+            configs = (gate_up_configs if kernel == "gate_up" else down_configs)(base)
         for cfg in configs:
             if time.perf_counter() > deadline:
                 return [*rows, f"| {shape} | {name} | {M} | (time budget reached) |"]
@@ -147,7 +149,10 @@ def main() -> None:
     ap.add_argument("--cases", default="deepseek:int4-g128:1,8;qwen3:int4-g128:1,8;deepseek:nvfp4:1")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds before the sweep stops")
     ap.add_argument(
-        "--set", choices=("wide", "focus"), default="wide", help="configs: around the default or focus"
+        "--set",
+        choices=("wide", "focus", "default"),
+        default="wide",
+        help="configs: around the default, focus, or the default alone (A/B runs of two trees)",
     )
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", default=None)
@@ -165,7 +170,7 @@ def main() -> None:
     for case in args.cases.split(";"):
         shape, name, ms = case.split(":")
         for M in (int(m) for m in ms.split(",")):
-            lines += sweep_case(shape, name, M, hbm, g, deadline, args.set == "focus")
+            lines += sweep_case(shape, name, M, hbm, g, deadline, args.set)
             torch.cuda.empty_cache()
     write(args.out, lines)
 

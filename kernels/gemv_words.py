@@ -4,12 +4,14 @@ words and their scales and sums the rows."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 # fp32 of the fp16 in the low / high half of each int32
 from .dequant import _fp16_hi as _half_hi
 from .dequant import _fp16_lo as _half_lo
+from .gemm_args import interpreting
 
 
 @triton.jit
@@ -38,13 +40,15 @@ def _ldx(ptr, xm, EVEN_K: tl.constexpr, X_CG: tl.constexpr):
 
 @triton.jit
 def _word_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, FMT: tl.constexpr, HAS_ZERO: tl.constexpr,
-              COMPUTE: tl.constexpr, VPW: tl.constexpr, EVEN_K: tl.constexpr, X_CG: tl.constexpr):  # fmt: skip
+              COMPUTE: tl.constexpr, VPW: tl.constexpr, EVEN_K: tl.constexpr, X_CG: tl.constexpr,
+              ASM: tl.constexpr):  # fmt: skip
     """`acc [BN, KW]` plus, per word, the sum over its VPW values of weight * x (times the word's scale where
     the format has group scales; per-row and global factors are applied by `_row_scale` at the end); int4 and
     NVFP4: `acc [BN, KW / 2]` plus, per pair of words (one group / one scale), their sums times the scale. `k0`: the
     tile's first word column. Dense and fp8 read x through `[BN, KW]` pointers equal along the rows (the words'
     layout, no layout conversion); int4 and NVFP4 (8 values a word) load the tile's x once, contiguous, and
-    split it in registers (`_x_split8`): on the H200 that halved the DeepSeek-like int4 GEMV at M=1."""
+    split it in registers (`_x_split8`): on the H200 that halved the DeepSeek-like int4 GEMV at M=1. ASM
+    (compiled, not the interpreter): NVFP4 decodes its words in PTX (`_e2m1_values`)."""
     if EVEN_K:  # noqa: SIM108 (constexpr branch)
         xm = None
     else:
@@ -64,19 +68,16 @@ def _word_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, FMT: tl.conste
     elif FMT == 4:
         x0, x1, x2, x3, x4, x5, x6, x7 = _x_split8(x_row, k0, K_WORDS, words.shape[1], EVEN_K, X_CG)
         # one FFMA chain per word (`p += a * x` one value at a time: a sum of two products per step cost an
-        # extra FMUL and FADD per pair)
-        bits = (_sh(words, 9) & c0) | (_sh(words, 12) & c1)
-        p = _half_lo(bits) * x0[None, :]
-        p += _half_hi(bits) * x4[None, :]
-        bits = (_sh(words, 5) & c0) | (_sh(words, 8) & c1)
-        p += _half_lo(bits) * x1[None, :]
-        p += _half_hi(bits) * x5[None, :]
-        bits = (_sh(words, 1) & c0) | (_sh(words, 4) & c1)
-        p += _half_lo(bits) * x2[None, :]
-        p += _half_hi(bits) * x6[None, :]
-        bits = (_sh(words, -3) & c0) | (_sh(words, 0) & c1)
-        p += _half_lo(bits) * x3[None, :]
-        p += _half_hi(bits) * x7[None, :]
+        # extra FMUL and FADD per pair); the word's values as four fp16 pairs, (0, 4), (1, 5), (2, 6), (3, 7)
+        v0, v1, v2, v3, v4, v5, v6, v7 = _e2m1_values(words, ASM)
+        p = v0 * x0[None, :]
+        p += v4 * x4[None, :]
+        p += v1 * x1[None, :]
+        p += v5 * x5[None, :]
+        p += v2 * x2[None, :]
+        p += v6 * x6[None, :]
+        p += v3 * x3[None, :]
+        p += v7 * x7[None, :]
         # the two words of each scale summed first: `acc [BN, KW / 2]`
         pa, pb = _halves(p)
         acc += s * (pa + pb)
@@ -93,6 +94,78 @@ def _word_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, FMT: tl.conste
             acc += _half_lo(bits) * _ldx(xp + j, xm, EVEN_K, X_CG)
             acc += _half_hi(bits) * _ldx(xp + j + 2, xm, EVEN_K, X_CG)
     return acc
+
+
+@triton.jit
+def _e2m1_pairs(words):
+    """A word's eight e2m1 codes (code j at bits 4j..4j+3, sign at the top) as four int32 fp16 pairs,
+    codes (0, 4), (1, 5), (2, 6), (3, 7) in (low, high) half: each code's 3 value bits at bits 9..11 of its
+    half and its sign at bit 15, i.e. the fp16 of value / 16384 (exact: the values 0 and 0.5 are subnormals).
+
+    11 integer operations a word (16 before): one rotate copies every sign 3 bits up (into the next code's
+    field, or past bit 31 to bit 2); two selects build `ev`, whose bytes hold the even codes' value bits at
+    0..2 and their sign copies at 6, and `od`, which holds the odd codes' value bits at 4..6 of each byte and
+    their sign copies at 2 of the next byte (the last one's wrapped to byte 0); each pair is then one shift
+    (a rotate for (3, 7)) and one mask."""
+    u = words.to(tl.uint32, bitcast=True)
+    r = (u << 3) | (u >> 29)  # rotate left by 3
+    ev = (u & 0x0F0F0F0F) | (r & 0xF0F0F0F0)
+    od = (u & 0xF0F0F0F0) | (r & 0x0F0F0F0F)
+    m = 0x8E008E00  # bits 9..11 and 15 of each half
+    b04 = (ev << 9) & m
+    b15 = (od << 5) & m
+    b26 = (ev << 1) & m
+    b37 = ((od >> 3) | (od << 29)) & m  # rotate right by 3
+    return (b04.to(tl.int32, bitcast=True), b15.to(tl.int32, bitcast=True), b26.to(tl.int32, bitcast=True),
+            b37.to(tl.int32, bitcast=True))  # fmt: skip
+
+
+# `_e2m1_pairs` in PTX, each pair's halves converted: the selects as one `lop3` each (from Triton's ops the
+# compiler made two of each), the conversions one `cvt` each (from Triton's casts it first repacked halves of
+# different registers: 64 PRMT per 16 words in the NVFP4 GEMV's loop; Triton 3.6, sm_90).
+_E2M1_ASM = tl.constexpr(
+    """{
+.reg .b32 r, ev, od, t;
+.reg .b16 l, h;
+shf.l.wrap.b32 r, $8, $8, 3;
+lop3.b32 ev, $8, r, 0x0F0F0F0F, 0xE4;
+lop3.b32 od, r, $8, 0x0F0F0F0F, 0xE4;
+shl.b32 t, ev, 9;
+and.b32 t, t, 0x8E008E00;
+mov.b32 {l, h}, t;
+cvt.f32.f16 $0, l;
+cvt.f32.f16 $4, h;
+shl.b32 t, od, 5;
+and.b32 t, t, 0x8E008E00;
+mov.b32 {l, h}, t;
+cvt.f32.f16 $1, l;
+cvt.f32.f16 $5, h;
+shl.b32 t, ev, 1;
+and.b32 t, t, 0x8E008E00;
+mov.b32 {l, h}, t;
+cvt.f32.f16 $2, l;
+cvt.f32.f16 $6, h;
+shf.r.wrap.b32 t, od, od, 3;
+and.b32 t, t, 0x8E008E00;
+mov.b32 {l, h}, t;
+cvt.f32.f16 $3, l;
+cvt.f32.f16 $7, h;
+}"""
+)
+
+
+@triton.jit
+def _e2m1_values(words, ASM: tl.constexpr):
+    """A word's eight e2m1 codes as eight fp32 `value / 16384` (`_e2m1_pairs`, each half converted). ASM
+    (compiled, not the interpreter): the same operations in PTX (`_E2M1_ASM`)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _E2M1_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words], dtype=(tl.float32,) * 8, is_pure=True, pack=1
+        )
+    else:
+        b04, b15, b26, b37 = _e2m1_pairs(words)
+        return (_half_lo(b04), _half_lo(b15), _half_lo(b26), _half_lo(b37), _half_hi(b04), _half_hi(b15),
+                _half_hi(b26), _half_hi(b37))  # fmt: skip
 
 
 @triton.jit
@@ -188,3 +261,39 @@ def _int4_chain(p, words, c0, c1, x0, x1, x2, x3, x4, x5, x6, x7):
     p += ((t & c0) | c1).to(tl.float32, bitcast=True) * x6[None, :]
     p += ((t & m_hi) | e_hi).to(tl.float32, bitcast=True) * x7[None, :]
     return p
+
+
+@triton.jit
+def _e2m1_decode_kernel(words_ptr, out_ptr, n, ASM: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    values = _e2m1_values(tl.load(words_ptr + offs, mask=ok, other=0), ASM)
+    for j in tl.static_range(8):
+        tl.store(out_ptr + offs * 8 + j, values[j], mask=ok)
+
+
+E2M1_DECODE_BLOCK = 128
+
+
+def e2m1_decode(words: torch.Tensor, asm: bool | None = None) -> torch.Tensor:
+    """The NVFP4 GEMV's word decode alone (for tests): `words [N]` int32, contiguous, eight e2m1 codes each
+    (code j at bits 4j..4j+3) -> `[N, 8]` fp32, value j / 16384. `asm`: the PTX form (default: compiled, i.e.
+    not under the interpreter, which cannot run it). N may be 0."""
+    assert words.dim() == 1 and words.dtype == torch.int32 and words.is_contiguous(), (
+        f"words: {tuple(words.shape)} {words.dtype}, contiguous={words.is_contiguous()}; want [N] int32"
+    )
+    asm = not interpreting() if asm is None else asm
+    assert not (asm and interpreting()), "the PTX form does not run under TRITON_INTERPRET=1"
+    out = torch.empty((words.numel(), 8), dtype=torch.float32, device=words.device)
+    if words.numel():
+        grid = (triton.cdiv(words.numel(), E2M1_DECODE_BLOCK),)
+        _e2m1_decode_kernel[grid](words, out, words.numel(), ASM=asm, BLOCK=E2M1_DECODE_BLOCK)
+    return out
+
+
+def e2m1_decode_ref(words: torch.Tensor) -> torch.Tensor:
+    """`e2m1_decode` in torch: each code looked up in the e2m1 table, divided by 16384."""
+    table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=words.device)
+    table = torch.cat([table, -table]) / 16384.0
+    codes = (words.to(torch.int64)[:, None] >> (4 * torch.arange(8, device=words.device))[None, :]) & 15
+    return table[codes]

@@ -81,3 +81,25 @@ def small_layer_args(H: int, I: int, E: int, R: int, T: int, K: int, seed: int) 
     x = torch.randn(T, H, generator=g).bfloat16()
     ids, w = random_routing(T, K, E, g)
     return x, ids, w, l2p, E, w13, w2, fmt
+
+
+def e2m1_words_and_values(g: torch.Generator, num_random: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 words of eight e2m1 codes (code j at bits 4j..4j+3, as the NVFP4 GEMV reads the packed bytes) and
+    their values / 16384 in fp32 `[N, 8]` (the GEMV's word decode; the 2^14 goes into the row factor): 16
+    words that put every code at every position (a different code at each), then `num_random` random words."""
+    from pooled_runner.formats.quant import E2M1_VALUES
+
+    codes = (torch.arange(16)[:, None] + 3 * torch.arange(8)[None, :]) % 16  # [16, 8]
+    codes = torch.cat([codes, torch.randint(0, 16, (num_random, 8), generator=g)])
+    words = (codes << (4 * torch.arange(8))[None, :]).sum(1)  # int64, 0 .. 2^32 - 1
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
+    return words, table[codes] / 16384.0
+
+
+def assert_exact_values(out: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """`out == want` everywhere (shapes equal), naming the first mismatching coordinates."""
+    assert out.shape == want.shape, f"{what}: shape {tuple(out.shape)}, want {tuple(want.shape)}"
+    bad = (out.cpu() != want.cpu()).nonzero()
+    first = [(c, out[tuple(c)].item(), want[tuple(c)].item()) for c in bad[:4].tolist()]
+    assert bad.numel() == 0, f"{what}: {len(bad)} values differ; first (coordinates, got, want): {first}"

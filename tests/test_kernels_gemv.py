@@ -10,7 +10,7 @@ from tests.interpreter import interpreter_imports
 with interpreter_imports():
     import triton
     import triton.language as tl
-    from pooled_runner.kernels import gemv
+    from pooled_runner.kernels import gemv, gemv_words
     from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe, pooled_fused_moe_ref
     from pooled_runner.kernels.gemv import (
         GemvConfig,
@@ -32,7 +32,13 @@ with interpreter_imports():
         tl.store(out_ptr + 2 * slot + 1, code)
 
 
-from tests.kernel_helpers import assert_close, build_layer, random_routing
+from tests.kernel_helpers import (
+    assert_close,
+    assert_exact_values,
+    build_layer,
+    e2m1_words_and_values,
+    random_routing,
+)
 
 pytestmark = pytest.mark.skipif(
     not interpreting(), reason="interpreter tests; the GPU runs test_kernels_gpu.py"
@@ -61,6 +67,15 @@ CONFIGS = [
     GemvConfig(8, 64, 32, 32, num_warps=2, prefetch=False, fuse_combine=False),
     GemvConfig(16, 32, 16, 64, stages=3),
 ]
+
+
+def test_e2m1_word_decode_is_exact():
+    """The NVFP4 GEMV's word decode (`gemv_words._e2m1_values`, the bit logic its PTX form runs on the GPU):
+    every code at every position of a word, and random words, give exactly value / 16384."""
+    words, want = e2m1_words_and_values(torch.Generator().manual_seed(5), 301)
+    assert torch.equal(gemv_words.e2m1_decode_ref(words), want)
+    for n in (0, 1, 7, words.numel()):
+        assert_exact_values(gemv_words.e2m1_decode(words[:n]), want[:n], "e2m1 decode")
 
 
 def _layer(name, H, I, dtype, E=7, R=3, seed=0):
