@@ -52,7 +52,8 @@ def gate_up_configs(base: GemvConfig) -> list[GemvConfig]:
 
 def down_configs(base: GemvConfig) -> list[GemvConfig]:
     """down tiles around `base`: rows x2 / /2; 8 warps (same and x2 rows); 2 warps; K tiles x2, /2 (rows x2); K
-    tiles of 128 pipelined (4 stages) or not; 3 stages."""
+    tiles of 128 pipelined (4 stages) or not; 3 stages; rows /4; rows /2 and /4 with K tiles x2; rows /4 with 2
+    warps."""
     r = dataclasses.replace
     bn = base.block_n2
     configs = [
@@ -67,6 +68,12 @@ def down_configs(base: GemvConfig) -> list[GemvConfig]:
         r(base, block_k2=128, stages=4, prefetch=False),
         r(base, block_k2=128, stages=0, prefetch=False),
         r(base, stages=3),
+        # fewer rows per program, so that the grid's last wave is fuller (DeepSeek-like down at 64 rows: 896
+        # programs at 4 per SM are 1.7 waves), with longer K tiles to keep the words per thread
+        r(base, block_n2=max(8, bn // 4)),
+        r(base, block_n2=max(8, bn // 2), block_k2=2 * base.block_k2),
+        r(base, block_n2=max(8, bn // 4), block_k2=2 * base.block_k2),
+        r(base, block_n2=max(8, bn // 4), num_warps=2),
     ]
     return list(dict.fromkeys(configs))
 
@@ -110,7 +117,14 @@ def _row(shape, name, M, kernel, cfg: GemvConfig, us, pct, diff) -> str:
 
 
 def sweep_case(
-    shape: str, name: str, M: int, hbm: float, g: torch.Generator, deadline: float, config_set: str = "wide"
+    shape: str,
+    name: str,
+    M: int,
+    hbm: float,
+    g: torch.Generator,
+    deadline: float,
+    config_set: str = "wide",
+    only: list[str] | None = None,
 ) -> list[str]:
     """The rows of one case: gate_up configs, then down configs (down reads the default config's act)."""
     H, I, _, _ = SHAPES[shape]
@@ -124,7 +138,12 @@ def sweep_case(
         "down": (lambda c: gemv_down_combine(act_ref, ids, tw, l2p, E, w2, fmt, c), 1 / 3),
     }
     rows = []
+    unknown = set(only or []) - set(kernels)
+    if unknown:
+        raise SystemExit(f"--kernels: unknown {sorted(unknown)}; known: {', '.join(kernels)}")
     for kernel, (launch, share) in kernels.items():
+        if only and kernel not in only:
+            continue
         ref = launch(base).clone()
         if config_set == "default":
             configs = [base]
@@ -135,8 +154,13 @@ def sweep_case(
         for cfg in configs:
             if time.perf_counter() > deadline:
                 return [*rows, f"| {shape} | {name} | {M} | (time budget reached) |"]
-            diff = (launch(cfg).float() - ref.float()).abs().max().item()
-            us = time_graph(functools.partial(launch, cfg))
+            try:
+                diff = (launch(cfg).float() - ref.float()).abs().max().item()
+                us = time_graph(functools.partial(launch, cfg))
+            except Exception as exc:  # a config the launcher refuses: report it, go on with the others
+                rows.append(f"| {shape} | {name} | {M} | {kernel} | {cfg} | error: {f'{exc!r}'[:120]} |")
+                print(rows[-1], flush=True)
+                continue
             rows.append(
                 _row(shape, name, M, kernel, cfg, us, 100 * layer.nbytes * share / (hbm * 1e3) / us, diff)
             )
@@ -154,6 +178,7 @@ def main() -> None:
         default="wide",
         help="configs: around the default, focus, or the default alone (A/B runs of two trees)",
     )
+    ap.add_argument("--kernels", default="gate_up,down", help="comma list: the kernels to time")
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -170,7 +195,7 @@ def main() -> None:
     for case in args.cases.split(";"):
         shape, name, ms = case.split(":")
         for M in (int(m) for m in ms.split(",")):
-            lines += sweep_case(shape, name, M, hbm, g, deadline, args.set)
+            lines += sweep_case(shape, name, M, hbm, g, deadline, args.set, args.kernels.split(","))
             torch.cuda.empty_cache()
     write(args.out, lines)
 

@@ -73,7 +73,6 @@ SPIN_LIMIT = 1 << 22  # polls before a waiting down tile of `_fused_kernel` give
 # Bit constants passed as kernel arguments rather than literals: with both masks in registers ptxas emits one
 # three-input LOP3 per value for `(t & mask) | bits` (with two immediates it needs two).
 _INT4_BITS = (0x0000F000, 0x45000000)  # nibble field at bits 12..15; exponent of 2048.0 (gemv_tiles)
-_NVFP4_BITS = (0x0E000E00, 0x80008000)  # e2m1 e/m bits -> fp16 bits 9..11; sign -> bit 15 (both halves)
 _FP8_BITS = (0x3F803F80, 0x80008000)  # e4m3 e/m bits -> fp16 bits 7..13; sign -> bit 15 (both halves)
 
 
@@ -176,8 +175,6 @@ def _word_args(proj: Projection, fmt: KernelFormat) -> tuple[list[torch.Tensor],
             ptrs[i] = ptrs[i].view(torch.uint8)
     if fmt.fmt == FMT_INT4:
         c0, c1 = _INT4_BITS
-    elif fmt.fmt == FMT_NVFP4:
-        c0, c1 = _NVFP4_BITS
     elif fmt.fmt in (FMT_FP8_CHANNEL, FMT_FP8_BLOCK):
         c0, c1 = _FP8_BITS
     else:

@@ -168,6 +168,7 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
                 nk0 = k0 + KW
             nw, ns, nz = _load_words(w_base, s_base, z_base, n2, kw + nk0, nk0, K_WORDS, w_sn, s_sn, z_sn,
                                      FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
+            # NATIVE_FP8 (compiled for CUDA, not the interpreter) is also what allows NVFP4's PTX word decode
             acc = _word_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K,
                           X_CG, NATIVE_FP8)  # fmt: skip
             words, s, z = nw, ns, nz
@@ -177,6 +178,7 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
             kcol = kw + k0
             words, s, z = _load_words(w_base, s_base, z_base, n2, kcol, k0, K_WORDS, w_sn, s_sn, z_sn,
                                       FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
+            # NATIVE_FP8 (compiled for CUDA, not the interpreter) is also what allows NVFP4's PTX word decode
             acc = _word_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K,
                           X_CG, NATIVE_FP8)  # fmt: skip
     return _row_scale(tl.sum(acc, axis=1), s_base, g_base, offs_n, n_ok, FMT)

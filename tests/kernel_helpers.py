@@ -98,8 +98,14 @@ def e2m1_words_and_values(g: torch.Generator, num_random: int) -> tuple[torch.Te
 
 
 def assert_exact_values(out: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """`out == want` everywhere (shapes equal), naming the first mismatching coordinates."""
+    """`out` equal to `want` bit for bit (fp32: -0.0 is not 0.0; shapes and dtypes equal), naming the first
+    mismatching coordinates."""
     assert out.shape == want.shape, f"{what}: shape {tuple(out.shape)}, want {tuple(want.shape)}"
-    bad = (out.cpu() != want.cpu()).nonzero()
+    assert out.dtype == want.dtype, f"{what}: dtype {out.dtype}, want {want.dtype}"
+    out, want = out.cpu(), want.cpu()
+    if out.dtype == torch.float32:
+        bad = (out.view(torch.int32) != want.view(torch.int32)).nonzero()
+    else:
+        bad = (out != want).nonzero()
     first = [(c, out[tuple(c)].item(), want[tuple(c)].item()) for c in bad[:4].tolist()]
     assert bad.numel() == 0, f"{what}: {len(bad)} values differ; first (coordinates, got, want): {first}"
