@@ -286,9 +286,8 @@ def _e2m1_decode_kernel(words_ptr, out_ptr, n, ASM: tl.constexpr, BLOCK: tl.cons
         tl.store(out_ptr + offs * 8 + j, values[j], mask=ok)
 
 
-E2M1_DECODE_BLOCK = (
-    128  # words per program of the decode test kernel (any power of two; 128 = 4 warps' lanes)
-)
+# words per program of the decode test kernel (any power of two; 128 = 4 warps' lanes)
+E2M1_DECODE_BLOCK = 128
 
 
 def e2m1_decode(words: torch.Tensor, asm: bool | None = None) -> torch.Tensor:
@@ -309,8 +308,10 @@ def e2m1_decode(words: torch.Tensor, asm: bool | None = None) -> torch.Tensor:
 
 
 def e2m1_decode_ref(words: torch.Tensor) -> torch.Tensor:
-    """`e2m1_decode` in torch: each code looked up in the e2m1 table, divided by 16384."""
-    table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=words.device)
+    """`e2m1_decode` in torch: each code looked up in the format's e2m1 table, divided by 16384."""
+    from pooled_runner.formats.quant import E2M1_VALUES
+
+    table = torch.tensor(E2M1_VALUES, device=words.device)
     table = torch.cat([table, -table]) / 16384.0
     codes = (words.to(torch.int64)[:, None] >> (4 * torch.arange(8, device=words.device))[None, :]) & 15
     return table[codes]
