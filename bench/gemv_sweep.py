@@ -6,8 +6,10 @@ around `gemv_configs`' default, the gate_up kernel alone and the down + combine 
 reads 2/3 of a layer's expert bytes, down 1/3). Each row also gives max |difference| of its output to the
 default config's (split K changes only the fp32 summation order). Seeded; the default config runs first.
 
-Usage: python -m bench.gemv_sweep [--cases "deepseek:int4-g128:1,8;qwen3:int4-g128:1"] [--set wide|focus|default]
-                                 [--out sweep.md]
+Usage: python -m bench.gemv_sweep [--cases "deepseek:int4-g128:1,8;qwen3:int4-g128:1"] [--set wide|focus|default|alt]
+                                 [--alt "stages=3"] [--kernels gate_up,down,layer] [--out sweep.md]
+`--set alt`: the default and the `--alt` config (GemvConfig fields replaced), alternating `--rounds` times;
+kernel `layer`: the whole GEMV layer (`pooled_fused_moe`, variant "gemv").
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import functools
 import time
 
 import torch
+from pooled_runner.kernels.fused_moe import pooled_fused_moe
 from pooled_runner.kernels.gemv import GemvConfig, gemv_configs, gemv_down_combine, gemv_gate_up
 
 from bench.common import write
@@ -108,8 +111,8 @@ def focus_configs(base: GemvConfig, kernel: str) -> list[GemvConfig]:
 
 
 def _row(shape, name, M, kernel, cfg: GemvConfig, us, pct, diff) -> str:
-    bn, bk = (cfg.block_n1, cfg.block_k1) if kernel == "gate_up" else (cfg.block_n2, cfg.block_k2)
-    split = cfg.split_k1 if kernel == "gate_up" else 1
+    bn, bk = (cfg.block_n1, cfg.block_k1) if kernel != "down" else (cfg.block_n2, cfg.block_k2)
+    split = cfg.split_k1 if kernel != "down" else 1
     return (
         f"| {shape} | {name} | {M} | {kernel} | {bn} | {bk} | {cfg.num_warps} | {cfg.prefetch_code()} | {split} "
         f"| {us:.1f} | {pct:.0f}% | {diff:.2e} |"
@@ -125,6 +128,8 @@ def sweep_case(
     deadline: float,
     config_set: str = "wide",
     only: list[str] | None = None,
+    alt: dict | None = None,
+    rounds: int = 1,
 ) -> list[str]:
     """The rows of one case: gate_up configs, then down configs (down reads the default config's act)."""
     H, I, _, _ = SHAPES[shape]
@@ -136,17 +141,20 @@ def sweep_case(
     kernels = {  # kernel: (its launch for a config, its share of the layer's bytes)
         "gate_up": (lambda c: gemv_gate_up(x, ids, l2p, E, w13, fmt, c), 2 / 3),
         "down": (lambda c: gemv_down_combine(act_ref, ids, tw, l2p, E, w2, fmt, c), 1 / 3),
+        "layer": (lambda c: pooled_fused_moe(*layer.args, variant="gemv", gemv_config=c), 1.0),
     }
     rows = []
     unknown = set(only or []) - set(kernels)
     if unknown:
         raise SystemExit(f"--kernels: unknown {sorted(unknown)}; known: {', '.join(kernels)}")
     for kernel, (launch, share) in kernels.items():
-        if only and kernel not in only:
+        if kernel not in (only or ["gate_up", "down"]):
             continue
         ref = launch(base).clone()
         if config_set == "default":
             configs = [base]
+        elif config_set == "alt":
+            configs = [base, dataclasses.replace(base, **(alt or {}))] * rounds
         elif config_set == "focus":
             configs = focus_configs(base, kernel)
         else:
@@ -174,15 +182,18 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=240.0, help="seconds before the sweep stops")
     ap.add_argument(
         "--set",
-        choices=("wide", "focus", "default"),
+        choices=("wide", "focus", "default", "alt"),
         default="wide",
         help="configs: around the default, focus, or the default alone (A/B runs of two trees)",
     )
-    ap.add_argument("--kernels", default="gate_up,down", help="comma list: the kernels to time")
+    ap.add_argument("--kernels", default="gate_up,down", help="comma list of gate_up, down, layer")
+    ap.add_argument("--alt", default="", help='--set alt: GemvConfig fields of the other config, "k=v,k=v"')
+    ap.add_argument("--rounds", type=int, default=3, help="--set alt: default / alt alternations")
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     deadline = time.perf_counter() + args.budget
+    alt = {k: int(v) for k, v in (kv.split("=") for kv in args.alt.split(",") if kv)}  # integer fields
     hbm, _, lines = measured_header(args.commit)
     lines += [
         "GEMV kernels apart (µs per call, graph replay; % HBM of that kernel's bytes; max |diff| to the default):",
@@ -195,7 +206,9 @@ def main() -> None:
     for case in args.cases.split(";"):
         shape, name, ms = case.split(":")
         for M in (int(m) for m in ms.split(",")):
-            lines += sweep_case(shape, name, M, hbm, g, deadline, args.set, args.kernels.split(","))
+            lines += sweep_case(
+                shape, name, M, hbm, g, deadline, args.set, args.kernels.split(","), alt, args.rounds
+            )
             torch.cuda.empty_cache()
     write(args.out, lines)
 

@@ -22,11 +22,11 @@ from pooled_runner.formats import make_format
 # (shape, format, decode widths M, share of the step's experts read through the pinned host view): the cases
 # the decode-kernel work targets, and one with host rows
 VARIANT_CASES = [
-    ("deepseek", "int4-g128", (1, 2, 4, 8), "0"),
-    ("deepseek", "nvfp4", (1, 2, 4, 8), "0"),
-    ("qwen3", "nvfp4", (1, 2, 4, 8), "0"),
+    ("deepseek", "int4-g128", (1, 2, 4, 8, 12, 16), "0"),
+    ("deepseek", "nvfp4", (1, 2, 4, 8, 12, 16), "0"),
+    ("qwen3", "nvfp4", (1, 2, 4, 8, 16), "0"),
     ("qwen3", "bf16", (1, 4, 16), "0"),
-    ("qwen3", "int4-g128", (1, 2, 4, 8), "0"),
+    ("qwen3", "int4-g128", (1, 2, 4, 8, 16), "0"),
     ("deepseek", "bf16", (1, 8), "0"),
     ("deepseek", "fp8", (1, 8), "0"),
     ("qwen3", "bf16", (1,), "1/8"),
@@ -213,7 +213,7 @@ def variants_main(args: argparse.Namespace) -> None:
         "measured here); bytes = the step's distinct experts' weights + scales. Graph replay of one layer, "
         "softmax top-k of random logits; host rows 1/8: every 8th distinct expert is read through the pinned "
         "host view. Columns: default = pooled_fused_moe's default kernels (fused_moe.default_variant and "
-        "pick_configs: the GEMV for int4 and NVFP4 up to 64 routed pairs over mostly distinct experts, "
+        "pick_configs: the GEMV for int4 and NVFP4 up to 128 routed pairs over mostly distinct experts, "
         "kernels/splitk.py for bf16/fp16 up to 16 such pairs with I <= 1024, H <= 4096 and T*H <= 4096, else swapped tiles on the align path where fused_moe.swapped_tiles says so, else inline up "
         "to 8 routed pairs, else align); align = align + gemm1 + gemm2 + combine and inline = gemm1 + gemm2 "
         "computing the align inside every program, combine fused (<= 32 pairs, else as align with the combine "

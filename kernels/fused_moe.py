@@ -27,7 +27,8 @@ from .splitk import SPLITK_MAX_PAIRS, splitk_moe, splitk_supported
 # M=1: 239 vs 184 µs). It stays available (decode=True) and tested.
 AUTO_DECODE_PATH = False
 
-# Kernels of decode steps (T*K <= GEMV_MAX_PAIRS routed pairs), when the caller names none:
+# Kernels of decode steps (T*K <= DECODE_STEP_MAX_PAIRS routed pairs; the GEMV up to GEMV_MAX_PAIRS), when the
+# caller names none:
 #   "align"     align + gemm1 + gemm2 + combine, as wider steps;
 #   "align-fc"  align + gemm1 + gemm2 with the combine fused into gemm2 (last arriver per token and N block);
 #   "inline"    gemm1 + gemm2 computing the align in every program (T*K <= INLINE_MAX_PAIRS, else "align-fc"),
@@ -35,6 +36,9 @@ AUTO_DECODE_PATH = False
 #   "gemv"      gemv.py (CUDA cores, per routed pair); "mma": decode.py;
 #   "splitk"    splitk.py: one launch, each program a slice of one pair's activation and its down share
 #               (dense weights; others take the default).
+# Routed pairs up to which a step counts as a decode step for the variants other than "gemv" (which takes up
+# to GEMV_MAX_PAIRS); wider steps take the align path.
+DECODE_STEP_MAX_PAIRS = 64
 # POOLED_RUNNER_MOE_DECODE, read once here; unset: `default_variant` (measured below).
 VARIANTS = ("align", "align-fc", "inline", "gemv", "mma", "splitk")
 DECODE_VARIANT = envs.moe_decode_kernel()
@@ -56,25 +60,34 @@ INLINE_DEFAULT_MAX_PAIRS = 8
 # tenth session), which only widens its lead. NVFP4 loads its scales per tile (one per two words) since the
 # eleventh session: H200, 2026-12-01, `bench/kernels.py --variants --formats nvfp4`, GEMV against the best other
 # variant at M = 1 / 2 / 4 / 8: DeepSeek-like 101.5 / 187.9 / 352.8 / 653.0 µs vs 225.0 / 436.4 / 814.7 / 1565.1,
-# Qwen3-like 18.6 / 29.5 / 56.0 / 89.8 vs 43.3 / 60.7 / 102.3 / 167.0: both formats take it up to 64 pairs.
+# Qwen3-like 18.6 / 29.5 / 56.0 / 89.8 vs 43.3 / 60.7 / 102.3 / 167.0: both formats took it up to 64 pairs.
+# Since the schedule's 128-wide form (2026-12-03, `bench/kernels.py --variants --formats int4-g128,nvfp4`, H200)
+# up to GEMV_MAX_PAIRS = 128, against the fastest other variant (align + swap) at M = 12 / 16: DeepSeek-like
+# int4 743.6 / 967.1 µs vs 1337.2 / 1531.4, NVFP4 798.2 / 1055.3 vs 1969.0 / 2526.8.
 GEMV_DEFAULT_MAX_PAIRS = {FMT_INT4: GEMV_MAX_PAIRS, FMT_NVFP4: GEMV_MAX_PAIRS}
-# ...and only where the pairs touch mostly distinct experts (`little_expert_reuse`). The measured wins had 0.81
-# (Qwen3-like, 128 experts, 8 tokens of top-8) to 1.0 distinct experts per pair; with few experts and many
-# tokens (e.g. 8 experts, top-2, 16 tokens: 0.45) the GEMV would read each expert several times where the MMA
-# path reads it once. The threshold between was not measured.
-GEMV_MIN_DISTINCT_SHARE = 0.75
+# ...and only where the pairs touch mostly distinct experts (`little_expert_reuse`): the GEMV reads an expert
+# once per routed pair (its schedule puts the pairs of an expert side by side, so L2 may serve the repeats), the
+# MMA paths once per step. With few experts and many tokens (e.g. 8 experts, top-2, 16 tokens: 0.45 distinct
+# experts per pair) the repeats would dominate. The lowest share measured is 0.64 (Qwen3-like, 128 experts, 16
+# tokens of top-8; same run as above), where the GEMV still won: int4 133.7 vs 164.1 µs, NVFP4 141.0 vs 244.0
+# (the best other variant); hence 0.6 (below 0.64 not measured). The dense split path keeps 0.75 (its measured
+# wins had 0.81-1.0).
+GEMV_MIN_DISTINCT_SHARE = 0.6
+SPLITK_MIN_DISTINCT_SHARE = 0.75
 
 
-def little_expert_reuse(num_pairs: int, num_tokens: int, num_experts: int) -> bool:
+def little_expert_reuse(
+    num_pairs: int, num_tokens: int, num_experts: int, min_share: float = GEMV_MIN_DISTINCT_SHARE
+) -> bool:
     """Whether a step's routed pairs mostly touch distinct experts: the expected distinct experts of uniform
-    top-k routing, `E (1 - (1 - k/E)^T)` with k = pairs / T, at least GEMV_MIN_DISTINCT_SHARE of the pairs.
-    The GEMV path reads an expert once per routed pair (L2 serves a repeat only if the expert fits), the MMA
-    path once per step; True when `num_tokens` or `num_experts` is not given (0)."""
+    top-k routing, `E (1 - (1 - k/E)^T)` with k = pairs / T, at least `min_share` of the pairs. The GEMV and
+    split paths read an expert once per routed pair (L2 serves a repeat only if the expert stays there), the MMA
+    paths once per step; True when `num_tokens` or `num_experts` is not given (0)."""
     if num_tokens <= 0 or num_experts <= 0:
         return True
     top_k = num_pairs / num_tokens
     distinct = num_experts * (1.0 - (1.0 - min(top_k / num_experts, 1.0)) ** num_tokens)
-    return distinct >= GEMV_MIN_DISTINCT_SHARE * num_pairs
+    return distinct >= min_share * num_pairs
 
 
 def swapped_tiles(weight_fmt: int, intermediate_size: int) -> bool:
@@ -116,14 +129,18 @@ def default_variant(
     up to GEMV_DEFAULT_MAX_PAIRS[format] routed pairs, and for dense weights on experts with I <=
     SPLITK_DEFAULT_MAX_I and H <= SPLITK_DEFAULT_MAX_H (0: not given) the one-launch split path up to
     SPLITK_DEFAULT_MAX_PAIRS where T*H <= splitk.SPLITK_TAIL_MAX (one tail block), unless the caller gives MMA
-    tiles (`configs`) or the step's pairs share experts heavily (`little_expert_reuse`; skipped when
-    `num_tokens` or `num_experts` is 0); else inline up to INLINE_DEFAULT_MAX_PAIRS routed pairs where the tiles
+    tiles (`configs`) or the step's pairs share experts heavily (`little_expert_reuse`: fewer expected distinct
+    experts per pair than GEMV_MIN_DISTINCT_SHARE, SPLITK_MIN_DISTINCT_SHARE; skipped when `num_tokens` or
+    `num_experts` is 0); else inline up to INLINE_DEFAULT_MAX_PAIRS routed pairs where the tiles
     are not swapped, else the align path. Swapped: those of `configs` where the caller gives them, else
     `swapped_tiles`."""
-    distinct = configs is None and little_expert_reuse(num_pairs, num_tokens, num_experts)
-    # hidden_size 0: not given (the rule's tables); every program of the split path adds H sums per pair
-    if distinct and num_pairs <= GEMV_DEFAULT_MAX_PAIRS.get(weight_fmt, 0):
+    gemv_ok = configs is None and little_expert_reuse(num_pairs, num_tokens, num_experts)
+    if gemv_ok and num_pairs <= GEMV_DEFAULT_MAX_PAIRS.get(weight_fmt, 0):
         return "gemv"
+    distinct = configs is None and little_expert_reuse(
+        num_pairs, num_tokens, num_experts, SPLITK_MIN_DISTINCT_SHARE
+    )
+    # hidden_size 0: not given (the rule's tables); every program of the split path adds H sums per pair
     narrow = weight_fmt == FMT_DENSE and intermediate_size <= SPLITK_DEFAULT_MAX_I
     narrow = narrow and hidden_size <= SPLITK_DEFAULT_MAX_H
     narrow = narrow and num_tokens * hidden_size <= splitk.SPLITK_TAIL_MAX  # one tail block
@@ -214,7 +231,7 @@ def pooled_fused_moe(
       configs: (gemm1, gemm2) tiles; default `pick_configs` (or `decode_configs`).
       decode: the two-launch decode path (`kernels/decode.py`); None: only when AUTO_DECODE_PATH and
         T*K <= DECODE_MAX_PAIRS.
-      variant: kernels of a decode step (T*K <= GEMV_MAX_PAIRS): one of VARIANTS ("gemv" where
+      variant: kernels of a decode step (T*K <= DECODE_STEP_MAX_PAIRS; "gemv" <= GEMV_MAX_PAIRS): one of VARIANTS ("gemv" where
         `gemv_supported`, "mma" as decode=True); None: POOLED_RUNNER_MOE_DECODE, else `default_variant`. Wider steps take the align path.
         `decode` given wins over `variant`. gemv_config: the GEMV path's tiles (default `gemv_configs`).
       after_plan: the step's plan + copy may still be running beside this call's first kernel (the value
@@ -236,14 +253,14 @@ def pooled_fused_moe(
         raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
     if variant == "splitk" and not splitk_supported(fmt):
         variant = default_variant(fmt.fmt, T * K, I, configs, T, num_experts, H)
-    if decode is None and T * K <= GEMV_MAX_PAIRS:
+    if decode is None and variant == "gemv" and T * K <= GEMV_MAX_PAIRS and gemv_supported(fmt, H, I):
+        return gemv_moe(
+            hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt, gemv_config, after_plan
+        )
+    if decode is None and T * K <= DECODE_STEP_MAX_PAIRS:
         if variant == "splitk" and T * K <= SPLITK_MAX_PAIRS:
             return splitk_moe(
                 hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt, None, after_plan
-            )
-        if variant == "gemv" and gemv_supported(fmt, H, I):
-            return gemv_moe(
-                hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt, gemv_config, after_plan
             )
         if variant == "mma" and T * K <= DECODE_MAX_PAIRS:
             decode = True

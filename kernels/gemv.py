@@ -67,7 +67,10 @@ from .workspace import _COUNTERS as _COUNTERS  # re-exported: tests and the benc
 from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters, counters_ready
 from .workspace import spin_timeouts as spin_timeouts
 
-GEMV_MAX_PAIRS = 64  # T*K up to this (the schedule sorts P_POW2 keys in every program)
+GEMV_MAX_PAIRS = MAX_SYNC_PAIRS  # T*K up to this (128: the per-pair words of the sync workspace)
+# The schedule's smallest width: every program sorts P_POW2 keys, so steps of up to 64 pairs share one compile
+# of width 64 and wider steps (65-128 pairs) take a second one of width 128.
+GEMV_SCHEDULE_MIN = 64
 SPIN_LIMIT = 1 << 22  # polls before a waiting down tile of `_fused_kernel` gives up (~1 s, not a hang)
 
 # Bit constants passed as kernel arguments rather than literals: with both masks in registers ptxas emits one
@@ -200,10 +203,10 @@ def _check_gemv(fmt: KernelFormat, proj: Projection, k: int, block_k: int) -> No
 
 
 def _pairs_pow2(num_pairs: int) -> int:
-    """The schedule's width: one compile for every decode width up to GEMV_MAX_PAIRS pairs."""
+    """The schedule's width: GEMV_SCHEDULE_MIN up to that many pairs (one compile), else the next power of two."""
     if num_pairs > MAX_SYNC_PAIRS:
         raise ValueError(f"GEMV path: {num_pairs} routed pairs > {MAX_SYNC_PAIRS}")
-    return max(GEMV_MAX_PAIRS, triton.next_power_of_2(num_pairs))
+    return max(GEMV_SCHEDULE_MIN, triton.next_power_of_2(num_pairs))
 
 
 def gemv_gate_up(

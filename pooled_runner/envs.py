@@ -139,7 +139,8 @@ def cache_dir() -> str:
 
 
 def moe_decode_kernel() -> str:
-    """POOLED_RUNNER_MOE_DECODE: kernels of decode steps (T*K <= 64 routed pairs) on the CUDA kernel path.
+    """POOLED_RUNNER_MOE_DECODE: kernels of decode steps (T*K <= 64 routed pairs; `gemv` up to 128) on the CUDA
+    kernel path.
 
     Unset (""): the measured default per format and width (`kernels/fused_moe.py` `default_variant`).
     `align`: align + gemm1 + gemm2 + combine, as wider steps. `align-fc`: the combine fused into

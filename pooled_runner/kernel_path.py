@@ -107,7 +107,7 @@ class KernelPath:
         chunk buffer), each writing only its pairs' rows of one per-pair output, then one combine over top-k in
         k order with the layer's full location table. Every routed pair is computed by exactly one pass with
         the tiles `pooled_fused_moe` uses for T tokens on the align path, so the output is bitwise that of the
-        unstaged step wherever that step takes the align path: always above GEMV_MAX_PAIRS (64) routed pairs;
+        unstaged step wherever that step takes the align path: always above GEMV_MAX_PAIRS (128) routed pairs;
         smaller int4 / NVFP4 steps may take the GEMV path unstaged, and dense ones of up to 16 pairs the
         one-launch split path (`default_variant`), which round differently (~1e-3 relative), so a
         `staging_min_tokens` that small trades bitwise equality for staging.

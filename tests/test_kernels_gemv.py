@@ -152,9 +152,10 @@ def test_gemv_production_tiles_with_outliers(name, dtype, bk):
 
 
 def test_default_decode_path_is_gemv_for_int4_only_where_it_applies(monkeypatch):
-    """`pooled_fused_moe` without a variant: an int4 step of 8 pairs over many experts runs the GEMV path; the
-    same layer at 72 pairs (past GEMV_MAX_PAIRS) and at 8 pairs over 2 experts (heavy reuse) does not; every
-    output matches the dense reference."""
+    """`pooled_fused_moe` without a variant: an int4 step of 8 pairs over many experts runs the GEMV path; 136
+    pairs over 300 experts (mostly distinct, but past GEMV_MAX_PAIRS), 72 pairs over 40 experts and 8 pairs over
+    2 experts (heavy reuse) do not; every output matches the dense reference. (`default_variant`'s table is in
+    test_kernels_swap.py; a 72-pair GEMV step in `test_gemv_path_matches_fused_reference`.)"""
     from pooled_runner.kernels import fused_moe
 
     monkeypatch.setattr(fused_moe, "DECODE_VARIANT", None)
@@ -162,7 +163,7 @@ def test_default_decode_path_is_gemv_for_int4_only_where_it_applies(monkeypatch)
     real = fused_moe.gemv_moe
     monkeypatch.setattr(fused_moe, "gemv_moe", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     H, I = 64, 32
-    for E, T, K, expect_gemv in [(40, 1, 8, True), (40, 9, 8, False), (2, 4, 2, False)]:
+    for E, T, K, expect_gemv in [(40, 1, 8, True), (300, 17, 8, False), (40, 9, 8, False), (2, 4, 2, False)]:
         g = torch.Generator().manual_seed(E + T)
         fmt_obj, pool, _, l2p = build_layer("int4-g32", H, I, E, E, g, num_not_here=0)
         fmt = kernel_format(fmt_obj)
@@ -176,13 +177,15 @@ def test_default_decode_path_is_gemv_for_int4_only_where_it_applies(monkeypatch)
 
 
 ROUTINGS = [(1, 1, 1, 1), (1, 8, 9, 4), (5, 4, 9, 9)]
-WIDE = (8, 8, 20, 6)  # 64 pairs, the decode limit
+WIDE = (8, 8, 20, 6)  # 64 pairs, the widest step of the narrow schedule (GEMV_SCHEDULE_MIN)
+WIDER = (9, 8, 29, 11)  # 72 pairs: the 128-wide schedule (up to GEMV_MAX_PAIRS)
 
 
 @pytest.mark.parametrize(
     ("name", "H", "I", "dtype", "T", "K", "E", "R"),
     [(*f, *r) for f in FORMATS for r in ROUTINGS]
-    + [(*f, *WIDE) for f in (FORMATS[0], FORMATS[2], FORMATS[7])],
+    + [(*f, *WIDE) for f in (FORMATS[0], FORMATS[2], FORMATS[7])]
+    + [(*FORMATS[7], *WIDER)],
 )
 def test_gemv_path_matches_fused_reference(name, H, I, dtype, T, K, E, R):
     """Through `pooled_fused_moe(variant="gemv")`: the path's own reference and the align path's."""

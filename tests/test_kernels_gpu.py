@@ -263,7 +263,8 @@ def test_fused_combine_variants_real_shapes(resident_layers, shape, M, variant):
     [(n, 1, "gemv") for n in QUANT_FORMATS]
     + [(n, 8, "gemv") for n in ("bf16", "int4-g128", "int4-g128-zp", "nvfp4")]
     + [(n, M, "inline") for n in ("bf16", "int4-g32", "nvfp4") for M in (1, 4)]
-    + [(n, M, "gemv-split3") for n in ("int4-g128", "nvfp4") for M in (1, 8)],
+    + [(n, M, "gemv-split3") for n in ("int4-g128", "nvfp4") for M in (1, 8)]
+    + [(n, 16, "gemv") for n in ("int4-g128", "nvfp4")],  # 128 pairs: the wide schedule
 )
 def test_decode_variants_formats_mixed_rows(name, M, variant):
     """Decode variants for every format at the Qwen3-like shape: pool rows, pinned host rows, an expert not
@@ -318,12 +319,13 @@ def test_decode_variants_formats_mixed_rows(name, M, variant):
         ("bf16", "inline"),
         ("int4-g128", "align-fc"),
         ("int4-g128", "split"),
+        ("nvfp4", "wide"),
     ],
 )
 def test_gemv_graph_replay_equals_eager(name, mode):
     """Captured GEMV steps replayed with new routing (host rows, padding) equal eager two-launch calls bitwise:
     the arrival counters (and in one launch the tickets and per-pair waits) are back at zero after every
-    replay, and no wait timed out."""
+    replay, and no wait timed out. wide: 16 tokens (128 pairs, the 128-wide schedule), two launches."""
     import dataclasses
 
     from pooled_runner.kernels import gemv
@@ -332,7 +334,7 @@ def test_gemv_graph_replay_equals_eager(name, mode):
 
     fused_moe, operands = _kernels()
     H, I, _, K = SHAPES["qwen3"]
-    E, R, M = 16, 10, 4
+    E, R, M = 16, 10, 16 if mode == "wide" else 4
     fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, R, torch.Generator().manual_seed(3), device="cuda")
     bank = {k: v.pin_memory() for k, v in bank.items()}
     fmt = operands.kernel_format(fmt_obj)
@@ -346,7 +348,7 @@ def test_gemv_graph_replay_equals_eager(name, mode):
         base = dataclasses.replace(base, split_k1=3)
     cfg = (
         base
-        if mode in ("two", "split")
+        if mode in ("two", "split", "wide")
         else dataclasses.replace(base, one_launch=True, tickets=mode == "one")
     )
     variant = mode if mode in ("inline", "align-fc") else "gemv"

@@ -68,8 +68,8 @@ def test_swapped_tiles_and_default_variant_rules():
     table = [
         (FMT_DENSE, 1, 768, "splitk"), (FMT_DENSE, 16, 1024, "splitk"), (FMT_DENSE, 17, 768, "align"),
         (FMT_DENSE, 1, 1025, "inline"), (FMT_DENSE, 8, 2048, "inline"), (FMT_DENSE, 9, 2048, "align"),
-        (FMT_INT4, 1, 768, "gemv"), (FMT_INT4, 64, 2048, "gemv"), (FMT_INT4, 65, 2048, "align"),
-        (FMT_NVFP4, 8, 768, "gemv"), (FMT_NVFP4, 64, 2048, "gemv"), (FMT_NVFP4, 65, 2048, "align"),
+        (FMT_INT4, 1, 768, "gemv"), (FMT_INT4, 128, 2048, "gemv"), (FMT_INT4, 129, 2048, "align"),
+        (FMT_NVFP4, 8, 768, "gemv"), (FMT_NVFP4, 128, 2048, "gemv"), (FMT_NVFP4, 129, 2048, "align"),
         (FMT_FP8_CHANNEL, 8, 768, "inline"), (FMT_FP8_CHANNEL, 8, 2048, "align"),
         (FMT_FP8_BLOCK, 9, 768, "align"),
     ]  # fmt: skip
@@ -84,7 +84,10 @@ def test_swapped_tiles_and_default_variant_rules():
     assert default_variant(FMT_INT4, 64, 768, None, 8, 128) == "gemv"  # Qwen3-like: 0.81
     assert default_variant(FMT_INT4, 16, 14336, None, 8, 8) == "align"  # 8 experts, top-2, 8 tokens: 0.45
     assert default_variant(FMT_INT4, 2, 14336, None, 1, 8) == "gemv"  # one token: distinct pairs
-    assert default_variant(FMT_NVFP4, 8, 768, None, 4, 8) == "align"  # 8 experts, top-2, 4 tokens: 0.68
+    assert default_variant(FMT_NVFP4, 8, 768, None, 4, 8) == "gemv"  # 8 experts, top-2, 4 tokens: 0.68
+    assert default_variant(FMT_NVFP4, 128, 768, None, 16, 128) == "gemv"  # Qwen3-like M=16: 0.64
+    assert default_variant(FMT_NVFP4, 12, 768, None, 6, 8) == "align"  # 8 experts, top-2, 6 tokens: 0.55
+    assert default_variant(FMT_DENSE, 8, 768, None, 4, 8) == "inline"  # 0.68: below the split path's 0.75
     assert little_expert_reuse(8, 0, 0) and little_expert_reuse(8, 1, 0)  # unknown: no veto
     assert not little_expert_reuse(64, 64, 4)  # 64 tokens of top-1 over 4 experts
     plain, swapped = GemmConfig(16, 32, 64), GemmConfig(16, 32, 64, swap_ab=True)
