@@ -42,14 +42,23 @@ def _route(T: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 # With overlap (POOLED_RUNNER_PLAN_OVERLAP=1) the plan + copy runs beside the first GEMM: bf16 at M=1 takes the
 # one-launch split path there (kernels/splitk.py), int4 / NVFP4 at M = 1 and 4 the GEMV, fp8 at M = 1 and 2
-# (4 and 8 pairs) the inline path's gemm1 (all three OVERLAP); wider steps the align path.
+# (4 and 8 pairs) the inline path's gemm1 (all three OVERLAP); wider steps the align path. variant: the decode
+# kernels forced (POOLED_RUNNER_MOE_DECODE): the GEMV at 20 tokens (80 pairs, its 128-wide schedule, OVERLAP),
+# which this model's 24 experts would leave to the align path (heavy expert reuse).
 @pytest.mark.parametrize(
-    ("M", "weight_format", "overlap"),
-    [(1, "bf16", False), (4, "bf16", False), (12, "bf16", False), (1, "bf16", True), (12, "bf16", True)]
-    + [(M, f, True) for f in ("int4-g128", "nvfp4") for M in (1, 4)]
-    + [(M, "fp8", True) for M in (1, 2)],
+    ("M", "weight_format", "overlap", "variant"),
+    [(1, "bf16", False, None), (4, "bf16", False, None), (12, "bf16", False, None)]
+    + [(1, "bf16", True, None), (12, "bf16", True, None)]
+    + [(M, f, True, None) for f in ("int4-g128", "nvfp4") for M in (1, 4)]
+    + [(M, "fp8", True, None) for M in (1, 2)]
+    + [(20, "int4-g128", True, "gemv")],
 )
-def test_captured_decode_equals_resident_and_replays_with_new_routing(M, weight_format, overlap, monkeypatch):
+def test_captured_decode_equals_resident_and_replays_with_new_routing(
+    M, weight_format, overlap, variant, monkeypatch
+):
+    from pooled_runner.kernels import fused_moe
+
+    monkeypatch.setattr(fused_moe, "DECODE_VARIANT", variant)
     monkeypatch.setenv("POOLED_RUNNER_PLAN_OVERLAP", "1" if overlap else "0")
     pooled = _build(rows=L * E // 4, staging=True, weight_format=weight_format)
     resident = _build(rows=L * E, staging=False, weight_format=weight_format)
