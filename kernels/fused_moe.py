@@ -65,7 +65,7 @@ INLINE_DEFAULT_MAX_PAIRS = 8
 # up to GEMV_MAX_PAIRS = 128, against the fastest other variant (align + swap) at M = 12 / 16: DeepSeek-like
 # int4 743.6 / 967.1 µs vs 1337.2 / 1531.4, NVFP4 798.2 / 1055.3 vs 1969.0 / 2526.8.
 GEMV_DEFAULT_MAX_PAIRS = {FMT_INT4: GEMV_MAX_PAIRS, FMT_NVFP4: GEMV_MAX_PAIRS}
-# ...and only where the pairs touch mostly distinct experts (`little_expert_reuse`): the GEMV reads an expert
+# ...and only where the pairs touch mostly distinct experts (`distinct_share`): the GEMV reads an expert
 # once per routed pair (its schedule puts the pairs of an expert side by side, so L2 may serve the repeats), the
 # MMA paths once per step. With few experts and many tokens (e.g. 8 experts, top-2, 16 tokens: 0.45 distinct
 # experts per pair) the repeats would dominate. The lowest share measured is 0.64 (Qwen3-like, 128 experts, 16
@@ -76,18 +76,14 @@ GEMV_MIN_DISTINCT_SHARE = 0.6
 SPLITK_MIN_DISTINCT_SHARE = 0.75
 
 
-def little_expert_reuse(
-    num_pairs: int, num_tokens: int, num_experts: int, min_share: float = GEMV_MIN_DISTINCT_SHARE
-) -> bool:
-    """Whether a step's routed pairs mostly touch distinct experts: the expected distinct experts of uniform
-    top-k routing, `E (1 - (1 - k/E)^T)` with k = pairs / T, at least `min_share` of the pairs. The GEMV and
-    split paths read an expert once per routed pair (L2 serves a repeat only if the expert stays there), the MMA
-    paths once per step; True when `num_tokens` or `num_experts` is not given (0)."""
-    if num_tokens <= 0 or num_experts <= 0:
-        return True
+def distinct_share(num_pairs: int, num_tokens: int, num_experts: int) -> float:
+    """Expected distinct experts per routed pair under uniform top-k routing, `E (1 - (1 - k/E)^T) / pairs` with
+    k = pairs / T; 1.0 when `num_tokens` or `num_experts` is not given (0). The GEMV and split paths read an
+    expert once per routed pair (L2 serves a repeat only if the expert stays there), the MMA paths once per step."""
+    if num_tokens <= 0 or num_experts <= 0 or num_pairs <= 0:
+        return 1.0
     top_k = num_pairs / num_tokens
-    distinct = num_experts * (1.0 - (1.0 - min(top_k / num_experts, 1.0)) ** num_tokens)
-    return distinct >= min_share * num_pairs
+    return num_experts * (1.0 - (1.0 - min(top_k / num_experts, 1.0)) ** num_tokens) / num_pairs
 
 
 def swapped_tiles(weight_fmt: int, intermediate_size: int) -> bool:
@@ -129,17 +125,14 @@ def default_variant(
     up to GEMV_DEFAULT_MAX_PAIRS[format] routed pairs, and for dense weights on experts with I <=
     SPLITK_DEFAULT_MAX_I and H <= SPLITK_DEFAULT_MAX_H (0: not given) the one-launch split path up to
     SPLITK_DEFAULT_MAX_PAIRS where T*H <= splitk.SPLITK_TAIL_MAX (one tail block), unless the caller gives MMA
-    tiles (`configs`) or the step's pairs share experts heavily (`little_expert_reuse`: fewer expected distinct
-    experts per pair than GEMV_MIN_DISTINCT_SHARE, SPLITK_MIN_DISTINCT_SHARE; skipped when `num_tokens` or
-    `num_experts` is 0); else inline up to INLINE_DEFAULT_MAX_PAIRS routed pairs where the tiles
+    tiles (`configs`) or the step's pairs share experts heavily (`distinct_share` below GEMV_MIN_DISTINCT_SHARE,
+    SPLITK_MIN_DISTINCT_SHARE; 1.0 when `num_tokens` or `num_experts` is 0); else inline up to INLINE_DEFAULT_MAX_PAIRS routed pairs where the tiles
     are not swapped, else the align path. Swapped: those of `configs` where the caller gives them, else
     `swapped_tiles`."""
-    gemv_ok = configs is None and little_expert_reuse(num_pairs, num_tokens, num_experts)
-    if gemv_ok and num_pairs <= GEMV_DEFAULT_MAX_PAIRS.get(weight_fmt, 0):
+    share = distinct_share(num_pairs, num_tokens, num_experts) if configs is None else 0.0
+    if share >= GEMV_MIN_DISTINCT_SHARE and num_pairs <= GEMV_DEFAULT_MAX_PAIRS.get(weight_fmt, 0):
         return "gemv"
-    distinct = configs is None and little_expert_reuse(
-        num_pairs, num_tokens, num_experts, SPLITK_MIN_DISTINCT_SHARE
-    )
+    distinct = share >= SPLITK_MIN_DISTINCT_SHARE
     # hidden_size 0: not given (the rule's tables); every program of the split path adds H sums per pair
     narrow = weight_fmt == FMT_DENSE and intermediate_size <= SPLITK_DEFAULT_MAX_I
     narrow = narrow and hidden_size <= SPLITK_DEFAULT_MAX_H

@@ -76,7 +76,7 @@ def test_swapped_tiles_and_default_variant_rules():
     for fmt, pairs, I, variant in table:
         assert default_variant(fmt, pairs, I) == variant, (fmt, pairs, I)
     # with the step's tokens and experts: pairs sharing experts heavily stay on the MMA path
-    from pooled_runner.kernels.fused_moe import little_expert_reuse
+    from pooled_runner.kernels.fused_moe import GEMV_MIN_DISTINCT_SHARE, distinct_share
 
     assert (
         default_variant(FMT_INT4, 64, 2048, None, 8, 256) == "gemv"
@@ -88,8 +88,8 @@ def test_swapped_tiles_and_default_variant_rules():
     assert default_variant(FMT_NVFP4, 128, 768, None, 16, 128) == "gemv"  # Qwen3-like M=16: 0.64
     assert default_variant(FMT_NVFP4, 12, 768, None, 6, 8) == "align"  # 8 experts, top-2, 6 tokens: 0.55
     assert default_variant(FMT_DENSE, 8, 768, None, 4, 8) == "inline"  # 0.68: below the split path's 0.75
-    assert little_expert_reuse(8, 0, 0) and little_expert_reuse(8, 1, 0)  # unknown: no veto
-    assert not little_expert_reuse(64, 64, 4)  # 64 tokens of top-1 over 4 experts
+    assert distinct_share(8, 0, 0) == 1.0 and distinct_share(8, 1, 0) == 1.0  # unknown: no veto
+    assert distinct_share(64, 64, 4) < GEMV_MIN_DISTINCT_SHARE  # 64 tokens of top-1 over 4 experts
     plain, swapped = GemmConfig(16, 32, 64), GemmConfig(16, 32, 64, swap_ab=True)
     assert default_variant(FMT_INT4, 8, 2048, (plain, plain)) == "inline"
     assert default_variant(FMT_DENSE, 8, 768, (swapped, swapped)) == "align"

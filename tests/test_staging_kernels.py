@@ -18,7 +18,7 @@ from pooled_runner.staging import LayerStager
     [("bf16", 40, 24, 2, 0.3), ("int4-g32", 64, 32, 3, 0.4), ("bf16", 40, 24, 7, 0.05)],
 )
 def test_kernel_staged_passes_equal_the_unstaged_kernel_step(fmt, H, I, chunk, frac):
-    # T*K = 66 routed pairs over 7 experts: they share experts heavily (`little_expert_reuse`), so the unstaged
+    # T*K = 66 routed pairs over 7 experts: they share experts heavily (`distinct_share`), so the unstaged
     # int4 step takes the align path too (int4 / NVFP4 steps over mostly distinct experts take the GEMV path up
     # to GEMV_MAX_PAIRS, which rounds differently: `KernelPath.forward_staged`)
     E, K, L, T = 7, 3, 3, 22
