@@ -21,7 +21,9 @@ for selection in "not engine" "engine"; do
   else
     # worksteal: an idle worker takes queued tests from a busy one (with the default "load" one worker ran
     # the slow GEMV interpreter tests alone at the end: 1939 s against 1246 s on the 2-core machine)
-    python -m pytest -n "${POOLED_RUNNER_TEST_WORKERS:-2}" --dist worksteal -m "not engine" "$@" || rc=$?
+    # --durations: the slowest tests in CI's log, to keep the run well inside CI's 90 minutes
+    python -m pytest -n "${POOLED_RUNNER_TEST_WORKERS:-2}" --dist worksteal --durations=30 -m "not engine" "$@" \
+      || rc=$?
   fi
   if [ "$rc" = 5 ]; then
     empty_runs=$((empty_runs + 1))
