@@ -12,43 +12,44 @@ Tensor parallelism (`--tp-size N`): every rank holds its shard (I/N) of every ex
 is refused here with per-rank numbers, and the per-rank memory is logged. Without CUDA each rank's OpenMP
 threads get their own cores (`SGLANG_CPU_OMP_THREADS_BIND`, unless set).
 
-Everything up to `LaunchPlan` runs without importing SGLang, so bad flags are refused in a second.
+Everything up to `LaunchPlan` runs without importing SGLang, so bad flags are refused in a second (the checks:
+`launch_checks.py`).
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
 import logging
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from pooled_runner import envs
 from pooled_runner.config import PoolConfig, add_cli_arguments, cli_fields, flag_name
-from pooled_runner.sglang.model_facts import ModelFacts, read_model_facts
+from pooled_runner.launch_checks import (
+    MODEL_FLAGS,
+    PROG,
+    argv_problems,
+    device_problems,
+    find_model_facts,
+    flag_value,
+    has_flag,
+    pool_problems,
+    spec_governor_problems,
+    tp_size_of,
+    weight_dtype,
+)
+from pooled_runner.sglang.model_facts import ModelFacts
 from pooled_runner.sglang.serve_config import ServeConfig
-from pooled_runner.tp import RankMemory, rank_memory, tp_problems
+from pooled_runner.tp import RankMemory, rank_memory
 
 logger = logging.getLogger("pooled_runner")
 
-PROG = "python -m pooled_runner.launch"
 CPU_MAX_TOTAL_TOKENS = 4096
-_MODEL_FLAGS = ("--model-path", "--model")
-_TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16}
-_DTYPES |= {"float16": torch.float16, "half": torch.float16}
 CPU_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
-# SGLang flags the launcher reads from argv itself (so an abbreviation of one, which SGLang would take, is refused)
-_READ_FLAGS = frozenset(
-    {*_MODEL_FLAGS, *_TP_FLAGS, "--device", "--dtype", "--enable-metrics", "--speculative-algorithm"}
-    | {"--speculative-adaptive", "--disable-cuda-graph", "--max-total-tokens", "--quantization", "--config"}
-    | {"--enable-paged-experts", "--revision", "--download-dir"}
-)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,22 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _has_flag(argv: list[str], *names: str) -> bool:
-    return any(a == n or a.startswith(n + "=") for a in argv for n in names)
-
-
-def _flag_value(argv: list[str], *names: str) -> str | None:
-    """The value of the last of `names` in argv (SGLang's argparse keeps the last one too); None if absent."""
-    value = None
-    for i, a in enumerate(argv):
-        for n in names:
-            if a == n and i + 1 < len(argv):
-                value = argv[i + 1]
-            elif a.startswith(n + "="):
-                value = a.split("=", 1)[1]
-    return value
-
-
 @dataclass(frozen=True)
 class LaunchPlan:
     """What the launcher will do: the serving config for every process and SGLang's argv."""
@@ -105,17 +90,6 @@ class LaunchPlan:
     tp_size: int = 1
     rank_memory: RankMemory | None = None  # per-rank bytes, when config.json gives the expert shape
     facts: ModelFacts | None = None
-
-
-def tp_size_of(argv: list[str]) -> int:
-    """SGLang's `--tp-size` (or its aliases) from argv; 1 when absent. ValueError when not an integer."""
-    raw = _flag_value(argv, *_TP_FLAGS)
-    if raw is None:
-        return 1
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"--tp-size {raw!r} is not an integer") from None
 
 
 def cpu_threads_bind(tp_size: int, cores: list[int]) -> str:
@@ -131,162 +105,6 @@ def cpu_threads_bind(tp_size: int, cores: list[int]) -> str:
     return "|".join(",".join(str(c) for c in g) for g in groups)
 
 
-def _weight_dtype(argv: list[str], facts: ModelFacts) -> torch.dtype:
-    requested = _flag_value(argv, "--dtype")
-    if requested in _DTYPES:
-        return _DTYPES[requested]
-    return _DTYPES.get(facts.dtype, torch.bfloat16)
-
-
-def pool_problems(
-    rows: int | None, facts: ModelFacts | None, tp_size: int = 1, cpu: bool = False
-) -> list[str]:
-    """Every problem with `--moe-expert-pool-rows` (per rank) and `--tp-size` against the model, with fixes."""
-    flag = flag_name("pool_rows")
-    out: list[str] = []
-    if rows is None:
-        out.append(f"{flag} N is required (N = device rows of the expert pool, shared by all MoE layers)")
-    elif rows <= 0:
-        out.append(f"{flag} {rows}: must be a positive number of rows")
-    if facts is None:
-        return out
-    if facts.num_moe_layers == 0:
-        out.append(
-            "the model has no MoE layer (no routed experts in config.json): serve it with SGLang directly"
-        )
-        return out
-    if facts.quantization is not None:
-        out.append(
-            f"quantization {facts.quantization!r}: the pool handles unquantized (bf16/fp16/fp32) experts only; "
-            "use an unquantized checkpoint or pass --no-moe-expert-pool"
-        )
-    if tp_size != 1:
-        out += tp_problems(rows or 0, facts.top_k, facts.moe_intermediate_size, tp_size, cpu)
-    if rows is not None and rows > 0:
-        if facts.top_k and rows < facts.top_k and tp_size == 1:
-            out.append(
-                f"{flag} {rows} is below top-k {facts.top_k}: one token's experts must fit; use >= {facts.top_k}"
-            )
-        if rows > facts.num_total_experts:
-            out.append(
-                f"{flag} {rows} is above the {facts.num_total_experts} routed experts of the model "
-                f"({facts.num_moe_layers} MoE layers x {facts.num_experts}); use <= {facts.num_total_experts}"
-            )
-    return out
-
-
-def spec_governor_problems(governor: str, argv: list[str], tp_size: int = 1) -> list[str]:
-    """`--moe-expert-pool-spec-governor cost` decides SGLang's adaptive speculation: it needs it on, and one
-    scheduler (each TP rank times its own steps: ranks could choose different depths and stall the collectives)."""
-    if governor != "cost":
-        return []
-    flag = flag_name("spec_governor")
-    if not _has_flag(argv, "--speculative-algorithm"):
-        return [f"{flag} cost chooses the speculative depth: add --speculative-algorithm (EAGLE or NEXTN)"]
-    if not _has_flag(argv, "--speculative-adaptive"):
-        return [f"{flag} cost decides SGLang's adaptive speculation: add --speculative-adaptive"]
-    if tp_size > 1:
-        return [
-            f"{flag} cost times each rank's steps on its own clock, so tensor-parallel ranks could choose "
-            f"different depths: it runs with --tp-size 1 only (got {tp_size}); use {flag} off with TP"
-        ]
-    return []
-
-
-def argv_problems(argv: list[str], pooled: bool) -> list[str]:
-    """Problems with SGLang's argv that the launcher cannot serve or cannot see through, each with the fix."""
-    out: list[str] = []
-    if _has_flag(argv, "--config"):
-        # SGLang merges the file under the command line; the launcher reads the command line only, so it would
-        # check (and prepend the embedded model for) a command line that is not the one SGLang serves
-        out.append(
-            "--config FILE is not read by this launcher (its model, --tp-size and speculative settings would "
-            "escape the pool's checks): pass those options on the command line instead"
-        )
-    our_flags = sorted(s for a in build_parser()._actions for s in a.option_strings if s.startswith("--"))
-    for arg in argv:
-        name = arg.split("=", 1)[0]
-        # our flags never reach argv: one that looks like ours is misspelt (or a --no- form no flag has)
-        if name.startswith(("--moe-expert-pool", "--no-moe-expert-pool")):
-            close = difflib.get_close_matches(name, our_flags, n=1, cutoff=0.6)
-            out.append(
-                f"unknown flag {name}" + (f": did you mean {close[0]}?" if close else f" (see {PROG} --help)")
-            )
-        # SGLang's parser takes abbreviations; the launcher's scan of argv would miss this one
-        full = sorted(f for f in _READ_FLAGS if f.startswith(name) and f != name)
-        if len(name) > 2 and name.startswith("--") and full and name not in _READ_FLAGS:
-            out.append(
-                f"{name} abbreviates {' or '.join(full)}: write it in full (the launcher reads it too)"
-            )
-    if pooled and _flag_value(argv, "--quantization") not in (None, "unquant"):
-        out.append(
-            "--quantization: the pool handles unquantized (bf16/fp16/fp32) experts only; drop --quantization "
-            "or pass --no-moe-expert-pool"
-        )
-    return out
-
-
-def _device_problems(
-    argv: list[str], ours: argparse.Namespace, cuda_available: bool, tp_size: int
-) -> list[str]:
-    """SGLang's `--device` against this machine and the pool's device."""
-    out: list[str] = []
-    sglang_device = _flag_value(argv, "--device")
-    if sglang_device is not None and sglang_device != "cpu" and not sglang_device.startswith("cuda"):
-        out.append(
-            f"--device {sglang_device}: the pooled server runs on CUDA or the CPU (--device cuda or cpu)"
-        )
-    elif sglang_device is not None and sglang_device.startswith("cuda") and not cuda_available:
-        out.append(f"--device {sglang_device} but CUDA is not available on this machine: use --device cpu")
-    elif sglang_device == "cpu" and cuda_available:
-        # SGLang 0.5.23 picks its ops' code by platform, not by --device, and the CPU patches refuse a CUDA
-        # machine: hiding the GPUs is what makes it a CPU machine for both
-        out.append(
-            "--device cpu on a machine with CUDA: to serve on the CPU, hide the GPUs (CUDA_VISIBLE_DEVICES= "
-            "python -m pooled_runner.launch ...); to serve on the GPU, drop --device cpu"
-        )
-    pool_device = str(getattr(ours, "device", "auto"))  # (a CUDA pool without CUDA: PoolConfig says it)
-    if pool_device == "cpu" and cuda_available and sglang_device != "cpu":
-        out.append(
-            f"{flag_name('device')} cpu while the model runs on CUDA: the pool must be where the model runs; "
-            f"drop {flag_name('device')} (auto follows the machine)"
-        )
-    if tp_size > 1 and pool_device.startswith("cuda:"):
-        out.append(
-            f"{flag_name('device')} {pool_device} with --tp-size {tp_size}: each rank's pool belongs on that "
-            f"rank's GPU; use {flag_name('device')} cuda (or auto)"
-        )
-    return out
-
-
-def _model_facts(
-    model_path: str, revision: str | None = None, cache_dir: str | None = None
-) -> ModelFacts | None:
-    """`read_model_facts` of a local folder, or of a hub id's config.json at SGLang's `--revision` when it is
-    already in the local Hugging Face cache (SGLang's `--download-dir`, else the default; no download here);
-    None, with a warning, when neither is there."""
-    facts = read_model_facts(model_path)
-    if facts is not None or Path(model_path).expanduser().exists():
-        return facts
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(model_path, "config.json", cache_dir=cache_dir, revision=revision)
-    except Exception:  # not a hub id, or no huggingface_hub: nothing to read
-        cached = None
-    if isinstance(cached, str):
-        return read_model_facts(str(Path(cached).parent))
-    logger.warning(
-        "pooled_runner: no config.json of %s on this machine (not a local folder, not in the Hugging Face cache): "
-        "the checks of %s, quantization and --tp-size against the model are skipped. Download it first "
-        "(huggingface-cli download %s) or pass a local path to have them",
-        model_path,
-        flag_name("pool_rows"),
-        model_path,
-    )
-    return None
-
-
 def _refusal(problems: list[str]) -> ValueError:
     return ValueError("cannot launch:\n  - " + "\n  - ".join(problems))
 
@@ -294,8 +112,9 @@ def _refusal(problems: list[str]) -> ValueError:
 def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bool) -> LaunchPlan:
     """Turn our parsed flags and SGLang's argv into a LaunchPlan; ValueError lists every problem at once."""
     argv = list(rest)
-    problems: list[str] = argv_problems(argv, pooled=not ours.no_pool)
-    embedded = not _has_flag(argv, *_MODEL_FLAGS)
+    our_flags = sorted(s for a in build_parser()._actions for s in a.option_strings if s.startswith("--"))
+    problems: list[str] = argv_problems(argv, pooled=not ours.no_pool, our_flags=our_flags)
+    embedded = not has_flag(argv, *MODEL_FLAGS)
     rows = ours.pool_rows
     try:
         tp_size = tp_size_of(argv)
@@ -303,7 +122,7 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
         problems.append(str(exc))
         tp_size = 1
     if not ours.no_pool:
-        problems += _device_problems(argv, ours, cuda_available, tp_size)
+        problems += device_problems(argv, ours, cuda_available, tp_size)
     memory: RankMemory | None = None
     if embedded and problems:  # say them before generating the embedded model (its checks come after)
         raise _refusal(problems)
@@ -323,14 +142,14 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
         if ignored:
             logger.warning("pooled_runner: %s have no effect with --no-moe-expert-pool", ", ".join(ignored))
     else:
-        if _has_flag(argv, "--enable-paged-experts"):
+        if has_flag(argv, "--enable-paged-experts"):
             problems.append(
                 "--enable-paged-experts is SGLang's own per-layer expert paging; it cannot wrap the pooled "
                 "layers. Use one of them (drop --enable-paged-experts, or pass --no-moe-expert-pool)"
             )
-        model_path = _flag_value(argv, *_MODEL_FLAGS)
-        revision, download_dir = _flag_value(argv, "--revision"), _flag_value(argv, "--download-dir")
-        facts = _model_facts(model_path, revision, download_dir) if model_path else None
+        model_path = flag_value(argv, *MODEL_FLAGS)
+        revision, download_dir = flag_value(argv, "--revision"), flag_value(argv, "--download-dir")
+        facts = find_model_facts(model_path, revision, download_dir) if model_path else None
         problems += pool_problems(rows, facts, tp_size, cpu=not cuda_available)
         problems += spec_governor_problems(ours.spec_governor, argv, tp_size)
         if ours.stats_interval <= 0:
@@ -352,7 +171,7 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
         if not problems and pool is not None and facts is not None and facts.hidden_size > 0:
             memory = rank_memory(
                 pool.weight_format,
-                _weight_dtype(argv, facts),
+                weight_dtype(argv, facts),
                 facts.hidden_size,
                 facts.moe_intermediate_size,
                 tp_size,
@@ -363,21 +182,21 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
     if problems:
         raise _refusal(problems)
     cpu = not cuda_available
-    if pool is not None and not cpu and not _has_flag(argv, "--disable-cuda-graph"):
+    if pool is not None and not cpu and not has_flag(argv, "--disable-cuda-graph"):
         # PooledMoE's decode steps are capturable (device planner; tested with torch CUDA graphs on an H200),
         # but SGLang's graph runner over pooled layers has not run on a GPU yet. Said in the log by main().
         argv += ["--disable-cuda-graph"]
     if cpu:
-        if not _has_flag(argv, "--device"):
+        if not has_flag(argv, "--device"):
             argv += ["--device", "cpu"]
-        if not _has_flag(argv, "--max-total-tokens"):
+        if not has_flag(argv, "--max-total-tokens"):
             argv += ["--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS)]
     serve = ServeConfig(
         pool=pool,
         cpu=cpu,
-        metrics=_has_flag(argv, "--enable-metrics"),
+        metrics=has_flag(argv, "--enable-metrics"),
         stats_interval=ours.stats_interval,
-        speculative=_has_flag(argv, "--speculative-algorithm"),
+        speculative=has_flag(argv, "--speculative-algorithm"),
     )
     return LaunchPlan(
         serve=serve, sglang_argv=argv, embedded=embedded, tp_size=tp_size, rank_memory=memory, facts=facts

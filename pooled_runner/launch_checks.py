@@ -1,0 +1,214 @@
+"""The launcher's checks of its command line, before SGLang is imported: SGLang flags read from argv, every
+problem with our flags and SGLang's against this machine and the model's config.json (each with its fix), and
+the model's facts from a local folder or the local Hugging Face cache. `launch.py` gathers them and refuses a
+launch with all of them at once."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import logging
+from pathlib import Path
+
+import torch
+
+from pooled_runner.config import flag_name
+from pooled_runner.sglang.model_facts import ModelFacts, read_model_facts
+from pooled_runner.tp import tp_problems
+
+logger = logging.getLogger("pooled_runner")
+
+PROG = "python -m pooled_runner.launch"
+MODEL_FLAGS = ("--model-path", "--model")
+TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES |= {"float16": torch.float16, "half": torch.float16}
+# SGLang flags the launcher reads from argv itself (so an abbreviation of one, which SGLang would take, is refused)
+READ_FLAGS = frozenset(
+    {*MODEL_FLAGS, *TP_FLAGS, "--device", "--dtype", "--enable-metrics", "--speculative-algorithm"}
+    | {"--speculative-adaptive", "--disable-cuda-graph", "--max-total-tokens", "--quantization", "--config"}
+    | {"--enable-paged-experts", "--revision", "--download-dir"}
+)
+
+
+def has_flag(argv: list[str], *names: str) -> bool:
+    return any(a == n or a.startswith(n + "=") for a in argv for n in names)
+
+
+def flag_value(argv: list[str], *names: str) -> str | None:
+    """The value of the last of `names` in argv (SGLang's argparse keeps the last one too); None if absent."""
+    value = None
+    for i, a in enumerate(argv):
+        for n in names:
+            if a == n and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif a.startswith(n + "="):
+                value = a.split("=", 1)[1]
+    return value
+
+
+def tp_size_of(argv: list[str]) -> int:
+    """SGLang's `--tp-size` (or its aliases) from argv; 1 when absent. ValueError when not an integer."""
+    raw = flag_value(argv, *TP_FLAGS)
+    if raw is None:
+        return 1
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"--tp-size {raw!r} is not an integer") from None
+
+
+def weight_dtype(argv: list[str], facts: ModelFacts) -> torch.dtype:
+    requested = flag_value(argv, "--dtype")
+    if requested in DTYPES:
+        return DTYPES[requested]
+    return DTYPES.get(facts.dtype, torch.bfloat16)
+
+
+def pool_problems(
+    rows: int | None, facts: ModelFacts | None, tp_size: int = 1, cpu: bool = False
+) -> list[str]:
+    """Every problem with `--moe-expert-pool-rows` (per rank) and `--tp-size` against the model, with fixes."""
+    flag = flag_name("pool_rows")
+    out: list[str] = []
+    if rows is None:
+        out.append(f"{flag} N is required (N = device rows of the expert pool, shared by all MoE layers)")
+    elif rows <= 0:
+        out.append(f"{flag} {rows}: must be a positive number of rows")
+    if facts is None:
+        return out
+    if facts.num_moe_layers == 0:
+        out.append(
+            "the model has no MoE layer (no routed experts in config.json): serve it with SGLang directly"
+        )
+        return out
+    if facts.quantization is not None:
+        out.append(
+            f"quantization {facts.quantization!r}: the pool handles unquantized (bf16/fp16/fp32) experts only; "
+            "use an unquantized checkpoint or pass --no-moe-expert-pool"
+        )
+    if tp_size != 1:
+        out += tp_problems(rows or 0, facts.top_k, facts.moe_intermediate_size, tp_size, cpu)
+    if rows is not None and rows > 0:
+        if facts.top_k and rows < facts.top_k and tp_size == 1:
+            out.append(
+                f"{flag} {rows} is below top-k {facts.top_k}: one token's experts must fit; use >= {facts.top_k}"
+            )
+        if rows > facts.num_total_experts:
+            out.append(
+                f"{flag} {rows} is above the {facts.num_total_experts} routed experts of the model "
+                f"({facts.num_moe_layers} MoE layers x {facts.num_experts}); use <= {facts.num_total_experts}"
+            )
+    return out
+
+
+def spec_governor_problems(governor: str, argv: list[str], tp_size: int = 1) -> list[str]:
+    """`--moe-expert-pool-spec-governor cost` decides SGLang's adaptive speculation: it needs it on, and one
+    scheduler (each TP rank times its own steps: ranks could choose different depths and stall the collectives)."""
+    if governor != "cost":
+        return []
+    flag = flag_name("spec_governor")
+    if not has_flag(argv, "--speculative-algorithm"):
+        return [f"{flag} cost chooses the speculative depth: add --speculative-algorithm (EAGLE or NEXTN)"]
+    if not has_flag(argv, "--speculative-adaptive"):
+        return [f"{flag} cost decides SGLang's adaptive speculation: add --speculative-adaptive"]
+    if tp_size > 1:
+        return [
+            f"{flag} cost times each rank's steps on its own clock, so tensor-parallel ranks could choose "
+            f"different depths: it runs with --tp-size 1 only (got {tp_size}); use {flag} off with TP"
+        ]
+    return []
+
+
+def argv_problems(argv: list[str], pooled: bool, our_flags: list[str]) -> list[str]:
+    """Problems with SGLang's argv that the launcher cannot serve or cannot see through, each with the fix.
+    `our_flags`: the launcher's own long flags (a misspelt one is told the closest)."""
+    out: list[str] = []
+    if has_flag(argv, "--config"):
+        # SGLang merges the file under the command line; the launcher reads the command line only, so it would
+        # check (and prepend the embedded model for) a command line that is not the one SGLang serves
+        out.append(
+            "--config FILE is not read by this launcher (its model, --tp-size and speculative settings would "
+            "escape the pool's checks): pass those options on the command line instead"
+        )
+    for arg in argv:
+        name = arg.split("=", 1)[0]
+        # our flags never reach argv: one that looks like ours is misspelt (or a --no- form no flag has)
+        if name.startswith(("--moe-expert-pool", "--no-moe-expert-pool")):
+            close = difflib.get_close_matches(name, our_flags, n=1, cutoff=0.6)
+            out.append(
+                f"unknown flag {name}" + (f": did you mean {close[0]}?" if close else f" (see {PROG} --help)")
+            )
+        # SGLang's parser takes abbreviations; the launcher's scan of argv would miss this one
+        full = sorted(f for f in READ_FLAGS if f.startswith(name) and f != name)
+        if len(name) > 2 and name.startswith("--") and full and name not in READ_FLAGS:
+            out.append(
+                f"{name} abbreviates {' or '.join(full)}: write it in full (the launcher reads it too)"
+            )
+    if pooled and flag_value(argv, "--quantization") not in (None, "unquant"):
+        out.append(
+            "--quantization: the pool handles unquantized (bf16/fp16/fp32) experts only; drop --quantization "
+            "or pass --no-moe-expert-pool"
+        )
+    return out
+
+
+def device_problems(
+    argv: list[str], ours: argparse.Namespace, cuda_available: bool, tp_size: int
+) -> list[str]:
+    """SGLang's `--device` against this machine and the pool's device."""
+    out: list[str] = []
+    sglang_device = flag_value(argv, "--device")
+    if sglang_device is not None and sglang_device != "cpu" and not sglang_device.startswith("cuda"):
+        out.append(
+            f"--device {sglang_device}: the pooled server runs on CUDA or the CPU (--device cuda or cpu)"
+        )
+    elif sglang_device is not None and sglang_device.startswith("cuda") and not cuda_available:
+        out.append(f"--device {sglang_device} but CUDA is not available on this machine: use --device cpu")
+    elif sglang_device == "cpu" and cuda_available:
+        # SGLang 0.5.23 picks its ops' code by platform, not by --device, and the CPU patches refuse a CUDA
+        # machine: hiding the GPUs is what makes it a CPU machine for both
+        out.append(
+            "--device cpu on a machine with CUDA: to serve on the CPU, hide the GPUs (CUDA_VISIBLE_DEVICES= "
+            "python -m pooled_runner.launch ...); to serve on the GPU, drop --device cpu"
+        )
+    pool_device = str(getattr(ours, "device", "auto"))  # (a CUDA pool without CUDA: PoolConfig says it)
+    if pool_device == "cpu" and cuda_available and sglang_device != "cpu":
+        out.append(
+            f"{flag_name('device')} cpu while the model runs on CUDA: the pool must be where the model runs; "
+            f"drop {flag_name('device')} (auto follows the machine)"
+        )
+    if tp_size > 1 and pool_device.startswith("cuda:"):
+        out.append(
+            f"{flag_name('device')} {pool_device} with --tp-size {tp_size}: each rank's pool belongs on that "
+            f"rank's GPU; use {flag_name('device')} cuda (or auto)"
+        )
+    return out
+
+
+def find_model_facts(
+    model_path: str, revision: str | None = None, cache_dir: str | None = None
+) -> ModelFacts | None:
+    """`read_model_facts` of a local folder, or of a hub id's config.json at SGLang's `--revision` when it is
+    already in the local Hugging Face cache (SGLang's `--download-dir`, else the default; no download here);
+    None, with a warning, when neither is there."""
+    facts = read_model_facts(model_path)
+    if facts is not None or Path(model_path).expanduser().exists():
+        return facts
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model_path, "config.json", cache_dir=cache_dir, revision=revision)
+    except Exception:  # not a hub id, or no huggingface_hub: nothing to read
+        cached = None
+    if isinstance(cached, str):
+        return read_model_facts(str(Path(cached).parent))
+    logger.warning(
+        "pooled_runner: no config.json of %s on this machine (not a local folder, not in the Hugging Face cache): "
+        "the checks of %s, quantization and --tp-size against the model are skipped. Download it first "
+        "(huggingface-cli download %s) or pass a local path to have them",
+        model_path,
+        flag_name("pool_rows"),
+        model_path,
+    )
+    return None
