@@ -30,12 +30,15 @@ import torch
 from pooled_runner import envs
 from pooled_runner.config import PoolConfig, add_cli_arguments, cli_fields, flag_name
 from pooled_runner.launch_checks import (
+    GRAPH_FLAGS,
+    GRAPHS_OFF,
     MODEL_FLAGS,
     PROG,
     argv_problems,
     device_problems,
     find_model_facts,
     flag_value,
+    graph_phases_maybe_on,
     has_flag,
     pool_problems,
     spec_governor_problems,
@@ -182,10 +185,11 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
     if problems:
         raise _refusal(problems)
     cpu = not cuda_available
-    if pool is not None and not cpu and not has_flag(argv, "--disable-cuda-graph"):
+    if pool is not None and not cpu and not has_flag(argv, *GRAPH_FLAGS):
         # PooledMoE's decode steps are capturable (device planner; tested with torch CUDA graphs on an H200),
         # but SGLang's graph runner over pooled layers has not run on a GPU yet. Said in the log by main().
-        argv += ["--disable-cuda-graph"]
+        # The per-phase backends, not the deprecated --disable-cuda-graph, which any other graph flag overrides.
+        argv += list(GRAPHS_OFF)
     if cpu:
         if not has_flag(argv, "--device"):
             argv += ["--device", "cpu"]
@@ -200,6 +204,27 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
     )
     return LaunchPlan(
         serve=serve, sglang_argv=argv, embedded=embedded, tp_size=tp_size, rank_memory=memory, facts=facts
+    )
+
+
+def cuda_graph_warning(plan: LaunchPlan, user_argv: list[str]) -> str | None:
+    """What the log must say of CUDA graphs over the pooled layers (not yet verified under SGLang's graph
+    runner on a GPU): that the launcher turned them off, or that the user's graph flags leave some phase on;
+    None when the pool is off, on the CPU, or the user turned every phase off."""
+    if plan.serve.pool is None or plan.serve.cpu:
+        return None
+    off = " ".join(GRAPHS_OFF)
+    if not has_flag(user_argv, *GRAPH_FLAGS):
+        return (
+            "CUDA graphs disabled: SGLang's graph runner over pooled layers is not yet verified on a GPU "
+            f"(pass {off} yourself to silence this)"
+        )
+    phases = graph_phases_maybe_on(user_argv)
+    if not phases:
+        return None
+    return (
+        f"your CUDA-graph flags leave the {' and '.join(phases)} graphs on (or to SGLang's defaults): SGLang's "
+        f"graph runner over pooled layers is not yet verified on a GPU; {off} turns them off"
     )
 
 
@@ -298,11 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if plan.rank_memory is not None:
         logger.info("pooled_runner: expert memory %s", plan.rank_memory.describe())
-    if "--disable-cuda-graph" in plan.sglang_argv and "--disable-cuda-graph" not in rest:
-        logger.warning(
-            "pooled_runner: CUDA graphs disabled: SGLang's graph runner over pooled layers is not yet verified "
-            "on a GPU (pass --disable-cuda-graph yourself to silence this)"
-        )
+    graph_warning = cuda_graph_warning(plan, rest)
+    if graph_warning:
+        logger.warning("pooled_runner: %s", graph_warning)
     try:
         server_args = prepare_sglang(plan)
     except ValueError as exc:

@@ -23,11 +23,24 @@ MODEL_FLAGS = ("--model-path", "--model")
 TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16}
 DTYPES |= {"float16": torch.float16, "half": torch.float16}
+# SGLang 0.5.23's CUDA-graph switches (sglang/srt/arg_groups/cuda_graph_hook.py `parse_cuda_graph_config`):
+# --cuda-graph-config (JSON) wins over --cuda-graph-backend-<phase>, which wins over --disable-<phase>-cuda-graph
+# and the deprecated --disable-cuda-graph
+GRAPH_FLAGS = (
+    "--cuda-graph-config",
+    "--cuda-graph-backend-decode",
+    "--cuda-graph-backend-prefill",
+    "--disable-cuda-graph",
+    "--disable-decode-cuda-graph",
+    "--disable-prefill-cuda-graph",
+)
+GRAPHS_OFF = ("--cuda-graph-backend-decode=disabled", "--cuda-graph-backend-prefill=disabled")
+GRAPH_PHASES = ("decode", "prefill")
 # SGLang flags the launcher reads from argv itself (so an abbreviation of one, which SGLang would take, is refused)
 READ_FLAGS = frozenset(
     {*MODEL_FLAGS, *TP_FLAGS, "--device", "--dtype", "--enable-metrics", "--speculative-algorithm"}
     | {"--speculative-adaptive", "--disable-cuda-graph", "--max-total-tokens", "--quantization", "--config"}
-    | {"--enable-paged-experts", "--revision", "--download-dir"}
+    | {"--enable-paged-experts", "--revision", "--download-dir", *GRAPH_FLAGS}
 )
 
 
@@ -45,6 +58,23 @@ def flag_value(argv: list[str], *names: str) -> str | None:
             elif a.startswith(n + "="):
                 value = a.split("=", 1)[1]
     return value
+
+
+def graph_phases_maybe_on(argv: list[str]) -> list[str]:
+    """The phases ("decode", "prefill") whose CUDA graphs SGLang's flags in argv do not turn off, by SGLang's
+    precedence (see GRAPH_FLAGS). With --cuda-graph-config both: its JSON is not read here."""
+    if has_flag(argv, "--cuda-graph-config"):
+        return list(GRAPH_PHASES)
+    out = []
+    for phase in GRAPH_PHASES:
+        backend = flag_value(argv, f"--cuda-graph-backend-{phase}")
+        if backend is not None:
+            off = backend == "disabled"
+        else:
+            off = has_flag(argv, "--disable-cuda-graph", f"--disable-{phase}-cuda-graph")
+        if not off:
+            out.append(phase)
+    return out
 
 
 def tp_size_of(argv: list[str]) -> int:

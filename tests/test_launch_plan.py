@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from pooled_runner.config import PoolConfig
-from pooled_runner.launch import CPU_MAX_TOTAL_TOKENS, build_parser, resolve_launch
+from pooled_runner.launch import CPU_MAX_TOTAL_TOKENS, build_parser, cuda_graph_warning, resolve_launch
+from pooled_runner.launch_checks import GRAPHS_OFF
 from pooled_runner.sglang.model_facts import facts_from_config
 from pooled_runner.sglang.serve_config import ServeConfig
 
@@ -82,9 +83,50 @@ def test_user_cpu_flags_are_kept_and_cuda_adds_nothing(tmp_path: Path) -> None:
     ]
     assert plan(argv).sglang_argv == argv[:1] + argv[3:]
     cuda = plan(["--model-path", str(model), "--moe-expert-pool-rows", "4"], cuda=True)
-    assert cuda.sglang_argv == ["--model-path", str(model), "--disable-cuda-graph"] and not cuda.serve.cpu
+    assert cuda.sglang_argv == ["--model-path", str(model), *GRAPHS_OFF] and not cuda.serve.cpu
     unpooled = plan(["--model-path", str(model), "--no-moe-expert-pool"], cuda=True)
     assert unpooled.sglang_argv == ["--model-path", str(model)]
+
+
+@pytest.mark.parametrize(
+    ("graph_flags", "added", "warned"),
+    [
+        ([], True, "CUDA graphs disabled"),
+        (["--cuda-graph-backend-decode=disabled", "--cuda-graph-backend-prefill", "disabled"], False, None),
+        (["--disable-cuda-graph"], False, None),  # SGLang's deprecated spelling: both phases off
+        (["--disable-decode-cuda-graph"], False, "leave the prefill graphs on"),
+        (
+            ["--disable-cuda-graph", "--cuda-graph-backend-decode", "full"],
+            False,
+            "leave the decode graphs on",
+        ),
+        (
+            ["--disable-prefill-cuda-graph", "--cuda-graph-backend-decode=breakable"],
+            False,
+            "the decode graphs",
+        ),
+        (["--disable-cuda-graph", "--cuda-graph-config", "{}"], False, "decode and prefill graphs"),
+    ],
+)
+def test_cuda_graphs_off_unless_the_user_sets_them_and_the_log_says_which(
+    tmp_path: Path, graph_flags: list[str], added: bool, warned: str | None
+) -> None:
+    """SGLang's per-phase backends (and its JSON config) override the deprecated --disable-cuda-graph: the
+    launcher adds both phases' `disabled` only when no graph flag is given, and warns where the user's flags
+    leave a phase's graphs on over the pooled layers."""
+    model = write_model(tmp_path, QWEN3_MOE)
+    argv = ["--model-path", str(model), "--moe-expert-pool-rows", "4", *graph_flags]
+    p = plan(argv, cuda=True)
+    expected = ["--model-path", str(model), *graph_flags] + (list(GRAPHS_OFF) if added else [])
+    assert p.sglang_argv == expected
+    warning = cuda_graph_warning(p, argv)
+    if warned is None:
+        assert warning is None, warning
+    else:
+        assert warning is not None and warned in warning, warning
+    assert cuda_graph_warning(plan(argv), argv) is None  # the CPU: no graphs
+    unpooled = plan(["--model-path", str(model), "--no-moe-expert-pool", *graph_flags], cuda=True)
+    assert cuda_graph_warning(unpooled, argv) is None
 
 
 @pytest.mark.parametrize(
