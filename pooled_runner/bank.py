@@ -24,7 +24,8 @@ logger = logging.getLogger("pooled_runner")
 GiB = 1 << 30
 
 
-def _check_positive_counts(num_experts_per_layer: list[int]) -> None:
+def check_expert_counts(num_experts_per_layer: list[int]) -> None:
+    """ValueError unless there is at least one layer and every layer has at least one expert."""
     if not num_experts_per_layer:
         raise ValueError("num_experts_per_layer is empty: register at least one pooled layer")
     for layer, n in enumerate(num_experts_per_layer):
@@ -42,7 +43,7 @@ class ExpertBank:
     """
 
     def __init__(self, operands: tuple[OperandSpec, ...], num_experts_per_layer: list[int], pin: bool):
-        _check_positive_counts(num_experts_per_layer)
+        check_expert_counts(num_experts_per_layer)
         self.operands = operands
         self.num_experts_per_layer = list(num_experts_per_layer)
         self.layer_offsets = [0]
@@ -64,7 +65,7 @@ class ExpertBank:
             len(self.num_experts_per_layer),
             self.num_total_experts,
             self.nbytes / GiB,
-            "pinned (cudaHostRegister)" if self.pinned else "pageable (no CUDA: not pinned)",
+            "pinned (cudaHostRegister)" if self.pinned else "pageable (pin=False)",
             time.perf_counter() - start,
         )
 

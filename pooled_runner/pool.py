@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pooled_runner.bank import ExpertBank, check_expert_weights
+from pooled_runner.bank import ExpertBank, check_expert_counts, check_expert_weights
 from pooled_runner.formats.base import OperandSpec
 
 logger = logging.getLogger("pooled_runner")
@@ -74,6 +74,7 @@ class ExpertPool:
         bank: ExpertBank | None,
         allocate_rows: bool = True,
     ):
+        check_expert_counts(list(num_experts_per_layer))
         num_total = sum(num_experts_per_layer)
         if num_rows <= 0:
             raise ValueError(f"num_rows={num_rows} must be positive")
@@ -279,10 +280,13 @@ class ExpertPool:
         """A free row, else the least recently used row not in `protected`, else None."""
         if self._free_rows:
             return self._free_rows[-1]
-        for row in self._lru:  # the head is the LRU row; protected rows were touched, so they sit at the end
+        for row in self._lru:  # least recently used first
             if row not in protected:
                 return row
-            break
+            if len(protected) >= len(self._lru):
+                # every row is protected; quick for plan_step, which touches its protected rows (so a protected
+                # head means all are): its steps wider than the pool would otherwise scan all rows per miss
+                return None
         return None
 
     def admit(self, layer: int, expert: int, protected: set[int] | None = None) -> int | None:
@@ -355,6 +359,7 @@ class ExpertPool:
         if priority is None:
             priority = [(l_, e) for l_, n in enumerate(self.num_experts_per_layer) for e in range(n)]
         filled = 0
+        traffic = self.stats_counters.bytes_copied_to_rows  # installation copies are not traffic
         for layer, expert in priority:
             if not self._free_rows:
                 break
@@ -362,7 +367,7 @@ class ExpertPool:
                 continue
             self.place(layer, expert, self._free_rows[-1])
             filled += 1
-        self.stats_counters.bytes_copied_to_rows = 0  # installation copies are not traffic
+        self.stats_counters.bytes_copied_to_rows = traffic
         return filled
 
     def load_residency(self, row_owner: list[tuple[int, int] | None], lru_rows: list[int]) -> None:

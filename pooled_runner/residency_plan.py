@@ -40,11 +40,11 @@ class ResidencyPlan:
 def plan_from_snapshot(snapshot: TelemetrySnapshot, max_pinned: int) -> ResidencyPlan | None:
     """The `max_pinned` most routed experts of the window (count > 0; ties by layer, expert), or None for a
     window that must be discarded (poison / overflow; the reason is logged)."""
+    if max_pinned < 0:
+        raise ValueError(f"max_pinned={max_pinned} must be >= 0")
     if not snapshot.valid:
         logger.warning("no residency plan from epoch %d: %s", snapshot.epoch, "; ".join(snapshot.problems()))
         return None
-    if max_pinned < 0:
-        raise ValueError(f"max_pinned={max_pinned} must be >= 0")
     EM = snapshot.counts.shape[1]
     flat = snapshot.counts.reshape(-1)
     order = sorted(range(flat.numel()), key=lambda i: (-int(flat[i]), i))
@@ -108,10 +108,13 @@ def apply_plan(
         owner[row] = (layer, expert)
     location = {o: r for r, o in enumerate(owner) if o is not None}
     pinned_rows = [location[p] for p in reversed(pinned)]  # hottest last = most recently used
+    # every row in use is in saved_lru or newly filled, and a newly filled row holds a pinned expert
     rest = [r for r in saved_lru if r not in set(pinned_rows)]
-    rest += [r for r, o in enumerate(owner) if o is not None and r not in set(rest) | set(pinned_rows)]
     pool.load_residency(owner, rest + pinned_rows)
-    pool.stats_counters.bytes_copied_to_rows += len(assignment) * pool.row_bytes
+    counters = pool.stats_counters  # the plan's copies count as the planner's would (PoolStats)
+    counters.admissions += len(assignment)
+    counters.evictions += sum(saved_owner[row] is not None for row, _, _ in assignment)
+    counters.bytes_copied_to_rows += len(assignment) * pool.row_bytes
     if planner is not None:
         planner.load_from_pool()
     logger.info(

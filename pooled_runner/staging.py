@@ -355,7 +355,8 @@ def make_stager(
     config: PoolConfig,
     device: torch.device,
 ) -> LayerStager:
-    """The pool's stager, its ring allocated now (before an engine sizes its KV cache), or MemoryError."""
+    """The pool's stager, its ring allocated now (before an engine sizes its KV cache); ValueError with the
+    numbers and the flags to change when the ring does not fit in the device's free memory (`check_fits`)."""
     # A chunk larger than the largest layer would only waste VRAM: the default (16) is cut to E on small
     # models; LayerStager itself refuses C > E.
     chunk = min(config.staging_chunk_experts, max_experts)

@@ -50,6 +50,20 @@ def test_plan_from_snapshot_takes_the_hottest_and_refuses_bad_windows():
     assert len(plan_from_snapshot(tel.snapshot(), max_pinned=50).pinned) == 6
     tel.record(1, torch.tensor([[7]]))  # out of range: poison
     assert plan_from_snapshot(tel.snapshot(), max_pinned=3) is None
+    with pytest.raises(ValueError, match="max_pinned=-1"):  # a bad argument, whatever the window
+        plan_from_snapshot(tel.snapshot(), max_pinned=-1)
+
+
+def test_apply_plan_into_free_rows_counts_admissions_only():
+    pool = make_pool([6, 7], rows=5, seed=2)
+    pool.fill([(0, 0), (1, 1)])  # rows 2..4 free
+    before = pool.stats()
+    copied = apply_plan(pool, ResidencyPlan(3, ((1, 4), (0, 5), (1, 1))), None)
+    assert copied == 2  # (1, 1) was resident
+    after = pool.stats()
+    assert (after.admissions - before.admissions, after.evictions - before.evictions) == (2, 0)
+    assert after.bytes_copied_to_rows - before.bytes_copied_to_rows == 2 * pool.row_bytes
+    pool.check_invariants()
 
 
 def test_apply_plan_pins_experts_as_most_recent():
@@ -57,8 +71,12 @@ def test_apply_plan_pins_experts_as_most_recent():
     pool.fill()  # layer 0 experts 0..3
     planner = DevicePlanner(pool, FreqDecayPolicy(), max_routed=4)
     plan = plan_from_snapshot(window([6, 7]).snapshot(), max_pinned=3)
+    before = pool.stats()
     copied = apply_plan(pool, plan, planner)
     assert copied == 1  # (0, 3) and (0, 1) were resident; (1, 2) takes the LRU row not pinned: row 0
+    after = pool.stats()  # one copy into a row that (0, 0) gave up: an admission and an eviction
+    assert (after.admissions - before.admissions, after.evictions - before.evictions) == (1, 1)
+    assert after.bytes_copied_to_rows - before.bytes_copied_to_rows == pool.row_bytes
     assert pool.row_owner == [(1, 2), (0, 1), (0, 2), (0, 3)]
     assert pool.lru_rows() == [2, 0, 1, 3]  # unpinned first, then pinned coldest..hottest
     pool.check_invariants()
@@ -83,9 +101,11 @@ def test_fault_midway_restores_everything(fail_at):
         if i == fail_at:
             raise OSError(f"injected fault in copy {i}")
 
+    stats_before = pool.stats()
     with pytest.raises(PlanApplyError, match=rf"epoch 7 failed at copy {fail_at + 1}/4 .*restored"):
         apply_plan(pool, plan, planner, copy_row=faulty_copy)
     assert len(calls) == fail_at + 1
+    assert pool.stats() == stats_before
     assert_same(before, full_state(pool, planner))
     pool.check_invariants()
     planner.check_invariants()

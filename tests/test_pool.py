@@ -59,6 +59,39 @@ def test_lru_evicts_least_recently_used_first():
     pool.check_invariants()
 
 
+def test_admit_skips_protected_rows_wherever_they_sit():
+    """`admit` evicts the least recently used row outside `protected`, also when protected rows were not touched
+    first (plan_step touches them; a direct caller need not)."""
+    pool = make_pool([7], rows=3, seed=5)
+    pool.fill([(0, 4), (0, 1), (0, 6)])  # LRU order: rows 0, 1, 2
+    assert pool.admit(0, 2, protected={0}) == 1  # row 0 is protected, row 1 is the next least recent
+    assert pool.row_owner[1] == (0, 2) and not pool.is_resident(0, 1)
+    assert (
+        pool.admit(0, 3, protected={0, 2}) == 1
+    )  # row 1 is now the most recent, but the only one not protected
+    assert pool.row_owner[1] == (0, 3)
+    assert pool.admit(0, 5, protected={0, 1, 2}) is None  # every row protected: the host view
+    assert pool.lookup(0, 5) == 3 + 5 and [pool.row_owner[r] for r in range(3)] == [(0, 4), (0, 3), (0, 6)]
+    pool.check_invariants()
+
+
+def test_fill_keeps_earlier_traffic_and_counts_none_of_its_own():
+    pool = make_pool([5, 3], rows=4, seed=6)
+    pool.fill([(0, 0)])
+    pool.plan_step(0, [1, 3])  # two admissions: traffic
+    traffic = pool.stats().bytes_copied_to_rows
+    assert traffic == 2 * pool.row_bytes
+    assert pool.fill([(1, 2)]) == 1  # installation: not traffic, and the traffic before it stays
+    assert pool.stats().bytes_copied_to_rows == traffic
+
+
+def test_a_pool_without_layers_or_experts_is_refused():
+    with pytest.raises(ValueError, match="register at least one pooled layer"):
+        ExpertPool(OPERANDS, [], 2, torch.device("cpu"), bank=None)
+    with pytest.raises(ValueError, match="layer 1 has num_experts=0"):
+        ExpertPool(OPERANDS, [3, 0], 2, torch.device("cpu"), bank=None)
+
+
 def test_global_lru_lets_a_hot_layer_take_rows():
     pool = make_pool([4, 4], rows=4)
     pool.fill()  # layer 0 holds all rows
