@@ -101,7 +101,10 @@ class PoolConfig:
         if not isinstance(self.pool_rows, int) or isinstance(self.pool_rows, bool) or self.pool_rows <= 0:
             out.append(f"pool_rows={self.pool_rows!r} must be a positive integer (--moe-expert-pool-rows N)")
         if self.weight_format not in FORMATS:
-            out.append(f"weight_format={self.weight_format!r} is not one of {sorted(FORMATS)}")
+            out.append(
+                f"weight_format={self.weight_format!r} is not one of {sorted(FORMATS)} "
+                f"({flag_name('weight_format')})"
+            )
         for f in cli_fields():  # the on/off fields
             value = getattr(self, f.name)
             if is_switch(f) and not isinstance(value, bool):  # "no" or "false" would be truthy
@@ -168,7 +171,10 @@ def device_problems(device: object) -> list[str]:
     if parsed.type == "cuda" and not torch.cuda.is_available():
         return [f"device={device!r} but CUDA is not available on this machine: use cpu (or auto)"]
     if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
-        return [f"device={device!r} but this machine has {torch.cuda.device_count()} CUDA device(s)"]
+        count = torch.cuda.device_count()
+        return [
+            f"device={device!r} but this machine has {count} CUDA device(s): use cuda:0..cuda:{count - 1} or {hint}"
+        ]
     return []
 
 

@@ -67,9 +67,11 @@ def _get_str(name: str, default: str) -> str:
 def log_level() -> str:
     """POOLED_RUNNER_LOG_LEVEL: level of the `pooled_runner` logger (default INFO; any name `logging` takes)."""
     value = _get_str("LOG_LEVEL", "INFO").strip().upper()
-    levels = logging.getLevelNamesMapping()
-    if value not in levels:
-        raise ValueError(f"{PREFIX}LOG_LEVEL={value!r}: expected one of {', '.join(sorted(levels))}")
+    # getLevelName maps a registered name to its number (getLevelNamesMapping is Python >= 3.11 only)
+    if not isinstance(logging.getLevelName(value), int):
+        raise ValueError(
+            f"{PREFIX}LOG_LEVEL={value!r}: expected a logging level (DEBUG, INFO, WARNING, ERROR)"
+        )
     return value
 
 

@@ -78,14 +78,18 @@ def graph_phases_maybe_on(argv: list[str]) -> list[str]:
 
 
 def tp_size_of(argv: list[str]) -> int:
-    """SGLang's `--tp-size` (or its aliases) from argv; 1 when absent. ValueError when not an integer."""
+    """SGLang's `--tp-size` (or its aliases) from argv; 1 when absent. ValueError when not a positive integer
+    (checked here, not only against the model: its config.json may not be on this machine)."""
     raw = flag_value(argv, *TP_FLAGS)
     if raw is None:
         return 1
     try:
-        return int(raw)
+        size = int(raw)
     except ValueError:
         raise ValueError(f"--tp-size {raw!r} is not an integer") from None
+    if size < 1:
+        raise ValueError(f"--tp-size {size}: must be a positive number of ranks")
+    return size
 
 
 def weight_dtype(argv: list[str], facts: ModelFacts) -> torch.dtype:

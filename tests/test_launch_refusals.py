@@ -223,6 +223,8 @@ def test_check_all_reads_every_knob() -> None:
         ("staging_min_tokens", True, "staging_min_tokens=True must be an integer >= 1"),
         ("device", "gpu", "device='gpu' is not a torch device"),
         ("device", "meta", "device='meta': the pool runs on CUDA or the CPU only"),
+        ("weight_format", "int3", "'int3' is not one of ['bf16', "),
+        ("weight_format", "int3", "(--moe-expert-pool-weight-format)"),
     ],
 )
 def test_python_api_refuses_wrongly_typed_values(field: str, value: object, expected: str) -> None:

@@ -310,6 +310,10 @@ def test_launcher_refuses_unsplittable_or_too_small_tp_with_per_rank_numbers(tmp
     assert "each of the 5 ranks would hold 3 rows, below top-k 4" in message
     with pytest.raises(ValueError, match="--tp-size 'two' is not an integer"):
         _plan(["--model-path", model, "--tp=two", "--moe-expert-pool-rows", "8"], cuda=True)
+    for bad in ("0", "-2"):  # refused without the model's config.json too (a hub id not on this machine)
+        for path in (model, "nobody/not-on-this-machine"):
+            with pytest.raises(ValueError, match=f"--tp-size {bad}: must be a positive number of ranks"):
+                _plan(["--model-path", path, "--tp-size", bad, "--moe-expert-pool-rows", "8"], cuda=True)
     ok = _plan(["--model-path", model, "--tp-size", "2", "--moe-expert-pool-rows", "8"], cuda=True)
     assert ok.tp_size == 2 and ok.rank_memory is not None
     assert ok.rank_memory.intermediate_per_rank == 48
