@@ -81,7 +81,8 @@ class GpuPath:
                 if capturing:
                     raise RuntimeError(
                         f"a step of {T} tokens (staged={staged is not None}, admit_misses={admit_misses}) cannot "
-                        f"be captured: only decode steps of <= {self.max_decode_tokens} tokens are device-planned"
+                        f"be captured: only decode steps of <= {self.max_decode_tokens} tokens are device-planned "
+                        "(set_decode_lanes(>= T) before the first forward sizes the planner)"
                     )
                 self.planner.store_to_pool()
                 ids = topk_ids.long()  # [T, K]
@@ -99,6 +100,15 @@ class GpuPath:
         """Make the pool's host bookkeeping current (after device-planned steps). Syncs; not during capture."""
         if self.planner is not None:
             self.planner.store_to_pool()
+
+    def reset_device_counters(self) -> None:
+        """Zero the device planner's counters in place (outside capture; captured steps keep adding to them)."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "reset_stats() during a CUDA graph capture: reset at a boundary, outside capture"
+            )
+        if self.planner is not None:
+            self.planner.counters.zero_()
 
     def add_device_counters(self, stats: PoolStats) -> PoolStats:
         """`stats` plus the device planner's counters (hits, misses, admissions, evictions, host-view reads)."""

@@ -24,7 +24,7 @@ from pooled_runner.guard import TORCH, KernelBackend, check_tensors
 from pooled_runner.lanes import takes_decode_path
 from pooled_runner.pool import ExpertPool, PoolStats
 from pooled_runner.routing import check_routing
-from pooled_runner.staging import LayerStager, make_stager
+from pooled_runner.staging import LayerStager, StagingStats, make_stager
 from pooled_runner.telemetry import RouteTelemetry, capturing
 from pooled_runner.torch_path import torch_forward
 
@@ -90,17 +90,27 @@ class PooledMoE:
 
     def register_layer(self, num_experts: int) -> int:
         """Register one MoE layer with `num_experts` routed experts; returns its pooled-layer index."""
-        if self.pool is not None:
-            raise RuntimeError("register_layer() after install(): register every layer first")
+        if self.pool is not None or self._storage is not None:
+            # the bank (or the resident rows) is sized for the layers registered when allocate() ran
+            raise RuntimeError("register_layer() after allocate()/install(): register every layer first")
         if num_experts <= 0:
             raise ValueError(f"num_experts={num_experts} must be positive")
         self.num_experts_per_layer.append(num_experts)
         return len(self.num_experts_per_layer) - 1
 
     def set_decode_lanes(self, lanes: int) -> None:
-        """Steps of at most `lanes` tokens take the decode path from now on (never staged)."""
+        """Steps of at most `lanes` tokens take the decode path from now on (never staged).
+
+        On CUDA the device planner is sized by the lanes at the first forward: RuntimeError for more lanes than
+        that afterwards (its buffers may be in captured graphs; set the lanes before the first forward)."""
         if lanes < 1:
             raise ValueError(f"decode lanes {lanes} must be >= 1")
+        built_for = self._gpu_path.max_decode_tokens if self._gpu_path is not None else None
+        if built_for is not None and lanes > built_for:
+            raise RuntimeError(
+                f"decode lanes {lanes}: the device planner was built at the first CUDA forward for steps of "
+                f"<= {built_for} tokens; call set_decode_lanes({lanes}) before the first forward"
+            )
         self.decode_lanes = lanes
 
     def begin_verify_step(self, num_spec: int) -> None:
@@ -333,9 +343,19 @@ class PooledMoE:
             self._gpu_path.planner.load_from_pool()
         return row
 
+    def reset_stats(self) -> None:
+        """Start the counters of `stats()` again: the pool's, the device planner's and the stager's. A boundary
+        operation (outside capture)."""
+        pool = self._require_pool()
+        if self._gpu_path is not None:
+            self._gpu_path.reset_device_counters()  # first: refuses during a capture, before anything changes
+        pool.reset_stats()
+        if self.stager is not None:
+            self.stager.stats = StagingStats()
+
     def stats(self) -> PoolStats:
-        """Pool counters since installation, device-planned steps included (a boundary operation: syncs the
-        tables into the pool's host bookkeeping, `sync_tables()`)."""
+        """Pool counters since installation or `reset_stats()`, device-planned steps included (a boundary
+        operation: syncs the tables into the pool's host bookkeeping, `sync_tables()`)."""
         pool = self.sync_tables()
         stats = pool.stats()
         if self._gpu_path is not None:

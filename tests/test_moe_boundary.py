@@ -147,3 +147,63 @@ def test_device_planned_tables_are_synced_for_stats_digests_and_evict() -> None:
         for r, owner in enumerate(pool.row_owner):  # type: ignore[union-attr]
             if owner is not None:  # the planner's admissions copied the owners' weights into the rows
                 assert torch.equal(pool.rows_gpu["w2"][r], pool.bank.row(*owner)["w2"])  # type: ignore[union-attr]
+
+
+def test_reset_stats_restarts_the_device_counters_too() -> None:
+    """`PooledMoE.reset_stats` starts every counter of `stats()` again: the pool's host counters and the device
+    planner's, so a benchmark's warm-up traffic is not counted in its measured window."""
+    moe, _ = build()
+    host, _ = build()
+    gpu = device_planned(moe)
+    assert gpu.planner is not None
+    warm, measured = steps(9, seed=7), steps(15, seed=8)
+    for layer, ids in warm:
+        gpu.planner.plan(layer, ids)
+        host.pool.plan_step(layer, sorted(set(ids.flatten().tolist())))  # type: ignore[union-attr]
+    assert moe.stats().misses > 0
+    moe.reset_stats()
+    host.reset_stats()  # the host path: the pool's counters only
+    after_reset = moe.stats()
+    assert (after_reset.hits, after_reset.misses, after_reset.admissions, after_reset.evictions) == (
+        0,
+        0,
+        0,
+        0,
+    )
+    assert after_reset.bytes_copied_to_rows == after_reset.bytes_read_host_view == 0
+    for layer, ids in measured:
+        gpu.planner.plan(layer, ids)
+        host.pool.plan_step(layer, sorted(set(ids.flatten().tolist())))  # type: ignore[union-attr]
+    got, want = moe.stats(), host.stats()
+    assert got.misses > 0 and (got.hits, got.misses, got.admissions, got.evictions) == (
+        want.hits,
+        want.misses,
+        want.admissions,
+        want.evictions,
+    )
+    assert got.bytes_copied_to_rows == want.bytes_copied_to_rows
+
+
+def test_lanes_wider_than_the_built_planner_are_refused() -> None:
+    moe, _ = build()
+    moe.set_decode_lanes(3)
+    gpu = device_planned(moe)  # built for steps of <= 3 tokens
+    assert gpu.max_decode_tokens == 3
+    moe.set_decode_lanes(2)  # narrower: fine
+    moe.set_decode_lanes(3)
+    with pytest.raises(
+        RuntimeError, match=r"steps of <= 3 tokens; call set_decode_lanes\(4\) before the first"
+    ):
+        moe.set_decode_lanes(4)
+    assert moe.decode_lanes == 3
+
+
+def test_layers_registered_after_allocate_are_refused() -> None:
+    cfg = PoolConfig(pool_rows=3, device="cpu")
+    moe = PooledMoE(cfg, H, I, top_k=K, dtype=torch.float32)
+    moe.register_layer(4)
+    moe.register_layer(4)
+    moe.allocate()
+    with pytest.raises(RuntimeError, match=r"register_layer\(\) after allocate\(\)/install\(\)"):
+        moe.register_layer(4)
+    assert moe.num_experts_per_layer == [4, 4]
