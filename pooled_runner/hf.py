@@ -74,6 +74,22 @@ def _expert_shape(name: str, module: nn.Module) -> tuple[int, int, int]:
             f"{name}: gate_up_proj {tuple(gate_up.shape)} and down_proj "
             f"{tuple(down.shape)} are not [E, 2I, H] and [E, H, I]"
         )
+    extra = sorted(
+        n for n, _ in module.named_parameters(recurse=False) if n not in ("gate_up_proj", "down_proj")
+    )
+    if extra:
+        raise ValueError(
+            f"{name}: parameters {extra} besides gate_up_proj and down_proj (biases?): the pool computes "
+            "bias-free experts; keep this model unpooled"
+        )
+    gate = getattr(type(module), "_apply_gate", None)  # transformers' experts decorator sets a default one
+    custom_gate = gate is not None and getattr(gate, "__name__", "") != "_default_apply_gate"
+    if custom_gate or getattr(module, "limit", None) is not None:
+        # e.g. DeepSeek-V4's and gpt-oss's experts clamp gate and up (swiglu_limit) before the product
+        raise ValueError(
+            f"{name}: {type(module).__name__} gates its experts its own way (`_apply_gate` / a clamp limit); "
+            "the pool computes silu(gate) * up unclamped: keep this model unpooled"
+        )
     act = getattr(module, "act_fn", None)
     if (
         act is not None

@@ -125,7 +125,8 @@ class DevicePlanner:
             for name, t in self._bank_flat.items():
                 if not t.is_pinned():
                     raise ValueError(
-                        f"bank operand {name!r} is not page-locked: the row gather cannot read it"
+                        f"bank operand {name!r} is not page-locked: the row gather cannot read it; build the "
+                        "bank with ExpertBank(..., pin=True)"
                     )
         check_policy_rows(self.policy, self.num_rows)
         self.policy.bind(L, EM, dev)

@@ -52,6 +52,8 @@ def table_problems(
             if expert >= n:
                 if code != -1:
                     out.append(f"layer {layer} padding expert {expert} has code {code}")
+            elif code < 0:
+                out.append(f"layer {layer} expert {expert} has code {code}")
             elif code < R:
                 if owner[code] != layer * EM + expert:
                     out.append(f"layer {layer} expert {expert} -> row {code} owned by {owner[code]}")

@@ -227,6 +227,11 @@ class AgingFreqPolicy:
         recent_steps: int = 0,
         recent_bonus: int = 0,
     ):
+        if decay_steps < 1 or min(correlated_steps, admit_margin, recent_steps, recent_bonus) < 0:
+            raise ValueError(
+                f"decay_steps={decay_steps} must be >= 1 and correlated_steps={correlated_steps}, "
+                f"admit_margin={admit_margin}, recent_steps={recent_steps}, recent_bonus={recent_bonus} >= 0"
+            )
         self.decay_steps, self.correlated_steps, self.admit_margin = (
             decay_steps,
             correlated_steps,

@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 import transformers
+from torch import nn
 
 from pooled_runner import PoolConfig
 from pooled_runner.hf import PooledExperts, find_experts_modules, pool_experts
@@ -63,3 +64,38 @@ def test_pooled_module_holds_no_parameters():
     E, H, inter = 13, 64, 40
     assert before - after == 3 * E * 3 * H * inter  # every expert left the model's parameters
     assert moe.bank is not None and moe.bank.num_total_experts == 3 * E
+
+
+class _Holder(nn.Module):
+    """A model-shaped wrapper of one experts module (config for the top-k)."""
+
+    def __init__(self, config: object, experts: nn.Module):
+        super().__init__()
+        self.config = config
+        self.experts = experts
+
+
+def test_experts_that_gate_their_own_way_are_refused():
+    """DeepSeek-V4's experts clamp gate and up (swiglu_limit) in `_apply_gate`; the pool does not: refused
+    rather than silently wrong."""
+    modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    DeepseekV4Experts = modeling.DeepseekV4Experts
+    cfg = transformers.DeepseekV4Config(
+        hidden_size=16,
+        moe_intermediate_size=8,
+        n_routed_experts=5,
+        num_experts_per_tok=2,
+        num_hidden_layers=1,
+    )
+    model = _Holder(cfg, DeepseekV4Experts(cfg))
+    with pytest.raises(ValueError, match=r"experts: DeepseekV4Experts gates its experts its own way"):
+        pool_experts(model, PoolConfig(pool_rows=4, device="cpu"))
+
+
+def test_experts_with_biases_are_refused():
+    model = _model("qwen3_moe", seed=2)
+    name, experts = find_experts_modules(model)[1]
+    E = experts.gate_up_proj.shape[0]
+    experts.register_parameter("down_proj_bias", nn.Parameter(torch.randn(E, experts.down_proj.shape[1])))
+    with pytest.raises(ValueError, match=rf"{name}: parameters \['down_proj_bias'\] besides gate_up_proj"):
+        pool_experts(model, PoolConfig(pool_rows=5, device="cpu"))

@@ -12,7 +12,7 @@ from pooled_runner.bank import ExpertBank
 from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.formats.base import OperandSpec
 from pooled_runner.planner import DevicePlanner
-from pooled_runner.planner_twin import HostTwin
+from pooled_runner.planner_twin import HostTwin, table_problems
 from pooled_runner.policies import NEVER, AgingFreqPolicy, FreqDecayPolicy, LRUPolicy, make_policy
 from pooled_runner.pool import ExpertPool
 from pooled_runner.telemetry import RouteTelemetry
@@ -387,3 +387,27 @@ def test_make_policy_names_what_is_missing():
         make_policy("mru")
     with pytest.raises(ValueError, match="num_rows="):
         make_policy("adaptive")
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs", "message"),
+    [
+        (AgingFreqPolicy, {"decay_steps": 0}, "decay_steps=0 must be >= 1"),
+        (AgingFreqPolicy, {"correlated_steps": -1}, "correlated_steps=-1"),
+        (AgingFreqPolicy, {"recent_bonus": -2}, "recent_bonus=-2"),
+        (FreqDecayPolicy, {"decay_steps": 0}, "decay_steps=0, cap="),
+    ],
+)
+def test_frequency_policies_refuse_bad_parameters(make, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make(**kwargs)
+
+
+def test_table_check_names_a_negative_code():
+    """A negative location code of a real expert is reported, not read as a row from the end of the list."""
+    l2p = torch.tensor(
+        [[0, -1, 4, -1], [-9, 1, 4, 5]]
+    )  # R = 2 (host codes R + e), E = (3, 4): layer 0's expert 3 is padding
+    owner, stamp = [0, 5], [3, 4]  # row 0: (0, 0), row 1: (1, 1)
+    problems = table_problems(l2p, owner, stamp, [3, 4], 2)
+    assert problems == ["layer 0 expert 1 has code -1", "layer 1 expert 0 has code -9"], problems
