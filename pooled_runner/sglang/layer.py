@@ -49,6 +49,15 @@ def not_pooled_reason(args: dict[str, Any]) -> str | None:
         return "fused expert weight loader"
     if args.get("gemm1_alpha") is not None or args.get("gemm1_clamp_limit") is not None:
         return "clamped/scaled gate activation"
+    if (
+        args.get("swiglu_limit") is not None
+    ):  # DeepSeek-V2/V4 configs with swiglu_limit: a clamp before SiLU*up
+        return "clamped SwiGLU (swiglu_limit)"
+    backend = get_moe_runner_backend()
+    if not (backend.is_auto() or backend.is_triton()):
+        # the base method's loader follows the backend: flashinfer_cutlass puts up before gate, the TRT-LLM
+        # backends swap w1/w3, pad I and fold the routed scaling into the top-k weights
+        return f"--moe-runner-backend {backend.value} (the pool reads the triton layout: use --moe-runner-backend triton)"
     if get_parallel().moe_ep_size > 1:
         return "expert parallelism (--ep-size > 1)"
     return None

@@ -24,6 +24,16 @@ logger = logging.getLogger("pooled_runner")
 PARAMS = {"w13": ("w13_weight", ("w1", "w3")), "w2": ("w2_weight", ("w2",))}
 
 
+def method_scales_routed_output(layer: Any) -> bool:
+    """Whether SGLang 0.5.23's own unquantized method multiplies a layer's routed output by
+    `routed_scaling_factor`: its CUDA Triton runner does (`fused_experts(routed_scaling_factor=...)`), unless
+    the factor is folded into the top-k weights; without CUDA it does not, the model does it after the experts
+    (`deepseek_v2.py`, `glm4_moe.py`: `if not _is_cuda ...: final_hidden_states *= routed_scaling_factor`)."""
+    from sglang.srt.utils import is_cuda
+
+    return is_cuda() and not getattr(layer, "should_fuse_routed_scaling_factor_in_topk", False)
+
+
 class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
     """Experts of one `FusedMoE` layer served from the pool (an `nn.Module`, like the methods it wraps).
 
@@ -124,7 +134,9 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
     def create_moe_runner(self, layer: Any, moe_runner_config: Any) -> None:
         self.base_method.create_moe_runner(layer, moe_runner_config)
         self.runner = self.base_method.runner
-        self.routed_scaling_factor = moe_runner_config.routed_scaling_factor or 1.0
+        self.routed_scaling_factor = (
+            (moe_runner_config.routed_scaling_factor or 1.0) if method_scales_routed_output(layer) else 1.0
+        )
 
     def get_moe_runner_backend(self, layer: Any) -> Any:
         return self.base_method.get_moe_runner_backend(layer)

@@ -132,6 +132,38 @@ def test_pooled_layer_matches_sglang_fused_moe(runtime, checkpoint, dtype: torch
     assert stats.misses > 0 and stats.evictions > 0  # 6 rows for 32 experts: the pool really moved rows
 
 
+def test_routed_scaling_is_applied_where_sglang_applies_it(runtime, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """DeepSeek/GLM layers carry a routed scaling factor. Without CUDA SGLang's own method leaves it to the model
+    (which multiplies after the experts), so the pooled layer must not apply it too: equal to `FusedMoE` here."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.moe.topk import TopK
+
+    from pooled_runner.sglang.layer import PooledFusedMoE
+
+    ref = build(FusedMoE, 0, torch.float32, routed_scaling_factor=2.5)
+    pooled = build(PooledFusedMoE, 0, torch.float32, routed_scaling_factor=2.5)
+    for layer in (ref, pooled):
+        load(layer, 0, checkpoint)
+        layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, H, generator=g)
+    routing = TopK(top_k=K, renormalize=True, layer_id=0)(
+        x, x @ checkpoint["model.layers.0.mlp.gate.weight"].T
+    )
+    got, expected = pooled(x, routing), ref(x, routing)
+    diff = (got - expected).abs()
+    assert diff.max() <= 1e-5, f"max diff {diff.max():.3g} at (token, col) {divmod(int(diff.argmax()), H)}"
+    assert expected.abs().max() > 1e-3
+
+
+def test_clamped_swiglu_layers_stay_unpooled(runtime) -> None:  # type: ignore[no-untyped-def]
+    from pooled_runner.sglang.layer import PooledFusedMoE
+
+    layer = build(PooledFusedMoE, 0, torch.float32, swiglu_limit=7.0)
+    assert not layer.is_pooled and layer.w13_weight.shape[0] == E
+    assert runtime.not_pooled == {"clamped SwiGLU (swiglu_limit)": ["model.layers.0.mlp.experts"]}
+
+
 def test_malformed_checkpoint_names_the_tensor(runtime, checkpoint) -> None:  # type: ignore[no-untyped-def]
     from pooled_runner.sglang.layer import PooledFusedMoE
 
