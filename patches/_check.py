@@ -32,3 +32,22 @@ def require_target(module_name: str, attr: str, patch: str) -> ModuleType:
     if not hasattr(module, attr):
         raise PatchError(f"patch {patch}: {module_name}.{attr} does not exist in sglang {version}")
     return module
+
+
+def require_hook_target(target: str, hook: str) -> None:
+    """Before a HookRegistry hook of `target` ("package.module.Class.method" or "package.module.function"):
+    the SGLang version, the module and every attribute on the dotted path. PatchError otherwise."""
+    parts = target.split(".")
+    for split in range(len(parts) - 1, 0, -1):  # the longest importable module prefix
+        module_name = ".".join(parts[:split])
+        try:
+            importlib.import_module(module_name)
+        except ImportError:
+            continue
+        obj: object = require_target(module_name, parts[split], hook)
+        for attr in parts[split:]:
+            if not hasattr(obj, attr):
+                raise PatchError(f"hook {hook}: {target} does not exist (no {attr!r} on {obj!r})")
+            obj = getattr(obj, attr)
+        return
+    raise PatchError(f"hook {hook}: no module of {target} can be imported")

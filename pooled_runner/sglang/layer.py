@@ -95,8 +95,11 @@ def install_layer_hook() -> None:
     """Replace `FusedMoE` by `PooledFusedMoE` everywhere (HookRegistry REPLACE); raise if it did not take."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from pooled_runner.patches._check import require_hook_target
+
     if fused_moe_layer.FusedMoE is PooledFusedMoE:
         return
+    require_hook_target(TARGET, "layer hook (PooledFusedMoE)")  # the SGLang version it was written for
     HookRegistry.register(TARGET, PooledFusedMoE, HookType.REPLACE)
     HookRegistry.apply_hooks()  # logs (does not raise) on failure: check below
     if fused_moe_layer.FusedMoE is not PooledFusedMoE:

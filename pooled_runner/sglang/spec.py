@@ -181,9 +181,14 @@ def install_lanes_hook() -> None:
     """Register the AFTER hooks on the target `ModelRunner` (idempotent; HookRegistry applies each once)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from pooled_runner.patches._check import require_hook_target
+
     for target, hook in ((ALLOC_TARGET, after_alloc_memory_pool), (GRAPHS_TARGET, after_init_cuda_graphs)):
         if target in HookRegistry._patched:
             continue
+        require_hook_target(
+            target, f"decode lanes ({hook.__name__})"
+        )  # the SGLang version it was written for
         HookRegistry.register(target, hook, HookType.AFTER)
     HookRegistry.apply_hooks()
     missing = [t for t in (ALLOC_TARGET, GRAPHS_TARGET) if t not in HookRegistry._patched]

@@ -244,3 +244,24 @@ def test_draft_model_layers_are_not_pooled(runtime, caplog: pytest.LogCaptureFix
     assert runtime.not_pooled == {"draft-model layer": ["model.layers.1.mlp.experts"]}
     assert len(runtime.require_moe().num_experts_per_layer) == 1  # only the target layer registered
     assert any("not pooled (draft-model layer)" in r.getMessage() for r in caplog.records)
+
+
+def test_hook_targets_are_checked_against_the_sglang_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer and lanes hooks check their SGLang symbols and version before HookRegistry touches them."""
+    import sglang
+    from pooled_runner.patches._check import PatchError, require_hook_target
+
+    from pooled_runner.sglang.layer import TARGET
+    from pooled_runner.sglang.spec import ALLOC_TARGET, GRAPHS_TARGET
+
+    for target in (TARGET, ALLOC_TARGET, GRAPHS_TARGET):
+        require_hook_target(target, "test")
+    with pytest.raises(
+        PatchError, match=r"ModelRunner.init_cuda_graph does not exist \(no 'init_cuda_graph'"
+    ):
+        require_hook_target(GRAPHS_TARGET[:-1], "test")
+    with pytest.raises(PatchError, match="fused_moe_triton.layer.FusedMoEX does not exist"):
+        require_hook_target(TARGET + "X", "test")
+    monkeypatch.setattr(sglang, "__version__", "0.5.24")
+    with pytest.raises(PatchError, match="patch test: written for sglang 0.5.23, found 0.5.24"):
+        require_hook_target(ALLOC_TARGET, "test")
