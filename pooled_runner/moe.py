@@ -263,7 +263,8 @@ class PooledMoE:
         """
         if self._last_layer is None or layer <= self._last_layer:
             decode = self.takes_decode_path(num_tokens)
-            self.step_widths["decode" if decode else "prefill"][num_tokens] += 1
+            if not capturing():  # a capture's forward runs no step (replays run no Python: not counted)
+                self.step_widths["decode" if decode else "prefill"][num_tokens] += 1
             if self.stager is not None:
                 assert self.pool is not None
                 if decode:

@@ -30,6 +30,7 @@ from pooled_runner.config import PoolConfig
 from pooled_runner.guard import POOLED_TRITON, TORCH, KernelBackend
 from pooled_runner.moe import PooledMoE
 from pooled_runner.sglang.serve_config import ServeConfig
+from pooled_runner.telemetry import capturing
 
 if TYPE_CHECKING:
     from pooled_runner.sglang.metrics import PoolMetrics
@@ -198,8 +199,12 @@ class PoolRuntime:
     # ---------------------------------------------------------------------------------------------
     # Serving
     def after_forward(self, index: int, num_tokens: int) -> None:
-        """Called after each pooled forward; the first layer's calls count steps and mark the boundaries."""
-        if index != 0:
+        """Called after each pooled forward; the first layer's calls count steps and mark the boundaries.
+
+        Not while a CUDA graph is captured: a capture's forwards are no steps, and the boundary (`report`)
+        syncs tables, which capture refuses. Replayed steps run no Python, so with SGLang's graphs on (the
+        launcher turns them off) decode steps are not counted here."""
+        if index != 0 or capturing():
             return
         self.num_steps += 1
         self.num_tokens += num_tokens
