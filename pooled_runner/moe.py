@@ -363,6 +363,7 @@ class PooledMoE:
             stats = self._gpu_path.add_device_counters(stats)
         if self.stager is not None:
             stats.rows_staged = self.stager.stats.rows_staged
+            stats.bytes_staged = self.stager.stats.bytes_staged
         return stats
 
     def forward(

@@ -47,6 +47,7 @@ class PoolStats:
     bytes_read_host_view: int = 0  # expert rows read in place from the bank, once per step
     rows_in_use_per_layer: list[int] = field(default_factory=list)
     rows_staged: int = 0  # rows copied into prefill staging buffers (filled in by PooledMoE.stats)
+    bytes_staged: int = 0  # their bytes (host -> staging buffers)
 
     @property
     def hit_rate(self) -> float:

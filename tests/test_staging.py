@@ -110,6 +110,7 @@ def test_chunked_staging_equals_unstaged_and_dense(rows, chunk, E):
     assert s.rows_staged - s.rows_unused == total, s
     assert s.bytes_staged == s.rows_staged * staged.pool.row_bytes
     assert staged.stats().rows_staged == s.rows_staged and plain.stats().rows_staged == 0
+    assert staged.stats().bytes_staged == s.bytes_staged > 0 and plain.stats().bytes_staged == 0
     # The staged steps read nothing through the host view; the decode-sized step did (both read it).
     assert staged.stats().bytes_read_host_view < plain.stats().bytes_read_host_view
     assert staged.stager.nbytes == LayerStager.buffer_bytes(staged.operands, chunk)

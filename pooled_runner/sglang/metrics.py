@@ -29,7 +29,8 @@ class PoolMetrics:
         self.evictions = gauge("evictions", "Pool rows given up for another expert, since start.")
         self.bytes_per_token = gauge(
             "host_bytes_per_token",
-            "Expert bytes moved from the host (copied to rows or read through the host view) per token.",
+            "Expert bytes moved from the host (copied to rows, read through the host view, or staged for "
+            "prefill) per token.",
         )
         self.staged_rows = gauge(
             "staged_rows", "Rows copied into prefill staging buffers, since start (0: staging off)."
@@ -43,7 +44,7 @@ class PoolMetrics:
         self.misses.set(stats.misses)
         self.admissions.set(stats.admissions)
         self.evictions.set(stats.evictions)
-        moved = stats.bytes_copied_to_rows + stats.bytes_read_host_view
+        moved = stats.bytes_copied_to_rows + stats.bytes_read_host_view + stats.bytes_staged
         self.bytes_per_token.set(moved / num_tokens if num_tokens else 0.0)
         self.staged_rows.set(stats.rows_staged)
         self.steps.set(num_steps)

@@ -217,7 +217,7 @@ class PoolRuntime:
         stats = moe.stats()
         logger.info(
             "%sexpert pool after %d steps: hit rate %.3f (%d hits, %d misses), %d admissions, %d evictions, "
-            "%.2f MiB copied to rows, %.2f MiB read through the host view, rows per layer %s",
+            "%.2f MiB copied to rows, %.2f MiB read through the host view, %.2f MiB staged, rows per layer %s",
             self.rank_prefix,
             self.num_steps,
             stats.hit_rate,
@@ -227,6 +227,7 @@ class PoolRuntime:
             stats.evictions,
             stats.bytes_copied_to_rows / (1 << 20),
             stats.bytes_read_host_view / (1 << 20),
+            stats.bytes_staged / (1 << 20),
             stats.rows_in_use_per_layer,
         )
         logger.info(
