@@ -60,7 +60,10 @@ def check_launch(server_args: Any, pool_rows: int, top_k: int, staging_min_token
         return []
     num_draft_tokens = max(known)
     width = tokens_per_request(True, num_draft_tokens, server_args.speculative_eagle_topk)
-    checks = check_speculative(pool_rows, top_k, width, server_args.max_running_requests, staging_min_tokens)
+    # with --speculative-adaptive the lanes are not max_running x the widest width (deep drafts only at small
+    # batch sizes): their warning waits for the scheduler's check, which has SGLang's slots (`_lanes`)
+    max_running = None if server_args.speculative_adaptive else server_args.max_running_requests
+    checks = check_speculative(pool_rows, top_k, width, max_running, staging_min_tokens)
     if checks.problems:
         raise ValueError("cannot launch:\n  - " + "\n  - ".join(checks.problems))
     return checks.warnings

@@ -58,6 +58,22 @@ def test_adaptive_speculation_is_checked_at_its_widest_depth(embedded_model: Pat
         ValueError, match=r"1 \+ 7 speculative tokens = 8 >= --moe-expert-pool-staging-min-tokens 8"
     ):
         check_launch(args, pool_rows=64, top_k=4, staging_min_tokens=8)
+    # 64 requests x 8 tokens would be 512 lanes, but SGLang's slots run depth 7 at 1-7 requests only: the lanes
+    # warning waits for the scheduler's check, which reads the slots (`_lanes`)
+    wide = resolved(embedded_model, *SPEC, "--speculative-adaptive", "--max-running-requests", "64")
+    assert check_launch(wide, pool_rows=64, top_k=4, staging_min_tokens=512) == []
+    fixed = resolved(
+        embedded_model,
+        *SPEC[:3],
+        "7",
+        *SPEC[4:],
+        "--speculative-num-draft-tokens",
+        "8",
+        "--max-running-requests",
+        "64",
+    )
+    warnings = check_launch(fixed, pool_rows=64, top_k=4, staging_min_tokens=512)
+    assert len(warnings) == 1 and "512" in warnings[0], warnings  # without adaptive the lanes are 64 x 8
 
 
 def test_cost_governor_is_refused_where_sglang_turns_adaptive_off(embedded_model: Path) -> None:
