@@ -102,7 +102,8 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             if expert_id is None:
                 raise ValueError(
                     f"{weight_name}: a stacked tensor of all experts (no expert_id) is not supported by the "
-                    "expert pool; pooled layers load one expert at a time"
+                    "expert pool; pooled layers load one expert at a time: use a checkpoint with per-expert "
+                    "tensors, or serve without the pool (--no-moe-expert-pool)"
                 )
             if not 0 <= expert_id < self.num_experts:
                 raise ValueError(
@@ -165,7 +166,9 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         topk_output = dispatch_output.topk_output
         if not TopKOutputChecker.format_is_standard(topk_output):
             raise ValueError(
-                f"{self.layer_name}: the pooled forward needs standard top-k output, got {type(topk_output).__name__}"
+                f"{self.layer_name}: the pooled forward needs standard top-k output, got "
+                f"{type(topk_output).__name__}: use the default --moe-a2a-backend (none) and "
+                "--moe-runner-backend triton, or --no-moe-expert-pool"
             )
         hidden = dispatch_output.hidden_states  # [T, H]
         moe = self.runtime.require_moe()

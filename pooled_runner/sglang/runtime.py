@@ -103,7 +103,8 @@ class PoolRuntime:
         if shape != expected:
             raise ValueError(
                 f"MoE layer {name}: (hidden, intermediate, top_k, dtype) = {shape}, but the pool was built "
-                f"for {expected}; every pooled layer must have the same expert shape"
+                f"for {expected}; every pooled layer must have the same expert shape (a model whose MoE layers "
+                "differ cannot share one pool: serve it with --no-moe-expert-pool)"
             )
         self.layer_names.append(name)
         return moe.register_layer(num_experts)
@@ -113,7 +114,7 @@ class PoolRuntime:
         if not self.not_pooled:
             logger.warning(
                 "MoE layer %s is not pooled (%s): its experts stay on the device. Further layers that are "
-                "not pooled are listed once after loading.",
+                "not pooled are listed in the summary after the pooled layers have loaded.",
                 name,
                 reason,
             )
