@@ -18,7 +18,14 @@ import triton
 import triton.language as tl
 
 from .dequant import load_b_tile
-from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _launch_args, interpreting
+from .gemm_args import (
+    _TL_DTYPES,
+    _check_act_inputs,
+    _check_dense_dtype,
+    _check_proj_shape,
+    _launch_args,
+    interpreting,
+)
 from .gemm_parts import GemmConfig, _mma
 from .operands import KernelFormat, Projection
 
@@ -187,6 +194,9 @@ def decode_moe(
         raise ValueError(f"decode path: {num_pairs} pairs > DECODE_MAX_PAIRS={DECODE_MAX_PAIRS}")
     _check_act_inputs(hidden, hidden.dtype, "hidden", H)
     _check_dense_dtype(fmt, w13, hidden.dtype)
+    _check_dense_dtype(fmt, w2, hidden.dtype)
+    _check_proj_shape(fmt, w13, 2 * I, H, "decode path w13")
+    _check_proj_shape(fmt, w2, H, I, "decode path w2")
     ids = topk_ids.contiguous()
     tw = topk_weights.contiguous()
     if tw.shape != (T, K):

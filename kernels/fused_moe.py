@@ -259,6 +259,7 @@ def pooled_fused_moe(
             decode = True
         if variant in ("align-fc", "inline"):
             cfg1, cfg2 = configs or pick_configs(T, K, num_experts, H, I, fmt.fmt)
+            _check_same_block_m(cfg1, cfg2)  # gemm2 reads gemm1's slots by the same block layout
             routing = DecodeRouting(
                 topk_ids.contiguous(), l2p, num_experts, topk_weights.contiguous(), after_plan=after_plan
             )
@@ -270,12 +271,18 @@ def pooled_fused_moe(
     if decode if decode is not None else (AUTO_DECODE_PATH and T * K <= DECODE_MAX_PAIRS):
         return decode_moe(hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt, configs)
     cfg1, cfg2 = configs or pick_configs(T, K, num_experts, H, I, fmt.fmt)
-    if cfg1.block_m != cfg2.block_m:
-        raise ValueError(f"gemm1 block_m={cfg1.block_m} != gemm2 block_m={cfg2.block_m}")
+    _check_same_block_m(cfg1, cfg2)
     align = align_blocks(topk_ids.contiguous(), l2p, num_experts, w13.num_rows, cfg1.block_m)
     act = gemm1(hidden, align, w13, fmt, K, cfg1)
     y = gemm2(act, align, w2, fmt, T * K, cfg2)
     return combine(y, topk_ids.contiguous(), topk_weights.contiguous(), l2p, num_experts)
+
+
+def _check_same_block_m(cfg1: GemmConfig, cfg2: GemmConfig) -> None:
+    if cfg1.block_m != cfg2.block_m:
+        raise ValueError(
+            f"gemm1 block_m={cfg1.block_m} != gemm2 block_m={cfg2.block_m}: give both one block_m"
+        )
 
 
 # ---- references ---------------------------------------------------------------------------------------------

@@ -54,3 +54,16 @@ def _check_act_inputs(x: torch.Tensor, dtype: torch.dtype, name: str, k: int) ->
 def _check_dense_dtype(fmt: KernelFormat, proj: Projection, dtype: torch.dtype) -> None:
     if fmt.fmt == 0 and proj.weight.dtype != dtype:
         raise ValueError(f"dense weights are {proj.weight.dtype}, activations {dtype}: expected one dtype")
+
+
+def _check_proj_shape(fmt: KernelFormat, proj: Projection, n: int, k: int, name: str) -> None:
+    """ValueError unless `proj`'s rows are `[n, k]` values. The launchers take n and k from the activations
+    (or the other projection), and the kernels read rows with the weights' strides: a K wider than the rows
+    reads into the next row and past the last one, a narrower K silently uses part of each row."""
+    vpe = fmt.values_per_element()
+    got = tuple(proj.weight.shape[1:])
+    if k % vpe or got != (n, k // vpe):
+        raise ValueError(
+            f"{name}: weight rows {got} ({vpe} values per element along K), expected the [{n}, {k}] projection "
+            f"of the activations ([{n}, {k // vpe}] elements)"
+        )

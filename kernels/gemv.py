@@ -56,7 +56,7 @@ import triton.language as tl
 from . import pdl
 from .combine import combine
 from .dequant import FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NVFP4
-from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, interpreting
+from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _check_proj_shape, interpreting
 from .gemv_config import _VALUES_PER_WORD as _VALUES_PER_WORD  # re-exported: gemv_one
 from .gemv_config import GemvConfig, gemv_configs
 from .gemv_config import _int4_block_k as _int4_block_k  # re-exported: the tests call it
@@ -191,7 +191,7 @@ def _word_args(proj: Projection, fmt: KernelFormat) -> tuple[list[torch.Tensor],
     )
 
 
-def _check_gemv(fmt: KernelFormat, proj: Projection, k: int, block_k: int) -> None:
+def _check_gemv(fmt: KernelFormat, k: int, block_k: int) -> None:
     if fmt.fmt not in _VALUES_PER_WORD:
         raise ValueError(f"GEMV path: no kernel for format {fmt.fmt}")
     unit = _k_unit(fmt.fmt)
@@ -229,7 +229,8 @@ def gemv_gate_up(
     I = w13.weight.shape[1] // 2
     _check_act_inputs(hidden, hidden.dtype, "hidden", H)
     _check_dense_dtype(fmt, w13, hidden.dtype)
-    _check_gemv(fmt, w13, H, config.block_k1)
+    _check_proj_shape(fmt, w13, 2 * I, H, "GEMV w13")
+    _check_gemv(fmt, H, config.block_k1)
     if not topk_ids.is_contiguous() or hidden.shape[0] != T:
         raise ValueError(
             f"topk_ids {tuple(topk_ids.shape)} (contiguous) and hidden {tuple(hidden.shape)}: one T"
@@ -295,17 +296,18 @@ def gemv_down_combine(
     I = act.shape[1]
     _check_act_inputs(act, act.dtype, "act", I)
     _check_dense_dtype(fmt, w2, act.dtype)
-    _check_gemv(fmt, w2, I, config.block_k2)
+    _check_proj_shape(fmt, w2, H, I, "GEMV w2")
+    _check_gemv(fmt, I, config.block_k2)
     tw = topk_weights.contiguous()
     if tw.shape != (T, K) or not topk_ids.is_contiguous() or act.shape[0] < T * K:
         raise ValueError(
             f"topk_weights {tuple(tw.shape)}, topk_ids {tuple(topk_ids.shape)}, act {tuple(act.shape)}"
         )
     num_pairs = T * K
-    y = torch.empty((max(num_pairs, 1), H), dtype=act.dtype, device=act.device)
+    if num_pairs == 0:  # top-k 0: every token's output is the empty sum
+        return torch.zeros((T, H), dtype=act.dtype, device=act.device)
+    y = torch.empty((num_pairs, H), dtype=act.dtype, device=act.device)
     out = torch.empty((T, H), dtype=act.dtype, device=act.device)
-    if num_pairs == 0:
-        return out
     num_nb = triton.cdiv(H, config.block_n2)
     cnt = _counters(act.device, T * num_nb)[SYNC_WORDS:]
     ptrs, strides, native, c0, c1 = _word_args(w2, fmt)

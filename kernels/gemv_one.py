@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype
+from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _check_proj_shape
 from .gemv import _VALUES_PER_WORD, SPIN_LIMIT, GemvConfig, _check_gemv, _pairs_pow2, _word_args
 from .gemv_tiles import _down_tile, _gate_up_tile, _slot_pair
 from .operands import KernelFormat, Projection
@@ -113,8 +113,11 @@ def gemv_one_launch(
     I = w2.weight.shape[2] * fmt.values_per_element()
     _check_act_inputs(hidden, hidden.dtype, "hidden", H)
     _check_dense_dtype(fmt, w13, hidden.dtype)
-    _check_gemv(fmt, w13, H, config.block_k1)
-    _check_gemv(fmt, w2, I, config.block_k2)
+    _check_dense_dtype(fmt, w2, hidden.dtype)
+    _check_proj_shape(fmt, w13, 2 * I, H, "one-launch GEMV w13")
+    _check_proj_shape(fmt, w2, H, I, "one-launch GEMV w2")
+    _check_gemv(fmt, H, config.block_k1)
+    _check_gemv(fmt, I, config.block_k2)
     tw = topk_weights.contiguous()
     if tw.shape != (T, K) or not topk_ids.is_contiguous() or hidden.shape[0] != T:
         raise ValueError(
@@ -123,9 +126,9 @@ def gemv_one_launch(
     num_pairs = T * K
     act = torch.empty((max(num_pairs, 1), I), dtype=hidden.dtype, device=hidden.device)
     y = torch.empty((max(num_pairs, 1), H), dtype=hidden.dtype, device=hidden.device)
+    if num_pairs == 0:  # top-k 0: every token's output is the empty sum
+        return torch.zeros((T, H), dtype=hidden.dtype, device=hidden.device)
     out = torch.empty((T, H), dtype=hidden.dtype, device=hidden.device)
-    if num_pairs == 0:
-        return out
     nb1, nb2 = triton.cdiv(I, config.block_n1), triton.cdiv(H, config.block_n2)
     sync = _counters(hidden.device, T * nb2)
     if w13.num_rows != w2.num_rows:

@@ -28,7 +28,7 @@ from .decode_align import (
     overlap_mode,
 )
 from .dequant import FMT_INT4, load_b_tile, load_w_tile
-from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _launch_args
+from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _check_proj_shape, _launch_args
 from .gemm_args import interpreting as interpreting  # re-exported
 from .gemm_parts import GemmConfig as GemmConfig  # re-exported: the tile config's users import it from here
 from .gemm_parts import _block_of, _mma, _row_bases
@@ -251,6 +251,7 @@ def gemm1(
     I = w13.weight.shape[1] // 2
     _check_act_inputs(x, x.dtype, "x", H)
     _check_dense_dtype(fmt, w13, x.dtype)
+    _check_proj_shape(fmt, w13, 2 * I, H, "gemm1 w13")
     if align is not None and config.block_m != align.block_m:
         raise ValueError(f"config.block_m={config.block_m} != align block_m={align.block_m}")
     num_experts = routing.num_experts if routing is not None else 0
@@ -303,6 +304,9 @@ def gemm2(
     I = act.shape[1]
     _check_act_inputs(act, act.dtype, "act", I)
     _check_dense_dtype(fmt, w2, act.dtype)
+    _check_proj_shape(fmt, w2, H, I, "gemm2 w2")
+    if align is not None and config.block_m != align.block_m:
+        raise ValueError(f"config.block_m={config.block_m} != align block_m={align.block_m}")
     num_experts = routing.num_experts if routing is not None else 0
     tables, max_blocks = _inline_args(align, routing, num_pairs, num_experts, config.block_m)
     if y is None:

@@ -95,6 +95,37 @@ def _check_tensor(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name}: one row has {row_numel} elements; rows must stay below 2^31")
 
 
+_ANY_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _side_operand_rows(
+    fmt: KernelFormat, n: int, k: int
+) -> dict[int, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]:
+    """Row shape and allowed dtypes of the scale (1), zero (2) and global (3) operands of an `[n, k]`
+    projection, as `pooled_runner.formats` lays them out (`operand_names` order)."""
+    if fmt.fmt == FMT_INT4:
+        groups = (n, k // fmt.group)
+        return {1: (groups, _ANY_FLOAT), 2: (groups, (torch.uint8,))}
+    if fmt.fmt == FMT_FP8_CHANNEL:
+        return {1: ((n,), (torch.float32,))}
+    if fmt.fmt == FMT_FP8_BLOCK:
+        b = fmt.group
+        return {1: ((-(-n // b), -(-k // b)), (torch.float32,))}
+    if fmt.fmt == FMT_NVFP4:
+        return {1: ((n, k // 16), (torch.float8_e4m3fn,)), 3: ((1,), (torch.float32,))}
+    return {}
+
+
+def _check_side_operand(
+    name: str, t: torch.Tensor, row: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
+) -> None:
+    """The kernels index scales/zeros/globals by the format's layout: another row shape reads the wrong ones."""
+    if tuple(t.shape[1:]) != row or t.dtype not in dtypes:
+        raise ValueError(
+            f"{name}: rows {tuple(t.shape[1:])} {t.dtype}, expected {list(row)} of {[str(d) for d in dtypes]}"
+        )
+
+
 def make_projection(
     fmt: KernelFormat,
     proj: str,
@@ -116,6 +147,7 @@ def make_projection(
     vpe = fmt.values_per_element()
     if w.dim() != 3 or tuple(w.shape[1:]) != (n, k // vpe):
         raise ValueError(f"pool {names[0]}: shape {tuple(w.shape)}, expected [R, {n}, {k // vpe}]")
+    side_rows = _side_operand_rows(fmt, n, k)
     pool_t: list[torch.Tensor | None] = []
     bank_t: list[torch.Tensor | None] = []
     for name in names:
@@ -129,6 +161,8 @@ def make_projection(
         _check_tensor(f"pool {name}", p, device)
         if p.shape[0] != w.shape[0]:
             raise ValueError(f"pool {name}: {p.shape[0]} rows, {names[0]} has {w.shape[0]}")
+        if name != names[0]:
+            _check_side_operand(f"pool {name}", p, *side_rows[names.index(name)])
         pool_t.append(p)
         if bank is None:
             bank_t.append(None)

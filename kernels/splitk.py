@@ -42,7 +42,14 @@ import triton.language as tl
 
 from . import pdl
 from .dequant import FMT_DENSE
-from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _launch_args, interpreting
+from .gemm_args import (
+    _TL_DTYPES,
+    _check_act_inputs,
+    _check_dense_dtype,
+    _check_proj_shape,
+    _launch_args,
+    interpreting,
+)
 from .gemm_parts import _mma, _row_bases
 from .gemv_tiles import _slot_pair, _slot_pair_by_id
 from .operands import KernelFormat, Projection
@@ -203,6 +210,8 @@ def splitk_moe(
     _check_act_inputs(hidden, hidden.dtype, "hidden", H)
     _check_dense_dtype(fmt, w13, hidden.dtype)
     _check_dense_dtype(fmt, w2, hidden.dtype)
+    _check_proj_shape(fmt, w13, 2 * I, H, "split path w13")
+    _check_proj_shape(fmt, w2, H, I, "split path w2")
     num_pairs = T * K
     if num_pairs > min(SPLITK_MAX_PAIRS, MAX_SYNC_PAIRS):
         raise ValueError(

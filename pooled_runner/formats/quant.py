@@ -37,6 +37,12 @@ def unpack_int4(words: torch.Tensor) -> torch.Tensor:
     return ((words[..., None] >> shifts) & 0xF).reshape(words.shape[0], -1)
 
 
+def _nonzero_scale(s: torch.Tensor) -> torch.Tensor:
+    """Scales in their storage dtype, a zero one (an all-zero group, or one too small for fp16) made 1: every
+    value of such a group then quantizes to the zero code and dequantizes to 0 (a zero scale divided 0 by 0)."""
+    return torch.where(s == 0, torch.ones_like(s), s)
+
+
 def quantize_int4(
     w: torch.Tensor, group: int, zero_point: bool, scale_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -51,12 +57,12 @@ def quantize_int4(
     wg = w.float().reshape(N, K // group, group)
     if zero_point:
         lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
-        s = ((hi - lo) / 15).clamp(min=1e-8).to(scale_dtype)
+        s = _nonzero_scale(((hi - lo) / 15).to(scale_dtype))
         z = (-lo / s.float()).round().clamp(0, 15)
         q = ((wg / s.float()[..., None]).round() + z[..., None]).clamp(0, 15)
         zeros: torch.Tensor | None = z.to(torch.uint8)
     else:
-        s = (wg.abs().amax(-1) / 7).clamp(min=1e-8).to(scale_dtype)
+        s = _nonzero_scale((wg.abs().amax(-1) / 7).to(scale_dtype))
         q = (wg / s.float()[..., None]).round().clamp(-8, 7) + 8
         zeros = None
     return pack_int4(q.reshape(N, K).to(torch.int32)), s, zeros
