@@ -175,18 +175,21 @@ def variants_main(args: argparse.Namespace) -> None:
                 print("\n".join(lines), flush=True)
                 header_done = True
             cells, times, diffs = [], [], []
-            ref = None
-            for col, kw in specs:
+            ref = None  # the default column's output: every diff is against it ("n/a" when it failed)
+            for i, (col, kw) in enumerate(specs):
                 fn = functools.partial(pooled_fused_moe, x, ids, w, l2p, E, p13, p2, fmt, **kw)
                 us, out, err = _time_variant(fn)
                 if us is None:
                     cells.append(f"error: {err}")
-                    diffs.append("err")
+                    if i:
+                        diffs.append("err")
                     continue
                 cells.append(f"{us:.1f} ({100 * bound_us / us:.0f}%)")  # % of the bound
                 times.append((us, col))
-                if ref is None:
+                if i == 0:
                     ref = out.float()
+                elif ref is None:
+                    diffs.append("n/a")
                 else:
                     scale = ref.abs().max().item() or 1.0
                     diffs.append(f"{(out.float() - ref).abs().max().item() / scale:.0e}")

@@ -130,7 +130,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     hbm, zero_copy, lines = measured_header(args.commit)
     lines += [
-        "| shape | format | M | host rows | µs | GB/s | % of bound | vs torch grouped | vs stock SGLang* |",
+        "| shape | format | M | host rows | µs | GB/s | % of bound | vs torch grouped | vs stock SGLang (2026-11-29, not this run)* |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)

@@ -164,7 +164,7 @@ def _replay(trace: Trace, policy: Policy, warm: int, **planner_kwargs: object) -
     steps = trace.num_steps
     ids_host = trace.ids.to(torch.int64).pin_memory()  # [S, L, 1, K]
     ids = torch.zeros(L, 1, K, dtype=torch.int64, device="cuda")
-    x = torch.randn(1, H, device="cuda").bfloat16()
+    x = torch.randn(1, H, generator=torch.Generator(device="cuda").manual_seed(0), device="cuda").bfloat16()
     w = torch.full((L, 1, K), 1.0 / K, device="cuda").bfloat16()
 
     def step() -> None:

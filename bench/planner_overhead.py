@@ -110,7 +110,9 @@ def _overhead_rows(lines: list[str], args: argparse.Namespace, name: str) -> Non
         x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
         ids = torch.stack(
             [
-                torch.stack([torch.randperm(RESIDENT_PER_LAYER, device="cuda")[:K] for _ in range(M)])
+                torch.stack(
+                    [torch.randperm(RESIDENT_PER_LAYER, generator=g, device="cuda")[:K] for _ in range(M)]
+                )
                 for _ in range(L)
             ]
         )  # [L, M, K] resident experts only
@@ -172,7 +174,10 @@ def node_cost(lines: list[str], args: argparse.Namespace) -> None:
     for M in (1, 4):
         x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
         ids = torch.stack(
-            [torch.randperm(RESIDENT_PER_LAYER, device="cuda")[:K].repeat(M, 1) for _ in range(L)]
+            [
+                torch.randperm(RESIDENT_PER_LAYER, generator=g, device="cuda")[:K].repeat(M, 1)
+                for _ in range(L)
+            ]
         )
         w = torch.softmax(torch.randn(L, M, K, generator=g, device="cuda"), -1).bfloat16()
 

@@ -193,6 +193,8 @@ def measure_case(
     dev = torch.device(device)
     t: dict[str, dict[int, float]] = {}
     miss_gb, waves = 0.0, float("nan")
+    # one set of routes per prompt length for every mode: the ratios between modes compare the same step
+    routes = {T: make_routes(dims, T, g, device) for T in tokens}
     for mode in MODES:
         if mode == "page_in":
             continue  # measured right after host_view, over its bank
@@ -200,7 +202,7 @@ def measure_case(
         if mode == "stage":
             miss_gb = nonresident_bytes(moe) / 1e9
         t0 = time.perf_counter()
-        t[mode] = {T: step_ms(pooled_forward(moe), make_routes(dims, T, g, device), dev) for T in tokens}
+        t[mode] = {T: step_ms(pooled_forward(moe), routes[T], dev) for T in tokens}
         print(f"  {fmt} {frac:.0%} {mode}: {t[mode]} ({time.perf_counter() - t0:.0f} s)", flush=True)
         if mode == "stage" and pcie_gb is not None and moe.stager is not None:
             st = moe.stager.stats
@@ -211,7 +213,7 @@ def measure_case(
             empty_cache(dev)
             before = slots.traffic()
             t0 = time.perf_counter()
-            t["page_in"] = {T: step_ms(slots.forward, make_routes(dims, T, g, device), dev) for T in tokens}
+            t["page_in"] = {T: step_ms(slots.forward, routes[T], dev) for T in tokens}
             print(
                 f"  {fmt} {frac:.0%} page_in: {t['page_in']} ({time.perf_counter() - t0:.0f} s)", flush=True
             )

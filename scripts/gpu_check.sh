@@ -3,7 +3,7 @@
 # runs at most 10 minutes: pick steps with ONLY, see below). Results (markdown, JSON, PNG) under $OUT (default
 # ./gpu_out); each step's log under $OUT/logs/, packed at the end into one
 # $OUT/logs.tar.gz (a device run returns at most 8 files: MAX_FILES); a short table last, after the failure
-# summary of any failing pytest step. Usage: bash scripts/gpu_check.sh
+# summary of any failing pytest step; exits with the first failing step's code. Usage: bash scripts/gpu_check.sh
 # GIT_COMMIT names the commit in the bench header where the copy has no .git.
 # QUICK=1: only the kernel GPU tests and the quick benchmark (decode rows, a prefill row, the decode sweep),
 # then the decode kernel variants side by side (bench_variants, ~100 s).
@@ -25,6 +25,7 @@ if ! "$PY" -c "import pooled_runner.kernels" 2>/dev/null; then
 fi
 SUMMARY=()
 FAILED_TESTS=()  # logs of pytest steps that failed
+WORST=0  # the first failing step's exit code: the script's own (a red step must not look green to the caller)
 
 step() {  # step NAME CAP_SECONDS COMMAND...   (SKIP="name ..." leaves steps out)
   local name="$1" cap="$2"
@@ -36,6 +37,7 @@ step() {  # step NAME CAP_SECONDS COMMAND...   (SKIP="name ..." leaves steps out
   timeout "$cap" "$@" 2>&1 | tee "$LOGS/$name.log"
   local rc=${PIPESTATUS[0]}
   SUMMARY+=("| $name | $rc | $((SECONDS - t0)) s | logs/$name.log |")
+  if [ "$rc" != 0 ] && [ "$WORST" = 0 ]; then WORST=$rc; fi
   case " $* " in *" pytest "*) [ "$rc" = 0 ] || FAILED_TESTS+=("$name") ;; esac
 }
 
@@ -83,6 +85,8 @@ else
   step bench_plot "${BENCH_PLOT_CAP:-60}" "$PY" -m bench.plot --decode "$OUT/bench_decode.json" --prefill "$OUT/bench_prefill.md" --out-dir "$OUT"
   if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     step bench_tp "${BENCH_TP_CAP:-300}" "$PY" -m bench.tp --out "$OUT/bench_tp.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  else
+    echo "note: one GPU: bench_tp and tests/test_tp_gpu.py (skipped above) need two (the 2-GPU device kind)"
   fi
 fi
 
@@ -111,3 +115,4 @@ echo
 echo "| step | rc | time | log (in logs.tar.gz) |"
 echo "|---|---|---|---|"
 printf '%s\n' "${SUMMARY[@]}"
+exit "$WORST"

@@ -108,9 +108,17 @@ def test_captured_split_path_with_the_tail_in_blocks(monkeypatch):
     tail block) with its last program rounding the 512 sums in 4 blocks of 128."""
     from pooled_runner.kernels import fused_moe, splitk
 
-    monkeypatch.setattr(fused_moe, "DECODE_VARIANT", "splitk")
     monkeypatch.setattr(splitk, "SPLITK_TAIL_MAX", 128)
-    test_captured_decode_equals_resident_and_replays_with_new_routing(1, "bf16", True, monkeypatch)
+    calls: list[int] = []
+    split_moe = fused_moe.splitk_moe
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args[0].shape[0])
+        return split_moe(*args, **kwargs)
+
+    monkeypatch.setattr(fused_moe, "splitk_moe", counted)
+    test_captured_decode_equals_resident_and_replays_with_new_routing(1, "bf16", True, "splitk", monkeypatch)
+    assert calls and set(calls) <= {1, 300}, calls  # the decode steps took the split path
 
 
 def test_wide_step_under_capture_is_refused():
