@@ -317,7 +317,7 @@ def test_gemv_rejects_bad_input():
         with pytest.raises(ValueError, match="block_k=8 must be a power of two >= 16"):
             gemv_gate_up(x16, ids, l2p16, 7, w13_16, fmt16, GemvConfig(16, 8, 16, 16))
         with pytest.raises(ValueError, match=rf"K=40 is not a multiple of 16 values \({unit}\)"):
-            gemv._check_gemv(fmt16, w13_16, 40, 16)
+            gemv._check_gemv(fmt16, 40, 16)
         assert not gemv.gemv_supported(fmt16, 40, 32) and gemv.gemv_supported(fmt16, H, 32), name
 
 
