@@ -348,8 +348,12 @@ class PooledMoE:
         """Start the counters of `stats()` again: the pool's, the device planner's and the stager's. A boundary
         operation (outside capture)."""
         pool = self._require_pool()
+        if capturing():
+            raise RuntimeError(
+                "reset_stats() during a CUDA graph capture: reset at a boundary, outside capture"
+            )
         if self._gpu_path is not None:
-            self._gpu_path.reset_device_counters()  # first: refuses during a capture, before anything changes
+            self._gpu_path.reset_device_counters()
         pool.reset_stats()
         if self.stager is not None:
             self.stager.stats = StagingStats()
