@@ -213,14 +213,22 @@ class DevicePlanner:
         }
 
     # ----------------------------------------------------------------------------------------------
-    def plan(self, layer: int, topk_ids: torch.Tensor, telemetry: RouteTelemetry | None = None) -> bool:
+    def plan(
+        self,
+        layer: int,
+        topk_ids: torch.Tensor,
+        telemetry: RouteTelemetry | None = None,
+        router_scores: torch.Tensor | None = None,
+    ) -> bool:
         """Plan one step of `layer` from `topk_ids [T, K]` (any integer dtype, on the pool device).
 
         Graph-safe: no host sync, fixed shapes for a given (layer, T, K). After it, `pool.l2p_gpu[layer]`
         holds a row or host code for every routed expert, and admitted rows hold their weights (copies
         enqueued on the current stream). Raises ValueError (at capture time, before any change) when
         `T * K > max_routed`. `telemetry` (enabled) also records the step's routes: inside the fused plan
-        kernel when it runs (no launch of its own), else by `telemetry.record`.
+        kernel when it runs (no launch of its own), else by `telemetry.record`. `router_scores [T, >= E]`
+        (floating, the scores the top-k was taken on; columns past the layer's E experts are ignored) feed a
+        policy that reads them (`observe_scores`, e.g. `RouterAdaptivePolicy`); other policies ignore them.
 
         Returns whether the plan may still be running when the next kernel starts (`overlap`, and the plan
         read `topk_ids` in place: no temporary whose memory a later allocation could take while the plan reads
@@ -248,13 +256,17 @@ class DevicePlanner:
             raise ValueError(
                 f"telemetry counts {telemetry.max_experts} experts per layer, the pool {self.max_experts}"
             )
+        if router_scores is not None:
+            _check_router_scores(router_scores, topk_ids, E)
+            if getattr(self.policy, "observe_scores", None) is None:
+                router_scores = None
         in_place = False
         if self.fused:
             in_place = self._plan_fused(layer, topk_ids, E, num_pairs, telemetry)
         else:
             if telemetry is not None:
                 telemetry.record(layer, topk_ids)
-            plan_ops(self, layer, topk_ids, E, num_pairs)
+            plan_ops(self, layer, topk_ids, E, num_pairs, router_scores)
         if self.debug_checks and not _capturing():  # the check syncs; under capture it waits for replay
             self.check_invariants()
             return False
@@ -351,6 +363,23 @@ class DevicePlanner:
         )
         if problems:
             raise RuntimeError("planner tables inconsistent (a policy bug?): " + "; ".join(problems[:5]))
+
+
+def _check_router_scores(router_scores: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> None:
+    if (
+        router_scores.dim() != 2
+        or router_scores.shape[0] != topk_ids.shape[0]
+        or router_scores.shape[1] < num_experts
+    ):
+        raise ValueError(
+            f"router_scores has shape {tuple(router_scores.shape)}; expected [T={topk_ids.shape[0]}, >= "
+            f"{num_experts}] (one score per expert of the layer for each token of topk_ids)"
+        )
+    if not router_scores.is_floating_point() or router_scores.device != topk_ids.device:
+        raise ValueError(
+            f"router_scores is {router_scores.dtype} on {router_scores.device}; expected a floating dtype on "
+            f"{topk_ids.device}"
+        )
 
 
 def _capturing() -> bool:

@@ -15,8 +15,16 @@ INT64_MAX = torch.iinfo(torch.int64).max
 INT64_MIN = torch.iinfo(torch.int64).min
 
 
-def plan_ops(self: DevicePlanner, layer: int, topk_ids: torch.Tensor, E: int, num_pairs: int) -> None:
-    """`DevicePlanner.plan` for any policy, with torch ops (a few dozen small kernels)."""
+def plan_ops(
+    self: DevicePlanner,
+    layer: int,
+    topk_ids: torch.Tensor,
+    E: int,
+    num_pairs: int,
+    router_scores: torch.Tensor | None = None,
+) -> None:
+    """`DevicePlanner.plan` for any policy, with torch ops (a few dozen small kernels). `router_scores [T, >= E]`
+    only for a policy with `observe_scores` (checked by the caller)."""
     R, EM = self.num_rows, self.max_experts
     num_routed = topk_ids.numel()
     ids = topk_ids.reshape(-1).to(torch.int64)  # [T*K]
@@ -28,6 +36,9 @@ def plan_ops(self: DevicePlanner, layer: int, topk_ids: torch.Tensor, E: int, nu
     present = tokens > 0
     self.clock += 1
     now = self.clock
+    if router_scores is not None:  # tokens with no routed id (padding lanes) do not vote
+        valid = routed.view(topk_ids.shape).any(1)  # [T]
+        self.policy.observe_scores(layer, router_scores[:, :E], valid, topk_ids.shape[1])  # type: ignore[attr-defined]
     self.policy.observe(layer, present, now)
 
     l2p_layer = self.pool.l2p_gpu[layer, :E].to(torch.int64)  # [E]

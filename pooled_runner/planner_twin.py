@@ -82,8 +82,14 @@ class HostTwin:
         self.l2p = pool.l2p_host.tolist()
         self.hits = self.misses = self.admissions = 0
 
-    def plan(self, layer: int, topk_ids: list[list[int]] | torch.Tensor) -> list[int]:
-        """Plan one step; returns the codes of the routed experts in expert-id order."""
+    def plan(
+        self,
+        layer: int,
+        topk_ids: list[list[int]] | torch.Tensor,
+        router_scores: torch.Tensor | None = None,
+    ) -> list[int]:
+        """Plan one step; returns the codes of the routed experts in expert-id order. `router_scores [T, >= E]`
+        as `DevicePlanner.plan`'s (read only by a policy with `host_observe_scores`)."""
         R, EM = self.num_rows, self.max_experts
         E = self.num_experts_per_layer[layer]
         rows_of_ids = topk_ids.tolist() if isinstance(topk_ids, torch.Tensor) else topk_ids
@@ -95,6 +101,11 @@ class HostTwin:
         present = sorted(tokens)
         self.clock += 1
         now = self.clock
+        observe_scores = getattr(self.policy, "host_observe_scores", None)
+        if router_scores is not None and observe_scores is not None:
+            valid = [any(0 <= e < E for e in token) for token in rows_of_ids]
+            top_k = len(rows_of_ids[0]) if rows_of_ids else 0
+            observe_scores(layer, router_scores[:, :E].double().tolist(), valid, top_k)
         self.policy.host_observe(layer, present, now)
         codes = self.l2p[layer]
         for e in present:

@@ -23,6 +23,7 @@ from pooled_runner.policy_base import NEVER as NEVER  # re-exported
 from pooled_runner.policy_base import Policy as Policy  # re-exported
 from pooled_runner.policy_base import check_policy_rows as check_policy_rows  # re-exported
 from pooled_runner.policy_base import shift_ticks
+from pooled_runner.policy_router import RouterAdaptivePolicy
 
 
 class LRUPolicy:
@@ -351,13 +352,21 @@ POLICIES: dict[str, type] = {
     "freq": FreqDecayPolicy,
     "aging": AgingFreqPolicy,
     "adaptive": AdaptivePolicy,  # needs num_rows=
+    "adaptive-router": RouterAdaptivePolicy,  # needs num_rows=; reads router scores (plan(router_scores=))
 }
 
 
 def make_policy(name: str, **kwargs: int) -> Policy:
-    """A fresh policy by name (a key of `POLICIES`); "adaptive" needs `num_rows=` (the pool's rows)."""
+    """A fresh policy by name (a key of `POLICIES`); "adaptive" and "adaptive-router" need `num_rows=` (the
+    pool's rows)."""
     if name not in POLICIES:
         raise ValueError(f"policy {name!r} is not one of {sorted(POLICIES)}")
-    if name == "adaptive" and "num_rows" not in kwargs:
-        raise ValueError("policy 'adaptive' needs num_rows= (the pool's row count: its shadow caches' size)")
+    if name.startswith("adaptive") and "num_rows" not in kwargs:
+        raise ValueError(f"policy {name!r} needs num_rows= (the pool's row count: its shadow caches' size)")
     return POLICIES[name](**kwargs)  # type: ignore[no-any-return]
+
+
+def policy_for_pool(name: str, num_rows: int) -> Policy:
+    """The policy `name` with its default parameters, sized for a pool of `num_rows` rows where it needs that
+    (`PoolConfig.planner_policy`)."""
+    return make_policy(name, num_rows=num_rows) if name.startswith("adaptive") else make_policy(name)

@@ -102,7 +102,7 @@ class AdaptivePolicy:
         seen = last != NEVER
         # Shadow caches, as of the previous tick.
         lru_rank = (last_use[None, :] > last[:, None]).sum(1)  # [E]
-        value = count[:-1] + self._bonus * ((now - 1 - last_use) < L).to(torch.int64)  # [N]
+        value = self._value_counts()[:-1] + self._bonus * ((now - 1 - last_use) < L).to(torch.int64)  # [N]
         mine = value[lo : lo + E, None]
         above = (value[None, :] > mine) | ((value[None, :] == mine) & (last_use[None, :] > last[:, None]))
         lru_miss = present & ~(seen & (lru_rank < self.num_rows))
@@ -119,24 +119,28 @@ class AdaptivePolicy:
         last.copy_(torch.where(present, now, last))
 
     def candidate_key(self, layer: int, num_experts: int) -> torch.Tensor | None:
-        count, _, _, mode = self._state()
+        mode = self._state()[3]
         lo = layer * self._max_experts
-        return -count[lo : lo + num_experts] * mode
+        return -self._value_counts()[lo : lo + num_experts] * mode
 
     def victim_key(
         self, row_owner: torch.Tensor, row_stamp: torch.Tensor, now: torch.Tensor
     ) -> torch.Tensor | None:
-        count, _, _, mode = self._state()
+        mode, count = self._state()[3], self._value_counts()
         value = count[torch.where(row_owner >= 0, row_owner, count.shape[0] - 1)]
         value = value + self._bonus * ((now - row_stamp) < self._layers).to(torch.int64)
         return value * mode
 
     def accept(self, cand_flat: torch.Tensor, victim_key: torch.Tensor) -> torch.Tensor | None:
-        count, _, _, mode = self._state()
-        return (mode == 0) | (count[cand_flat] + self._bonus >= victim_key)
+        mode = self._state()[3]
+        return (mode == 0) | (self._value_counts()[cand_flat] + self._bonus >= victim_key)
 
     def evicted(self, victim_key: torch.Tensor, evicted: torch.Tensor) -> None:
         pass
+
+    def _value_counts(self) -> torch.Tensor:
+        """`[L * E_max + 1]` the counts the frequency mode ranks by (a subclass may reorder them per layer)."""
+        return self._state()[0]
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         count, last_use, misses, mode = self._state()
@@ -152,7 +156,7 @@ class AdaptivePolicy:
     def host_observe(self, layer: int, present: list[int], now: int) -> None:
         L, R, lo = self._layers, self.num_rows, layer * self._max_experts
         last_all, count = self._h_last, self._h_count
-        value = [c + self._bonus * (now - 1 - t < L) for c, t in zip(count, last_all)]
+        value = [c + self._bonus * (now - 1 - t < L) for c, t in zip(self._h_value_counts(), last_all)]
         lru_miss = freq_miss = 0  # misses of one shadow where the other hits
         for e in present:
             t, v = last_all[lo + e], value[lo + e]
@@ -172,15 +176,18 @@ class AdaptivePolicy:
                 count[lo + e] += ONE
             last_all[lo + e] = now
 
+    def _h_value_counts(self) -> list[int]:
+        return self._h_count
+
     def host_candidate_key(self, layer: int, expert: int) -> int:
-        return -self._h_count[layer * self._max_experts + expert] * self._h_mode
+        return -self._h_value_counts()[layer * self._max_experts + expert] * self._h_mode
 
     def host_victim_key(self, owner_flat: int, stamp: int, now: int) -> int:
-        value = self._h_count[owner_flat] + self._bonus * (now - stamp < self._layers)
+        value = self._h_value_counts()[owner_flat] + self._bonus * (now - stamp < self._layers)
         return value * self._h_mode
 
     def host_accept(self, cand_flat: int, victim_key: int) -> bool:
-        return self._h_mode == 0 or self._h_count[cand_flat] + self._bonus >= victim_key
+        return self._h_mode == 0 or self._h_value_counts()[cand_flat] + self._bonus >= victim_key
 
     def host_evicted(self, victim_key: int) -> None:
         pass

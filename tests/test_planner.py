@@ -378,15 +378,20 @@ def test_last_use_ticks_follow_the_clock_renumbering(make):
 def test_make_policy_names_what_is_missing():
     """Every registered name builds its policy; unknown names and an adaptive policy without its pool size are
     refused with a message naming the fix."""
-    from pooled_runner.policies import POLICIES
+    from pooled_runner.config import PLANNER_POLICIES
+    from pooled_runner.policies import POLICIES, policy_for_pool
 
+    assert sorted(PLANNER_POLICIES) == sorted(POLICIES)  # every policy is a PoolConfig choice
     for name in POLICIES:
-        kwargs = {"num_rows": 5} if name == "adaptive" else {}
+        kwargs = {"num_rows": 5} if name.startswith("adaptive") else {}
         assert type(make_policy(name, **kwargs)) is POLICIES[name]
+        policy = policy_for_pool(name, 5)
+        assert type(policy) is POLICIES[name] and getattr(policy, "num_rows", 5) == 5
     with pytest.raises(ValueError, match="not one of"):
         make_policy("mru")
-    with pytest.raises(ValueError, match="num_rows="):
-        make_policy("adaptive")
+    for name in ("adaptive", "adaptive-router"):
+        with pytest.raises(ValueError, match="num_rows="):
+            make_policy(name)
 
 
 @pytest.mark.parametrize(

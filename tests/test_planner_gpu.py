@@ -20,6 +20,7 @@ from pooled_runner.planner import DevicePlanner
 from pooled_runner.planner_twin import HostTwin
 from pooled_runner.policies import AgingFreqPolicy, FreqDecayPolicy, LRUPolicy
 from pooled_runner.policy_adaptive import AdaptivePolicy
+from pooled_runner.policy_router import RouterAdaptivePolicy
 from pooled_runner.telemetry import RouteTelemetry
 
 pytestmark = pytest.mark.gpu
@@ -42,6 +43,8 @@ def make_policy(name: str):
     if name == "adaptive":
         # no floor: both modes within the few captured steps (the floor itself is tested on the CPU)
         return AdaptivePolicy(ROWS, decay_shift=2, duel_shift=1, margin_shift=1, floor_misses=0)
+    if name == "adaptive-router":  # the same, each layer ordered by the router's logits (fed to the planner)
+        return RouterAdaptivePolicy(ROWS, decay_shift=2, duel_shift=1, margin_shift=1, floor_misses=0)
     return (
         LRUPolicy() if name in ("lru", "lru-ops") else FreqDecayPolicy(decay_steps=4, recent_bonus=2, cap=6)
     )
@@ -57,6 +60,8 @@ CASES = [(w, "lru") for w in WIDTHS] + [
     ("mtp_bs2_ns1", "aging"),
     ("M1", "adaptive"),
     ("mtp_bs3_ns3", "adaptive"),
+    ("M1", "adaptive-router"),
+    ("mtp_bs3_ns3", "adaptive-router"),
 ]
 
 
@@ -117,6 +122,10 @@ class Stack:
         self.h_in = torch.zeros(len(LAYERS), M, H, dtype=DTYPE, device="cuda")
         self.y = torch.zeros(len(LAYERS), M, H, dtype=DTYPE, device="cuda")
         self.out = torch.zeros(M, H, dtype=DTYPE, device="cuda")
+        self.scores = torch.zeros(
+            len(LAYERS), M, EM, device="cuda"
+        )  # router logits, for a policy reading them
+        self.with_scores = policy == "adaptive-router"
         self.routed_history: list[torch.Tensor] = []
 
     def step(self) -> None:
@@ -132,7 +141,11 @@ class Stack:
             self.w[layer].copy_(w)
             self.tel.record(layer, ids)
             w_dtype = w.to(DTYPE)  # before the plan: with overlap nothing may launch between it and the MoE
-            after_plan = self.planner.plan(layer, ids)
+            scores = None
+            if self.with_scores:
+                self.scores[layer].copy_(logits)
+                scores = self.scores[layer]
+            after_plan = self.planner.plan(layer, ids, router_scores=scores)
             assert after_plan == self.planner.overlap, "the plan read a temporary copy of the ids"
             y = self.kpath.forward(layer, h, ids, w_dtype, after_plan=after_plan)
             self.y[layer].copy_(y)
@@ -145,10 +158,10 @@ class Stack:
 
     def follow_twin(self) -> None:
         """Feed the host twin this step's routed ids (host sync; outside capture)."""
-        ids = self.ids.cpu()
+        ids, scores = self.ids.cpu(), self.scores.cpu()
         self.routed_history.append(ids)
         for layer in range(len(LAYERS)):
-            self.twin.plan(layer, ids[layer])
+            self.twin.plan(layer, ids[layer], scores[layer] if self.with_scores else None)
 
     def assert_tables_equal_twin(self, where: str) -> None:
         a, b = self.planner.state(), self.twin.state()
