@@ -22,6 +22,8 @@ logger = logging.getLogger("pooled_runner")
 
 AUTO = "auto"
 SPEC_GOVERNORS = ("off", "cost")  # PoolConfig.spec_governor
+# PoolConfig.planner_policy: the keys of `policies.POLICIES` (a test keeps them equal), the default first
+PLANNER_POLICIES = ("lru-cycle", "lru", "freq", "aging", "adaptive", "adaptive-router")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,11 @@ class PoolConfig:
       max_draft_misses: with draft pruning, unpaid routes a draft lane may have in one step and stay alive.
       spec_governor: "off" (SGLang's own speculation) or "cost": with SGLang's `--speculative-adaptive`, choose
         each verify step's depth (0 included) by measured tokens per request per second (`spec_governor.py`).
+      planner_policy: the device planner's residency policy (CUDA decode steps; `policies.POLICIES`):
+        "lru-cycle" (the default, one fused launch per layer), or a policy planned with torch ops: "adaptive"
+        (LRU or hit-count frequency by set dueling), "adaptive-router" (the same, each layer ordered by its
+        router's scores where the engine passes them), "lru", "freq", "aging". Host-planned steps (prefill,
+        the CPU) use the pool's LRU.
     """
 
     pool_rows: int
@@ -56,6 +63,7 @@ class PoolConfig:
     draft_pruning: bool = False
     max_draft_misses: int = 0
     spec_governor: str = "off"
+    planner_policy: str = PLANNER_POLICIES[0]
 
     # Help text for the CLI flag of each field; the flag name is `--moe-expert-pool-<field>` unless listed in
     # `_FLAG_NAMES`.
@@ -76,11 +84,16 @@ class PoolConfig:
         "lane may have in one verify step (all layers) and stay live.",
         "spec_governor": "cost: with --speculative-adaptive, choose each verify step's number of draft tokens "
         "(0 included) by measured tokens per request per second instead of by acceptance length alone.",
+        "planner_policy": "Residency policy of the device planner (CUDA decode steps): lru-cycle (default, one "
+        "fused launch per layer); adaptive (LRU or hit-count frequency, whichever misses less: fewer misses on "
+        "skewed routing, more planner launches); adaptive-router (adaptive, each layer ordered by the router's "
+        "scores where the model's router selects on its logits); lru, freq, aging.",
     }
     _FLAG_NAMES: ClassVar[dict[str, str]] = {"pool_rows": "--moe-expert-pool-rows"}
     _CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
         "weight_format": tuple(sorted(FORMATS)),
         "spec_governor": SPEC_GOVERNORS,
+        "planner_policy": PLANNER_POLICIES,
     }
 
     def __post_init__(self) -> None:
@@ -128,6 +141,11 @@ class PoolConfig:
             out.append(
                 f"spec_governor={self.spec_governor!r} is not one of {list(SPEC_GOVERNORS)} "
                 "(--moe-expert-pool-spec-governor)"
+            )
+        if self.planner_policy not in PLANNER_POLICIES:
+            out.append(
+                f"planner_policy={self.planner_policy!r} is not one of {list(PLANNER_POLICIES)} "
+                "(--moe-expert-pool-planner-policy)"
             )
         if self.device != AUTO:
             out += device_problems(self.device)

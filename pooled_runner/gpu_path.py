@@ -19,6 +19,7 @@ import torch
 
 from pooled_runner.kernel_path import KernelPath
 from pooled_runner.planner import DevicePlanner
+from pooled_runner.policies import policy_for_pool
 from pooled_runner.pool import PoolStats
 from pooled_runner.staging import LayerStager
 from pooled_runner.telemetry import RouteTelemetry
@@ -43,13 +44,19 @@ class GpuPath:
         self.kernels = KernelPath(moe.format, pool, moe.bank, moe.hidden_size, moe.intermediate_size)
         self.max_decode_tokens = moe.decode_lanes or DEFAULT_DECODE_TOKENS
         # Every expert resident: nothing to plan, every code is a row.
+        policy_name = moe.config.planner_policy
         self.planner = (
-            DevicePlanner(pool, max_routed=self.max_decode_tokens * moe.top_k)
+            DevicePlanner(
+                pool,
+                policy_for_pool(policy_name, pool.num_rows),
+                max_routed=self.max_decode_tokens * moe.top_k,
+            )
             if pool.bank is not None
             else None
         )
         logger.info(
-            "GPU path: device planner for steps of <= %d tokens%s",
+            "GPU path: device planner (policy %s) for steps of <= %d tokens%s",
+            policy_name,
             self.max_decode_tokens,
             "" if self.planner is not None else " (not needed: every expert resident)",
         )
@@ -63,10 +70,11 @@ class GpuPath:
         staged: LayerStager | None,
         admit_misses: bool,
         telemetry: RouteTelemetry | None = None,
+        router_scores: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`[T, H]` output of `layer`; see the module docstring for which planner runs. `telemetry` records
         the step's routes (inside the fused plan kernel on device-planned steps). `staged`: the stager when
-        this step is staged (active)."""
+        this step is staged (active). `router_scores [T, >= E]`: for a device planner policy that reads them."""
         T = hidden.shape[0]
         capturing = torch.cuda.is_current_stream_capturing()
         device_planned = self.planner is not None and staged is None and admit_misses
@@ -76,7 +84,7 @@ class GpuPath:
         after_plan = False
         if self.planner is not None:
             if device_planned:
-                after_plan = self.planner.plan(layer, topk_ids, telemetry)
+                after_plan = self.planner.plan(layer, topk_ids, telemetry, router_scores)
             else:
                 if capturing:
                     raise RuntimeError(

@@ -201,10 +201,29 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
         metrics=has_flag(argv, "--enable-metrics"),
         stats_interval=ours.stats_interval,
         speculative=has_flag(argv, "--speculative-algorithm"),
+        router_scores=router_scores_usable(pool, facts),
     )
     return LaunchPlan(
         serve=serve, sglang_argv=argv, embedded=embedded, tp_size=tp_size, rank_memory=memory, facts=facts
     )
+
+
+def router_scores_usable(pool: PoolConfig | None, facts: ModelFacts | None) -> bool:
+    """Whether the pooled layers hand their router logits to the device planner: only for a policy that reads
+    them, on a model whose top-k selects on its logits (else the policy ranks by hit counts alone; logged)."""
+    if pool is None or pool.planner_policy != "adaptive-router":
+        return False
+    why = "config.json was not found" if facts is None else facts.router_logits_differ
+    if why:
+        logger.warning(
+            "pooled_runner: %s %s: the router's logits may not be what its top-k selects on (%s); the planner "
+            "orders experts by hit counts alone (as adaptive)",
+            flag_name("planner_policy"),
+            pool.planner_policy,
+            why,
+        )
+        return False
+    return True
 
 
 def cuda_graph_warning(plan: LaunchPlan, user_argv: list[str]) -> str | None:

@@ -377,6 +377,7 @@ class PooledMoE:
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         admit_misses: bool = True,
+        router_scores: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Routed-experts output of one pooled layer.
 
@@ -386,6 +387,8 @@ class PooledMoE:
           topk_ids: `[T, K]` int32/int64 logical expert ids; -1 is padding and contributes nothing.
           topk_weights: `[T, K]` floating combine weights.
           admit_misses: copy missed experts into rows (LRU) before computing; False reads them in place.
+          router_scores: `[T, >= E]` floating, the scores the top-k was taken on (logit units), for a device
+            planner policy that reads them (`planner_policy="adaptive-router"`); ignored otherwise.
         Returns:
           `[T, H]` in `dtype`: `sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t])`.
         """
@@ -412,7 +415,7 @@ class PooledMoE:
             )
         if kernels:  # the GPU path records telemetry (inside the fused planner where it can)
             return self._gpu().forward(
-                layer, hidden, topk_ids, topk_weights, staged, admit_misses, self.telemetry
+                layer, hidden, topk_ids, topk_weights, staged, admit_misses, self.telemetry, router_scores
             )
         if self.telemetry is not None:
             self.telemetry.record(layer, topk_ids)

@@ -250,3 +250,44 @@ def test_cost_aware_speculation_needs_sglangs_adaptive_speculation(tmp_path: Pat
         plan([*base[:-1], "fast"])
     with pytest.raises(ValueError, match=r"spec_governor='fast' is not one of \['off', 'cost'\]"):
         PoolConfig(pool_rows=4, device="cpu", spec_governor="fast")
+
+
+def test_router_facts_say_when_logits_are_not_the_selection_scores() -> None:
+    assert facts_from_config(QWEN3_MOE).router_logits_differ == ""
+    assert facts_from_config({**QWEN3_MOE, "scoring_func": "softmax"}).router_logits_differ == ""
+    deepseek_v3 = {
+        **QWEN3_MOE,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "n_group": 8,
+        "topk_group": 4,
+    }
+    why = facts_from_config(deepseek_v3).router_logits_differ
+    assert "scoring_func sigmoid" in why and "noaux_tc" in why and "4 of 8 groups" in why
+    assert facts_from_config({**QWEN3_MOE, "n_group": 1, "topk_group": 1}).router_logits_differ == ""
+
+
+def test_router_scores_reach_the_children_only_for_a_policy_that_reads_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    qwen = write_model(tmp_path, QWEN3_MOE)
+    base = ["--model-path", str(qwen), "--moe-expert-pool-rows", "8"]
+    assert not plan(base).serve.router_scores  # the default policy (lru-cycle) reads none
+    assert not plan([*base, "--moe-expert-pool-planner-policy", "adaptive"]).serve.router_scores
+    p = plan([*base, "--moe-expert-pool-planner-policy", "adaptive-router"])
+    assert p.serve.router_scores and p.serve.pool is not None
+    assert p.serve.pool.planner_policy == "adaptive-router"
+    assert ServeConfig.from_json(p.serve.to_json()) == p.serve
+    (tmp_path / "ds").mkdir()
+    sigmoid = write_model(
+        tmp_path / "ds", {**QWEN3_MOE, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+    )
+    with caplog.at_level("WARNING", logger="pooled_runner"):
+        p = plan(["--model-path", str(sigmoid), "--moe-expert-pool-rows", "8",
+                  "--moe-expert-pool-planner-policy", "adaptive-router"])  # fmt: skip
+    assert not p.serve.router_scores
+    assert "scoring_func sigmoid" in caplog.text and "hit counts alone" in caplog.text
+    with pytest.raises(SystemExit):  # argparse's choices name the valid policies
+        plan([*base, "--moe-expert-pool-planner-policy", "mru"])
+    with pytest.raises(ValueError, match="planner_policy='mru' is not one of"):
+        PoolConfig.resolve(pool_rows=4, planner_policy="mru")

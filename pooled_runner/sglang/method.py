@@ -172,7 +172,11 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             )
         hidden = dispatch_output.hidden_states  # [T, H]
         moe = self.runtime.require_moe()
-        out = moe.forward(self.index, hidden, topk_output.topk_ids, topk_output.topk_weights)  # [T, H]
+        # the router's logits [T, E] for a planner policy that reads them (ServeConfig.router_scores)
+        scores = topk_output.router_logits if self.runtime.serve.router_scores else None
+        out = moe.forward(
+            self.index, hidden, topk_output.topk_ids, topk_output.topk_weights, router_scores=scores
+        )  # [T, H]
         if self.routed_scaling_factor != 1.0:
             out = out * self.routed_scaling_factor
         self.runtime.after_forward(self.index, hidden.shape[0])

@@ -28,6 +28,8 @@ class ModelFacts:
     hidden_size: int = 0  # 0 when config.json does not say
     moe_intermediate_size: int = 0  # one routed expert's intermediate size (all TP ranks together)
     dtype: str = ""  # torch_dtype / dtype of config.json, "" when absent
+    # why the router's logits are not the scores its top-k selects on ("" when they are: softmax routing)
+    router_logits_differ: str = ""
 
     @property
     def num_total_experts(self) -> int:
@@ -52,6 +54,21 @@ def _moe_layers(config: dict[str, Any], num_layers: int) -> int:
     return sum(1 for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
 
 
+def _router_logits_differ(text: dict[str, Any]) -> str:
+    """Why the router's logits are not what its top-k is taken on (a planner policy reading them would rank by
+    the wrong scores), or "" for softmax routing over the logits."""
+    reasons = []
+    scoring = text.get("scoring_func")
+    if scoring not in (None, "softmax"):
+        reasons.append(f"scoring_func {scoring}")
+    if text.get("topk_method") == "noaux_tc":
+        reasons.append("a correction bias added before the top-k (topk_method noaux_tc)")
+    groups, top_groups = int(text.get("n_group") or 1), int(text.get("topk_group") or 0)
+    if groups > 1 and 0 < top_groups < groups:
+        reasons.append(f"group-limited top-k ({top_groups} of {groups} groups)")
+    return "; ".join(reasons)
+
+
 def facts_from_config(config: dict[str, Any]) -> ModelFacts:
     """MoE facts from a config.json dict (a `text_config` inside it wins for multimodal checkpoints)."""
     quant = config.get("quantization_config")
@@ -71,6 +88,7 @@ def facts_from_config(config: dict[str, Any]) -> ModelFacts:
         hidden_size=_first(text, ("hidden_size",)),
         moe_intermediate_size=_first(text, _EXPERT_INTERMEDIATE_KEYS),
         dtype=str(dtype),
+        router_logits_differ=_router_logits_differ(text),
     )
 
 

@@ -29,6 +29,8 @@ class ServeConfig:
       stats_interval: log (and export) pool statistics every this many forward steps.
       speculative: SGLang runs speculative decoding (`--speculative-algorithm`): without CUDA the scheduler
         needs the speculative CPU patches too.
+      router_scores: hand each layer's router logits to the device planner (its policy reads them:
+        `planner_policy` "adaptive-router", on a model whose top-k selects on its logits).
     """
 
     pool: PoolConfig | None
@@ -36,6 +38,7 @@ class ServeConfig:
     metrics: bool = False
     stats_interval: int = 64
     speculative: bool = False
+    router_scores: bool = False
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
