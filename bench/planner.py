@@ -9,8 +9,9 @@ GPU (default): Qwen3-30B-like layers (H 2048, I 768, E 128, top-8, bf16), 6 pool
   - trace: a skew-dominated synthetic trace replayed step by step (ids copied into the captured step's static
     buffer, then replay) with LRU and the frequency policy; time per step against the DESIGN.md §4 bound at the
     achieved hit rate, `hits x row / B_hbm + misses x row / B_zero_copy` (bandwidths measured in this run).
-CPU (`--quality`): hit rates of LRU, the frequency, aging and adaptive policies and Belady (MIN with bypass) on
-synthetic traces (24 layers, 128 experts, top-8, per-layer Zipf skew, token-to-token reuse, popularity drift), 25%
+CPU (`--quality`): hit rates of LRU, the frequency, aging, adaptive and router-ordered adaptive policies and
+Belady (MIN with bypass) on synthetic traces (24 layers, 128 experts, top-8, per-layer Zipf skew, token-to-token
+reuse, popularity drift; with their router scores, `--noise-scale lo,hi` spreading each expert's differently), 25%
 and 50% rows.
 
   - forms (`--forms`, alone): the one-launch plan + copy's launch forms on miss-heavy steps of T tokens, taking
@@ -42,6 +43,7 @@ from bench.traces import Trace, belady_hit_rate, policy_hit_rate, synthetic_trac
 from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.policies import AgingFreqPolicy, FreqDecayPolicy, LRUPolicy, Policy
 from pooled_runner.policy_adaptive import AdaptivePolicy
+from pooled_runner.policy_router import RouterAdaptivePolicy
 
 # Synthetic trace families: (skew range, reuse, drift_every). Skew-dominated first, then recency-dominated.
 TRACES = {
@@ -61,16 +63,25 @@ def quality(args: argparse.Namespace) -> None:
     lines = [
         f"date {datetime.date.today()}, CPU simulation (the shipped DevicePlanner on CPU tensors), "
         f"commit {args.commit or commit_id()}; {steps} decode steps of {args.tokens} token(s), "
-        f"first {warmup} not counted",
+        f"first {warmup} not counted; seed base {args.seed_base}"
+        + (f"; router score noise scaled by U{args.noise_scale}" if args.noise_scale else ""),
         "",
-        "| trace | rows | Belady | LRU | lru-cycle | freq | aging | adaptive | LRU / Belady | lru-cycle / Belady | "
-        "freq / Belady | aging / Belady | adaptive / Belady | lru-cycle miss / LRU miss | freq miss / LRU miss | "
-        "aging miss / LRU miss | adaptive miss / LRU miss | Belady miss / LRU miss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| trace | rows | Belady | LRU | lru-cycle | freq | aging | adaptive | router | LRU / Belady | "
+        "lru-cycle / Belady | freq / Belady | aging / Belady | adaptive / Belady | router / Belady | "
+        "lru-cycle miss / LRU miss | freq miss / LRU miss | aging miss / LRU miss | adaptive miss / LRU miss | "
+        "router miss / LRU miss | Belady miss / LRU miss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     write(args.out, lines)
     for i, (name, spec) in enumerate(TRACES.items()):
-        trace = synthetic_trace(steps, tokens_per_step=args.tokens, seed=100 + i, **spec)  # type: ignore[arg-type]
+        trace = synthetic_trace(
+            steps,
+            tokens_per_step=args.tokens,
+            seed=args.seed_base + i,
+            with_scores=True,
+            noise_scale=args.noise_scale,
+            **spec,  # type: ignore[arg-type]
+        )
         total = sum(trace.num_experts_per_layer)
         for frac in (0.25, 0.5):
             rows = int(frac * total)
@@ -80,15 +91,17 @@ def quality(args: argparse.Namespace) -> None:
             freq = policy_hit_rate(trace, rows, FreqDecayPolicy(), warmup)
             aging = policy_hit_rate(trace, rows, AgingFreqPolicy(), warmup)
             ada = policy_hit_rate(trace, rows, AdaptivePolicy(rows), warmup)
+            router = policy_hit_rate(trace, rows, RouterAdaptivePolicy(rows), warmup)
 
             def miss_ratio(rate: float, lru: float = lru, digits: int = 2) -> str:
                 return f"{(1 - rate) / (1 - lru):.{digits}f}" if lru < 1 else "n/a"
 
             lines.append(
                 f"| {name} | {frac:.0%} | {best:.3f} | {lru:.3f} | {cyc:.3f} | {freq:.3f} | {aging:.3f} | "
-                f"{ada:.3f} | {lru / best:.2f} | {cyc / best:.2f} | {freq / best:.2f} | {aging / best:.2f} | "
-                f"{ada / best:.2f} | {miss_ratio(cyc)} | {miss_ratio(freq)} | {miss_ratio(aging)} | "
-                f"{miss_ratio(ada, digits=3)} | {miss_ratio(best)} |"
+                f"{ada:.3f} | {router:.3f} | {lru / best:.2f} | {cyc / best:.2f} | {freq / best:.2f} | "
+                f"{aging / best:.2f} | {ada / best:.2f} | {router / best:.2f} | {miss_ratio(cyc)} | "
+                f"{miss_ratio(freq)} | {miss_ratio(aging)} | {miss_ratio(ada, digits=3)} | "
+                f"{miss_ratio(router, digits=3)} | {miss_ratio(best)} |"
             )
             write(args.out, lines)
     lines += [
@@ -98,7 +111,10 @@ def quality(args: argparse.Namespace) -> None:
         "experts routed in the last step, value admission); aging = `AgingFreqPolicy()` defaults (LFU with "
         "dynamic aging: key = inflation + count, inflation = largest evicted key); adaptive = "
         "`AdaptivePolicy(rows)` defaults (LRU or chain-start frequency, whichever an idealized shadow cache of "
-        "the pool's size misses less on; see policy_adaptive.py). Belady = offline MIN with bypass per tick.",
+        "the pool's size misses less on; see policy_adaptive.py); router = `RouterAdaptivePolicy(rows)` "
+        "defaults (the adaptive policy, each layer's experts ordered by router-score membership; fed the trace's "
+        "scores: Zipf log-probability + Gumbel noise, the noise scaled per expert with --noise-scale; "
+        "policy_router.py). Belady = offline MIN with bypass per tick.",
     ]
     write(args.out, lines)
 
@@ -199,6 +215,13 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the markdown results here as they come")
     ap.add_argument("--quick", action="store_true", help="shorter traces")
     ap.add_argument("--tokens", type=int, default=1, help="tokens per decode step in --quality (batch size)")
+    ap.add_argument("--seed-base", type=int, default=100, help="--quality: trace seeds base + family index")
+    ap.add_argument(
+        "--noise-scale",
+        default="",
+        help="--quality: lo,hi: each expert's router noise scaled by U[lo, hi] (its mean score no longer orders "
+        "it by popularity)",
+    )
     ap.add_argument(
         "--quality", action="store_true", help="CPU policy-quality simulation instead of GPU timing"
     )
@@ -242,6 +265,10 @@ def main() -> None:
     if any(f not in PLANNERS or not PLANNERS[f][1].get("one_launch") for f in args.forms):
         raise SystemExit(f"--forms {args.forms}: expected one-launch names of {', '.join(PLANNERS)}")
     args.form_tokens = [int(t) for t in args.form_tokens.split(",")]
+    scale = [float(x) for x in args.noise_scale.split(",")] if args.noise_scale else None
+    if scale is not None and (len(scale) != 2 or not 0 < scale[0] <= scale[1]):
+        raise SystemExit(f"--noise-scale {args.noise_scale!r}: expected lo,hi with 0 < lo <= hi")
+    args.noise_scale = tuple(scale) if scale else None
     if not args.form_tokens or min(args.form_tokens) < 1:
         raise SystemExit(f"--form-tokens {args.form_tokens}: expected a comma list of token counts >= 1")
     if args.quality:

@@ -28,15 +28,22 @@ from pooled_runner.pool import ExpertPool
 
 @dataclass
 class Trace:
-    """`ids [S, L, T, K]` int32 routed ids and the experts of each layer."""
+    """`ids [S, L, T, K]` int32 routed ids and the experts of each layer; optionally the router's scores
+    `[S, L, T, E_max]` float32 (the scores the top-k was taken on; for `RouterAdaptivePolicy`)."""
 
     ids: torch.Tensor
     num_experts_per_layer: list[int]
+    scores: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.ids.dim() != 4 or self.ids.shape[1] != len(self.num_experts_per_layer):
             raise ValueError(
                 f"trace ids have shape {tuple(self.ids.shape)}, expected [S, {len(self.num_experts_per_layer)}, T, K]"
+            )
+        want = (*self.ids.shape[:3], max(self.num_experts_per_layer, default=0))
+        if self.scores is not None and tuple(self.scores.shape) != want:
+            raise ValueError(
+                f"trace scores have shape {tuple(self.scores.shape)}, expected {want} (ids' [S, L, T], E_max)"
             )
 
     @property
@@ -48,34 +55,53 @@ class Trace:
         return self.ids.shape[1]
 
     def save(self, path: str) -> None:
-        torch.save({"ids": self.ids, "num_experts_per_layer": self.num_experts_per_layer}, path)
+        data = {"ids": self.ids, "num_experts_per_layer": self.num_experts_per_layer}
+        torch.save(data if self.scores is None else {**data, "scores": self.scores}, path)
 
     @classmethod
     def load(cls, path: str) -> Trace:
         data = torch.load(path)
-        return cls(data["ids"], list(data["num_experts_per_layer"]))
+        return cls(data["ids"], list(data["num_experts_per_layer"]), data.get("scores"))
 
 
 class TraceRecorder:
-    """Collects `record(layer, topk_ids [T, K])` calls; a step ends when layer 0 comes round again."""
+    """Collects `record(layer, topk_ids [T, K], router_scores [T, E] | None)` calls; a step ends when layer 0
+    comes round again. Scores are kept only if every call of the trace's complete steps gave them."""
 
     def __init__(self, num_experts_per_layer: list[int]):
         self.num_experts_per_layer = list(num_experts_per_layer)
         self._steps: list[list[torch.Tensor]] = []
+        self._scores: list[list[torch.Tensor | None]] = []
 
-    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
+    def record(self, layer: int, topk_ids: torch.Tensor, router_scores: torch.Tensor | None = None) -> None:
         if layer == 0:
             self._steps.append([])
+            self._scores.append([])
         if not self._steps or len(self._steps[-1]) != layer:
             raise ValueError(f"record(layer={layer}) out of order: layers of a step must come 0, 1, ...")
+        E, EM = self.num_experts_per_layer[layer], max(self.num_experts_per_layer)
+        if router_scores is not None:
+            if tuple(router_scores.shape) != (topk_ids.shape[0], E):
+                raise ValueError(
+                    f"router_scores has shape {tuple(router_scores.shape)}, expected [T={topk_ids.shape[0]}, E={E}]"
+                )
+            padded = torch.full((topk_ids.shape[0], EM), float("-inf"))
+            padded[:, :E] = router_scores.detach().to("cpu", torch.float32)
+            router_scores = padded
         self._steps[-1].append(topk_ids.detach().to("cpu", torch.int32))
+        self._scores[-1].append(router_scores)
 
     def trace(self) -> Trace:
         L = len(self.num_experts_per_layer)
-        full = [s for s in self._steps if len(s) == L]
+        full = [i for i, s in enumerate(self._steps) if len(s) == L]
         if not full:
             raise ValueError("no complete step recorded")
-        return Trace(torch.stack([torch.stack(s) for s in full]), self.num_experts_per_layer)
+        ids = torch.stack([torch.stack(self._steps[i]) for i in full])
+        given = [t for i in full for t in self._scores[i]]
+        scores = None
+        if all(t is not None for t in given):
+            scores = torch.stack([torch.stack(self._scores[i]) for i in full])  # type: ignore[misc]
+        return Trace(ids, self.num_experts_per_layer, scores)
 
 
 def synthetic_trace(
@@ -88,6 +114,8 @@ def synthetic_trace(
     reuse: float = 0.3,
     drift_every: int = 0,
     seed: int = 0,
+    with_scores: bool = False,
+    noise_scale: tuple[float, float] | None = None,
 ) -> Trace:
     """A routing trace with controllable skew and temporal reuse.
 
@@ -95,6 +123,11 @@ def synthetic_trace(
     Gumbel-top-k on the Zipf log-probabilities, after keeping each of the previous token's experts (same
     lane, same layer) with probability `reuse`. `drift_every > 0` redraws every layer's popularity order every
     that many steps (the recent past then predicts better than the long-run frequency).
+    `with_scores`: the trace also carries each token's router scores, the Zipf log-probability + Gumbel noise
+    the top-k is taken on (before the reuse boost). `noise_scale (lo, hi)`: each (layer, expert)'s noise is
+    scaled by a factor from U[lo, hi] (drawn from a generator of its own, so the ids change only through the
+    scaled noise): experts whose scores spread differently, whose mean score no longer orders them by how
+    often they are picked.
     """
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
@@ -109,19 +142,27 @@ def synthetic_trace(
         return torch.gather(base, 1, ranks)
 
     logp = popularity()
+    scale = torch.ones(L, 1, E, dtype=torch.float64)
+    if noise_scale is not None:
+        side = torch.Generator().manual_seed(seed + 12345)
+        lo_s, hi_s = noise_scale
+        scale = lo_s + (hi_s - lo_s) * torch.rand(L, 1, E, generator=side, dtype=torch.float64)
     prev = torch.full((L, T, K), -1, dtype=torch.int64)
     out = torch.empty((num_steps, L, T, K), dtype=torch.int32)
+    scores = torch.empty((num_steps, L, T, E), dtype=torch.float32) if with_scores else None
     for s in range(num_steps):
         if drift_every and s and s % drift_every == 0:
             logp = popularity()
         gumbel = -torch.log(-torch.log(torch.rand(L, T, E, generator=g, dtype=torch.float64)))
-        score = logp[:, None, :] + gumbel  # [L, T, E]
+        score = logp[:, None, :] + scale * gumbel  # [L, T, E]
+        if scores is not None:
+            scores[s] = score.to(torch.float32)
         if s:
             keep = (torch.rand(L, T, K, generator=g) < reuse).to(torch.float64) * 1e9  # [L, T, K]
             score.scatter_add_(2, prev, keep)
         prev = torch.topk(score, K, dim=2).indices  # [L, T, K]
         out[s] = prev.to(torch.int32)
-    return Trace(out, [E] * L)
+    return Trace(out, [E] * L, scores)
 
 
 def _ticks(trace: Trace) -> list[list[int]]:
@@ -212,7 +253,8 @@ def tiny_pool(num_experts_per_layer: list[int], num_rows: int) -> ExpertPool:
 
 
 def policy_hit_rate(trace: Trace, num_rows: int, policy: Policy, warmup_steps: int = 0) -> float:
-    """Hit rate of the shipped device planner with `policy`, run on the CPU from an empty pool."""
+    """Hit rate of the shipped device planner with `policy`, run on the CPU from an empty pool (fed the trace's
+    router scores where it carries them)."""
     pool = tiny_pool(trace.num_experts_per_layer, num_rows)
     T, K = trace.ids.shape[2], trace.ids.shape[3]
     planner = DevicePlanner(pool, policy, max_routed=T * K, debug_checks=False)
@@ -222,7 +264,8 @@ def policy_hit_rate(trace: Trace, num_rows: int, policy: Policy, warmup_steps: i
         if s == warmup_steps:
             before = planner.counter_values()
         for layer in range(trace.num_layers):
-            planner.plan(layer, ids[s, layer])
+            scores = None if trace.scores is None else trace.scores[s, layer]
+            planner.plan(layer, ids[s, layer], router_scores=scores)
     after = planner.counter_values()
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
     return hits / (hits + misses) if hits + misses else 1.0
