@@ -74,17 +74,17 @@ class TraceRecorder:
         self._scores: list[list[torch.Tensor | None]] = []
 
     def record(self, layer: int, topk_ids: torch.Tensor, router_scores: torch.Tensor | None = None) -> None:
+        E, EM = self.num_experts_per_layer[layer], max(self.num_experts_per_layer)
+        if router_scores is not None and tuple(router_scores.shape) != (topk_ids.shape[0], E):
+            raise ValueError(
+                f"router_scores has shape {tuple(router_scores.shape)}, expected [T={topk_ids.shape[0]}, E={E}]"
+            )
         if layer == 0:
             self._steps.append([])
             self._scores.append([])
         if not self._steps or len(self._steps[-1]) != layer:
             raise ValueError(f"record(layer={layer}) out of order: layers of a step must come 0, 1, ...")
-        E, EM = self.num_experts_per_layer[layer], max(self.num_experts_per_layer)
         if router_scores is not None:
-            if tuple(router_scores.shape) != (topk_ids.shape[0], E):
-                raise ValueError(
-                    f"router_scores has shape {tuple(router_scores.shape)}, expected [T={topk_ids.shape[0]}, E={E}]"
-                )
             padded = torch.full((topk_ids.shape[0], EM), float("-inf"))
             padded[:, :E] = router_scores.detach().to("cpu", torch.float32)
             router_scores = padded

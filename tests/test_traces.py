@@ -126,3 +126,43 @@ def test_recorder_round_trip(tmp_path):
     rec.record(1, torch.zeros(2, 2))
     with pytest.raises(ValueError, match=r"record\(layer=1\) out of order"):
         rec.record(1, torch.zeros(2, 2))
+
+
+def test_recorder_keeps_router_scores_padded_to_the_widest_layer(tmp_path):
+    rec = TraceRecorder([5, 3])
+    g = torch.Generator().manual_seed(1)
+    scores = []
+    for _ in range(3):
+        step = [torch.randn(2, 5, generator=g), torch.randn(2, 3, generator=g)]
+        for layer, s in enumerate(step):
+            rec.record(layer, torch.randint(0, 3, (2, 2), generator=g), s)
+        scores.append(step)
+    tr = rec.trace()
+    assert tr.scores is not None and tr.scores.shape == (3, 2, 2, 5)
+    for i, (s0, s1) in enumerate(scores):
+        assert torch.equal(tr.scores[i, 0], s0) and torch.equal(tr.scores[i, 1, :, :3], s1)
+        assert bool((tr.scores[i, 1, :, 3:] == float("-inf")).all())  # past layer 1's experts
+    path = str(tmp_path / "scored.pt")
+    tr.save(path)
+    back = Trace.load(path)
+    assert back.scores is not None and torch.equal(back.scores, tr.scores)
+    with pytest.raises(ValueError, match=r"router_scores has shape \(2, 4\), expected \[T=2, E=5\]"):
+        rec.record(0, torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 4))
+    for layer in (0, 1):  # a step without scores: the trace has none
+        rec.record(layer, torch.zeros(2, 2, dtype=torch.int64))
+    assert rec.trace().scores is None
+    with pytest.raises(ValueError, match="trace scores have shape"):
+        Trace(tr.ids, [5, 3], tr.scores[:, :, :, :4])
+
+
+def test_synthetic_scores_select_the_ids():
+    """The scores a synthetic trace carries are what its top-k was taken on (before the reuse boost: with no
+    reuse, exactly); spreading the noise changes the ids but keeps that."""
+    for scale in (None, (0.5, 2.0)):
+        tr = synthetic_trace(6, 3, 16, 4, reuse=0.0, seed=3, with_scores=True, noise_scale=scale)
+        assert tr.scores is not None and tr.scores.dtype == torch.float32
+        top = torch.topk(tr.scores.double(), 4, dim=-1).indices
+        assert torch.equal(top.sort(-1).values, tr.ids.long().sort(-1).values)
+    plain = synthetic_trace(6, 3, 16, 4, seed=3)
+    assert plain.scores is None
+    assert torch.equal(plain.ids, synthetic_trace(6, 3, 16, 4, seed=3, with_scores=True).ids)
