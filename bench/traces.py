@@ -74,6 +74,10 @@ class TraceRecorder:
         self._scores: list[list[torch.Tensor | None]] = []
 
     def record(self, layer: int, topk_ids: torch.Tensor, router_scores: torch.Tensor | None = None) -> None:
+        if not 0 <= layer < len(self.num_experts_per_layer):
+            raise ValueError(
+                f"record(layer={layer}): the trace has layers 0..{len(self.num_experts_per_layer) - 1}"
+            )
         E, EM = self.num_experts_per_layer[layer], max(self.num_experts_per_layer)
         if router_scores is not None and tuple(router_scores.shape) != (topk_ids.shape[0], E):
             raise ValueError(

@@ -256,6 +256,8 @@ class DevicePlanner:
             raise ValueError(
                 f"telemetry counts {telemetry.max_experts} experts per layer, the pool {self.max_experts}"
             )
+        if router_scores is not None and topk_ids.shape[0] == 0:
+            router_scores = None  # nothing to vote; SGLang's empty top-k output has scores of shape [0, K]
         if router_scores is not None:
             _check_router_scores(router_scores, topk_ids, E)
             if getattr(self.policy, "observe_scores", None) is None:

@@ -102,7 +102,15 @@ class HostTwin:
         self.clock += 1
         now = self.clock
         observe_scores = getattr(self.policy, "host_observe_scores", None)
-        if router_scores is not None and observe_scores is not None:
+        if router_scores is not None and rows_of_ids and observe_scores is not None:
+            if (
+                router_scores.dim() != 2
+                or router_scores.shape[0] != len(rows_of_ids)
+                or router_scores.shape[1] < E
+            ):
+                raise ValueError(
+                    f"router_scores has shape {tuple(router_scores.shape)}; expected [T={len(rows_of_ids)}, >= {E}]"
+                )
             valid = [any(0 <= e < E for e in token) for token in rows_of_ids]
             top_k = len(rows_of_ids[0]) if rows_of_ids else 0
             observe_scores(layer, router_scores[:, :E].double().tolist(), valid, top_k)

@@ -31,9 +31,13 @@ import math
 
 import torch
 
-from pooled_runner.policy_adaptive import AdaptivePolicy
+from pooled_runner.policy_adaptive import ONE, AdaptivePolicy
 
-RAMP = 64  # member units of one token that scored `width / 2` or more above its k-th score
+RAMP = 64  # ramp steps of one token that scored `width / 2` or more above its k-th score
+# `member` holds ramp steps x MEMBER_UNIT (one full token = ONE): fixed point, so that the decay
+# `m - (m >> decay_shift)` reaches small sums too (raw steps below 2**decay_shift would never decay)
+MEMBER_UNIT = ONE // RAMP
+MIN_WIDTH, MAX_WIDTH = 2.0**-20, 2.0**20  # d * RAMP / width stays finite in float64 for any fp32 difference
 
 
 def _ramp_scale(width: float) -> float:
@@ -99,11 +103,11 @@ class RouterAdaptivePolicy(AdaptivePolicy):
     name = "adaptive-router"
 
     def __init__(self, num_rows: int, width: float = 2.0, **kwargs: int):
-        if not (math.isfinite(width) and width > 0):
-            raise ValueError(f"width={width} must be a positive finite number of logit units")
+        if not MIN_WIDTH <= width <= MAX_WIDTH:  # NaN fails too
+            raise ValueError(f"width={width} must be in [2**-20, 2**20] logit units")
         super().__init__(num_rows, **kwargs)
         self.width = width
-        self.member: torch.Tensor | None = None  # [L * E_max] int64 member units (decayed)
+        self.member: torch.Tensor | None = None  # [L * E_max] int64 ramp steps x MEMBER_UNIT (decayed)
         self.ranked: torch.Tensor | None = None  # [L * E_max + 1] int64 ranked counts; last slot a dummy
         self._h_member: list[int] = []
         self._h_ranked: list[int] = []
@@ -126,7 +130,7 @@ class RouterAdaptivePolicy(AdaptivePolicy):
         """`scores [T, E]` of this step of `layer` (E = the layer's experts), `valid [T]`; before `observe`."""
         member = self._member_state()[0]
         lo = layer * self._max_experts
-        member[lo : lo + scores.shape[1]] += membership_units(scores, valid, top_k, self.width)
+        member[lo : lo + scores.shape[1]] += membership_units(scores, valid, top_k, self.width) * MEMBER_UNIT
 
     def observe(self, layer: int, present: torch.Tensor, now: torch.Tensor) -> None:
         member, ranked = self._member_state()
@@ -161,7 +165,7 @@ class RouterAdaptivePolicy(AdaptivePolicy):
     ) -> None:
         lo, num_experts = layer * self._max_experts, len(scores[0]) if scores else 0
         for e, units in enumerate(membership_units_host(scores, valid, top_k, num_experts, self.width)):
-            self._h_member[lo + e] += units
+            self._h_member[lo + e] += units * MEMBER_UNIT
 
     def host_observe(self, layer: int, present: list[int], now: int) -> None:
         super().host_observe(layer, present, now)

@@ -18,6 +18,7 @@ from pooled_runner.sglang.serve_config import ServeConfig
 
 QWEN3_MOE = {
     "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
     "num_hidden_layers": 6,
     "num_experts": 10,
     "num_experts_per_tok": 3,
@@ -255,16 +256,22 @@ def test_cost_aware_speculation_needs_sglangs_adaptive_speculation(tmp_path: Pat
 def test_router_facts_say_when_logits_are_not_the_selection_scores() -> None:
     assert facts_from_config(QWEN3_MOE).router_logits_differ == ""
     assert facts_from_config({**QWEN3_MOE, "scoring_func": "softmax"}).router_logits_differ == ""
-    deepseek_v3 = {
-        **QWEN3_MOE,
+    deepseek_v2 = {**QWEN3_MOE, "model_type": "deepseek_v2", "topk_method": "greedy"}
+    assert facts_from_config(deepseek_v2).router_logits_differ == ""
+    grouped = {
+        **deepseek_v2,
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
         "n_group": 8,
         "topk_group": 4,
     }
-    why = facts_from_config(deepseek_v3).router_logits_differ
+    why = facts_from_config(grouped).router_logits_differ
     assert "scoring_func sigmoid" in why and "noaux_tc" in why and "4 of 8 groups" in why
     assert facts_from_config({**QWEN3_MOE, "n_group": 1, "topk_group": 1}).router_logits_differ == ""
+    # GLM-4.5 adds a correction bias that its config.json does not name: not on the allowlist
+    glm = {**QWEN3_MOE, "model_type": "glm4_moe", "n_group": 1, "topk_group": 1}
+    assert "model_type 'glm4_moe' is not one known" in facts_from_config(glm).router_logits_differ
+    assert "model_type None" in facts_from_config({"num_hidden_layers": 2}).router_logits_differ
 
 
 def test_router_scores_reach_the_children_only_for_a_policy_that_reads_them(

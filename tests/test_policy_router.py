@@ -15,6 +15,7 @@ from pooled_runner.planner_twin import HostTwin
 from pooled_runner.policies import LRUPolicy, make_policy
 from pooled_runner.policy_adaptive import AdaptivePolicy
 from pooled_runner.policy_router import (
+    MEMBER_UNIT,
     RAMP,
     RouterAdaptivePolicy,
     membership_units,
@@ -165,8 +166,9 @@ def test_scores_reorder_a_layer_against_its_counts():
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match="width"):
-        RouterAdaptivePolicy(4, width=0.0)
+    for width in (0.0, 1e-300, float("nan"), float("inf"), 2.0**21):
+        with pytest.raises(ValueError, match="width"):
+            RouterAdaptivePolicy(4, width=width)
     with pytest.raises(ValueError, match="num_rows"):
         make_policy("adaptive-router")
     assert isinstance(make_policy("adaptive-router", num_rows=3), RouterAdaptivePolicy)
@@ -183,6 +185,12 @@ def test_bad_input():
         with pytest.raises(ValueError, match=what):
             planner.plan(0, ids, router_scores=bad)
         assert all(torch.equal(before[k], v) for k, v in planner.state().items())  # nothing changed
+    twin = HostTwin(make_pool([6, 4], 3), RouterAdaptivePolicy(3))
+    with pytest.raises(ValueError, match="shape"):
+        twin.plan(0, ids, torch.zeros(2, 5))
+    # no tokens: the scores are dropped, whatever their shape (SGLang's empty top-k output has [0, K] scores)
+    planner.plan(0, torch.zeros(0, 2, dtype=torch.int64), router_scores=torch.zeros(0, 2))
+    twin.plan(0, torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2))
     lru_planner = DevicePlanner(make_pool([6], 3), LRUPolicy(), max_routed=4)
     assert lru_planner.plan(0, ids, router_scores=torch.randn(2, 6)) is False  # ignored by LRU
     with pytest.raises(RuntimeError, match="bind"):
@@ -226,6 +234,7 @@ def test_pool_config_picks_the_policy_and_the_gpu_path_hands_it_the_scores(monke
     scores = torch.tensor([[0.5, 3.0, -1.0, 0.0, 2.0, 9.0, 9.0], [1.0, 0.2, 0.9, -2.0, 0.0, 9.0, 9.0]])
     gpu.forward(1, hidden, ids, torch.rand(2, 2), None, True, None, scores[:, :5])
     assert policy.member is not None
-    got = policy.member[policy._max_experts : policy._max_experts + 5].tolist()
-    assert got == membership_units(scores[:, :5], torch.tensor([True, True]), 2).tolist() and sum(got) > 0
+    got = policy.member[policy._max_experts : policy._max_experts + 5]
+    want = membership_units(scores[:, :5], torch.tensor([True, True]), 2) * MEMBER_UNIT
+    assert torch.equal(got, want) and int(got.sum()) > 0
     assert [PoolConfig(pool_rows=3, device="cpu").planner_policy] == ["lru-cycle"]  # the default

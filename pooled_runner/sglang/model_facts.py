@@ -54,15 +54,24 @@ def _moe_layers(config: dict[str, Any], num_layers: int) -> int:
     return sum(1 for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
 
 
+# model_type values whose SGLang top-k selects on the gate's logits (softmax, or top-k then softmax) with no
+# correction bias: an allowlist, since a bias or a grouped sigmoid top-k is not always visible in config.json
+# (GLM-4.5 and Ernie-4.5 add a correction bias with no key saying so)
+_LOGIT_ROUTERS = ("qwen2_moe", "qwen3_moe", "qwen3_next", "mixtral", "olmoe", "gpt_oss", "deepseek_v2")
+
+
 def _router_logits_differ(text: dict[str, Any]) -> str:
-    """Why the router's logits are not what its top-k is taken on (a planner policy reading them would rank by
-    the wrong scores), or "" for softmax routing over the logits."""
+    """Why the router's logits may not be what its top-k is taken on (a planner policy reading them would rank
+    by the wrong scores), or "" for softmax routing over the logits (an allowlisted `model_type`)."""
+    model_type = text.get("model_type")
+    if model_type not in _LOGIT_ROUTERS:
+        return f"model_type {model_type!r} is not one known to select on its logits ({', '.join(_LOGIT_ROUTERS)})"
     reasons = []
     scoring = text.get("scoring_func")
     if scoring not in (None, "softmax"):
         reasons.append(f"scoring_func {scoring}")
-    if text.get("topk_method") == "noaux_tc":
-        reasons.append("a correction bias added before the top-k (topk_method noaux_tc)")
+    if text.get("topk_method") not in (None, "greedy"):  # DeepSeek-V2's group_limited_greedy, V3's noaux_tc
+        reasons.append(f"topk_method {text.get('topk_method')}")
     groups, top_groups = int(text.get("n_group") or 1), int(text.get("topk_group") or 0)
     if groups > 1 and 0 < top_groups < groups:
         reasons.append(f"group-limited top-k ({top_groups} of {groups} groups)")
