@@ -43,7 +43,7 @@ def make_policy(name: str):
     if name == "adaptive":
         # no floor: both modes within the few captured steps (the floor itself is tested on the CPU)
         return AdaptivePolicy(ROWS, decay_shift=2, duel_shift=1, margin_shift=1, floor_misses=0)
-    if name == "adaptive-router":  # the same, each layer ordered by the router's logits (fed to the planner)
+    if name.startswith("adaptive-router"):  # the same, each layer ordered by the router's logits (fed to it)
         return RouterAdaptivePolicy(ROWS, decay_shift=2, duel_shift=1, margin_shift=1, floor_misses=0)
     return (
         LRUPolicy() if name in ("lru", "lru-ops") else FreqDecayPolicy(decay_steps=4, recent_bonus=2, cap=6)
@@ -62,6 +62,7 @@ CASES = [(w, "lru") for w in WIDTHS] + [
     ("mtp_bs3_ns3", "adaptive"),
     ("M1", "adaptive-router"),
     ("mtp_bs3_ns3", "adaptive-router"),
+    ("M2", "adaptive-router-bf16"),  # bf16 logits, as SGLang's bf16 gate hands them over
 ]
 
 
@@ -122,10 +123,10 @@ class Stack:
         self.h_in = torch.zeros(len(LAYERS), M, H, dtype=DTYPE, device="cuda")
         self.y = torch.zeros(len(LAYERS), M, H, dtype=DTYPE, device="cuda")
         self.out = torch.zeros(M, H, dtype=DTYPE, device="cuda")
-        self.scores = torch.zeros(
-            len(LAYERS), M, EM, device="cuda"
-        )  # router logits, for a policy reading them
-        self.with_scores = policy == "adaptive-router"
+        # router logits, for a policy reading them (fp32, or bf16 for the -bf16 case)
+        score_dtype = torch.bfloat16 if policy.endswith("-bf16") else torch.float32
+        self.scores = torch.zeros(len(LAYERS), M, EM, dtype=score_dtype, device="cuda")
+        self.with_scores = policy.startswith("adaptive-router")
         self.routed_history: list[torch.Tensor] = []
 
     def step(self) -> None:
