@@ -74,6 +74,8 @@ def quality(args: argparse.Namespace) -> None:
     ]
     write(args.out, lines)
     for i, (name, spec) in enumerate(TRACES.items()):
+        if args.families and not any(name.startswith(f) for f in args.families):
+            continue
         trace = synthetic_trace(
             steps,
             tokens_per_step=args.tokens,
@@ -217,6 +219,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1, help="tokens per decode step in --quality (batch size)")
     ap.add_argument("--seed-base", type=int, default=100, help="--quality: trace seeds base + family index")
     ap.add_argument(
+        "--families",
+        default="",
+        help="--quality: only the trace families whose names start with one of these (comma list, e.g. "
+        "'skew A,recency')",
+    )
+    ap.add_argument(
         "--noise-scale",
         default="",
         help="--quality: lo,hi: each expert's router noise scaled by U[lo, hi] (its mean score no longer orders "
@@ -265,6 +273,11 @@ def main() -> None:
     if any(f not in PLANNERS or not PLANNERS[f][1].get("one_launch") for f in args.forms):
         raise SystemExit(f"--forms {args.forms}: expected one-launch names of {', '.join(PLANNERS)}")
     args.form_tokens = [int(t) for t in args.form_tokens.split(",")]
+    args.families = [f.strip() for f in args.families.split(",") if f.strip()]
+    if args.families and not any(n.startswith(f) for n in TRACES for f in args.families):
+        raise SystemExit(
+            f"--families {args.families}: no trace family starts with those ({', '.join(TRACES)})"
+        )
     scale = [float(x) for x in args.noise_scale.split(",")] if args.noise_scale else None
     if scale is not None and (len(scale) != 2 or not 0 < scale[0] <= scale[1]):
         raise SystemExit(f"--noise-scale {args.noise_scale!r}: expected lo,hi with 0 < lo <= hi")
