@@ -12,7 +12,7 @@ from bench.common import time_graphs
 from bench.common import write_progress as write
 from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.planner import DevicePlanner
-from pooled_runner.policies import Policy
+from pooled_runner.policies import Policy, policy_for_pool
 from pooled_runner.telemetry import RouteTelemetry
 
 H, I, E, K, L = 2048, 768, 128, 8, 6
@@ -48,6 +48,9 @@ PLANNERS: dict[str, tuple[str, dict[str, object]]] = {
     "one-w1": _one_launch(False, True, True, ", 1 warp", plan_warps=1),
     "two": ("fused, two launches", {"fused": True, "one_launch": False}),
     "ops": ("torch ops", {"fused": False}),
+    # the policies the torch-ops planner exists for (--moe-expert-pool-planner-policy), fed random router logits
+    "ops-adaptive": ("torch ops, adaptive", {"fused": False, "policy": "adaptive"}),
+    "ops-router": ("torch ops, adaptive-router", {"fused": False, "policy": "adaptive-router"}),
 }
 
 
@@ -104,9 +107,14 @@ def overhead(lines: list[str], args: argparse.Namespace) -> None:
 
 def _overhead_rows(lines: list[str], args: argparse.Namespace, name: str) -> None:
     label, kwargs = PLANNERS[name]
-    _moe, planner, tel, kpath = build(CycleLRUPolicy(), **kwargs)
+    kwargs = dict(kwargs)
+    policy_name = str(kwargs.pop("policy", "lru-cycle"))
+    _moe, planner, tel, kpath = build(policy_for_pool(policy_name, ROWS), **kwargs)
     g = torch.Generator(device="cuda").manual_seed(1)
     for M in (1, 4, 8):
+        scores = None
+        if policy_name == "adaptive-router":
+            scores = torch.randn(L, M, E, generator=g, device="cuda").bfloat16()  # [L, M, E] router logits
         x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
         ids = torch.stack(
             [
@@ -122,17 +130,18 @@ def _overhead_rows(lines: list[str], args: argparse.Namespace, name: str) -> Non
             for layer in range(L):
                 kpath.forward(layer, x, ids[layer], w[layer])
 
-        def plan_only(ids=ids) -> None:
+        def plan_only(ids=ids, scores=scores) -> None:
             for layer in range(L):
-                planner.plan(layer, ids[layer])
+                planner.plan(layer, ids[layer], router_scores=None if scores is None else scores[layer])
 
         def tel_only(ids=ids) -> None:
             for layer in range(L):
                 tel.record(layer, ids[layer])
 
-        def planned(x=x, ids=ids, w=w, telemetry: bool = False) -> None:
+        def planned(x=x, ids=ids, w=w, scores=scores, telemetry: bool = False) -> None:
             for layer in range(L):  # as PooledMoE on CUDA: the planner records telemetry (fused: in-kernel)
-                after_plan = planner.plan(layer, ids[layer], tel if telemetry else None)
+                layer_scores = None if scores is None else scores[layer]
+                after_plan = planner.plan(layer, ids[layer], tel if telemetry else None, layer_scores)
                 kpath.forward(layer, x, ids[layer], w[layer], after_plan=after_plan)
 
         t = time_graphs(
