@@ -85,7 +85,8 @@ class PoolConfig:
         "spec_governor": "cost: with --speculative-adaptive, choose each verify step's number of draft tokens "
         "(0 included) by measured tokens per request per second instead of by acceptance length alone.",
         "planner_policy": "Residency policy of the device planner (CUDA decode steps): lru-cycle (default) or "
-        "lru, one fused launch per layer; on torch ops (more launches per layer): adaptive (LRU or hit-count "
+        "lru, one fused launch per layer; on torch ops (a few dozen launches per layer, several times the "
+        "MoE's time per decode step: for policy studies): adaptive (LRU or hit-count "
         "frequency, whichever misses less: fewer misses on skewed routing), adaptive-router (adaptive, each "
         "layer ordered by the router's logits where the model's top-k selects on them), freq, aging.",
     }

@@ -54,6 +54,13 @@ class GpuPath:
             if pool.bank is not None
             else None
         )
+        if self.planner is not None and not self.planner.fused:
+            logger.warning(
+                "planner policy %s runs on the torch-ops planner: a few dozen small kernels per layer, several "
+                "times the MoE's own time per decode step on an H200 (docs/BENCHMARKS.md); lru-cycle plans in one "
+                "fused launch",
+                policy_name,
+            )
         logger.info(
             "GPU path: device planner (policy %s) for steps of <= %d tokens%s",
             policy_name,
