@@ -38,6 +38,7 @@ from pooled_runner.planner_ops import plan_ops
 from pooled_runner.planner_twin import FREE, residency_from_pool, table_problems
 from pooled_runner.policies import LRUPolicy, Policy, check_policy_rows
 from pooled_runner.pool import ExpertPool
+from pooled_runner.routing import check_router_scores
 from pooled_runner.telemetry import RouteTelemetry
 
 
@@ -259,7 +260,7 @@ class DevicePlanner:
         if router_scores is not None and topk_ids.shape[0] == 0:
             router_scores = None  # nothing to vote; SGLang's empty top-k output has scores of shape [0, K]
         if router_scores is not None:
-            _check_router_scores(router_scores, topk_ids, E)
+            check_router_scores(router_scores, topk_ids.shape[0], E, topk_ids.device)
             if getattr(self.policy, "observe_scores", None) is None:
                 router_scores = None
         in_place = False
@@ -365,23 +366,6 @@ class DevicePlanner:
         )
         if problems:
             raise RuntimeError("planner tables inconsistent (a policy bug?): " + "; ".join(problems[:5]))
-
-
-def _check_router_scores(router_scores: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> None:
-    if (
-        router_scores.dim() != 2
-        or router_scores.shape[0] != topk_ids.shape[0]
-        or router_scores.shape[1] < num_experts
-    ):
-        raise ValueError(
-            f"router_scores has shape {tuple(router_scores.shape)}; expected [T={topk_ids.shape[0]}, >= "
-            f"{num_experts}] (one score per expert of the layer for each token of topk_ids)"
-        )
-    if not router_scores.is_floating_point() or router_scores.device != topk_ids.device:
-        raise ValueError(
-            f"router_scores is {router_scores.dtype} on {router_scores.device}; expected a floating dtype on "
-            f"{topk_ids.device}"
-        )
 
 
 def _capturing() -> bool:

@@ -11,6 +11,7 @@ import torch
 
 from pooled_runner.policies import Policy, check_policy_rows
 from pooled_runner.pool import ExpertPool
+from pooled_runner.routing import check_router_scores
 
 INT64_MIN = torch.iinfo(torch.int64).min
 FREE = -1
@@ -93,6 +94,8 @@ class HostTwin:
         R, EM = self.num_rows, self.max_experts
         E = self.num_experts_per_layer[layer]
         rows_of_ids = topk_ids.tolist() if isinstance(topk_ids, torch.Tensor) else topk_ids
+        if router_scores is not None and rows_of_ids:  # before any change, as the device planner
+            check_router_scores(router_scores, len(rows_of_ids), E, router_scores.device)
         tokens: dict[int, int] = {}
         for token in rows_of_ids:
             for e in token:
@@ -103,17 +106,8 @@ class HostTwin:
         now = self.clock
         observe_scores = getattr(self.policy, "host_observe_scores", None)
         if router_scores is not None and rows_of_ids and observe_scores is not None:
-            if (
-                router_scores.dim() != 2
-                or router_scores.shape[0] != len(rows_of_ids)
-                or router_scores.shape[1] < E
-            ):
-                raise ValueError(
-                    f"router_scores has shape {tuple(router_scores.shape)}; expected [T={len(rows_of_ids)}, >= {E}]"
-                )
             valid = [any(0 <= e < E for e in token) for token in rows_of_ids]
-            top_k = len(rows_of_ids[0]) if rows_of_ids else 0
-            observe_scores(layer, router_scores[:, :E].double().tolist(), valid, top_k)
+            observe_scores(layer, router_scores[:, :E].double().tolist(), valid, len(rows_of_ids[0]))
         self.policy.host_observe(layer, present, now)
         codes = self.l2p[layer]
         for e in present:

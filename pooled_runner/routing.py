@@ -41,3 +41,23 @@ def check_routing(
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < -1 or hi >= num_experts:
             raise ValueError(f"topk_ids values in [{lo}, {hi}], expected -1 (padding) or [0, {num_experts})")
+
+
+def check_router_scores(
+    router_scores: torch.Tensor, num_tokens: int, num_experts: int, device: torch.device
+) -> None:
+    """ValueError unless `router_scores` is `[num_tokens, >= num_experts]`, floating, on `device` (the
+    planner's and its host twin's check of the scores a policy may read)."""
+    if (
+        router_scores.dim() != 2
+        or router_scores.shape[0] != num_tokens
+        or router_scores.shape[1] < num_experts
+    ):
+        raise ValueError(
+            f"router_scores has shape {tuple(router_scores.shape)}; expected [T={num_tokens}, >= {num_experts}] "
+            "(one score per expert of the layer for each token of topk_ids)"
+        )
+    if not router_scores.is_floating_point() or router_scores.device != device:
+        raise ValueError(
+            f"router_scores is {router_scores.dtype} on {router_scores.device}; expected a floating dtype on {device}"
+        )
