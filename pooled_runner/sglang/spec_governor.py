@@ -120,7 +120,19 @@ class GovernedStepSlot:
             return
         start = launched if last_complete is None else max(launched, last_complete)
         if now > start:
-            self.governor(batch_size).observe(depth, num_correct_drafts_per_req, now - start, timed=timed)
+            governor = self.governor(batch_size)
+            running = governor.current
+            governor.observe(depth, num_correct_drafts_per_req, now - start, timed=timed)
+            if (
+                governor.current != running
+            ):  # a probe won: SGLang's switch log cannot tell a move from a probe
+                logger.info(
+                    "cost-aware speculation: batch size %d now runs depth %d (was %d); steps by depth %s",
+                    batch_size,
+                    governor.current,
+                    running,
+                    governor.steps_at,
+                )
 
 
 class CostAwareSpecParams(AdaptiveSpeculativeParams):

@@ -126,6 +126,31 @@ def test_steps_of_each_batch_size_are_learned_apart() -> None:
     assert params._slots[1].governors.keys() == {1, 3}  # both in SGLang's bs-1 slot
 
 
+def test_each_move_of_the_running_depth_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """SGLang logs every switch, probes included; the slot logs the moves alone, so a server log tells the depth
+    that runs (what the server test of the random head reads)."""
+    import itertools
+    import logging
+    import re
+
+    from pooled_runner.sglang.spec_governor import CostAwareSpecParams
+
+    clock = FakeClock()
+    params = CostAwareSpecParams(initial_steps=3, clock=clock)
+    with caplog.at_level(logging.INFO, logger="pooled_runner"):
+        serve(params, clock, DRAFTING_WINS, 400, batch_size=1, seed=3)
+    moves = [
+        (int(a), int(b))
+        for b, a in re.findall(r"batch size 1 now runs depth (\d+) \(was (\d+)\)", caplog.text)
+    ]
+    governor = params.governor(1)
+    assert len(moves) == governor.num_switches >= 1, (moves, governor.num_switches)
+    assert moves[0][0] == 0 and moves[-1][1] == governor.current, (moves, governor.current)
+    assert all(a != b for a, b in moves) and all(b == c for (_, b), (c, _) in itertools.pairwise(moves)), (
+        moves
+    )
+
+
 def test_patch_replaces_the_workers_class_and_checks_the_version(monkeypatch: pytest.MonkeyPatch) -> None:
     import sglang
     import sglang.srt.speculative.eagle_worker_v2 as worker_module
