@@ -51,6 +51,11 @@ PLANNERS: dict[str, tuple[str, dict[str, object]]] = {
     # the policies the torch-ops planner exists for (--moe-expert-pool-planner-policy), fed random router logits
     "ops-adaptive": ("torch ops, adaptive", {"fused": False, "policy": "adaptive"}),
     "ops-router": ("torch ops, adaptive-router", {"fused": False, "policy": "adaptive-router"}),
+    "fused-adaptive": ("fused plan + row gather, adaptive", {"fused": True, "policy": "adaptive"}),
+    "fused-router": (
+        "fused plan + row gather, adaptive-router",
+        {"fused": True, "policy": "adaptive-router"},
+    ),
 }
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from .plan_lru import Telemetry, _check, kernel_arguments, plan_lru_reference
+from .plan_lru import Telemetry, check_plan_arguments, kernel_arguments, plan_lru_reference
 from .plan_sync import ARRIVAL, SYNC_WORDS  # the launch's sync words
 from .row_gather import MULTI_CHUNK_PROGRAMS, _check_args, gather_rows_reference
 
@@ -130,7 +130,7 @@ def plan_lru_copy_reference(
     bank (`gather_rows_reference`, the pool rows as the device source). Host-synchronizing; `sync` untouched."""
     plan = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
     sizes = (layer, num_experts, max_experts, num_rows, block_m, min_reads)
-    _check(*plan, *sizes, cycle, telemetry)
+    check_plan_arguments(*plan, *sizes, cycle, telemetry)
     _check_copy(rows, hosts, victims, codes, valid, num_rows, host_offset, sync, num_programs, chunk_programs)
     plan_lru_reference(*plan, *sizes, cycle, telemetry)
     for dst, host in zip(rows, hosts):
@@ -372,7 +372,7 @@ def plan_lru_copy(
         raise RuntimeError("plan_lru_copy needs Triton")
     plan = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
     sizes = (layer, num_experts, max_experts, num_rows, block_m, min_reads)
-    _check(*plan, *sizes, cycle, telemetry)
+    check_plan_arguments(*plan, *sizes, cycle, telemetry)
     _check_copy(rows, hosts, victims, codes, valid, num_rows, host_offset, sync, num_programs, chunk_programs)
     kernel_args, meta = kernel_arguments(*plan, *sizes, cycle, telemetry)
     num_pairs, max_numel = victims.shape[0], max(r.shape[1] for r in rows)

@@ -44,7 +44,7 @@ ROW_BLOCK = 1024
 MAX_COUNT_MATRIX = 8192
 
 
-def _check(
+def check_plan_arguments(
     ids: torch.Tensor,
     l2p: torch.Tensor,
     row_owner: torch.Tensor,
@@ -141,7 +141,9 @@ def plan_lru_reference(
 ) -> None:
     """Plain-Python reference of `plan_lru` (same arguments, same in-place results; host-synchronizing)."""
     args = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
-    _check(*args, layer, num_experts, max_experts, num_rows, block_m, min_reads, cycle, telemetry)
+    check_plan_arguments(
+        *args, layer, num_experts, max_experts, num_rows, block_m, min_reads, cycle, telemetry
+    )
     if telemetry is not None:
         count_routes_reference(ids, *telemetry[:3], layer * max_experts, num_experts, telemetry[3])
     R, EM, E = num_rows, max_experts, num_experts
@@ -287,7 +289,9 @@ def plan_lru(
     if triton is None:  # pragma: no cover
         raise RuntimeError("plan_lru needs Triton")
     args = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
-    _check(*args, layer, num_experts, max_experts, num_rows, block_m, min_reads, cycle, telemetry)
+    check_plan_arguments(
+        *args, layer, num_experts, max_experts, num_rows, block_m, min_reads, cycle, telemetry
+    )
     kernel_args, meta = kernel_arguments(
         *args, layer, num_experts, max_experts, num_rows, block_m, min_reads, cycle, telemetry
     )

@@ -47,10 +47,11 @@ class PoolConfig:
       spec_governor: "off" (SGLang's own speculation) or "cost": with SGLang's `--speculative-adaptive`, choose
         each verify step's depth (0 included) by measured tokens per request per second (`spec_governor.py`).
       planner_policy: the device planner's residency policy (CUDA decode steps; `policies.POLICIES`):
-        "lru-cycle" (the default) and "lru" plan in one fused launch per layer; the others with torch ops (a
-        few dozen small kernels per layer): "adaptive" (LRU or hit-count frequency by set dueling),
-        "adaptive-router" (the same, each layer ordered by its router's scores where the engine passes them),
-        "freq", "aging". Host-planned steps (prefill, the CPU) use the pool's LRU.
+        "lru-cycle" (the default) and "lru" plan in one fused launch per layer (plan + copy), "adaptive" (LRU or
+        hit-count frequency by set dueling) and "adaptive-router" (the same, each layer ordered by its router's
+        scores where the engine passes them) in one fused plan launch and the row gather (its cost grows with
+        L x E_max: not yet timed on a GPU); "freq" and "aging" with torch ops (a few dozen small kernels per
+        layer). Host-planned steps (prefill, the CPU) use the pool's LRU.
     """
 
     pool_rows: int
@@ -85,10 +86,11 @@ class PoolConfig:
         "spec_governor": "cost: with --speculative-adaptive, choose each verify step's number of draft tokens "
         "(0 included) by measured tokens per request per second instead of by acceptance length alone.",
         "planner_policy": "Residency policy of the device planner (CUDA decode steps): lru-cycle (default) or "
-        "lru, one fused launch per layer; on torch ops (a few dozen launches per layer, several times the "
-        "MoE's time per decode step: for policy studies): adaptive (LRU or hit-count "
-        "frequency, whichever misses less: fewer misses on skewed routing), adaptive-router (adaptive, each "
-        "layer ordered by the router's logits where the model's top-k selects on them), freq, aging.",
+        "lru, one fused launch per layer; adaptive (LRU or hit-count frequency, whichever misses less: fewer "
+        "misses on skewed routing) or adaptive-router (adaptive, each layer ordered by the router's logits "
+        "where the model's top-k selects on them), one fused plan launch and the row gather per layer; on torch "
+        "ops (a few dozen launches per layer, several times the MoE's time per decode step: for policy "
+        "studies): freq, aging.",
     }
     _FLAG_NAMES: ClassVar[dict[str, str]] = {"pool_rows": "--moe-expert-pool-rows"}
     _CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {

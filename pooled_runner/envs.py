@@ -90,7 +90,7 @@ def debug_checks() -> bool:
 
 
 def torch_planner() -> bool:
-    """POOLED_RUNNER_TORCH_PLANNER: plan decode steps with torch ops instead of the fused LRU kernel (A/B)."""
+    """POOLED_RUNNER_TORCH_PLANNER: plan decode steps with torch ops instead of the fused plan kernels (A/B)."""
     return _get_bool("TORCH_PLANNER", False)
 
 

@@ -31,12 +31,14 @@ import torch
 from pooled_runner import envs
 from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.kernels.pdl import pdl_available
+from pooled_runner.kernels.plan_adaptive import plan_adaptive
 from pooled_runner.kernels.plan_copy import COPY_PROGRAMS, MAX_FUSED_OPERANDS, SYNC_WORDS, plan_lru_copy
 from pooled_runner.kernels.plan_lru import plan_lru
 from pooled_runner.kernels.row_gather import MAX_MULTI_OPERANDS, MULTI_CHUNK_PROGRAMS, gather_rows_multi
 from pooled_runner.planner_ops import plan_ops
 from pooled_runner.planner_twin import FREE, residency_from_pool, table_problems
 from pooled_runner.policies import LRUPolicy, Policy, check_policy_rows
+from pooled_runner.policy_adaptive import AdaptivePolicy
 from pooled_runner.pool import ExpertPool
 from pooled_runner.routing import check_router_scores
 from pooled_runner.telemetry import RouteTelemetry
@@ -52,9 +54,10 @@ class DevicePlanner:
       block_m: M-block of the MoE kernel (for the byte-cost rule).
       min_reads_to_admit: byte-cost threshold (see module docstring).
       debug_checks: verify the tables after every step (host sync; default from POOLED_RUNNER_DEBUG_CHECKS).
-      fused: plan with the single-launch kernel (`kernels/plan_lru.py`); only for LRU and lru-cycle. None = on
-        CUDA with those unless POOLED_RUNNER_TORCH_PLANNER is set; True on the CPU runs it under the Triton
-        interpreter (tests).
+      fused: plan with a single-launch kernel: `kernels/plan_lru.py` for LRU and lru-cycle,
+        `kernels/plan_adaptive.py` (then the row gather) for the adaptive policies; the others have torch ops
+        only. None = on CUDA with those unless POOLED_RUNNER_TORCH_PLANNER is set; True on the CPU runs it
+        under the Triton interpreter (tests).
       gather_chunks: programs per admitted expert and operand in the admission copy (more stream the pinned
         bank at a higher PCIe rate; unused ones exit at once).
       one_launch: the fused plan and its admission copy in one launch (`kernels/plan_copy.py`, `copy_programs`
@@ -132,22 +135,32 @@ class DevicePlanner:
         check_policy_rows(self.policy, self.num_rows)
         self.policy.bind(L, EM, dev)
         is_lru = type(self.policy) in (LRUPolicy, CycleLRUPolicy)
-        if fused and not is_lru:
+        self._adaptive = self.policy if isinstance(self.policy, AdaptivePolicy) else None
+        can_fuse = is_lru or self._adaptive is not None
+        if fused and not can_fuse:
             raise ValueError(
-                f"the fused planner implements LRU and lru-cycle, not policy {self.policy.name!r}"
+                f"the fused planner implements lru, lru-cycle, adaptive and adaptive-router, not policy "
+                f"{self.policy.name!r}"
             )
-        self.fused = (dev.type == "cuda" and is_lru and not envs.torch_planner()) if fused is None else fused
+        self.fused = (
+            (dev.type == "cuda" and can_fuse and not envs.torch_planner()) if fused is None else fused
+        )
         # Fused-plan workspace: token counts per expert and the admitted pairs for the row gather.
         max_pairs = max(1, min(EM, R, max_routed))
         self._counts32 = torch.zeros(EM, dtype=torch.int32, device=dev)
         self._victims32 = torch.zeros(max_pairs, dtype=torch.int32, device=dev)
         self._codes32 = torch.zeros(max_pairs, dtype=torch.int32, device=dev)
         self._valid32 = torch.zeros(max_pairs, dtype=torch.int32, device=dev)
-        can_one = self.fused and self._bank_flat is not None and len(self._rows_flat) <= MAX_FUSED_OPERANDS
+        can_one = (
+            self.fused
+            and is_lru
+            and self._bank_flat is not None
+            and len(self._rows_flat) <= MAX_FUSED_OPERANDS
+        )
         if one_launch and not can_one:
             raise ValueError(
-                f"one_launch needs the fused planner (fused={self.fused}), a bank and <= {MAX_FUSED_OPERANDS} "
-                f"operands ({len(self._rows_flat)})"
+                f"one_launch needs the fused LRU planner (fused={self.fused}, policy {self.policy.name!r}), a "
+                f"bank and <= {MAX_FUSED_OPERANDS} operands ({len(self._rows_flat)})"
             )
         self.one_launch = can_one and (not envs.plan_split_copy() if one_launch is None else one_launch)
         self.copy_programs = copy_programs
@@ -264,7 +277,11 @@ class DevicePlanner:
             if getattr(self.policy, "observe_scores", None) is None:
                 router_scores = None
         in_place = False
-        if self.fused:
+        if self.fused and self._adaptive is not None:
+            if telemetry is not None:
+                telemetry.record(layer, topk_ids)
+            self._plan_adaptive(layer, topk_ids, E, num_pairs, router_scores)
+        elif self.fused:
             in_place = self._plan_fused(layer, topk_ids, E, num_pairs, telemetry)
         else:
             if telemetry is not None:
@@ -331,6 +348,45 @@ class DevicePlanner:
             early_trigger=self.overlap and in_place,
         )
         return in_place
+
+    def _plan_adaptive(
+        self, layer: int, topk_ids: torch.Tensor, E: int, num_pairs: int, router_scores: torch.Tensor | None
+    ) -> None:
+        """The adaptive policies' fused plan (`plan_adaptive`), then the admitted rows' copy."""
+        policy = self._adaptive
+        assert policy is not None
+        ids = topk_ids.reshape(-1)  # [T*K]
+        if ids.dtype not in (torch.int32, torch.int64):
+            ids = ids.to(torch.int64)
+        if router_scores is not None:  # tokens with no routed id (padding lanes) do not vote
+            valid = ((topk_ids >= 0) & (topk_ids < E)).any(1)  # [T]
+            policy.observe_scores(layer, router_scores[:, :E], valid, topk_ids.shape[1])  # type: ignore[attr-defined]
+        victims, codes, valid32 = (
+            self._victims32[:num_pairs],
+            self._codes32[:num_pairs],
+            self._valid32[:num_pairs],
+        )
+        plan_adaptive(
+            ids.contiguous(),
+            self.pool.l2p_gpu.view(-1),
+            self.row_owner,
+            self.row_stamp,
+            self.clock,
+            self.counters,
+            self._counts32,
+            victims,
+            codes,
+            valid32,
+            layer,
+            E,
+            self.max_experts,
+            self.num_rows,
+            self.block_m,
+            self.min_reads_to_admit,
+            policy.kernel_state(),
+            policy.kernel_rule(),
+        )
+        self._gather(layer, victims, codes, valid32)
 
     def _gather(self, layer: int, victims: torch.Tensor, codes: torch.Tensor, valid: torch.Tensor) -> None:
         """Copy the admitted experts (`codes` = R + expert, where `valid`) from the bank into their rows: one

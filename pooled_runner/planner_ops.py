@@ -1,6 +1,6 @@
 """The device planner's policy-generic step (`DevicePlanner.plan` for any `Policy`, and on the CPU): torch ops,
-a few dozen small kernels, no host sync; the fused kernels (`kernels/plan_copy.py`) implement LRU and
-lru-cycle only. `self` is the planner; its tables are updated in place (see `planner.py`)."""
+a few dozen small kernels, no host sync; the fused kernels implement LRU and lru-cycle
+(`kernels/plan_copy.py`) and the adaptive policies (`kernels/plan_adaptive.py`, decisions equal to these ops'). `self` is the planner; its tables are updated in place (see `planner.py`)."""
 
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from pooled_runner.kernels.plan_adaptive import AdaptiveRule, AdaptiveState
 from pooled_runner.policy_base import NEVER, shift_ticks
 
 ONE = 1 << 16  # fixed-point unit of one chain start
@@ -70,6 +71,7 @@ class AdaptivePolicy:
         self.last_use: torch.Tensor | None = None  # [L * E_max] int64
         self.misses: torch.Tensor | None = None  # [2] int64: LRU-shadow-only, freq-shadow-only misses
         self.mode: torch.Tensor | None = None  # [1] int64: 1 = frequency
+        self._scratch: torch.Tensor | None = None  # [E_max] int64, the fused plan's workspace
         self._layers, self._max_experts = 0, 0
         self._h_count: list[int] = []
         self._h_last: list[int] = []
@@ -88,6 +90,7 @@ class AdaptivePolicy:
         self.last_use = torch.full((size,), NEVER, dtype=torch.int64, device=device)
         self.misses = torch.zeros(2, dtype=torch.int64, device=device)
         self.mode = torch.zeros(1, dtype=torch.int64, device=device)
+        self._scratch = torch.zeros(max_experts, dtype=torch.int64, device=device)
 
     def _state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.count is None or self.last_use is None or self.misses is None or self.mode is None:
@@ -137,6 +140,26 @@ class AdaptivePolicy:
 
     def evicted(self, victim_key: torch.Tensor, evicted: torch.Tensor) -> None:
         pass
+
+    def kernel_state(self) -> AdaptiveState:
+        """The device state for the fused plan (`kernels/plan_adaptive.py`), with its scratch."""
+        count, last_use, misses, mode = self._state()
+        if self._scratch is None:
+            self._scratch = torch.zeros(self._max_experts, dtype=torch.int64, device=count.device)
+        return AdaptiveState(count, last_use, misses, mode, None, None, self._scratch)
+
+    def kernel_rule(self) -> AdaptiveRule:
+        """The constants of the fused plan."""
+        return AdaptiveRule(
+            self._layers,
+            self.decay_shift,
+            self.duel_shift,
+            self.margin_shift,
+            self._floor,
+            self._bonus,
+            SCORE,
+            ONE,
+        )
 
     def _value_counts(self) -> torch.Tensor:
         """`[L * E_max + 1]` the counts the frequency mode ranks by (a subclass may reorder them per layer)."""

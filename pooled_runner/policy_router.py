@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from pooled_runner.kernels.plan_adaptive import AdaptiveState
 from pooled_runner.policy_adaptive import ONE, AdaptivePolicy
 
 RAMP = 64  # ramp steps of one token that scored `width / 2` or more above its k-th score
@@ -146,6 +147,10 @@ class RouterAdaptivePolicy(AdaptivePolicy):
         by_count = torch.sort(layer_count, descending=True, stable=True).indices  # ties by expert id
         order = by_count[torch.sort(layer_member[by_count], descending=True, stable=True).indices]  # [E]
         ranked[lo : lo + E].index_copy_(0, order, curve)
+
+    def kernel_state(self) -> AdaptiveState:
+        member, ranked = self._member_state()
+        return super().kernel_state()._replace(member=member, ranked=ranked)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         member, ranked = self._member_state()

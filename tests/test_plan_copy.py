@@ -301,7 +301,7 @@ def test_planner_one_launch_equals_two_launches(policy, overlap: bool) -> None:
 
 def test_planner_one_launch_needs_the_fused_planner() -> None:
     pool = int4_like_pool([4], 2)
-    with pytest.raises(ValueError, match="one_launch needs the fused planner"):
+    with pytest.raises(ValueError, match="one_launch needs the fused LRU planner"):
         DevicePlanner(pool, LRUPolicy(), fused=False, one_launch=True)
     assert DevicePlanner(pool, LRUPolicy(), fused=False).one_launch is False
 

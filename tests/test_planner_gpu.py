@@ -40,7 +40,7 @@ WIDTHS["mtp_bs3_ns3"] = 12
 def make_policy(name: str):
     if name == "aging":
         return AgingFreqPolicy(decay_steps=3)
-    if name == "adaptive":
+    if name in ("adaptive", "adaptive-ops"):
         # no floor: both modes within the few captured steps (the floor itself is tested on the CPU)
         return AdaptivePolicy(ROWS, decay_shift=2, duel_shift=1, margin_shift=1, floor_misses=0)
     if name.startswith("adaptive-router"):  # the same, each layer ordered by the router's logits (fed to it)
@@ -58,8 +58,9 @@ CASES = [(w, "lru") for w in WIDTHS] + [
     ("mtp_bs3_ns3", "freq"),
     ("M2", "aging"),
     ("mtp_bs2_ns1", "aging"),
-    ("M1", "adaptive"),
+    ("M1", "adaptive"),  # the adaptive policies: the fused plan (kernels/plan_adaptive.py), the CUDA default
     ("mtp_bs3_ns3", "adaptive"),
+    ("M4", "adaptive-ops"),  # and their torch-ops form
     ("M1", "adaptive-router"),
     ("mtp_bs3_ns3", "adaptive-router"),
     ("M2", "adaptive-router-bf16"),  # bf16 logits, as SGLang's bf16 gate hands them over
@@ -99,7 +100,7 @@ class Stack:
         self.moe = build_moe(weights, ROWS)
         pool = self.moe.pool
         self.twin = HostTwin(pool, make_policy(policy))
-        fused = False if policy == "lru-ops" else None
+        fused = False if policy.endswith("-ops") else None
         self.planner = DevicePlanner(
             pool,
             make_policy(policy),
@@ -249,6 +250,8 @@ def test_captured_decode_step_replays_with_new_routing(width, policy, weights, r
     overlap = True if policy == "lru" else None
     graphed, eager = Stack(weights, M, policy, overlap=overlap), Stack(weights, M, policy, overlap=False)
     assert graphed.planner.overlap == (policy == "lru"), "only the fused one-launch planner overlaps"
+    fused = policy not in ("freq", "aging") and not policy.endswith("-ops")
+    assert graphed.planner.fused == fused, f"{policy}: fused {graphed.planner.fused}, expected {fused}"
     g_graph = torch.Generator(device="cuda").manual_seed(M)
     g_eager = torch.Generator(device="cuda").manual_seed(M)
     warm_up(graphed, g_graph)

@@ -1,0 +1,132 @@
+"""Torch reference of `plan_adaptive` (same signature, same in-place results): whole-tensor sorts and pairwise
+comparisons where the kernel searches keys one pair at a time. Written from the rule in `plan_adaptive.py`'s
+docstring, not from the kernel; tests compare the two at awkward sizes."""
+
+from __future__ import annotations
+
+import torch
+
+from .plan_adaptive import NEVER, AdaptiveRule, AdaptiveState
+
+INT64_MAX = torch.iinfo(torch.int64).max
+
+
+def plan_adaptive_reference(
+    ids: torch.Tensor,
+    l2p: torch.Tensor,
+    row_owner: torch.Tensor,
+    row_stamp: torch.Tensor,
+    clock: torch.Tensor,
+    counters: torch.Tensor,
+    counts: torch.Tensor,
+    victims: torch.Tensor,
+    codes: torch.Tensor,
+    valid: torch.Tensor,
+    layer: int,
+    num_experts: int,
+    max_experts: int,
+    num_rows: int,
+    block_m: int,
+    min_reads: int,
+    state: AdaptiveState,
+    rule: AdaptiveRule,
+) -> None:
+    """`plan_adaptive` in torch ops (no Triton); `counts` is left as it was."""
+    E, EM, R, L = num_experts, max_experts, num_rows, rule.num_layers
+    lo = layer * EM
+    flat_ids = ids.to(torch.int64)
+    routed = (flat_ids >= 0) & (flat_ids < E)
+    tokens = torch.bincount(flat_ids[routed], minlength=E)[:E]  # [E]
+    present = tokens > 0
+    now = int(clock.item()) + 1
+    clock.fill_(now)
+    value_counts = state.ranked if state.ranked is not None else state.count
+    _observe(state, rule, layer, lo, present, now, value_counts, R)
+
+    code = l2p[lo : lo + E].to(torch.int64)
+    hit, miss = present & (code < R), present & (code >= R)
+    row_stamp[code[hit]] = now
+    cand = miss & ((tokens + block_m - 1) // block_m >= min_reads)
+    mode = int(state.mode.item())
+    value = value_counts[lo : lo + E]
+    experts = sorted(torch.nonzero(cand).flatten().tolist(), key=lambda e: (-int(value[e]) * mode, e))
+
+    stamp, owner = row_stamp[:R].tolist(), row_owner[:R].tolist()
+    vkeys = {}
+    for r in range(R):
+        if stamp[r] == now:
+            continue
+        if owner[r] < 0:
+            vkeys[r] = (-1, (stamp[r] + 1) * R + r)
+        else:
+            v = (int(value_counts[owner[r]]) + rule.bonus * int(now - stamp[r] < L)) * mode
+            vkeys[r] = (v, (stamp[r] + 1) * R + r)
+    rows = sorted(vkeys, key=lambda r: vkeys[r])
+    valid.zero_()
+    victims.zero_()
+    codes.fill_(R)
+    admitted = evicted = 0
+    for i, (e, r) in enumerate(zip(experts[: victims.shape[0]], rows)):
+        old = owner[r]
+        admit = old < 0 or mode == 0 or int(value[e]) + rule.bonus >= vkeys[r][0]
+        victims[i], codes[i], valid[i] = r, R + e, int(admit)
+        if admit:
+            if old >= 0:
+                l2p[old] = R + old % EM
+                evicted += 1
+            l2p[lo + e], row_owner[r], row_stamp[r] = r, lo + e, now
+            admitted += 1
+    num_hits, num_misses = int(hit.sum()), int(miss.sum())
+    counters += torch.tensor(
+        [num_hits, num_misses, admitted, num_misses - admitted, evicted],
+        dtype=torch.int64,
+        device=counters.device,
+    )
+
+
+def _observe(
+    state: AdaptiveState,
+    rule: AdaptiveRule,
+    layer: int,
+    lo: int,
+    present: torch.Tensor,
+    now: int,
+    value_counts: torch.Tensor,
+    num_rows: int,
+) -> None:
+    """The policy's update: shadows, decays, misses, mode, chain starts, last use; with the router, the ranked
+    counts of the layer."""
+    L, E = rule.num_layers, present.shape[0]
+    n = state.last_use.shape[0]
+    last_all = state.last_use
+    value_all = value_counts[:n] + rule.bonus * ((now - 1 - last_all) < L).to(torch.int64)
+    lru_only = freq_only = 0
+    for e in torch.nonzero(present).flatten().tolist():
+        t, v = int(last_all[lo + e]), int(value_all[lo + e])
+        lru_out = t == NEVER or int((last_all > t).sum()) >= num_rows
+        above = (value_all > v) | ((value_all == v) & (last_all > t))
+        freq_out = t == NEVER or int(above.sum()) >= num_rows
+        lru_only += int(lru_out and not freq_out)
+        freq_only += int(freq_out and not lru_out)
+    if layer == 0:
+        state.count.sub_(state.count >> rule.decay_shift)
+        state.misses.sub_(state.misses >> rule.duel_shift)
+        if state.member is not None and state.ranked is not None:
+            state.member.sub_(state.member >> rule.decay_shift)
+            state.ranked.sub_(state.ranked >> rule.decay_shift)
+    state.misses.add_(
+        torch.tensor([lru_only, freq_only], dtype=torch.int64, device=state.misses.device) * rule.score
+    )
+    lru_m, freq_m = (int(x) for x in state.misses.tolist())
+    state.mode.fill_(int(freq_m + (freq_m >> rule.margin_shift) + rule.floor < lru_m))
+    last = last_all[lo : lo + E]
+    state.count[lo : lo + E] += (present & (last != now - L)).to(torch.int64) * rule.one
+    last.copy_(torch.where(present, now, last))
+    if state.member is not None and state.ranked is not None:
+        em = state.member.shape[0] // L
+        count = state.count[lo : lo + em].tolist()
+        member = state.member[lo : lo + em].tolist()
+        curve = sorted(count, reverse=True)
+        order = sorted(range(em), key=lambda e: (-member[e], -count[e], e))
+        for c, e in zip(curve, order):
+            state.ranked[lo + e] = c
