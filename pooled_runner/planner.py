@@ -39,6 +39,7 @@ from pooled_runner.planner_ops import plan_ops
 from pooled_runner.planner_twin import FREE, residency_from_pool, table_problems
 from pooled_runner.policies import LRUPolicy, Policy, check_policy_rows
 from pooled_runner.policy_adaptive import AdaptivePolicy
+from pooled_runner.policy_router import RouterAdaptivePolicy
 from pooled_runner.pool import ExpertPool
 from pooled_runner.routing import check_router_scores
 from pooled_runner.telemetry import RouteTelemetry
@@ -359,8 +360,10 @@ class DevicePlanner:
         if ids.dtype not in (torch.int32, torch.int64):
             ids = ids.to(torch.int64)
         if router_scores is not None:  # tokens with no routed id (padding lanes) do not vote
-            valid = ((topk_ids >= 0) & (topk_ids < E)).any(1)  # [T]
-            policy.observe_scores(layer, router_scores[:, :E], valid, topk_ids.shape[1])  # type: ignore[attr-defined]
+            assert isinstance(policy, RouterAdaptivePolicy), policy.name  # `plan` drops scores for the others
+            if router_scores.stride(1) != 1:
+                router_scores = router_scores.contiguous()
+            policy.observe_scores_fused(layer, router_scores, topk_ids, E)
         victims, codes, valid32 = (
             self._victims32[:num_pairs],
             self._codes32[:num_pairs],

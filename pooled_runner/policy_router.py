@@ -31,10 +31,10 @@ import math
 
 import torch
 
+from pooled_runner.kernels.membership import RAMP, add_membership, ramp_units
 from pooled_runner.kernels.plan_adaptive import AdaptiveState
 from pooled_runner.policy_adaptive import ONE, AdaptivePolicy
 
-RAMP = 64  # ramp steps of one token that scored `width / 2` or more above its k-th score
 # `member` holds ramp steps x MEMBER_UNIT (one full token = ONE): fixed point, so that the decay
 # `m - (m >> decay_shift)` reaches small sums too (raw steps below 2**decay_shift would never decay)
 MEMBER_UNIT = ONE // RAMP
@@ -49,19 +49,9 @@ def membership_units(
     scores: torch.Tensor, valid: torch.Tensor, top_k: int, width: float = 2.0
 ) -> torch.Tensor:
     """`scores [T, E]` (floating, any device), `valid [T]` bool (tokens routed at all), `top_k` >= 1 ->
-    `[E]` int64 member units summed over the valid tokens (see module docstring). T = 0 gives zeros."""
-    num_tokens, num_experts = scores.shape
-    k = min(top_k, num_experts)
-    if num_tokens == 0 or k < 1:
-        return torch.zeros(num_experts, dtype=torch.int64, device=scores.device)
-    s = scores.to(torch.float64)  # exact: every fp32/bf16/fp16 value is a float64, and so is the difference
-    votes = valid & ~torch.isnan(s).any(1)  # [T] a token with a NaN score has no k-th score to speak of
-    s = torch.nan_to_num(s, nan=0.0, posinf=math.inf, neginf=-math.inf)
-    kth = torch.topk(s, k, dim=1).values[:, k - 1 : k]  # [T, 1]
-    inc = torch.floor((s - kth) * _ramp_scale(width)) + RAMP // 2  # [T, E]
-    inc = torch.nan_to_num(inc.clamp(0, RAMP), nan=0.0)  # inf - inf: 0
-    inc = torch.where(votes[:, None], inc, 0.0)
-    return inc.sum(0).to(torch.int64)  # integers below 2**53: the sum is exact in any order
+    `[E]` int64 member units summed over the valid tokens (see module docstring). T = 0 gives zeros. Torch ops
+    (the torch-ops planner's form; the fused planner's is `kernels/membership.py`)."""
+    return ramp_units(scores, valid, top_k, _ramp_scale(width))
 
 
 def membership_units_host(
@@ -110,6 +100,7 @@ class RouterAdaptivePolicy(AdaptivePolicy):
         self.width = width
         self.member: torch.Tensor | None = None  # [L * E_max] int64 ramp steps x MEMBER_UNIT (decayed)
         self.ranked: torch.Tensor | None = None  # [L * E_max + 1] int64 ranked counts; last slot a dummy
+        self._scale: torch.Tensor | None = None  # [1] float64 RAMP / width, for the fused membership
         self._h_member: list[int] = []
         self._h_ranked: list[int] = []
 
@@ -118,6 +109,7 @@ class RouterAdaptivePolicy(AdaptivePolicy):
         size = num_layers * max_experts
         self.member = torch.zeros(size, dtype=torch.int64, device=device)
         self.ranked = torch.zeros(size + 1, dtype=torch.int64, device=device)
+        self._scale = torch.tensor([_ramp_scale(self.width)], dtype=torch.float64, device=device)
 
     def _member_state(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.member is None or self.ranked is None:
@@ -132,6 +124,19 @@ class RouterAdaptivePolicy(AdaptivePolicy):
         member = self._member_state()[0]
         lo = layer * self._max_experts
         member[lo : lo + scores.shape[1]] += membership_units(scores, valid, top_k, self.width) * MEMBER_UNIT
+
+    def observe_scores_fused(
+        self, layer: int, scores: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
+    ) -> None:
+        """`observe_scores` in one launch (`kernels/membership.py`; the fused planner's form): `scores [T, >=
+        num_experts]` with unit stride along the experts, the votes from `topk_ids [T, K]` (a token votes when
+        one of its ids is in [0, num_experts)), top-k = K."""
+        member = self._member_state()[0]
+        assert self._scale is not None  # set by bind, with member
+        lo = layer * self._max_experts
+        add_membership(
+            scores, topk_ids, member[lo : lo + self._max_experts], num_experts, self._scale, MEMBER_UNIT
+        )
 
     def observe(self, layer: int, present: torch.Tensor, now: torch.Tensor) -> None:
         member, ranked = self._member_state()
