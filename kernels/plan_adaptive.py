@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from .plan_lru import MAX_COUNT_MATRIX, check_plan_arguments
+from .plan_lru import MAX_COUNT_MATRIX, Telemetry, check_plan_arguments
 
 try:  # Triton is optional for the CPU core
     import triton
@@ -122,14 +122,19 @@ def plan_adaptive(
     min_reads: int,
     state: AdaptiveState,
     rule: AdaptiveRule,
+    telemetry: Telemetry | None = None,
 ) -> None:
     """Plan one step of `layer` and update the policy's state in place (see module docstring). One launch,
     graph-safe (no host sync, no allocation). `P = victims.shape[0]` (the planner passes `min(E, R, T*K)`) and
-    T*K may be 0 (then the clock moves and the policy sees an empty step). ValueError for bad shapes."""
+    T*K may be 0 (then the clock moves and the policy sees an empty step). `telemetry = (counts, routed, flags,
+    max_count)` also records the step's route telemetry (the `count_routes` contract, from the token counts the
+    kernel computes anyway). ValueError for bad shapes."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("plan_adaptive needs Triton")
     args = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
-    check_plan_arguments(*args, layer, num_experts, max_experts, num_rows, block_m, min_reads, None, None)
+    check_plan_arguments(
+        *args, layer, num_experts, max_experts, num_rows, block_m, min_reads, None, telemetry
+    )
     num_layers = rule.num_layers
     if l2p.shape[0] != num_layers * max_experts:
         raise ValueError(f"l2p holds {l2p.shape[0]} entries, expected L * E_max = {num_layers * max_experts}")
@@ -144,14 +149,18 @@ def plan_adaptive(
     block_e = triton.next_power_of_2(max_experts)
     member = state.member if state.member is not None else state.count  # placeholders: unread without ROUTER
     ranked = state.ranked if state.ranked is not None else state.count
+    tel = (
+        (telemetry[0], telemetry[1].view(torch.int8), telemetry[2]) if telemetry is not None else (clock,) * 3
+    )
     _plan_adaptive_kernel[(1,)](
         ids, num_routed, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid,
+        *tel, telemetry[3] if telemetry is not None else 1,
         state.count, state.last_use, state.misses, state.mode, member, ranked, state.scratch,
         layer * max_experts, num_experts, max_experts, num_rows, num_layers * max_experts, num_layers,
         num_pairs, block_m, min_reads, NEVER,
         rule.decay_shift, rule.duel_shift, rule.margin_shift, rule.floor, rule.bonus, rule.score, rule.one,
         BLOCK_TK=block_tk, BLOCK_E=block_e, BLOCK_R=ROW_BLOCK, BLOCK_N=SHADOW_BLOCK, BLOCK_P=PRESENT_BLOCK,
-        BLOCK_J=RANK_BLOCK, ROUTER=router, FIRST_LAYER=layer == 0,
+        BLOCK_J=RANK_BLOCK, ROUTER=router, FIRST_LAYER=layer == 0, TELEMETRY=telemetry is not None,
         COUNT_IN_REGISTERS=block_tk * block_e <= MAX_COUNT_MATRIX and num_routed <= 1024,
         num_warps=4,
     )  # fmt: skip
@@ -162,13 +171,13 @@ if triton is not None:
     @triton.jit
     def _plan_adaptive_kernel(
         ids_ptr, num_routed, l2p_ptr, owner_ptr, stamp_ptr, clock_ptr, counters_ptr, counts_ptr,
-        victims_ptr, codes_ptr, valid_ptr,
+        victims_ptr, codes_ptr, valid_ptr, tel_counts_ptr, tel_routed_ptr, tel_flags_ptr, tel_max,
         count_ptr, last_ptr, misses_ptr, mode_ptr, member_ptr, ranked_ptr, scratch_ptr,
         base, E, EM, R, N, L, num_pairs, block_m, min_reads, never,
         decay_shift, duel_shift, margin_shift, floor, bonus, score, one,
         BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr, ROUTER: tl.constexpr, FIRST_LAYER: tl.constexpr,
-        COUNT_IN_REGISTERS: tl.constexpr,
+        COUNT_IN_REGISTERS: tl.constexpr, TELEMETRY: tl.constexpr,
     ):  # fmt: skip
         INT64_MAX: tl.constexpr = 0x7FFFFFFFFFFFFFFF
         e_offs = tl.arange(0, BLOCK_E)
@@ -185,7 +194,9 @@ if triton is not None:
             ids = tl.load(ids_ptr + t_offs, mask=t_offs < num_routed, other=-1).to(tl.int64)
             routed = (ids >= 0) & (ids < E)
             tokens = tl.sum(((ids[:, None] == e_offs[None, :]) & routed[:, None]).to(tl.int32), 0)
+            num_bad = tl.sum(((ids < -1) | (ids >= E)).to(tl.int32), 0)
         else:
+            num_bad = 0
             tl.store(counts_ptr + e_offs, tl.zeros([BLOCK_E], dtype=tl.int32), mask=e_in)
             tl.debug_barrier()
             for start in range(0, num_routed, BLOCK_TK):
@@ -194,9 +205,17 @@ if triton is not None:
                 routed = (ids >= 0) & (ids < E)
                 ones = tl.full([BLOCK_TK], 1, tl.int32)
                 tl.atomic_add(counts_ptr + tl.where(routed, ids, 0), ones, mask=routed)
+                num_bad += tl.sum(((ids < -1) | (ids >= E)).to(tl.int32), 0)
             tl.debug_barrier()
             tokens = tl.load(counts_ptr + e_offs, mask=e_in, other=0, volatile=True)
         present = tokens > 0
+        if TELEMETRY:  # saturating counts, bitmap, sticky poison / overflow bits (as plan_body)
+            tel_new = tl.load(tel_counts_ptr + base + e_offs, mask=e_in, other=0) + tokens
+            tel_over = present & (tel_new >= tel_max)
+            tl.store(tel_counts_ptr + base + e_offs, tl.minimum(tel_new, tel_max), mask=present)
+            tl.store(tel_routed_ptr + base + e_offs, tl.full([BLOCK_E], 1, tl.int8), mask=present)
+            tl.store(tel_flags_ptr + 0, 1, mask=num_bad > 0)
+            tl.store(tel_flags_ptr + 1, 1, mask=tl.sum(tel_over.to(tl.int32), 0) > 0)
         tl.store(clock_ptr, now)
         # 2. shadow caches as of the previous tick, for the present experts (compacted into the scratch)
         pos = tl.cumsum(present.to(tl.int32), 0) - 1

@@ -279,9 +279,7 @@ class DevicePlanner:
                 router_scores = None
         in_place = False
         if self.fused and self._adaptive is not None:
-            if telemetry is not None:
-                telemetry.record(layer, topk_ids)
-            self._plan_adaptive(layer, topk_ids, E, num_pairs, router_scores)
+            self._plan_adaptive(layer, topk_ids, E, num_pairs, router_scores, telemetry)
         elif self.fused:
             in_place = self._plan_fused(layer, topk_ids, E, num_pairs, telemetry)
         else:
@@ -351,9 +349,16 @@ class DevicePlanner:
         return in_place
 
     def _plan_adaptive(
-        self, layer: int, topk_ids: torch.Tensor, E: int, num_pairs: int, router_scores: torch.Tensor | None
+        self,
+        layer: int,
+        topk_ids: torch.Tensor,
+        E: int,
+        num_pairs: int,
+        router_scores: torch.Tensor | None,
+        telemetry: RouteTelemetry | None,
     ) -> None:
-        """The adaptive policies' fused plan (`plan_adaptive`), then the admitted rows' copy."""
+        """The adaptive policies' fused plan (`plan_adaptive`, telemetry recorded inside), then the admitted
+        rows' copy."""
         policy = self._adaptive
         assert policy is not None
         ids = topk_ids.reshape(-1)  # [T*K]
@@ -388,6 +393,7 @@ class DevicePlanner:
             self.min_reads_to_admit,
             policy.kernel_state(),
             policy.kernel_rule(),
+            telemetry.fused_target(layer) if telemetry is not None else None,
         )
         self._gather(layer, victims, codes, valid32)
 

@@ -13,6 +13,7 @@ from pooled_runner.planner_twin import HostTwin
 from pooled_runner.policies import make_policy
 from pooled_runner.policy_adaptive import ONE, SCORE, AdaptivePolicy
 from pooled_runner.policy_router import RouterAdaptivePolicy
+from pooled_runner.telemetry import RouteTelemetry
 from tests.test_planner import assert_rows_hold_owners, assert_same_state, make_pool, random_ids
 from tests.test_policy_adaptive import skewed_ids
 
@@ -119,6 +120,8 @@ def test_fused_planner_equals_twin(router, layers, rows, K, max_T, kw):
     planner = DevicePlanner(pool, dev_policy, max_routed=max_T * K, fused=True)
     assert planner.fused and not planner.one_launch
     twin = HostTwin(pool, host_policy)
+    # telemetry recorded inside the plan kernel, against the torch form's; a low cap so that it saturates
+    tel, tel_ref = (RouteTelemetry(layers, torch.device("cpu"), max_count=20, fused=False) for _ in range(2))
     g = torch.Generator().manual_seed(sum(layers) + rows + int(router))
     modes = set()
     for step in range(90):
@@ -127,7 +130,8 @@ def test_fused_planner_equals_twin(router, layers, rows, K, max_T, kw):
         T = int(torch.randint(0, max_T + 1, (1,), generator=g))
         ids = (skewed_ids if (step // 30) % 2 == 0 else random_ids)(T, min(K, E), E, g)
         scores = torch.randn(T, E + 1, generator=g) * 3 if router and step % 5 != 4 else None
-        planner.plan(layer, ids, router_scores=scores)
+        planner.plan(layer, ids, telemetry=tel, router_scores=scores)
+        tel_ref.record(layer, ids)
         codes = twin.plan(layer, ids, router_scores=scores)
         assert_same_state(planner, twin, f"step {step}")
         present = sorted({e for e in ids.flatten().tolist() if 0 <= e < E})
@@ -138,6 +142,13 @@ def test_fused_planner_equals_twin(router, layers, rows, K, max_T, kw):
     pool.check_invariants()
     if kw.get("floor_misses") == 0:
         assert modes == {0, 1}
+    for got, want in (
+        (tel.counts[:-1], tel_ref.counts[:-1]),
+        (tel.routed[:-1], tel_ref.routed[:-1]),
+        (tel.flags, tel_ref.flags),
+    ):  # the last slot is the torch form's dummy
+        assert torch.equal(got, want), (got, want)
+    assert tel.flags.tolist() == [1, 1], "random_ids poison the window and the cap of 20 is reached"
 
 
 def test_bad_configuration_and_state():
