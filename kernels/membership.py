@@ -2,7 +2,8 @@
 (`pooled_runner/policy_router.py`, "Membership") added to a layer's `member` counters.
 
 For each token whose routed ids are not all padding and whose scores hold no NaN: `d = score - the token's
-k-th largest score` (float64, exact for fp32/bf16/fp16 scores; k = min(top-k, E)), and each expert gets
+k-th largest score` (float64: exact for scores of similar magnitude, and rounded the same way in every form
+else; k = min(top-k, E)), and each expert gets
 `clamp(floor(d * scale) + RAMP / 2, 0, RAMP) * unit` (inf - inf adds 0). The torch form
 (`membership_units`) is about twenty small kernels (a float64 top-k among them); this is one program per token:
 the k-th largest by counting (the smallest score with fewer than k scores above it, compared in blocks), the
@@ -119,7 +120,9 @@ def ramp_units(scores: torch.Tensor, valid: torch.Tensor, top_k: int, scale: flo
     k = min(top_k, num_experts)
     if num_tokens == 0 or k < 1:
         return torch.zeros(num_experts, dtype=torch.int64, device=scores.device)
-    s = scores.to(torch.float64)  # exact: every fp32/bf16/fp16 value is a float64, and so is the difference
+    s = scores.to(
+        torch.float64
+    )  # every fp32/bf16/fp16 value is a float64; differences round as in the kernel
     votes = valid & ~torch.isnan(s).any(1)  # [T] a token with a NaN score has no k-th score to speak of
     s = torch.nan_to_num(s, nan=0.0, posinf=math.inf, neginf=-math.inf)
     kth = torch.topk(s, k, dim=1).values[:, k - 1 : k]  # [T, 1]

@@ -20,8 +20,8 @@ with the same integers (the rules are `policy_adaptive.py`'s and `policy_router.
   6. evictions and admissions in the tables, the admitted pairs for the row gather (`victims`, `codes` =
      R + expert, `valid`: not a prefix, a rejected pair leaves a hole), and the counters (hits, misses,
      admissions, host reads, evictions).
-The router's membership units (a float64 top-k over the step's scores) are added by the policy's
-`observe_scores` before the launch. In LRU mode the decisions equal `plan_lru`'s without cycle protection.
+The router's membership units are added before the launch (`RouterAdaptivePolicy.observe_scores_fused`: one
+launch of `kernels/membership.py`). In LRU mode the decisions equal `plan_lru`'s without cycle protection.
 
 Shapes: as `plan_lru.py` (`ids [T*K]`, `l2p [L * E_max]` int32, `row_owner, row_stamp [>= R]` int64, `clock
 [1]`, `counters [5]` int64, `counts [>= E_max]` int32 scratch, `victims, codes, valid [P]` int32), plus the
@@ -251,6 +251,7 @@ if triton is not None:
             lru_only += tl.sum((q_in & lru_out & ~freq_out).to(tl.int64), 0)
             freq_only += tl.sum((q_in & freq_out & ~lru_out).to(tl.int64), 0)
             p_start += BLOCK_P
+        tl.debug_barrier()  # every thread has read the counts before any decays them (write after read)
         # 3. decays (once per step), shadow misses, mode, chain starts, last use
         if FIRST_LAYER:
             for n_start in range(0, N, BLOCK_N):
@@ -332,7 +333,10 @@ if triton is not None:
                 stamp = tl.load(stamp_ptr + rows, mask=r_in, other=0, volatile=True)
                 owner = tl.load(owner_ptr + rows, mask=r_in, other=-1, volatile=True)
                 owned = owner >= 0
-                value_r = tl.load(value_ptr + tl.where(owned, owner, 0), mask=r_in & owned, other=0)
+                # volatile (no L1): step 3 and 4 wrote these values from other threads in this launch
+                value_r = tl.load(
+                    value_ptr + tl.where(owned, owner, 0), mask=r_in & owned, other=0, volatile=True
+                )
                 vkey = tl.where(owned, (value_r + bonus * ((now - stamp) < L).to(tl.int64)) * mode, -1)
                 rkey = (stamp + 1) * R + rows
                 ok_r = r_in & (stamp != now)

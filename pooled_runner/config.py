@@ -49,8 +49,8 @@ class PoolConfig:
       planner_policy: the device planner's residency policy (CUDA decode steps; `policies.POLICIES`):
         "lru-cycle" (the default) and "lru" plan in one fused launch per layer (plan + copy), "adaptive" (LRU or
         hit-count frequency by set dueling) and "adaptive-router" (the same, each layer ordered by its router's
-        scores where the engine passes them) in one fused plan launch and the row gather (its cost grows with
-        L x E_max: not yet timed on a GPU); "freq" and "aging" with torch ops (a few dozen small kernels per
+        scores where the engine passes them) in one fused plan launch and the row gather per layer (with the
+        router's scores, one membership launch more; the plan's cost grows with L x E_max); "freq" and "aging" with torch ops (a few dozen small kernels per
         layer). Host-planned steps (prefill, the CPU) use the pool's LRU.
     """
 

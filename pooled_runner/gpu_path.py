@@ -57,8 +57,8 @@ class GpuPath:
         if self.planner is not None and not self.planner.fused:
             logger.warning(
                 "planner policy %s runs on the torch-ops planner: a few dozen small kernels per layer, several "
-                "times the MoE's own time per decode step on an H200 (docs/BENCHMARKS.md); lru-cycle, lru, "
-                "adaptive and adaptive-router plan in one fused launch",
+                "times the MoE's own time per decode step on an H200 (docs/BENCHMARKS.md); lru-cycle and lru "
+                "plan in one fused launch, adaptive and adaptive-router in a fused plan and the row gather",
                 policy_name,
             )
         logger.info(

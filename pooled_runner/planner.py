@@ -136,7 +136,9 @@ class DevicePlanner:
         check_policy_rows(self.policy, self.num_rows)
         self.policy.bind(L, EM, dev)
         is_lru = type(self.policy) in (LRUPolicy, CycleLRUPolicy)
-        self._adaptive = self.policy if isinstance(self.policy, AdaptivePolicy) else None
+        # exact types: a subclass that changes the rule must not be fused with the base rule
+        exact = type(self.policy) in (AdaptivePolicy, RouterAdaptivePolicy)
+        self._adaptive = self.policy if isinstance(self.policy, AdaptivePolicy) and exact else None
         can_fuse = is_lru or self._adaptive is not None
         if fused and not can_fuse:
             raise ValueError(

@@ -6,7 +6,8 @@ adaptive policy stops near 0.79-0.81x LRU's misses at 50% rows. The router score
 not only the top-k: a per-expert sum of how close each expert came to the top-k orders a layer far better
 (docs/BENCHMARKS.md, "Ordering a layer's experts by the router").
 
-Rule (integer arithmetic after one exact float64 step, so device and host forms agree exactly):
+Rule (integer arithmetic after one float64 step, rounded the same way in every form, so device and host forms
+agree exactly):
   - Membership, per planned step of layer l with router scores `[T, E]` (`observe_scores`): for each token whose
     routed ids are not all padding, `d = score - the token's k-th largest score` (float64; k = the step's top-k),
     and the token adds `clamp(floor(d * RAMP / width) + RAMP / 2, 0, RAMP)` to each expert's `member` counter: a

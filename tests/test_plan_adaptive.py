@@ -60,9 +60,13 @@ def _random_state(L: int, EM: int, router: bool, freq_mode: bool, g: torch.Gener
         (1, 1, 1, 1, 1, 1, 0),
         (4, 13, 11, 9, 0, 4, 3),  # an empty step
         (2, 64, 61, 23, 25, 8, 0),  # 200 ids x 64 experts: counted by atomics
+        (5, 64, 60, 300, 4, 8, 0),  # N = 320 and R = 300: several passes of the shadow and row searches
+        (5, 64, 64, 259, 2, 6, 3),
     ],
 )
-@pytest.mark.parametrize(("router", "freq_mode"), [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize(
+    ("router", "freq_mode"), [(False, True), (False, False), (True, True), (True, False)]
+)
 def test_kernel_equals_reference(L, EM, E, R, T, K, layer, router, freq_mode):
     g = torch.Generator().manual_seed(L * 1000 + EM * 10 + R + T + int(router))
     tables = _random_tables(L, EM, R, g)
@@ -129,7 +133,10 @@ def test_fused_planner_equals_twin(router, layers, rows, K, max_T, kw):
         E = layers[layer]
         T = int(torch.randint(0, max_T + 1, (1,), generator=g))
         ids = (skewed_ids if (step // 30) % 2 == 0 else random_ids)(T, min(K, E), E, g)
-        scores = torch.randn(T, E + 1, generator=g) * 3 if router and step % 5 != 4 else None
+        scores = None
+        if router and step % 5 != 4:  # every third step a column-major view: stride along the experts T
+            scores = torch.randn(T, E + 1, generator=g) * 3
+            scores = scores.t().contiguous().t() if step % 3 == 0 else scores
         planner.plan(layer, ids, telemetry=tel, router_scores=scores)
         tel_ref.record(layer, ids)
         codes = twin.plan(layer, ids, router_scores=scores)
@@ -176,3 +183,56 @@ def test_bad_configuration_and_state():
         plan_adaptive(*args[:7], *(torch.zeros(6, dtype=torch.int32),) * 3, *args[10:], state, rule)
     after = planner.state()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fused_equals_torch_ops_on_random_configurations(seed):
+    """The fused planner against the torch-ops planner (`fused=False`), all state after every step, on seeded
+    random pools: layer sizes, rows, top-k (above E too), block_m and min_reads, both policies."""
+    g = torch.Generator().manual_seed(seed)
+    layers = torch.randint(1, 12, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
+    rows = int(torch.randint(1, 15, (1,), generator=g))
+    K, max_T = int(torch.randint(1, 7, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+    block_m, min_reads = (
+        int(torch.randint(1, 4, (1,), generator=g)),
+        int(torch.randint(1, 3, (1,), generator=g)),
+    )
+    cls = RouterAdaptivePolicy if seed % 2 else AdaptivePolicy
+    kw = dict(floor_misses=0, decay_shift=2, duel_shift=1)
+    pools = [make_pool(layers, rows, seed=seed) for _ in range(2)]
+    fused, ops = (
+        DevicePlanner(
+            pool,
+            cls(rows, **kw),
+            max_routed=max_T * K,
+            block_m=block_m,
+            min_reads_to_admit=min_reads,
+            fused=f,
+        )
+        for pool, f in zip(pools, (True, False))
+    )
+    for step in range(40):
+        layer = int(torch.randint(0, len(layers), (1,), generator=g))
+        E = layers[layer]
+        T = int(torch.randint(0, max_T + 1, (1,), generator=g))
+        ids = (
+            (skewed_ids if step % 2 else random_ids)(T, K, E, g)
+            if K <= E
+            else torch.randint(-1, E, (T, K), generator=g)
+        )
+        scores = torch.randn(T, E, generator=g) * 2 if cls is RouterAdaptivePolicy else None
+        fused.plan(layer, ids, router_scores=scores)
+        ops.plan(layer, ids, router_scores=scores)
+        a, b = fused.state(), ops.state()
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"seed {seed} step {step}: {key} {a[key]} vs {b[key]}"
+        assert torch.equal(pools[0].l2p_gpu, pools[1].l2p_gpu), f"seed {seed} step {step}: l2p"
+    assert_rows_hold_owners(pools[0], fused)
+
+
+def test_a_subclass_is_not_fused_with_the_base_rule():
+    class Custom(AdaptivePolicy):
+        name = "custom-adaptive"
+
+    with pytest.raises(ValueError, match="not policy 'custom-adaptive'"):
+        DevicePlanner(make_pool([5], 3), Custom(3), max_routed=4, fused=True)
