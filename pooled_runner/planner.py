@@ -31,10 +31,9 @@ import torch
 from pooled_runner import envs
 from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.kernels.pdl import pdl_available
-from pooled_runner.kernels.plan_adaptive import plan_adaptive
-from pooled_runner.kernels.plan_copy import COPY_PROGRAMS, MAX_FUSED_OPERANDS, SYNC_WORDS, plan_lru_copy
-from pooled_runner.kernels.plan_lru import plan_lru
-from pooled_runner.kernels.row_gather import MAX_MULTI_OPERANDS, MULTI_CHUNK_PROGRAMS, gather_rows_multi
+from pooled_runner.kernels.plan_copy import COPY_PROGRAMS, MAX_FUSED_OPERANDS, SYNC_WORDS
+from pooled_runner.kernels.row_gather import MULTI_CHUNK_PROGRAMS
+from pooled_runner.planner_fused import plan_adaptive_fused, plan_lru_fused
 from pooled_runner.planner_ops import plan_ops
 from pooled_runner.planner_twin import FREE, residency_from_pool, table_problems
 from pooled_runner.policies import LRUPolicy, Policy, check_policy_rows
@@ -281,9 +280,9 @@ class DevicePlanner:
                 router_scores = None
         in_place = False
         if self.fused and self._adaptive is not None:
-            self._plan_adaptive(layer, topk_ids, E, num_pairs, router_scores, telemetry)
+            plan_adaptive_fused(self, layer, topk_ids, E, num_pairs, router_scores, telemetry)
         elif self.fused:
-            in_place = self._plan_fused(layer, topk_ids, E, num_pairs, telemetry)
+            in_place = plan_lru_fused(self, layer, topk_ids, E, num_pairs, telemetry)
         else:
             if telemetry is not None:
                 telemetry.record(layer, topk_ids)
@@ -292,134 +291,6 @@ class DevicePlanner:
             self.check_invariants()
             return False
         return self.overlap and in_place
-
-    def _plan_fused(
-        self, layer: int, topk_ids: torch.Tensor, E: int, num_pairs: int, telemetry: RouteTelemetry | None
-    ) -> bool:
-        """LRU and the admitted rows' copy in one launch (`plan_lru_copy`), or in two (`plan_lru`, then
-        `gather_rows_multi` per four operands). Returns whether the kernel read `topk_ids` in place."""
-        ids = topk_ids.reshape(-1)  # [T*K]
-        if ids.dtype not in (torch.int32, torch.int64):
-            ids = ids.to(torch.int64)
-        ids = ids.contiguous()
-        in_place = ids.data_ptr() == topk_ids.data_ptr()
-        victims, codes, valid = (
-            self._victims32[:num_pairs],
-            self._codes32[:num_pairs],
-            self._valid32[:num_pairs],
-        )
-        R, EM = self.num_rows, self.max_experts
-        plan_args = (
-            ids,
-            self.pool.l2p_gpu.view(-1),
-            self.row_owner,
-            self.row_stamp,
-            self.clock,
-            self.counters,
-            self._counts32,
-            victims,
-            codes,
-            valid,
-            layer,
-            E,
-            EM,
-            R,
-            self.block_m,
-            self.min_reads_to_admit,
-            self.policy.cycle if isinstance(self.policy, CycleLRUPolicy) else None,
-            telemetry.fused_target(layer) if telemetry is not None else None,
-        )
-        if not self.one_launch:
-            plan_lru(*plan_args)
-            self._gather(layer, victims, codes, valid)
-            return in_place
-        assert self._bank_flat is not None and self.pool.bank is not None
-        plan_lru_copy(
-            *plan_args,
-            list(self._rows_flat.values()),
-            [self._bank_flat[n] for n in self._rows_flat],
-            self.pool.bank.layer_offsets[layer],
-            self._sync32,
-            num_programs=self.copy_programs,
-            chunk_programs=self.gather_chunks,
-            cooperative=self._cooperative,
-            pdl=self._pdl,
-            num_warps=self._plan_warps,
-            # with a temporary ids the next kernel must not start beside the plan (see `plan`)
-            early_trigger=self.overlap and in_place,
-        )
-        return in_place
-
-    def _plan_adaptive(
-        self,
-        layer: int,
-        topk_ids: torch.Tensor,
-        E: int,
-        num_pairs: int,
-        router_scores: torch.Tensor | None,
-        telemetry: RouteTelemetry | None,
-    ) -> None:
-        """The adaptive policies' fused plan (`plan_adaptive`, telemetry recorded inside), then the admitted
-        rows' copy."""
-        policy = self._adaptive
-        assert policy is not None
-        ids = topk_ids.reshape(-1)  # [T*K]
-        if ids.dtype not in (torch.int32, torch.int64):
-            ids = ids.to(torch.int64)
-        if router_scores is not None:  # tokens with no routed id (padding lanes) do not vote
-            assert isinstance(policy, RouterAdaptivePolicy), policy.name  # `plan` drops scores for the others
-            if router_scores.stride(1) != 1:
-                router_scores = router_scores.contiguous()
-            policy.observe_scores_fused(layer, router_scores, topk_ids, E)
-        victims, codes, valid32 = (
-            self._victims32[:num_pairs],
-            self._codes32[:num_pairs],
-            self._valid32[:num_pairs],
-        )
-        plan_adaptive(
-            ids.contiguous(),
-            self.pool.l2p_gpu.view(-1),
-            self.row_owner,
-            self.row_stamp,
-            self.clock,
-            self.counters,
-            self._counts32,
-            victims,
-            codes,
-            valid32,
-            layer,
-            E,
-            self.max_experts,
-            self.num_rows,
-            self.block_m,
-            self.min_reads_to_admit,
-            policy.kernel_state(),
-            policy.kernel_rule(),
-            telemetry.fused_target(layer) if telemetry is not None else None,
-        )
-        self._gather(layer, victims, codes, valid32)
-
-    def _gather(self, layer: int, victims: torch.Tensor, codes: torch.Tensor, valid: torch.Tensor) -> None:
-        """Copy the admitted experts (`codes` = R + expert, where `valid`) from the bank into their rows: one
-        launch for up to four operands (`gather_rows_multi`)."""
-        if self._bank_flat is None:
-            return  # every expert resident: nothing is ever a miss
-        offset = self.pool.bank.layer_offsets[layer]  # type: ignore[union-attr]
-        force = self.fused and not self.clock.is_cuda  # the interpreter runs the gather kernel too
-        names = list(self._rows_flat)
-        for i in range(0, len(names), MAX_MULTI_OPERANDS):
-            group = names[i : i + MAX_MULTI_OPERANDS]
-            gather_rows_multi(
-                [self._rows_flat[n] for n in group],
-                [self._bank_flat[n] for n in group],
-                victims,
-                codes,
-                valid,
-                self.num_rows,
-                offset,
-                force_triton=force,
-                chunk_programs=self.gather_chunks,
-            )
 
     # ----------------------------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pooled_runner.planner_fused import gather_admitted
+
 if TYPE_CHECKING:
     from pooled_runner.planner import DevicePlanner
 
@@ -113,4 +115,4 @@ def _apply(
     rows = torch.where(ok, victims, R)
     self.row_owner.index_put_((rows,), cand_flat)
     self.row_stamp.index_put_((rows,), now.expand(rows.shape[0]))
-    self._gather(layer, victims, R + experts, ok.to(torch.int32))
+    gather_admitted(self, layer, victims, R + experts, ok.to(torch.int32))

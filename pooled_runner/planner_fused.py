@@ -1,0 +1,160 @@
+"""The device planner's fused steps (`DevicePlanner.plan` on CUDA): LRU and lru-cycle in one plan + copy launch
+(`kernels/plan_copy.py`) or a plan launch and the row gather (`kernels/plan_lru.py`); the adaptive policies in
+a plan launch (`kernels/plan_adaptive.py`, with the router's membership launch before it) and the row gather.
+`self` is the planner; its tables are updated in place (see `planner.py`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pooled_runner.cycle_lru import CycleLRUPolicy
+from pooled_runner.kernels.plan_adaptive import plan_adaptive
+from pooled_runner.kernels.plan_copy import plan_lru_copy
+from pooled_runner.kernels.plan_lru import plan_lru
+from pooled_runner.kernels.row_gather import MAX_MULTI_OPERANDS, gather_rows_multi
+from pooled_runner.policy_router import RouterAdaptivePolicy
+from pooled_runner.telemetry import RouteTelemetry
+
+if TYPE_CHECKING:
+    from pooled_runner.planner import DevicePlanner
+
+
+def plan_lru_fused(
+    self: DevicePlanner,
+    layer: int,
+    topk_ids: torch.Tensor,
+    E: int,
+    num_pairs: int,
+    telemetry: RouteTelemetry | None,
+) -> bool:
+    """LRU and the admitted rows' copy in one launch (`plan_lru_copy`), or in two (`plan_lru`, then
+    `gather_rows_multi` per four operands). Returns whether the kernel read `topk_ids` in place."""
+    ids = _flat_ids(topk_ids)
+    in_place = ids.data_ptr() == topk_ids.data_ptr()
+    victims, codes, valid = _pair_buffers(self, num_pairs)
+    R, EM = self.num_rows, self.max_experts
+    plan_args = (
+        ids,
+        *_tables(self),
+        victims,
+        codes,
+        valid,
+        layer,
+        E,
+        EM,
+        R,
+        self.block_m,
+        self.min_reads_to_admit,
+        self.policy.cycle if isinstance(self.policy, CycleLRUPolicy) else None,
+        telemetry.fused_target(layer) if telemetry is not None else None,
+    )
+    if not self.one_launch:
+        plan_lru(*plan_args)
+        gather_admitted(self, layer, victims, codes, valid)
+        return in_place
+    assert self._bank_flat is not None and self.pool.bank is not None
+    plan_lru_copy(
+        *plan_args,
+        list(self._rows_flat.values()),
+        [self._bank_flat[n] for n in self._rows_flat],
+        self.pool.bank.layer_offsets[layer],
+        self._sync32,
+        num_programs=self.copy_programs,
+        chunk_programs=self.gather_chunks,
+        cooperative=self._cooperative,
+        pdl=self._pdl,
+        num_warps=self._plan_warps,
+        # with a temporary ids the next kernel must not start beside the plan (see `plan`)
+        early_trigger=self.overlap and in_place,
+    )
+    return in_place
+
+
+def plan_adaptive_fused(
+    self: DevicePlanner,
+    layer: int,
+    topk_ids: torch.Tensor,
+    E: int,
+    num_pairs: int,
+    router_scores: torch.Tensor | None,
+    telemetry: RouteTelemetry | None,
+) -> None:
+    """The adaptive policies' fused plan (`plan_adaptive`, telemetry recorded inside), then the admitted
+    rows' copy."""
+    policy = self._adaptive
+    assert policy is not None
+    if router_scores is not None:  # tokens with no routed id (padding lanes) do not vote
+        assert isinstance(policy, RouterAdaptivePolicy), policy.name  # `plan` drops scores for the others
+        if router_scores.stride(1) != 1:
+            router_scores = router_scores.contiguous()
+        policy.observe_scores_fused(layer, router_scores, topk_ids, E)
+    victims, codes, valid32 = _pair_buffers(self, num_pairs)
+    plan_adaptive(
+        _flat_ids(topk_ids),
+        *_tables(self),
+        victims,
+        codes,
+        valid32,
+        layer,
+        E,
+        self.max_experts,
+        self.num_rows,
+        self.block_m,
+        self.min_reads_to_admit,
+        policy.kernel_state(),
+        policy.kernel_rule(),
+        telemetry.fused_target(layer) if telemetry is not None else None,
+    )
+    gather_admitted(self, layer, victims, codes, valid32)
+
+
+def gather_admitted(
+    self: DevicePlanner, layer: int, victims: torch.Tensor, codes: torch.Tensor, valid: torch.Tensor
+) -> None:
+    """Copy the admitted experts (`codes` = R + expert, where `valid`) from the bank into their rows: one
+    launch for up to four operands (`gather_rows_multi`)."""
+    if self._bank_flat is None:
+        return  # every expert resident: nothing is ever a miss
+    offset = self.pool.bank.layer_offsets[layer]  # type: ignore[union-attr]
+    force = self.fused and not self.clock.is_cuda  # the interpreter runs the gather kernel too
+    names = list(self._rows_flat)
+    for i in range(0, len(names), MAX_MULTI_OPERANDS):
+        group = names[i : i + MAX_MULTI_OPERANDS]
+        gather_rows_multi(
+            [self._rows_flat[n] for n in group],
+            [self._bank_flat[n] for n in group],
+            victims,
+            codes,
+            valid,
+            self.num_rows,
+            offset,
+            force_triton=force,
+            chunk_programs=self.gather_chunks,
+        )
+
+
+def _flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
+    """`topk_ids [T, K]` as the plan kernels read them: `[T*K]` int32 or int64, contiguous (in place if it is)."""
+    ids = topk_ids.reshape(-1)
+    if ids.dtype not in (torch.int32, torch.int64):
+        ids = ids.to(torch.int64)
+    return ids.contiguous()
+
+
+def _pair_buffers(self: DevicePlanner, num_pairs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first `num_pairs` of the planner's victims, codes and valid workspaces (int32)."""
+    return self._victims32[:num_pairs], self._codes32[:num_pairs], self._valid32[:num_pairs]
+
+
+def _tables(self: DevicePlanner) -> tuple[torch.Tensor, ...]:
+    """The plan kernels' table arguments: flat l2p, row owners and stamps, clock, counters, token counts."""
+    return (
+        self.pool.l2p_gpu.view(-1),
+        self.row_owner,
+        self.row_stamp,
+        self.clock,
+        self.counters,
+        self._counts32,
+    )
