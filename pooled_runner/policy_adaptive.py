@@ -71,7 +71,8 @@ class AdaptivePolicy:
         self.last_use: torch.Tensor | None = None  # [L * E_max] int64
         self.misses: torch.Tensor | None = None  # [2] int64: LRU-shadow-only, freq-shadow-only misses
         self.mode: torch.Tensor | None = None  # [1] int64: 1 = frequency
-        self._scratch: torch.Tensor | None = None  # [E_max] int64, the fused plan's workspace
+        self._kernel_state: AdaptiveState | None = None  # the fused plan's view of the state (set by bind)
+        self._kernel_rule: AdaptiveRule | None = None
         self._layers, self._max_experts = 0, 0
         self._h_count: list[int] = []
         self._h_last: list[int] = []
@@ -90,7 +91,20 @@ class AdaptivePolicy:
         self.last_use = torch.full((size,), NEVER, dtype=torch.int64, device=device)
         self.misses = torch.zeros(2, dtype=torch.int64, device=device)
         self.mode = torch.zeros(1, dtype=torch.int64, device=device)
-        self._scratch = torch.zeros(max_experts, dtype=torch.int64, device=device)
+        scratch = torch.zeros(max_experts, dtype=torch.int64, device=device)  # the fused plan's workspace
+        self._kernel_state = AdaptiveState(
+            self.count, self.last_use, self.misses, self.mode, None, None, scratch
+        )
+        self._kernel_rule = AdaptiveRule(
+            num_layers,
+            self.decay_shift,
+            self.duel_shift,
+            self.margin_shift,
+            self._floor,
+            self._bonus,
+            SCORE,
+            ONE,
+        )
 
     def _state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.count is None or self.last_use is None or self.misses is None or self.mode is None:
@@ -142,24 +156,16 @@ class AdaptivePolicy:
         pass
 
     def kernel_state(self) -> AdaptiveState:
-        """The device state for the fused plan (`kernels/plan_adaptive.py`), with its scratch."""
-        count, last_use, misses, mode = self._state()
-        if self._scratch is None:
-            self._scratch = torch.zeros(self._max_experts, dtype=torch.int64, device=count.device)
-        return AdaptiveState(count, last_use, misses, mode, None, None, self._scratch)
+        """The device state for the fused plan (`kernels/plan_adaptive.py`), with its scratch (built by bind)."""
+        if self._kernel_state is None:
+            raise RuntimeError(f"{type(self).__name__} used before bind()")
+        return self._kernel_state
 
     def kernel_rule(self) -> AdaptiveRule:
-        """The constants of the fused plan."""
-        return AdaptiveRule(
-            self._layers,
-            self.decay_shift,
-            self.duel_shift,
-            self.margin_shift,
-            self._floor,
-            self._bonus,
-            SCORE,
-            ONE,
-        )
+        """The constants of the fused plan (built by bind)."""
+        if self._kernel_rule is None:
+            raise RuntimeError(f"{type(self).__name__} used before bind()")
+        return self._kernel_rule
 
     def _value_counts(self) -> torch.Tensor:
         """`[L * E_max + 1]` the counts the frequency mode ranks by (a subclass may reorder them per layer)."""

@@ -33,7 +33,6 @@ import math
 import torch
 
 from pooled_runner.kernels.membership import RAMP, add_membership, ramp_units
-from pooled_runner.kernels.plan_adaptive import AdaptiveState
 from pooled_runner.policy_adaptive import ONE, AdaptivePolicy
 
 # `member` holds ramp steps x MEMBER_UNIT (one full token = ONE): fixed point, so that the decay
@@ -111,6 +110,7 @@ class RouterAdaptivePolicy(AdaptivePolicy):
         self.member = torch.zeros(size, dtype=torch.int64, device=device)
         self.ranked = torch.zeros(size + 1, dtype=torch.int64, device=device)
         self._scale = torch.tensor([_ramp_scale(self.width)], dtype=torch.float64, device=device)
+        self._kernel_state = super().kernel_state()._replace(member=self.member, ranked=self.ranked)
 
     def _member_state(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.member is None or self.ranked is None:
@@ -153,10 +153,6 @@ class RouterAdaptivePolicy(AdaptivePolicy):
         by_count = torch.sort(layer_count, descending=True, stable=True).indices  # ties by expert id
         order = by_count[torch.sort(layer_member[by_count], descending=True, stable=True).indices]  # [E]
         ranked[lo : lo + E].index_copy_(0, order, curve)
-
-    def kernel_state(self) -> AdaptiveState:
-        member, ranked = self._member_state()
-        return super().kernel_state()._replace(member=member, ranked=ranked)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         member, ranked = self._member_state()
