@@ -234,6 +234,48 @@ def test_a_deeper_probe_must_prove_its_gain_a_shallower_one_less() -> None:
     assert governor.current == 0 and governor.num_switches == 1
 
 
+def test_a_deeper_probe_is_never_judged_cheaper_per_step_than_the_shallower_current() -> None:
+    """Depth 0 timed on the first decode steps after start-up (slow, 10 ms), then the machine speeds up: a probe
+    of depth 1 runs at 6 ms. Its drafts are never accepted, so it yields what depth 0 yields at more work per
+    step; judged at depth 0's time it loses (taken at its own time it won 1.67x). With every draft accepted the
+    same probe wins on its extra tokens alone."""
+    for accepted, wins in ((0, False), (1, True)):
+        governor = SpecGovernor((0, 1), probe_steps=3, acceptance_decay=1.0)
+        for _ in range(3):
+            governor.observe(governor.choose(), [0], 0.010)
+        assert governor.current == 0 and governor.choose() == 1
+        for _ in range(3):
+            governor.observe(1, [accepted], 0.006)
+        assert governor.probing is None and governor.current == (1 if wins else 0), governor.rates()
+        assert governor.rates()[1] == pytest.approx((1.0 + accepted) / 0.006)  # what it measured is kept
+    # the other way round: running depth 1 (every draft accepted), a probe of 0 timed slower than depth 1's
+    # steps is judged at depth 1's time: 1 token against 2 in the same time, a loss
+    governor = SpecGovernor((0, 1), initial=1, probe_steps=3, acceptance_decay=1.0)
+    for _ in range(3):
+        governor.observe(governor.choose(), [1], 0.004)
+    assert governor.current == 1 and governor.choose() == 0
+    for _ in range(3):
+        governor.observe(0, [0], 0.009)
+    assert governor.probing is None and governor.current == 1
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_no_drafting_holds_where_drafts_are_never_accepted_and_steps_cost_alike(seed: int) -> None:
+    """The CPU engine test's conditions (tests/engine/test_spec_server.py, the "random" MTP head): depths 0 and
+    1 cost about the same per step (Python overhead dominates a tiny model), the first decode steps are slow,
+    step times are noisy (a loaded 2-core machine), and no draft is accepted. Depth 1 yields nothing, so the
+    governor must never move to it, whatever the noise."""
+    rng = random.Random(4000 + seed)
+    costs = {0: 1.0, 1: 1.03, 3: 1.1}
+    governor = SpecGovernor(sorted(costs))
+    for step in range(300):
+        depth = governor.choose()
+        warm_up = 1.6 if step < 6 else 1.0
+        governor.observe(depth, [0], costs[depth] * 1e-3 * warm_up * math.exp(rng.gauss(0.0, 0.3)))
+        assert governor.current == 0, (step, governor.rates())
+    assert governor.num_switches == 0 and governor.steps_at[1] > 0  # depth 1 was probed, and lost
+
+
 def test_a_probe_ends_even_when_none_of_its_steps_can_be_timed() -> None:
     """A probe whose steps the caller cannot time (batch sizes alternating, say) ends after max_probe_steps and
     loses; the governor goes on at the current depth."""
