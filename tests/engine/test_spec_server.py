@@ -162,12 +162,12 @@ def test_cost_aware_speculation_stops_drafting_where_no_draft_is_accepted(
     assert switches and switches[0] == (3, 0), switches  # SGLang's starting state 3, then the governor's 0
     probes = switches[1:]
     assert probes and probes[0] == (0, 1), probes  # the first probe: the deeper neighbour
-    # it runs 0 at the end. SGLang's switch log does not tell a probe from a move, and a probe of depth 1 is due
-    # again 32 steps after each move, so the last switch can be a probe still running (seen in CI); the slot's
-    # own log names the moves. Step times on a loaded 2-core CI machine are noisy enough that depth 1 can win a
-    # probe by chance (seen: 0 -> 1 won, 1 -> 3 lost, 3 -> 1, 1 -> 0 won back), so the path is not pinned, only
-    # where it ends and its length
+    # it never leaves depth 0. SGLang's switch log does not tell a probe from a move (a probe of depth 1 comes
+    # back at growing intervals); the slot's own log names the moves. Step times on a loaded 2-core CI
+    # machine are noisy, and the first decode steps are slow: before 2f2a71b a probe of depth 1 could win on them
+    # (seen in CI: 0 -> 1 won, 1 -> 0 then lost). A deeper probe is now judged at the shallower depth's step time
+    # at best, so with no draft accepted it cannot win (tests/test_spec_governor.py has the cost model)
     moves = [(int(a), int(b)) for b, a in re.findall(r"batch size 1 now runs depth (\d+) \(was (\d+)\)", log)]
     print(f"moves of the running depth: {moves}")
-    assert not moves or moves[-1][1] == 0, moves
-    assert len(probes) <= 8 and len(moves) <= 4, (probes, moves)
+    assert not moves, moves
+    assert len(probes) <= 8, probes
