@@ -74,12 +74,14 @@ class AdaptiveRule(NamedTuple):
     bonus: int  # recent_bonus x ONE
     score: int  # SCORE, one shadow miss
     one: int  # ONE, one chain start
+    member_decay_shift: int  # the router's membership decays faster than the counts (`RouterAdaptivePolicy`)
 
 
 def check_adaptive_state(state: AdaptiveState, rule: AdaptiveRule, max_experts: int) -> None:
     """ValueError naming the first bad constant, or state tensor of the wrong shape, dtype or device."""
     n = rule.num_layers * max_experts
-    if not (1 <= rule.decay_shift <= 30 and 1 <= rule.duel_shift <= 30 and 1 <= rule.margin_shift <= 30):
+    shifts = (rule.decay_shift, rule.duel_shift, rule.margin_shift, rule.member_decay_shift)
+    if not all(1 <= s <= 30 for s in shifts):
         raise ValueError(f"shifts out of [1, 30]: {rule}")
     if min(rule.floor, rule.bonus) < 0 or min(rule.score, rule.one) < 1:
         raise ValueError(f"floor and bonus must be >= 0, score and one >= 1: {rule}")
@@ -159,6 +161,7 @@ def plan_adaptive(
         layer * max_experts, num_experts, max_experts, num_rows, num_layers * max_experts, num_layers,
         num_pairs, block_m, min_reads, NEVER,
         rule.decay_shift, rule.duel_shift, rule.margin_shift, rule.floor, rule.bonus, rule.score, rule.one,
+        rule.member_decay_shift,
         BLOCK_TK=block_tk, BLOCK_E=block_e, BLOCK_R=ROW_BLOCK, BLOCK_N=SHADOW_BLOCK, BLOCK_P=PRESENT_BLOCK,
         BLOCK_J=RANK_BLOCK, ROUTER=router, FIRST_LAYER=layer == 0, TELEMETRY=telemetry is not None,
         COUNT_IN_REGISTERS=block_tk * block_e <= MAX_COUNT_MATRIX and num_routed <= 1024,
@@ -174,7 +177,7 @@ if triton is not None:
         victims_ptr, codes_ptr, valid_ptr, tel_counts_ptr, tel_routed_ptr, tel_flags_ptr, tel_max,
         count_ptr, last_ptr, misses_ptr, mode_ptr, member_ptr, ranked_ptr, scratch_ptr,
         base, E, EM, R, N, L, num_pairs, block_m, min_reads, never,
-        decay_shift, duel_shift, margin_shift, floor, bonus, score, one,
+        decay_shift, duel_shift, margin_shift, floor, bonus, score, one, member_decay_shift,
         BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr, ROUTER: tl.constexpr, FIRST_LAYER: tl.constexpr,
         COUNT_IN_REGISTERS: tl.constexpr, TELEMETRY: tl.constexpr,
@@ -261,7 +264,7 @@ if triton is not None:
                 tl.store(count_ptr + n_offs, c - (c >> decay_shift), mask=n_in)
                 if ROUTER:
                     m = tl.load(member_ptr + n_offs, mask=n_in, other=0)
-                    tl.store(member_ptr + n_offs, m - (m >> decay_shift), mask=n_in)
+                    tl.store(member_ptr + n_offs, m - (m >> member_decay_shift), mask=n_in)
                     k = tl.load(ranked_ptr + n_offs, mask=n_in, other=0)
                     tl.store(ranked_ptr + n_offs, k - (k >> decay_shift), mask=n_in)
         m_offs = tl.arange(0, 2)

@@ -112,7 +112,7 @@ def _observe(
         state.count.sub_(state.count >> rule.decay_shift)
         state.misses.sub_(state.misses >> rule.duel_shift)
         if state.member is not None and state.ranked is not None:
-            state.member.sub_(state.member >> rule.decay_shift)
+            state.member.sub_(state.member >> rule.member_decay_shift)
             state.ranked.sub_(state.ranked >> rule.decay_shift)
     state.misses.add_(
         torch.tensor([lru_only, freq_only], dtype=torch.int64, device=state.misses.device) * rule.score

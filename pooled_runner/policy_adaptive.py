@@ -104,6 +104,7 @@ class AdaptivePolicy:
             self._bonus,
             SCORE,
             ONE,
+            self._member_decay_shift(),
         )
 
     def _state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -166,6 +167,10 @@ class AdaptivePolicy:
         if self._kernel_rule is None:
             raise RuntimeError(f"{type(self).__name__} used before bind()")
         return self._kernel_rule
+
+    def _member_decay_shift(self) -> int:
+        """The fused plan's decay of the router's membership (unread without the router: the counts' shift)."""
+        return self.decay_shift
 
     def _value_counts(self) -> torch.Tensor:
         """`[L * E_max + 1]` the counts the frequency mode ranks by (a subclass may reorder them per layer)."""

@@ -12,7 +12,12 @@ agree exactly):
     routed ids are not all padding, `d = score - the token's k-th largest score` (float64; k = the step's top-k),
     and the token adds `clamp(floor(d * RAMP / width) + RAMP / 2, 0, RAMP)` to each expert's `member` counter: a
     linear ramp from 0 (width / 2 below the k-th score) to RAMP (width / 2 above it), a smoothed "was it picked".
-    A token with a NaN score adds nothing; inf - inf adds 0. Every step, at the layer-0 tick, `member -= member >> decay_shift` (as the counts).
+    A token with a NaN score adds nothing; inf - inf adds 0. Every step, at the layer-0 tick,
+    `member -= member >> member_decay_shift` (9 by default, the counts' shift: a half-life of about 355 steps).
+    A shorter memory follows a drift of popularity: on the quality bench's mixed traces (drift 64) shift 5 misses
+    0.91-0.92x LRU's at 25% rows and 0.945-0.975x at 50%, where 9 is at 0.9999-1.0013x, but on the skewed traces
+    it gives the ranking's gain away (skew A at 50% rows 0.811-0.825x, against 0.743-0.767x); 6-8 lie between
+    (docs/BENCHMARKS.md, twenty-fifth session). No one shift wins both kinds.
   - Ranked counts: at each tick of layer l, after the adaptive policy's own update, the layer's counts sorted
     largest first are handed out to its experts in the order (member desc, count desc, expert id): the split of
     rows between layers still follows the hits, the order inside a layer follows the router. At the layer-0 tick
@@ -36,7 +41,7 @@ from pooled_runner.kernels.membership import RAMP, add_membership, ramp_units
 from pooled_runner.policy_adaptive import ONE, AdaptivePolicy
 
 # `member` holds ramp steps x MEMBER_UNIT (one full token = ONE): fixed point, so that the decay
-# `m - (m >> decay_shift)` reaches small sums too (raw steps below 2**decay_shift would never decay)
+# `m - (m >> member_decay_shift)` reaches small sums too (raw steps below 2**shift would never decay)
 MEMBER_UNIT = ONE // RAMP
 MIN_WIDTH, MAX_WIDTH = 2.0**-20, 2.0**20  # d * RAMP / width stays finite in float64 for any fp32 difference
 
@@ -93,11 +98,13 @@ class RouterAdaptivePolicy(AdaptivePolicy):
 
     name = "adaptive-router"
 
-    def __init__(self, num_rows: int, width: float = 2.0, **kwargs: int):
+    def __init__(self, num_rows: int, width: float = 2.0, member_decay_shift: int = 9, **kwargs: int):
         if not MIN_WIDTH <= width <= MAX_WIDTH:  # NaN fails too
             raise ValueError(f"width={width} must be in [2**-20, 2**20] logit units")
+        if not 1 <= member_decay_shift <= 30:
+            raise ValueError(f"member_decay_shift={member_decay_shift} must be in [1, 30]")
         super().__init__(num_rows, **kwargs)
-        self.width = width
+        self.width, self.member_decay_shift = width, member_decay_shift
         self.member: torch.Tensor | None = None  # [L * E_max] int64 ramp steps x MEMBER_UNIT (decayed)
         self.ranked: torch.Tensor | None = None  # [L * E_max + 1] int64 ranked counts; last slot a dummy
         self._scale: torch.Tensor | None = None  # [1] float64 RAMP / width, for the fused membership
@@ -111,6 +118,9 @@ class RouterAdaptivePolicy(AdaptivePolicy):
         self.ranked = torch.zeros(size + 1, dtype=torch.int64, device=device)
         self._scale = torch.tensor([_ramp_scale(self.width)], dtype=torch.float64, device=device)
         self._kernel_state = super().kernel_state()._replace(member=self.member, ranked=self.ranked)
+
+    def _member_decay_shift(self) -> int:
+        return self.member_decay_shift
 
     def _member_state(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.member is None or self.ranked is None:
@@ -143,7 +153,7 @@ class RouterAdaptivePolicy(AdaptivePolicy):
         member, ranked = self._member_state()
         super().observe(layer, present, now)  # the shadows read the ranked counts of the previous tick
         if layer == 0:  # once per step, as the counts
-            member -= member >> self.decay_shift
+            member -= member >> self.member_decay_shift
             ranked -= ranked >> self.decay_shift
         # the whole E_max slice: padding experts (count 0, member 0, ids above the layer's) take the curve's zeros
         count = self._state()[0]
@@ -177,7 +187,7 @@ class RouterAdaptivePolicy(AdaptivePolicy):
     def host_observe(self, layer: int, present: list[int], now: int) -> None:
         super().host_observe(layer, present, now)
         if layer == 0:
-            self._h_member = [m - (m >> self.decay_shift) for m in self._h_member]
+            self._h_member = [m - (m >> self.member_decay_shift) for m in self._h_member]
             self._h_ranked = [r - (r >> self.decay_shift) for r in self._h_ranked]
         lo, hi = layer * self._max_experts, (layer + 1) * self._max_experts
         self._h_ranked[lo:hi] = ranked_counts_host(self._h_count[lo:hi], self._h_member[lo:hi])

@@ -71,8 +71,9 @@ def test_kernel_equals_reference(L, EM, E, R, T, K, layer, router, freq_mode):
     g = torch.Generator().manual_seed(L * 1000 + EM * 10 + R + T + int(router))
     tables = _random_tables(L, EM, R, g)
     state = _random_state(L, EM, router, freq_mode, g)
+    # the router's members decay apart from the counts
     rule = AdaptiveRule(L, decay_shift=3, duel_shift=2, margin_shift=2, floor=SCORE, bonus=2 * ONE, score=SCORE,
-                        one=ONE)  # fmt: skip
+                        one=ONE, member_decay_shift=1)  # fmt: skip
     ids = torch.randint(-1, E + 2, (T * K,), generator=g)
     P = min(E, R, max(T * K, 1))
     got = {
@@ -179,6 +180,8 @@ def test_bad_configuration_and_state():
         plan_adaptive(*args, state, rule._replace(num_layers=3))
     with pytest.raises(ValueError, match=r"shifts out of \[1, 30\]"):
         plan_adaptive(*args, state, rule._replace(decay_shift=0))
+    with pytest.raises(ValueError, match=r"shifts out of \[1, 30\]"):
+        plan_adaptive(*args, state, rule._replace(member_decay_shift=31))
     with pytest.raises(ValueError, match="num_pairs=6 > min"):
         plan_adaptive(*args[:7], *(torch.zeros(6, dtype=torch.int32),) * 3, *args[10:], state, rule)
     after = planner.state()
