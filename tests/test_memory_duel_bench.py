@@ -1,0 +1,68 @@
+"""bench/memory_duel.py: the two-memory router policy (a CPU model of a rule) against `RouterAdaptivePolicy`,
+step by step where its two memories are equal, and on short drifting and skewed traces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.memory_duel import MemoryDuelPolicy
+from bench.traces import policy_hit_rate, synthetic_trace
+from pooled_runner.planner import DevicePlanner
+from pooled_runner.policies import LRUPolicy
+from pooled_runner.policy_router import RouterAdaptivePolicy
+from tests.test_planner import make_pool
+
+
+def test_equal_memories_decide_as_the_router_policy():
+    """slow == fast: both orders are the same, nothing disagrees, the fast order is never chosen, and the
+    tables and state equal `RouterAdaptivePolicy`'s after every step (fresh random scores, three layers, both
+    modes reached)."""
+    layers, rows = [9, 6, 11], 7
+    pools = [make_pool(layers, rows, seed=5) for _ in range(2)]
+    duel = MemoryDuelPolicy(rows, slow=3, fast=3, floor_misses=0, decay_shift=3)
+    router = RouterAdaptivePolicy(rows, member_decay_shift=3, floor_misses=0, decay_shift=3)
+    planners = [DevicePlanner(pool, p, max_routed=8) for pool, p in zip(pools, (duel, router))]
+    g = torch.Generator().manual_seed(41)
+    modes = set()
+    for step in range(120):
+        layer = step % 3
+        E = layers[layer]
+        T = int(torch.randint(1, 5, (1,), generator=g))
+        scores = torch.randn(T, E, generator=g) * 2 + torch.linspace(2, -2, E)  # a skew the router sees
+        ids = torch.topk(scores, 2, dim=1).indices
+        for planner in planners:
+            planner.plan(layer, ids, router_scores=scores)
+        assert torch.equal(pools[0].l2p_gpu, pools[1].l2p_gpu), step
+        modes.add(int(router.mode))
+    assert modes == {0, 1}
+    assert duel.fast_ticks == 0 and int(duel.order_misses.sum()) == 0
+    a, b = duel.state_tensors(), router.state_tensors()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.slow
+def test_the_duel_follows_a_drift_and_keeps_the_skew_gain():
+    """A drifting trace (the quality bench's mixed family, 8 layers of 64 experts) at 25% rows: the duel misses
+    fewer than the slow-memory router policy and than LRU. A skewed one at 50% rows: no more than the
+    slow-memory policy."""
+    drift = synthetic_trace(
+        240, 8, 64, 8, skew=(0.6, 1.2), reuse=0.5, drift_every=64, seed=3, with_scores=True
+    )
+    skew = synthetic_trace(240, 8, 64, 8, skew=(0.8, 1.4), reuse=0.3, seed=4, with_scores=True)
+    for trace, frac in ((drift, 0.25), (skew, 0.5)):
+        rows = int(frac * 8 * 64)
+        lru = policy_hit_rate(trace, rows, LRUPolicy(), 60)
+        router = policy_hit_rate(trace, rows, RouterAdaptivePolicy(rows), 60)
+        duel = policy_hit_rate(trace, rows, MemoryDuelPolicy(rows), 60)
+        print(f"rows {rows}: LRU {lru:.4f} router {router:.4f} duel {duel:.4f}")
+        if trace is drift:
+            assert duel > router and duel > lru, (lru, router, duel)
+        else:
+            assert duel >= router - 1e-9, (lru, router, duel)
+
+
+def test_bad_parameters():
+    for kw in (dict(fast=0), dict(slow=31), dict(order_floor=-1)):
+        with pytest.raises(ValueError, match="slow="):
+            MemoryDuelPolicy(4, **kw)
