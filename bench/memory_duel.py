@@ -57,7 +57,11 @@ class MemoryDuelPolicy(RouterAdaptivePolicy):
         self.members = [torch.zeros(size, dtype=torch.int64, device=device) for _ in range(2)]
         self.rankeds = [torch.zeros(size + 1, dtype=torch.int64, device=device) for _ in range(2)]
         self.order_misses = torch.zeros(2, dtype=torch.int64, device=device)  # slow-only, fast-only
-        self.uses_fast = 0
+        self.uses_fast = self.fast_ticks = self.ticks = 0
+
+    def host_reset(self, num_layers: int, max_experts: int) -> None:
+        # the inherited host forms are the plain router policy's: a twin of this one would disagree with it
+        raise NotImplementedError(f"{self.name} has no host form (a model on the torch-ops planner only)")
 
     def observe_scores(self, layer: int, scores: torch.Tensor, valid: torch.Tensor, top_k: int) -> None:
         lo = layer * self._max_experts

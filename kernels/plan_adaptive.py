@@ -74,7 +74,7 @@ class AdaptiveRule(NamedTuple):
     bonus: int  # recent_bonus x ONE
     score: int  # SCORE, one shadow miss
     one: int  # ONE, one chain start
-    member_decay_shift: int  # the router's membership decays faster than the counts (`RouterAdaptivePolicy`)
+    member_decay_shift: int  # the router's membership decay (`RouterAdaptivePolicy`; default: decay_shift)
 
 
 def check_adaptive_state(state: AdaptiveState, rule: AdaptiveRule, max_experts: int) -> None:

@@ -13,10 +13,11 @@ agree exactly):
     and the token adds `clamp(floor(d * RAMP / width) + RAMP / 2, 0, RAMP)` to each expert's `member` counter: a
     linear ramp from 0 (width / 2 below the k-th score) to RAMP (width / 2 above it), a smoothed "was it picked".
     A token with a NaN score adds nothing; inf - inf adds 0. Every step, at the layer-0 tick,
-    `member -= member >> member_decay_shift` (9 by default, the counts' shift: a half-life of about 355 steps).
-    A shorter memory follows a drift of popularity: on the quality bench's mixed traces (drift 64) shift 5 misses
-    0.91-0.92x LRU's at 25% rows and 0.945-0.975x at 50%, where 9 is at 0.9999-1.0013x, but on the skewed traces
-    it gives the ranking's gain away (skew A at 50% rows 0.811-0.825x, against 0.743-0.767x); 6-8 lie between
+    `member -= member >> member_decay_shift` (by default the counts' `decay_shift`, 9: a half-life of about
+    355 steps). A shorter memory follows a drift of popularity: on the quality bench's mixed traces (drift 64)
+    shift 5 misses 0.91-0.92x LRU's at 25% rows and 0.945-0.975x at 50%, where 9 is at 0.9999-1.0013x, but on
+    the skewed traces it gives the ranking's gain away (skew A at 50% rows 0.811-0.825x, against 0.743-0.767x).
+    6-8 clear neither kind: 7 and 8 stay above LRU on mixed at 25% rows on some bases, 6 on mixed at 50% on one
     (docs/BENCHMARKS.md, twenty-fifth session). No one shift wins both kinds.
   - Ranked counts: at each tick of layer l, after the adaptive policy's own update, the layer's counts sorted
     largest first are handed out to its experts in the order (member desc, count desc, expert id): the split of
@@ -98,13 +99,17 @@ class RouterAdaptivePolicy(AdaptivePolicy):
 
     name = "adaptive-router"
 
-    def __init__(self, num_rows: int, width: float = 2.0, member_decay_shift: int = 9, **kwargs: int):
+    def __init__(
+        self, num_rows: int, width: float = 2.0, member_decay_shift: int | None = None, **kwargs: int
+    ):
         if not MIN_WIDTH <= width <= MAX_WIDTH:  # NaN fails too
             raise ValueError(f"width={width} must be in [2**-20, 2**20] logit units")
-        if not 1 <= member_decay_shift <= 30:
+        if member_decay_shift is not None and not 1 <= member_decay_shift <= 30:
             raise ValueError(f"member_decay_shift={member_decay_shift} must be in [1, 30]")
         super().__init__(num_rows, **kwargs)
-        self.width, self.member_decay_shift = width, member_decay_shift
+        self.width = width
+        # None: the counts' decay_shift (the rule before the two were apart)
+        self.member_decay_shift = self.decay_shift if member_decay_shift is None else member_decay_shift
         self.member: torch.Tensor | None = None  # [L * E_max] int64 ramp steps x MEMBER_UNIT (decayed)
         self.ranked: torch.Tensor | None = None  # [L * E_max + 1] int64 ranked counts; last slot a dummy
         self._scale: torch.Tensor | None = None  # [1] float64 RAMP / width, for the fused membership

@@ -24,9 +24,9 @@ size 1 cannot measure tokens per step (one request accepts 0..d drafts) but meas
   `max_probe_steps` steps and loses. Drafting must prove that it pays, more than not drafting must: at batch
   size 1, where step times are noisy, gains of a few percent are given up;
 - a step at a deeper depth does all the work of a shallower one and more, so a judgement never takes a deeper
-  probe's step as cheaper than the shallower current's (nor a shallower probe's as dearer than a deeper
-  current's): a probe timed so measured a change of conditions since the current was timed (the first decode
-  steps after start-up are slow, a co-tenant left), and a deeper depth then wins on its extra tokens alone;
+  probe's step as cheaper than the shallower current's: a deeper probe timed faster measured a change of
+  conditions since the current was timed (the first decode steps after start-up are slow, a co-tenant left),
+  and it is judged at the current's step time, so it can win on its extra tokens alone;
 - a step whose depth differs from the step before is not timed, for the probed and the running depth alike: a
   change of depth changes the working set, and the pool needs a step to follow (timing the step back from a
   probe would make the running depth look slower than it is, and probes would win by mistake). Neither is a step
@@ -283,10 +283,12 @@ class SpecGovernor:
         tokens_current = self.tokens_per_request(self.current)
         assert current.seconds is not None and tokens_probe is not None and tokens_current is not None
         mean = statistics.fmean(probe.timed)
-        # a step at a deeper depth does all the work of a shallower one and more (drafts, verify lanes, their
-        # experts): a probe timed faster than a shallower current (or slower than a deeper one) measured a
-        # change of conditions since the current's time, not its depth, and is judged at the current's time
-        mean = max(mean, current.seconds) if probe.depth > self.current else min(mean, current.seconds)
+        if probe.depth > self.current:
+            # a step at a deeper depth does all the work of a shallower one and more (drafts, verify lanes, their
+            # experts): a deeper probe timed faster than the current measured a change of conditions since the
+            # current's time, not its depth. (The mirror clamp for a shallower probe could not change a verdict:
+            # judged at the current's time it yields fewer tokens, and loses anyway.)
+            mean = max(mean, current.seconds)
         log_ratio = math.log(tokens_probe / mean) - math.log(tokens_current / current.seconds)
         probe.log_ratio = log_ratio
         threshold = math.log1p(self.margin)

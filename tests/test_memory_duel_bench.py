@@ -9,6 +9,7 @@ import torch
 from bench.memory_duel import MemoryDuelPolicy
 from bench.traces import policy_hit_rate, synthetic_trace
 from pooled_runner.planner import DevicePlanner
+from pooled_runner.planner_twin import HostTwin
 from pooled_runner.policies import LRUPolicy
 from pooled_runner.policy_router import RouterAdaptivePolicy
 from tests.test_planner import make_pool
@@ -66,3 +67,6 @@ def test_bad_parameters():
     for kw in (dict(fast=0), dict(slow=31), dict(order_floor=-1)):
         with pytest.raises(ValueError, match="slow="):
             MemoryDuelPolicy(4, **kw)
+    pool = make_pool([5, 4], 3)
+    with pytest.raises(NotImplementedError, match="no host form"):
+        HostTwin(pool, MemoryDuelPolicy(3))
