@@ -32,7 +32,6 @@ from bench.planner import TRACES
 from bench.traces import policy_hit_rate, synthetic_trace
 from pooled_runner.policies import LRUPolicy
 from pooled_runner.policy_adaptive import SCORE, AdaptivePolicy
-from pooled_runner.policy_base import NEVER
 from pooled_runner.policy_router import MEMBER_UNIT, RouterAdaptivePolicy, membership_units
 
 
@@ -70,9 +69,7 @@ class MemoryDuelPolicy(RouterAdaptivePolicy):
             member[lo : lo + scores.shape[1]] += units
 
     def observe(self, layer: int, present: torch.Tensor, now: torch.Tensor) -> None:
-        out = [
-            self._frequency_shadow_miss(ranked, layer, present, now) for ranked in self.rankeds
-        ]  # [E] each
+        out = [self.frequency_shadow_miss(ranked, layer, present, now) for ranked in self.rankeds]  # [E] each
         AdaptivePolicy.observe(self, layer, present, now)  # the LRU / frequency duel on the chosen order
         if layer == 0:  # once per step
             self.order_misses -= self.order_misses >> self.duel_shift
@@ -86,30 +83,11 @@ class MemoryDuelPolicy(RouterAdaptivePolicy):
         self.uses_fast = int(fast_only + (fast_only >> self.margin_shift) + self._order_floor < slow_only)
         self.fast_ticks += self.uses_fast
         self.ticks += 1
-        count = self._state()[0]
-        lo, E = layer * self._max_experts, self._max_experts
-        layer_count = count[lo : lo + E]
-        curve = torch.sort(layer_count, descending=True).values  # [E]
-        by_count = torch.sort(layer_count, descending=True, stable=True).indices  # ties by expert id
         for member, ranked in zip(self.members, self.rankeds):
-            order = by_count[torch.sort(member[lo : lo + E][by_count], descending=True, stable=True).indices]
-            ranked[lo : lo + E].index_copy_(0, order, curve)
+            self.rank_layer(layer, member, ranked)
         chosen_member, chosen_ranked = self._member_state()
         chosen_member.copy_(self.members[self.uses_fast])
         chosen_ranked.copy_(self.rankeds[self.uses_fast])
-
-    def _frequency_shadow_miss(
-        self, ranked: torch.Tensor, layer: int, present: torch.Tensor, now: torch.Tensor
-    ) -> torch.Tensor:
-        """`[E]` bool: routed now and outside an idealized frequency cache of `num_rows` rows ordered by
-        `ranked` (as `AdaptivePolicy.observe`'s frequency shadow, as of the previous tick)."""
-        last_use = self._state()[1]
-        L, E, lo = self._layers, present.shape[0], layer * self._max_experts
-        last = last_use[lo : lo + E]  # [E]
-        value = ranked[:-1] + self._bonus * ((now - 1 - last_use) < L).to(torch.int64)  # [N]
-        mine = value[lo : lo + E, None]
-        above = (value[None, :] > mine) | ((value[None, :] == mine) & (last_use[None, :] > last[:, None]))
-        return present & ~((last != NEVER) & (above.sum(1) < self.num_rows))
 
 
 def main() -> None:

@@ -104,7 +104,7 @@ class AdaptivePolicy:
             self._bonus,
             SCORE,
             ONE,
-            self._member_decay_shift(),
+            self.decay_shift,  # the router's membership decay: unread without it (RouterAdaptivePolicy.bind)
         )
 
     def _state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,11 +120,8 @@ class AdaptivePolicy:
         seen = last != NEVER
         # Shadow caches, as of the previous tick.
         lru_rank = (last_use[None, :] > last[:, None]).sum(1)  # [E]
-        value = self._value_counts()[:-1] + self._bonus * ((now - 1 - last_use) < L).to(torch.int64)  # [N]
-        mine = value[lo : lo + E, None]
-        above = (value[None, :] > mine) | ((value[None, :] == mine) & (last_use[None, :] > last[:, None]))
         lru_miss = present & ~(seen & (lru_rank < self.num_rows))
-        freq_miss = present & ~(seen & (above.sum(1) < self.num_rows))
+        freq_miss = self.frequency_shadow_miss(self._value_counts(), layer, present, now)
         if layer == 0:  # once per step
             misses -= misses >> self.duel_shift
             count -= count >> self.decay_shift
@@ -135,6 +132,20 @@ class AdaptivePolicy:
         start = present & (last != now - L)  # not routed at this layer's previous step
         count[lo : lo + E] += start.to(torch.int64) * ONE
         last.copy_(torch.where(present, now, last))
+
+    def frequency_shadow_miss(
+        self, value_counts: torch.Tensor, layer: int, present: torch.Tensor, now: torch.Tensor
+    ) -> torch.Tensor:
+        """`[E]` bool: routed now (`present`) and outside an idealized frequency cache of `num_rows` rows that
+        ranks every expert by (`value_counts [L * E_max + 1]` + recent bonus, last use), as of the previous tick
+        (call before `observe` updates the last uses)."""
+        last_use = self._state()[1]
+        L, E, lo = self._layers, present.shape[0], layer * self._max_experts
+        last = last_use[lo : lo + E]  # [E]
+        value = value_counts[:-1] + self._bonus * ((now - 1 - last_use) < L).to(torch.int64)  # [N]
+        mine = value[lo : lo + E, None]
+        above = (value[None, :] > mine) | ((value[None, :] == mine) & (last_use[None, :] > last[:, None]))
+        return present & ~((last != NEVER) & (above.sum(1) < self.num_rows))
 
     def candidate_key(self, layer: int, num_experts: int) -> torch.Tensor | None:
         mode = self._state()[3]
@@ -167,10 +178,6 @@ class AdaptivePolicy:
         if self._kernel_rule is None:
             raise RuntimeError(f"{type(self).__name__} used before bind()")
         return self._kernel_rule
-
-    def _member_decay_shift(self) -> int:
-        """The fused plan's decay of the router's membership (unread without the router: the counts' shift)."""
-        return self.decay_shift
 
     def _value_counts(self) -> torch.Tensor:
         """`[L * E_max + 1]` the counts the frequency mode ranks by (a subclass may reorder them per layer)."""

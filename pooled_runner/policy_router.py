@@ -123,9 +123,7 @@ class RouterAdaptivePolicy(AdaptivePolicy):
         self.ranked = torch.zeros(size + 1, dtype=torch.int64, device=device)
         self._scale = torch.tensor([_ramp_scale(self.width)], dtype=torch.float64, device=device)
         self._kernel_state = super().kernel_state()._replace(member=self.member, ranked=self.ranked)
-
-    def _member_decay_shift(self) -> int:
-        return self.member_decay_shift
+        self._kernel_rule = super().kernel_rule()._replace(member_decay_shift=self.member_decay_shift)
 
     def _member_state(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.member is None or self.ranked is None:
@@ -160,6 +158,11 @@ class RouterAdaptivePolicy(AdaptivePolicy):
         if layer == 0:  # once per step, as the counts
             member -= member >> self.member_decay_shift
             ranked -= ranked >> self.decay_shift
+        self.rank_layer(layer, member, ranked)
+
+    def rank_layer(self, layer: int, member: torch.Tensor, ranked: torch.Tensor) -> None:
+        """`ranked [N + 1]`'s slice of `layer` := the layer's counts, largest first, handed out in the order
+        (`member [N]` desc, count desc, expert id)."""
         # the whole E_max slice: padding experts (count 0, member 0, ids above the layer's) take the curve's zeros
         count = self._state()[0]
         lo, E = layer * self._max_experts, self._max_experts
