@@ -51,10 +51,16 @@ PLANNERS: dict[str, tuple[str, dict[str, object]]] = {
     # the policies the torch-ops planner exists for (--moe-expert-pool-planner-policy), fed random router logits
     "ops-adaptive": ("torch ops, adaptive", {"fused": False, "policy": "adaptive"}),
     "ops-router": ("torch ops, adaptive-router", {"fused": False, "policy": "adaptive-router"}),
-    "fused-adaptive": ("fused plan + row gather, adaptive", {"fused": True, "policy": "adaptive"}),
-    "fused-router": (
+    # the adaptive policies' fused plan: one launch with the copy, PDL and overlap (the planner's CUDA defaults)
+    "fused-adaptive": ("fused, one launch, adaptive", {"fused": True, "policy": "adaptive"}),
+    "fused-router": ("fused, one launch, adaptive-router", {"fused": True, "policy": "adaptive-router"}),
+    "two-adaptive": (
+        "fused plan + row gather, adaptive",
+        {"fused": True, "one_launch": False, "policy": "adaptive"},
+    ),
+    "two-router": (
         "fused plan + row gather, adaptive-router",
-        {"fused": True, "policy": "adaptive-router"},
+        {"fused": True, "one_launch": False, "policy": "adaptive-router"},
     ),
 }
 

@@ -41,59 +41,22 @@ from __future__ import annotations
 
 import torch
 
+from .admit_copy import (  # noqa: F401 (COPY_BLOCK, MAX_FUSED_OPERANDS, COPY_PROGRAMS: this module's API too)
+    COPY_BLOCK,
+    COPY_PROGRAMS,
+    MAX_FUSED_OPERANDS,
+    check_copy,
+    copy_launch,
+)
 from .plan_lru import Telemetry, check_plan_arguments, kernel_arguments, plan_lru_reference
-from .plan_sync import ARRIVAL, SYNC_WORDS  # the launch's sync words
-from .row_gather import MULTI_CHUNK_PROGRAMS, _check_args, gather_rows_reference
+from .plan_sync import SYNC_WORDS  # noqa: F401 (the launch's sync words: this module's API too)
+from .row_gather import MULTI_CHUNK_PROGRAMS, gather_rows_reference
 
 try:  # Triton is optional for the CPU core
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None  # type: ignore[assignment]
-
-MAX_FUSED_OPERANDS = 8  # int4 with zero points and NVFP4 have 6
-COPY_PROGRAMS = 32  # P: co-resident on any recent GPU; each streams its items at a few GB/s from the bank
-# Elements per program per loop step: twice gather_rows_multi's block, so that each of the fewer programs keeps
-# twice the bytes in flight (a read of the pinned bank waits ~1-2 µs on PCIe).
-COPY_BLOCK = 4096
-
-
-def cooperative_launch_supported() -> bool:
-    """Whether this Triton's CUDA backend takes `launch_cooperative_grid` (Triton >= 3.3)."""
-    if triton is None:  # pragma: no cover
-        return False
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:  # pragma: no cover
-        return False
-    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
-
-
-def _check_copy(
-    rows: list[torch.Tensor],
-    hosts: list[torch.Tensor],
-    victims: torch.Tensor,
-    codes: torch.Tensor,
-    valid: torch.Tensor,
-    num_rows: int,
-    host_offset: int,
-    sync: torch.Tensor,
-    num_programs: int,
-    chunk_programs: int,
-) -> None:
-    if not 1 <= len(rows) <= MAX_FUSED_OPERANDS or len(hosts) != len(rows):
-        raise ValueError(
-            f"{len(rows)} row operands and {len(hosts)} host operands: expected 1..{MAX_FUSED_OPERANDS}, equal"
-        )
-    for dst, host in zip(rows, hosts):
-        _check_args(dst, victims, dst, host, codes, valid, num_rows, host_offset)
-    if sync.shape != (SYNC_WORDS,) or sync.dtype != torch.int32 or sync.device != victims.device:
-        raise ValueError(
-            f"sync: shape {tuple(sync.shape)} dtype {sync.dtype} on {sync.device}; expected "
-            f"[{SYNC_WORDS}] int32 on {victims.device}"
-        )
-    if num_programs < 1 or chunk_programs < 1:
-        raise ValueError(f"num_programs={num_programs}, chunk_programs={chunk_programs} must be >= 1")
 
 
 def plan_lru_copy_reference(
@@ -131,51 +94,18 @@ def plan_lru_copy_reference(
     plan = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
     sizes = (layer, num_experts, max_experts, num_rows, block_m, min_reads)
     check_plan_arguments(*plan, *sizes, cycle, telemetry)
-    _check_copy(rows, hosts, victims, codes, valid, num_rows, host_offset, sync, num_programs, chunk_programs)
+    check_copy(rows, hosts, victims, codes, valid, num_rows, host_offset, sync, num_programs, chunk_programs)
     plan_lru_reference(*plan, *sizes, cycle, telemetry)
     for dst, host in zip(rows, hosts):
         gather_rows_reference(dst, victims, dst, host, codes, valid, num_rows, host_offset)
 
 
 if triton is not None:
-    from .pdl import pdl_available
+    from .admit_copy import _copy_published_pairs
     from .pdl import trigger as _pdl_trigger
     from .pdl import wait as _pdl_wait
     from .plan_body import _plan_lru_body
     from .plan_sync import _commit_admitted, _draw_ticket, _wait_for_plan
-    from .row_gather import _copy_row
-
-    @triton.jit
-    def _copy_slot(
-        SLOT: tl.constexpr,
-        NUM_OPS: tl.constexpr,
-        op,
-        rows_ptr,
-        host_ptr,
-        numel,
-        code,
-        dst_row,
-        num_rows,
-        host_offset,
-        chunk,
-        num_chunks,
-        BLOCK: tl.constexpr,
-    ):
-        if SLOT < NUM_OPS:  # noqa: SIM102 (constexpr prune; Triton has no `and` on tensors)
-            if op == SLOT:
-                _copy_row(
-                    rows_ptr,
-                    rows_ptr,
-                    host_ptr,
-                    code,
-                    dst_row,
-                    num_rows,
-                    host_offset,
-                    numel,
-                    chunk,
-                    num_chunks,
-                    BLOCK,
-                )
 
     @triton.jit
     def _plan_copy_kernel(
@@ -294,36 +224,15 @@ if triton is not None:
                 tl.atomic_xchg(sync_ptr, published, sem="relaxed", scope="gpu", mask=num_admitted == 0)
         else:
             num_admitted += _wait_for_plan(sync_ptr, num_programs)
-        per_pair = NUM_OPS * num_chunks
-        for item in range(pid, num_admitted * per_pair, num_programs):
-            pair = item // per_pair
-            op = item % per_pair // num_chunks
-            chunk = item % num_chunks
-            # volatile: written in this launch by role 0 (no stale L1 line)
-            if tl.load(valid_ptr + pair, volatile=True) != 0:
-                code = tl.load(codes_ptr + pair, volatile=True).to(tl.int64)
-                dst_row = tl.load(victims_ptr + pair, volatile=True).to(tl.int64)
-                # fmt: off
-                _copy_slot(0, NUM_OPS, op, rows0, host0, numel0,
-                           code, dst_row, R, host_offset, chunk, num_chunks, BLOCK)
-                _copy_slot(1, NUM_OPS, op, rows1, host1, numel1,
-                           code, dst_row, R, host_offset, chunk, num_chunks, BLOCK)
-                _copy_slot(2, NUM_OPS, op, rows2, host2, numel2,
-                           code, dst_row, R, host_offset, chunk, num_chunks, BLOCK)
-                _copy_slot(3, NUM_OPS, op, rows3, host3, numel3,
-                           code, dst_row, R, host_offset, chunk, num_chunks, BLOCK)
-                _copy_slot(4, NUM_OPS, op, rows4, host4, numel4,
-                           code, dst_row, R, host_offset, chunk, num_chunks, BLOCK)
-                _copy_slot(5, NUM_OPS, op, rows5, host5, numel5,
-                           code, dst_row, R, host_offset, chunk, num_chunks, BLOCK)
-                _copy_slot(6, NUM_OPS, op, rows6, host6, numel6,
-                           code, dst_row, R, host_offset, chunk, num_chunks, BLOCK)
-                _copy_slot(7, NUM_OPS, op, rows7, host7, numel7,
-                           code, dst_row, R, host_offset, chunk, num_chunks, BLOCK)
-                # fmt: on
+        # fmt: off
+        _copy_published_pairs(pid, num_programs, num_admitted, valid_ptr, codes_ptr, victims_ptr, R, host_offset,
+                              num_chunks, rows0, host0, numel0, rows1, host1, numel1, rows2, host2, numel2,
+                              rows3, host3, numel3, rows4, host4, numel4, rows5, host5, numel5, rows6, host6,
+                              numel6, rows7, host7, numel7, NUM_OPS, BLOCK)
+        # fmt: on
         if DEFER_COMMIT and num_admitted > 0:
-            _commit_admitted(sync_ptr, l2p_ptr, codes_ptr, victims_ptr, base, R, num_admitted, num_programs,
-                             BLOCK_E)  # fmt: skip
+            _commit_admitted(sync_ptr, l2p_ptr, codes_ptr, victims_ptr, valid_ptr, base, R, num_admitted,
+                             num_programs, BLOCK_E)  # fmt: skip
 
 
 def plan_lru_copy(
@@ -373,40 +282,24 @@ def plan_lru_copy(
     plan = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
     sizes = (layer, num_experts, max_experts, num_rows, block_m, min_reads)
     check_plan_arguments(*plan, *sizes, cycle, telemetry)
-    _check_copy(rows, hosts, victims, codes, valid, num_rows, host_offset, sync, num_programs, chunk_programs)
+    check_copy(rows, hosts, victims, codes, valid, num_rows, host_offset, sync, num_programs, chunk_programs)
     kernel_args, meta = kernel_arguments(*plan, *sizes, cycle, telemetry)
-    num_pairs, max_numel = victims.shape[0], max(r.shape[1] for r in rows)
-    chunks = max(1, min(chunk_programs, triton.cdiv(max_numel, COPY_BLOCK)))
-    programs = max(1, min(num_programs, num_pairs * len(rows) * chunks))
-    assert num_pairs + 1 < ARRIVAL and programs < 1 << 15, (num_pairs, programs)  # the sync word's fields
-    ops: list[object] = []
-    for i in range(MAX_FUSED_OPERANDS):
-        j = min(i, len(rows) - 1)  # unused slots repeat the last operand (never read: NUM_OPS prunes them)
-        ops += [rows[j], hosts[j], rows[j].shape[1]]
-    if num_warps not in (1, 2, 4, 8):
-        raise ValueError(f"num_warps={num_warps}: expected 1, 2, 4 or 8")
-    launch: dict[str, object] = {"num_warps": num_warps}
-    can_pdl = pdl_available(ids)
-    pdl = pdl and can_pdl
-    if pdl:
-        launch["launch_pdl"] = True
-    if cooperative and ids.is_cuda and programs > 1 and cooperative_launch_supported():
-        launch["launch_cooperative_grid"] = True
-    # a plain grid of P > 1 takes its roles by ticket (under the interpreter too: programs in id order)
-    ticket = programs > 1 and "launch_cooperative_grid" not in launch
-    _plan_copy_kernel[(programs,)](
+    geo = copy_launch(
+        ids, rows, hosts, victims.shape[0], num_programs, chunk_programs, cooperative, pdl, num_warps
+    )
+    _plan_copy_kernel[(geo.programs,)](
         *kernel_args,
         sync,
         host_offset,
-        chunks,
-        *ops,
+        geo.chunks,
+        *geo.ops,
         **meta,
         NUM_OPS=len(rows),
         BLOCK=COPY_BLOCK,
-        SPIN=programs > 1,
-        PDL=pdl,
-        EARLY_TRIGGER=early_trigger and can_pdl,
+        SPIN=geo.programs > 1,
+        PDL=geo.pdl,
+        EARLY_TRIGGER=early_trigger and geo.can_pdl,
         DEFER_COMMIT=early_trigger,  # also under the interpreter, which tests it
-        TICKET=ticket,
-        **launch,
+        TICKET=geo.ticket,
+        **geo.launch,
     )

@@ -50,16 +50,18 @@ if triton is not None:
         return word % _ARRIVAL - 1
 
     @triton.jit
-    def _commit_admitted(sync_ptr, l2p_ptr, codes_ptr, victims_ptr, base, R, num_admitted, num_programs,
-                         BLOCK_E: tl.constexpr):  # fmt: skip
+    def _commit_admitted(sync_ptr, l2p_ptr, codes_ptr, victims_ptr, valid_ptr, base, R, num_published,
+                         num_programs, BLOCK_E: tl.constexpr):  # fmt: skip
         """After this program's copies: arrive at `sync[1]`; the last of the P arrivals writes the admitted
-        experts' rows into the location table (release: their copies happen before) and resets the word."""
+        experts' rows (pairs 0..n-1 of the published n with `valid != 0`) into the location table (release:
+        their copies happen before) and resets the word."""
         tl.debug_barrier()  # every thread's copy stores happen before the (one-thread, release) arrival
         arrived = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
         if arrived == num_programs - 1:
             i = tl.arange(0, BLOCK_E)
-            mine = i < num_admitted
             # volatile: written in this launch by role 0 (no stale L1 line)
+            mine = i < num_published
+            mine = mine & (tl.load(valid_ptr + i, mask=mine, other=0, volatile=True) != 0)
             expert = tl.load(codes_ptr + i, mask=mine, other=R, volatile=True) - R
             row = tl.load(victims_ptr + i, mask=mine, other=0, volatile=True)
             tl.atomic_xchg(l2p_ptr + base + expert, row, mask=mine, sem="release", scope="gpu")

@@ -54,14 +54,14 @@ class DevicePlanner:
       block_m: M-block of the MoE kernel (for the byte-cost rule).
       min_reads_to_admit: byte-cost threshold (see module docstring).
       debug_checks: verify the tables after every step (host sync; default from POOLED_RUNNER_DEBUG_CHECKS).
-      fused: plan with a single-launch kernel: `kernels/plan_lru.py` for LRU and lru-cycle,
-        `kernels/plan_adaptive.py` (then the row gather) for the adaptive policies; the others have torch ops
-        only. None = on CUDA with those unless POOLED_RUNNER_TORCH_PLANNER is set; True on the CPU runs it
+      fused: plan with a single-program kernel: `kernels/plan_lru.py` for LRU and lru-cycle,
+        `kernels/plan_adaptive.py` for the adaptive policies; the others have torch ops only. None = on CUDA with those unless POOLED_RUNNER_TORCH_PLANNER is set; True on the CPU runs it
         under the Triton interpreter (tests).
       gather_chunks: programs per admitted expert and operand in the admission copy (more stream the pinned
         bank at a higher PCIe rate; unused ones exit at once).
-      one_launch: the fused plan and its admission copy in one launch (`kernels/plan_copy.py`, `copy_programs`
-        programs) instead of two (`plan_lru`, then `gather_rows_multi` per 4 operands). None = with `fused`,
+      one_launch: the fused plan and its admission copy in one launch (`kernels/plan_copy.py`, for the
+        adaptive policies `kernels/plan_adaptive_copy.py`; `copy_programs` programs) instead of two (the plan,
+        then `gather_rows_multi` per 4 operands). None = with `fused`,
         a bank and <= 8 operands, unless POOLED_RUNNER_PLAN_SPLIT_COPY is set. cooperative: launch it as a
         cooperative grid where Triton supports it, else a plain grid whose programs take their roles by ticket
         (None: POOLED_RUNNER_PLAN_COOPERATIVE, default off). pdl: as a programmatic dependent launch where PDL
@@ -155,13 +155,13 @@ class DevicePlanner:
         self._valid32 = torch.zeros(max_pairs, dtype=torch.int32, device=dev)
         can_one = (
             self.fused
-            and is_lru
+            and can_fuse
             and self._bank_flat is not None
             and len(self._rows_flat) <= MAX_FUSED_OPERANDS
         )
         if one_launch and not can_one:
             raise ValueError(
-                f"one_launch needs the fused LRU planner (fused={self.fused}, policy {self.policy.name!r}), a "
+                f"one_launch needs the fused planner (fused={self.fused}, policy {self.policy.name!r}), a "
                 f"bank and <= {MAX_FUSED_OPERANDS} operands ({len(self._rows_flat)})"
             )
         self.one_launch = can_one and (not envs.plan_split_copy() if one_launch is None else one_launch)
@@ -172,7 +172,7 @@ class DevicePlanner:
         # the plan + copy lets the next kernel launch at its start (only the one launch has the deferred commit)
         if overlap and not self.one_launch:
             raise ValueError(
-                "overlap=True needs the one-launch plan + copy (fused LRU or lru-cycle, a bank, "
+                "overlap=True needs the one-launch plan + copy (the fused planner, a bank, "
                 f"<= {MAX_FUSED_OPERANDS} operands, POOLED_RUNNER_PLAN_SPLIT_COPY unset): only it defers the "
                 "admitted codes to after their copy"
             )
@@ -280,7 +280,7 @@ class DevicePlanner:
                 router_scores = None
         in_place = False
         if self.fused and self._adaptive is not None:
-            plan_adaptive_fused(self, layer, topk_ids, E, num_pairs, router_scores, telemetry)
+            in_place = plan_adaptive_fused(self, layer, topk_ids, E, num_pairs, router_scores, telemetry)
         elif self.fused:
             in_place = plan_lru_fused(self, layer, topk_ids, E, num_pairs, telemetry)
         else:

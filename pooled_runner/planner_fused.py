@@ -1,6 +1,7 @@
 """The device planner's fused steps (`DevicePlanner.plan` on CUDA): LRU and lru-cycle in one plan + copy launch
-(`kernels/plan_copy.py`) or a plan launch and the row gather (`kernels/plan_lru.py`); the adaptive policies in
-a plan launch (`kernels/plan_adaptive.py`, with the router's membership launch before it) and the row gather.
+(`kernels/plan_copy.py`) or a plan launch and the row gather (`kernels/plan_lru.py`); the adaptive policies
+likewise (`kernels/plan_adaptive_copy.py`, or `kernels/plan_adaptive.py` and the row gather), with the
+router's membership launch before either.
 `self` is the planner; its tables are updated in place (see `planner.py`)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.kernels.plan_adaptive import plan_adaptive
+from pooled_runner.kernels.plan_adaptive_copy import plan_adaptive_copy
 from pooled_runner.kernels.plan_copy import plan_lru_copy
 from pooled_runner.kernels.plan_lru import plan_lru
 from pooled_runner.kernels.row_gather import MAX_MULTI_OPERANDS, gather_rows_multi
@@ -54,21 +56,8 @@ def plan_lru_fused(
         plan_lru(*plan_args)
         gather_admitted(self, layer, victims, codes, valid)
         return in_place
-    assert self._bank_flat is not None and self.pool.bank is not None
-    plan_lru_copy(
-        *plan_args,
-        list(self._rows_flat.values()),
-        [self._bank_flat[n] for n in self._rows_flat],
-        self.pool.bank.layer_offsets[layer],
-        self._sync32,
-        num_programs=self.copy_programs,
-        chunk_programs=self.gather_chunks,
-        cooperative=self._cooperative,
-        pdl=self._pdl,
-        num_warps=self._plan_warps,
-        # with a temporary ids the next kernel must not start beside the plan (see `plan`)
-        early_trigger=self.overlap and in_place,
-    )
+    # with a temporary ids the next kernel must not start beside the plan (see `plan`)
+    plan_lru_copy(*plan_args, *_copy_args(self, layer), early_trigger=self.overlap and in_place)
     return in_place
 
 
@@ -80,9 +69,10 @@ def plan_adaptive_fused(
     num_pairs: int,
     router_scores: torch.Tensor | None,
     telemetry: RouteTelemetry | None,
-) -> None:
-    """The adaptive policies' fused plan (`plan_adaptive`, telemetry recorded inside), then the admitted
-    rows' copy."""
+) -> bool:
+    """The adaptive policies' fused plan (telemetry recorded inside) and the admitted rows' copy: in one launch
+    (`plan_adaptive_copy`) or in two (`plan_adaptive`, then `gather_rows_multi` per four operands); with the
+    router, its membership launch first. Returns whether the plan read `topk_ids` in place."""
     policy = self._adaptive
     assert policy is not None
     if router_scores is not None:  # tokens with no routed id (padding lanes) do not vote
@@ -90,9 +80,11 @@ def plan_adaptive_fused(
         if router_scores.stride(1) != 1:
             router_scores = router_scores.contiguous()
         policy.observe_scores_fused(layer, router_scores, topk_ids, E)
+    ids = _flat_ids(topk_ids)
+    in_place = ids.data_ptr() == topk_ids.data_ptr()
     victims, codes, valid32 = _pair_buffers(self, num_pairs)
-    plan_adaptive(
-        _flat_ids(topk_ids),
+    plan_args = (
+        ids,
         *_tables(self),
         victims,
         codes,
@@ -107,7 +99,12 @@ def plan_adaptive_fused(
         policy.kernel_rule(),
         telemetry.fused_target(layer) if telemetry is not None else None,
     )
-    gather_admitted(self, layer, victims, codes, valid32)
+    if not self.one_launch:
+        plan_adaptive(*plan_args)
+        gather_admitted(self, layer, victims, codes, valid32)
+        return in_place
+    plan_adaptive_copy(*plan_args, *_copy_args(self, layer), early_trigger=self.overlap and in_place)
+    return in_place
 
 
 def gather_admitted(
@@ -133,6 +130,23 @@ def gather_admitted(
             force_triton=force,
             chunk_programs=self.gather_chunks,
         )
+
+
+def _copy_args(self: DevicePlanner, layer: int) -> tuple[object, ...]:
+    """The one-launch plans' copy and launch arguments after the plan's (`plan_lru_copy`'s contract): pool rows,
+    bank rows, the layer's first bank row, the sync words, programs, chunks, cooperative, PDL, warps."""
+    assert self._bank_flat is not None and self.pool.bank is not None
+    return (
+        list(self._rows_flat.values()),
+        [self._bank_flat[n] for n in self._rows_flat],
+        self.pool.bank.layer_offsets[layer],
+        self._sync32,
+        self.copy_programs,
+        self.gather_chunks,
+        self._cooperative,
+        self._pdl,
+        self._plan_warps,
+    )
 
 
 def _flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:

@@ -107,6 +107,7 @@ def _state_from(d: dict[str, torch.Tensor], EM: int) -> AdaptiveState:
                          torch.zeros(EM, dtype=torch.int64))  # fmt: skip
 
 
+@pytest.mark.parametrize("launch", ["one", "one-overlap", "two"])
 @pytest.mark.parametrize("router", [False, True])
 @pytest.mark.parametrize(
     ("layers", "rows", "K", "max_T", "kw"),
@@ -115,15 +116,19 @@ def _state_from(d: dict[str, torch.Tensor], EM: int) -> AdaptiveState:
         ([13, 4, 6, 11], 9, 3, 5, dict(decay_shift=2, recent_bonus=1, duel_shift=2, floor_misses=1)),
     ],
 )
-def test_fused_planner_equals_twin(router, layers, rows, K, max_T, kw):
+def test_fused_planner_equals_twin(launch, router, layers, rows, K, max_T, kw):
     """The planner with the fused plan (`fused=True`: the interpreter) against the host twin, step by step,
-    through both modes; with the router, some steps without scores."""
+    through both modes; with the router, some steps without scores. `launch`: the plan and the admission copy
+    in one launch (`plan_adaptive_copy`; with the deferred commit of the overlap) or two."""
     pool = make_pool(layers, rows, seed=rows + 3)
     pool.fill([(len(layers) - 1, 0), (0, layers[0] - 1)])
     cls = RouterAdaptivePolicy if router else AdaptivePolicy
     dev_policy, host_policy = cls(rows, **kw), cls(rows, **kw)
-    planner = DevicePlanner(pool, dev_policy, max_routed=max_T * K, fused=True)
-    assert planner.fused and not planner.one_launch
+    one, overlap = launch.startswith("one"), launch == "one-overlap"
+    planner = DevicePlanner(
+        pool, dev_policy, max_routed=max_T * K, fused=True, one_launch=one, overlap=overlap
+    )
+    assert planner.fused and planner.one_launch is one and planner.overlap is overlap
     twin = HostTwin(pool, host_policy)
     # telemetry recorded inside the plan kernel, against the torch form's; a low cap so that it saturates
     tel, tel_ref = (RouteTelemetry(layers, torch.device("cpu"), max_count=20, fused=False) for _ in range(2))
@@ -163,8 +168,8 @@ def test_bad_configuration_and_state():
     pool = make_pool([5, 7], 4)
     with pytest.raises(ValueError, match="not policy 'freq'"):
         DevicePlanner(pool, make_policy("freq"), max_routed=8, fused=True)
-    with pytest.raises(ValueError, match="one_launch needs the fused LRU planner"):
-        DevicePlanner(pool, AdaptivePolicy(4), max_routed=8, fused=True, one_launch=True)
+    with pytest.raises(ValueError, match="one_launch needs the fused planner"):
+        DevicePlanner(pool, AdaptivePolicy(4), max_routed=8, fused=False, one_launch=True)
     planner = DevicePlanner(pool, AdaptivePolicy(4), max_routed=8, fused=True)
     state = planner.policy.kernel_state()  # type: ignore[attr-defined]
     rule = planner.policy.kernel_rule()  # type: ignore[attr-defined]

@@ -301,7 +301,7 @@ def test_planner_one_launch_equals_two_launches(policy, overlap: bool) -> None:
 
 def test_planner_one_launch_needs_the_fused_planner() -> None:
     pool = int4_like_pool([4], 2)
-    with pytest.raises(ValueError, match="one_launch needs the fused LRU planner"):
+    with pytest.raises(ValueError, match="one_launch needs the fused planner"):
         DevicePlanner(pool, LRUPolicy(), fused=False, one_launch=True)
     assert DevicePlanner(pool, LRUPolicy(), fused=False).one_launch is False
 
@@ -358,7 +358,7 @@ def test_plain_grid_takes_roles_by_ticket(
     program needs none. Off CUDA a cooperative launch is never asked for, even with cooperative=True: the grid
     is plain and takes tickets. (The ticket path itself runs in every interpreter test above, where P > 1, and
     leaves every sync word zero; the cooperative path, roles by program id, runs on the GPU only.)"""
-    from pooled_runner.kernels import plan_copy
+    from pooled_runner.kernels import admit_copy, plan_copy
 
     g = torch.Generator().manual_seed(5)
     state = random_state(2, 6, 6, 4, 0)
@@ -374,7 +374,7 @@ def test_plain_grid_takes_roles_by_ticket(
     rows, hosts = random_rows(2, 4, 6, g)
     k = _Recorder()
     monkeypatch.setattr(plan_copy, "_plan_copy_kernel", k)
-    monkeypatch.setattr(plan_copy, "cooperative_launch_supported", lambda: True)  # as on a recent Triton
+    monkeypatch.setattr(admit_copy, "cooperative_launch_supported", lambda: True)  # as on a recent Triton
     sync = torch.zeros(plan_copy.SYNC_WORDS, dtype=torch.int32)
     plan_copy.plan_lru_copy(
         *args, rows, hosts, 0, sync, num_programs=num_programs, chunk_programs=4, cooperative=cooperative

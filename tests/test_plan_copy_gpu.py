@@ -2,7 +2,8 @@
 
 Two identical pools (int4-like, six operands of mixed dtypes, rows longer than one copy block, a pinned bank,
 20 rows for 54 experts), one planned by the one-launch path and one by the two-launch path (`plan_lru`, then
-`gather_rows_multi` per four operands). Each captures one decode step (4 layers: plan + telemetry) in a CUDA
+`gather_rows_multi` per four operands), for LRU, lru-cycle and the two adaptive policies (`plan_adaptive_copy`
+against `plan_adaptive` and the gather). Each captures one decode step (4 layers: plan + telemetry) in a CUDA
 graph, replays it 25 times with new routing (misses, evictions, padding and out-of-range ids); after every
 replay the tables, counters, telemetry and every used pool row must be equal, and the sync words zero. Four
 launch modes of the one-launch kernel, each pinned by the environment: cooperative (roles by program id) and a
@@ -33,7 +34,10 @@ SCRIPT = textwrap.dedent(
     from pooled_runner.cycle_lru import CycleLRUPolicy
     from pooled_runner.formats.base import OperandSpec
     from pooled_runner.planner import DevicePlanner
+    from functools import partial
     from pooled_runner.policies import LRUPolicy
+    from pooled_runner.policy_adaptive import AdaptivePolicy
+    from pooled_runner.policy_router import RouterAdaptivePolicy
     from pooled_runner.pool import ExpertPool
     from pooled_runner.telemetry import RouteTelemetry
 
@@ -75,7 +79,9 @@ SCRIPT = textwrap.dedent(
 
     g = torch.Generator().manual_seed(1)
     for M in (1, 8):
-        for policy in (LRUPolicy, CycleLRUPolicy):
+        # the adaptive policies' one launch (`plan_adaptive_copy`); the router here without scores (counts only)
+        adaptive = (partial(AdaptivePolicy, ROWS, floor_misses=0), partial(RouterAdaptivePolicy, ROWS))
+        for policy in (LRUPolicy, CycleLRUPolicy, *adaptive):
             runs = [build(policy, True), build(policy, False)]
             ids = torch.zeros(len(LAYERS), M, K, dtype=torch.int32, device=DEVICE)
 
@@ -93,7 +99,8 @@ SCRIPT = textwrap.dedent(
             set_ids()
             for planner, tel in runs:
                 step(planner, tel)  # eager (and compile) before capture
-            compare(*runs, f"M={M} {policy.__name__} eager")
+            name = getattr(policy, "func", policy).__name__
+            compare(*runs, f"M={M} {name} eager")
             replays = []
             for planner, tel in runs:
                 if GRAPHS:  # capture records, it does not run: the replays below run in lockstep
@@ -109,10 +116,10 @@ SCRIPT = textwrap.dedent(
                     replay()
                 if GRAPHS:
                     torch.cuda.synchronize()
-                compare(*runs, f"M={M} {policy.__name__} replay {rep}")
+                compare(*runs, f"M={M} {name} replay {rep}")
             c = runs[0][0].counter_values()
             assert c["admissions"] > 0 and c["evictions"] > 0 and c["hits"] > 0, c
-            print(f"M={M} {policy.__name__}: {c}", flush=True)
+            print(f"M={M} {name}: {c}", flush=True)
     if GRAPHS:  # the launch inventory of one planned layer step (eager): 1 kernel, against 1 + ceil(6 / 4)
         from torch.profiler import ProfilerActivity, profile
 
