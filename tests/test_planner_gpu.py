@@ -58,7 +58,10 @@ CASES = [(w, "lru") for w in WIDTHS] + [
     ("mtp_bs3_ns3", "freq"),
     ("M2", "aging"),
     ("mtp_bs2_ns1", "aging"),
-    ("M1", "adaptive"),  # the adaptive policies: the fused plan (kernels/plan_adaptive.py), the CUDA default
+    (
+        "M1",
+        "adaptive",
+    ),  # the adaptive policies: the fused one launch (kernels/plan_adaptive_copy.py), overlapped
     ("mtp_bs3_ns3", "adaptive"),
     ("M4", "adaptive-ops"),  # and their torch-ops form
     ("M1", "adaptive-router"),
@@ -245,12 +248,12 @@ def resident(weights):
 @pytest.mark.parametrize(("width", "policy"), CASES)
 def test_captured_decode_step_replays_with_new_routing(width, policy, weights, resident):
     M = WIDTHS[width]
-    # the graphed stack's plan + copy overlaps the first GEMM (the fused LRU; the other planners cannot), the
-    # eager one's does not: the same outputs bit for bit, the same tables
-    overlap = True if policy == "lru" else None
-    graphed, eager = Stack(weights, M, policy, overlap=overlap), Stack(weights, M, policy, overlap=False)
-    assert graphed.planner.overlap == (policy == "lru"), "only the fused one-launch planner overlaps"
+    # the graphed stack's plan + copy overlaps the first GEMM (the fused one launch: LRU and the adaptive
+    # policies; the other planners cannot), the eager one's does not: the same outputs bit for bit, the same tables
     fused = policy not in ("freq", "aging") and not policy.endswith("-ops")
+    overlap = True if fused else None
+    graphed, eager = Stack(weights, M, policy, overlap=overlap), Stack(weights, M, policy, overlap=False)
+    assert graphed.planner.overlap == fused, "only the fused one-launch planner overlaps"
     assert graphed.planner.fused == fused, f"{policy}: fused {graphed.planner.fused}, expected {fused}"
     g_graph = torch.Generator(device="cuda").manual_seed(M)
     g_eager = torch.Generator(device="cuda").manual_seed(M)
