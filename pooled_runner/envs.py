@@ -95,8 +95,9 @@ def torch_planner() -> bool:
 
 
 def plan_split_copy() -> bool:
-    """POOLED_RUNNER_PLAN_SPLIT_COPY: run the fused planner's admission copy as its own launch (`plan_lru` then
-    `gather_rows_multi`) instead of inside the plan launch (`kernels/plan_copy.py`; A/B and fallback)."""
+    """POOLED_RUNNER_PLAN_SPLIT_COPY: run the fused planner's admission copy as its own launch (`plan_lru` or
+    `plan_adaptive`, then `gather_rows_multi`) instead of inside the plan launch (`kernels/plan_copy.py`,
+    `kernels/plan_adaptive_copy.py`; A/B and fallback)."""
     return _get_bool("PLAN_SPLIT_COPY", False)
 
 
