@@ -97,7 +97,7 @@ def _gate_up_kernel(
     # program (slot, N block, split): a pair's splits run side by side
     num_nb = tl.cdiv(I, BLOCK_N)
     item = tl.program_id(0) // SPLIT
-    if OVERLAP:  # beside the plan + copy (plan_copy.py): wait for it only on a host code; the last program before the end
+    if OVERLAP:  # beside the plan + copy (plan_copy.py): wait for it only on a host code, and before the end
         pair, code = _slot_pair_by_id(
             ids_ptr, l2p_ptr, item // num_nb, num_pairs, num_experts, num_rows, P_POW2, PDL
         )
@@ -111,7 +111,7 @@ def _gate_up_kernel(
     )  # fmt: skip
     if OVERLAP:
         # so that this kernel's completion implies the plan's (down and the next layer rely on it)
-        pdl.wait_last(PDL)
+        pdl.wait(PDL)
 
 
 @triton.jit

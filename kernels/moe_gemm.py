@@ -53,12 +53,12 @@ def _gemm1_kernel(
         pdl.wait(PDL)
     pdl.trigger(PDL)  # OVERLAP: gemm2 settles host codes after its wait, as this kernel does before its loads
     pid_m, pid_n = _block_of(tl.program_id(0), tl.cdiv(I, BLOCK_N), max_blocks, GROUP_M)
-    if OVERLAP:  # beside the plan + copy (plan_copy.py): wait for it only on a host code; the last program before the end
+    if OVERLAP:  # beside the plan + copy (plan_copy.py): wait for it only on a host code, and before the end
         blk, code, pair = _inline_block_by_id(
             pid_m, ids_ptr, l2p_ptr, num_pairs, num_experts, num_rows, BLOCK_M, P_POW2, PDL
         )
         if code < 0:
-            pdl.wait_last(PDL)
+            pdl.wait(PDL)
             return
     elif INLINE_ALIGN:
         blk, code, pair = _inline_block(
@@ -126,7 +126,7 @@ def _gemm1_kernel(
         tl.store(ptrs, act, mask=row_ok[:, None] & n_ok[None, :])
     if OVERLAP:
         # so that this kernel's completion implies the plan's (gemm2 and the next layer rely on it)
-        pdl.wait_last(PDL)
+        pdl.wait(PDL)
 
 
 @triton.jit
@@ -154,7 +154,7 @@ def _gemm2_kernel(
             pid_m, ids_ptr, l2p_ptr, num_pairs, num_experts, num_rows, BLOCK_M, P_POW2, PDL
         )
         if code < 0:
-            pdl.wait_last(PDL)
+            pdl.wait(PDL)
             return
     elif INLINE_ALIGN:
         blk, code, pair = _inline_block(

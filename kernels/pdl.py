@@ -26,8 +26,8 @@ down finds its pair and location, then waits before it reads act or an arrival c
 OVERLAP (`DevicePlanner.overlap`, the default with PDL, `envs.plan_overlap`): the one-launch plan + copy triggers
 at its start, so the first GEMM (inline gemm1, GEMV gate_up or the split path's one kernel) runs beside the plan. Its programs then take
 their blocks in an order that does not read the location table, read their code once with acquire semantics
-(`load_acquire`), wait for the plan only on a host code (`settle_code`: the expert may be being copied in), and
-the grid's last program waits before it ends (`wait_last`); the second GEMM settles host codes the same way after its wait. `plan_copy.py` gives the
+(`load_acquire`), wait for the plan only on a host code (`settle_code`: the expert may be being copied in) and
+wait before they end; the second GEMM settles host codes the same way after its wait. `plan_copy.py` gives the
 plan's half: it publishes an admitted expert's row only after the copy. It hides the plan of an
 all-hit step under gemm1: on the H200 (2026-12-02, 6 Qwen3-like bf16 layers, M=1, graph replay) with the plan +
 copy PDL-launched as a plain grid, the planner's share of the step fell from 12.2% (cooperative, no PDL, no
@@ -93,18 +93,6 @@ def wait(PDL: tl.constexpr):
     In gemm1 and the plan + copy, first thing: the kernel before it done and visible."""
     if PDL:
         gdc_wait()
-
-
-@triton.jit
-def wait_last(PDL: tl.constexpr):
-    """OVERLAP kernels, before they end (and before an early exit): the grid's last program waits for the kernel
-    before it (the plan + copy), so that this kernel's completion implies the plan's; the other programs leave
-    at once. Why not every program, as at first: a grid of more programs than fit on the device at once runs in
-    waves, and programs of the first wave holding their SM slots until the plan ends kept the next wave from
-    starting, which serialized the plan and the GEMM again at M > 1 (docs/BENCHMARKS.md, 2026-12-04). A
-    program that reads a host code still waits itself (`settle_code`)."""
-    if tl.program_id(0) == tl.num_programs(0) - 1:
-        wait(PDL)
 
 
 @triton.jit

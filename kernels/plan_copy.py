@@ -20,8 +20,8 @@ hits, the admission copy has none: this kernel saves that launch. A grid of P pr
     (`pdl.load_acquire`);
   - and every program lets the next kernel launch first thing (PDL `trigger`), so that the MoE's first GEMM
     runs beside the plan; that GEMM must then follow the rule above (`OVERLAP` in `moe_gemm.py`, `gemv.py` and `splitk.py`:
-    read a code with acquire, wait for this kernel only on a host code, and have its last program wait before
-    it ends, so that its completion still implies this kernel's: `pdl.wait_last`).
+    read a code with acquire, wait for this kernel only on a host code, and wait before it ends, so that its
+    completion still implies this kernel's).
 Roles: in a plain grid each program takes the role of its ticket (`plan_sync._draw_ticket`: the order in which
 the programs start), so role 0, which every spinner waits for, has started, whether or not the grid fits on the
 device at once; `cooperative=True` launches a cooperative grid instead, roles by program id. Why no cooperative

@@ -26,7 +26,7 @@ inputs (eager, graph replay, any schedule), but for such near-ties.
 
 PDL (`kernels/pdl.py`): launched as a programmatic dependent of the kernel before it and waits first thing; in
 OVERLAP (beside the plan + copy, `after_plan`) it takes its pair by id, reads the code with acquire, waits on a
-host code (`gemv_tiles._slot_pair_by_id`), and its last program waits before it ends (`pdl.wait_last`). It triggers nothing.
+host code (`gemv_tiles._slot_pair_by_id`) and waits before it ends. It triggers nothing.
 
 Graph-safe: fixed buffers; the fp64 sums and the counter live in a per-device workspace, zero between launches
 (one stream at a time), allocated by the first call of a size (make it before capture, as the compile).
@@ -174,7 +174,7 @@ def _splitk_kernel(
             tl.store(dst, total.to(tl.float32).to(COMPUTE), mask=ok)
             tl.store(sum_ptr + idx, tl.zeros((TAIL_BLOCK,), dtype=sum_ptr.dtype.element_ty), mask=ok)
     if OVERLAP:
-        pdl.wait_last(PDL)  # this kernel's completion implies the plan's
+        pdl.wait(PDL)  # this kernel's completion implies the plan's
 
 
 def splitk_supported(fmt: KernelFormat) -> bool:
