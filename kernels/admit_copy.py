@@ -19,6 +19,8 @@ try:  # Triton is optional for the CPU core
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None  # type: ignore[assignment]
+if triton is not None:
+    from .pdl import pdl_available
 
 MAX_FUSED_OPERANDS = 8  # int4 with zero points and NVFP4 have 6
 COPY_PROGRAMS = 32  # P: co-resident on any recent GPU; each streams its items at a few GB/s from the bank
@@ -90,8 +92,6 @@ def copy_launch(
     num_warps: int,
 ) -> CopyLaunch:
     """The launch of a one-launch plan of `num_pairs` pairs over `rows` (see `plan_lru_copy`'s arguments)."""
-    from .pdl import pdl_available
-
     max_numel = max(r.shape[1] for r in rows)
     chunks = max(1, min(chunk_programs, triton.cdiv(max_numel, COPY_BLOCK)))
     programs = max(1, min(num_programs, num_pairs * len(rows) * chunks))

@@ -106,30 +106,41 @@ def test_moe_pdl_knob(monkeypatch):
         envs.moe_pdl()
 
 
+@pytest.mark.parametrize("plan", ["lru", "adaptive"])
 @pytest.mark.parametrize("available", [False, True])
 @pytest.mark.parametrize("asked", [False, True])
-def test_plan_copy_is_a_programmatic_dependent_where_asked_and_available(monkeypatch, available, asked):
-    """The one-launch plan + copy is compiled to wait (PDL) and launched with `launch_pdl` exactly when asked and
-    `pdl_available` on its tensors' device; otherwise neither (no `launch_pdl` for the interpreter's launcher).
-    Kernel replaced by a recorder."""
-    from pooled_runner.kernels import plan_copy
+def test_plan_copy_is_a_programmatic_dependent_where_asked_and_available(monkeypatch, available, asked, plan):
+    """The one-launch plan + copy (LRU's and the adaptive policies') is compiled to wait (PDL) and launched with
+    `launch_pdl` exactly when asked and `pdl_available` on its tensors' device; otherwise neither (no
+    `launch_pdl` for the interpreter's launcher). Kernel replaced by a recorder."""
+    from pooled_runner.kernels import admit_copy, plan_adaptive_copy, plan_copy
 
+    from pooled_runner.policy_adaptive import AdaptivePolicy
     from tests.test_plan_copy import random_rows
     from tests.test_plan_lru import random_state
 
     state = random_state(1, 4, 4, 3, 0)
     out = [torch.zeros(2, dtype=torch.int32) for _ in range(3)]
     args: tuple = (torch.tensor([0, 1]), state["l2p"], state["row_owner"], state["row_stamp"], state["clock"])
-    args += (state["counters"], torch.zeros(4, dtype=torch.int32), *out, 0, 4, 4, 3, 16, 1, None, None)
+    args += (state["counters"], torch.zeros(4, dtype=torch.int32), *out, 0, 4, 4, 3, 16, 1)
     rows, hosts = random_rows(2, 3, 4, torch.Generator().manual_seed(0))
     sync = torch.zeros(plan_copy.SYNC_WORDS, dtype=torch.int32)
     k = _Recorder()
-    monkeypatch.setattr(plan_copy, "_plan_copy_kernel", k)
-    monkeypatch.setattr(plan_copy, "pdl_available", lambda t: available)
-    plan_copy.plan_lru_copy(*args, rows, hosts, 0, sync, pdl=asked)
+    monkeypatch.setattr(admit_copy, "pdl_available", lambda t: available)
+    if plan == "lru":
+        monkeypatch.setattr(plan_copy, "_plan_copy_kernel", k)
+        plan_copy.plan_lru_copy(*args, None, None, rows, hosts, 0, sync, pdl=asked)
+    else:
+        policy = AdaptivePolicy(3)
+        policy.bind(1, 4, torch.device("cpu"))
+        monkeypatch.setattr(plan_adaptive_copy, "_plan_adaptive_copy_kernel", k)
+        plan_adaptive_copy.plan_adaptive_copy(
+            *args, policy.kernel_state(), policy.kernel_rule(), None, rows, hosts, 0, sync, pdl=asked
+        )
     assert len(k.calls) == 1
     on = asked and available
     assert k.calls[0]["PDL"] is on and ("launch_pdl" in k.calls[0]) == on
+    assert k.calls[0]["EARLY_TRIGGER"] is False  # not asked
 
 
 @pytest.mark.parametrize("on", [False, True])
