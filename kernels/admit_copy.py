@@ -1,9 +1,9 @@
 """The admission copy of the one-launch plans (`plan_copy.py` for LRU, `plan_adaptive_copy.py` for the adaptive
 policies): the launch geometry (programs, chunks, operand slots, PDL / cooperative / ticket flags), the argument
 checks, and the copy loop every role runs once role 0 has published its pairs (`plan_copy.py`'s docstring gives
-the protocol). The copy visits pairs 0..n-1 of the published count n and copies those with `valid != 0`: for
-LRU n is the admissions (a prefix, all valid), for the adaptive plans the pairs found (a rejected pair leaves a
-hole, `valid = 0`)."""
+the protocol). The copy visits pairs 0..n-1 of the published count n and copies those with `valid != 0`: n is
+the admissions for LRU (a prefix, all valid), for the adaptive plans the pairs up to the last admitted one
+(`valid` checked all the same)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ with the same integers (the rules are `policy_adaptive.py`'s and `policy_router.
      searched in increasing key order; it is admitted when the victim is free, the mode is LRU, or the
      candidate's value plus the recent bonus reaches the victim's key;
   6. evictions and admissions in the tables, the admitted pairs for the row gather (`victims`, `codes` =
-     R + expert, `valid`: not a prefix, a rejected pair leaves a hole), and the counters (hits, misses,
+     R + expert, `valid`: 0 for a rejected pair; the admitted pairs come first: candidates in falling value
+     meet victims in rising key, so once a pair is rejected so are the rest), and the counters (hits, misses,
      admissions, host reads, evictions).
 The router's membership units are added before the launch (`RouterAdaptivePolicy.observe_scores_fused`: one
 launch of `kernels/membership.py`). In LRU mode the decisions equal `plan_lru`'s without cycle protection.

@@ -20,8 +20,9 @@ def _plan_adaptive_body(
     BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr, ROUTER: tl.constexpr, FIRST_LAYER: tl.constexpr,
     COUNT_IN_REGISTERS: tl.constexpr, TELEMETRY: tl.constexpr, DEFER_COMMIT: tl.constexpr,
 ):  # fmt: skip
-    """The whole plan, by one program (see `plan_adaptive.py`'s docstring); returns the number of pairs found
-    (entries 0..n-1 of victims/codes/valid; a rejected pair has `valid = 0`). DEFER_COMMIT: an admitted
+    """The whole plan, by one program (see `plan_adaptive.py`'s docstring); returns n = 1 + the index of the last
+    admitted pair, 0 if none (the pairs to copy: entries 0..n-1 of victims/codes/valid; a rejected pair has
+    `valid = 0`; by the rule the admitted pairs are a prefix of the pairs found, so n is the admissions). DEFER_COMMIT: an admitted
     expert's location code (its new row) is left for the caller to write once the row holds its weights
     (`plan_sync._commit_admitted`), as in `plan_body._plan_lru_body`."""
     INT64_MAX: tl.constexpr = 0x7FFFFFFFFFFFFFFF
@@ -160,7 +161,7 @@ def _plan_adaptive_body(
     tl.debug_barrier()
     num_admitted = 0
     num_evicted = 0
-    num_found = 0
+    num_published = 0
     prev_ckey = tl.full([], -INT64_MAX, tl.int64)
     prev_expert = tl.full([], -1, tl.int64)
     prev_vkey = tl.full([], -2, tl.int64)  # free rows' key is -1, an owned row's value x mode >= 0
@@ -206,7 +207,7 @@ def _plan_adaptive_body(
         tl.store(codes_ptr + i, (R + expert).to(tl.int32), mask=found)
         tl.store(valid_ptr + i, admit.to(tl.int32))
         num_admitted += admit.to(tl.int32)
-        num_found += found.to(tl.int32)
+        num_published = tl.where(admit, i + 1, num_published)
         num_evicted += (admit & (old >= 0)).to(tl.int32)
         prev_ckey, prev_expert = best_ckey, expert
         prev_vkey, prev_rkey = best_vkey, best_rkey
@@ -220,4 +221,4 @@ def _plan_adaptive_body(
     added += tl.where(c_offs == 2, num_admitted, 0) + tl.where(c_offs == 3, num_misses - num_admitted, 0)
     added += tl.where(c_offs == 4, num_evicted, 0)
     tl.store(counters_ptr + c_offs, old_counters + added, mask=c_offs < 5)
-    return num_found
+    return num_published

@@ -4,7 +4,8 @@
 Why: the adaptive plan is a single program of serial phases (shadow ranks, decays, the router's ranking, the
 key-ordered pair search); as its own launch followed by the row gather it adds its whole latency and two launches
 to every layer of a decode step (docs/BENCHMARKS.md). Here role 0 runs the plan (`plan_adaptive_body`), publishes
-the number of pairs found (admitted or rejected: a rejected pair has `valid = 0` and copies nothing), the other
+the pairs up to the last admitted one (a rejected pair has `valid = 0` and copies nothing; by the rule they
+follow the admitted ones, so a step that admits nothing publishes none), the other
 roles copy their share of the admitted rows (`admit_copy._copy_published_pairs`), and with `early_trigger` the
 MoE's first GEMM launches first thing and runs beside the plan: an admitted expert's code is written only once
 its row is whole (`plan_sync._commit_admitted`), a hit's row cannot be a victim this step, so the GEMM reads
@@ -172,9 +173,9 @@ if triton is not None:
             pid = _draw_ticket(sync_ptr, num_programs)
         else:  # a cooperative grid (all resident) or one program
             pid = tl.program_id(0)
-        num_found = tl.full([], 0, tl.int32)
+        num_published = tl.full([], 0, tl.int32)
         if pid == 0:
-            num_found += _plan_adaptive_body(
+            num_published += _plan_adaptive_body(
                 ids_ptr, num_routed, l2p_ptr, owner_ptr, stamp_ptr, clock_ptr, counters_ptr, counts_ptr,
                 victims_ptr, codes_ptr, valid_ptr, tel_counts_ptr, tel_routed_ptr, tel_flags_ptr, tel_max,
                 count_ptr, last_ptr, misses_ptr, mode_ptr, member_ptr, ranked_ptr, scratch_ptr,
@@ -185,17 +186,17 @@ if triton is not None:
             )  # fmt: skip
             tl.debug_barrier()  # every thread's plan writes happen before the release below
             if SPIN:  # with no pair the spinners read nothing of the plan: no release (no fence) needed
-                published = num_found + 1
-                tl.atomic_xchg(sync_ptr, published, sem="release", scope="gpu", mask=num_found > 0)
-                tl.atomic_xchg(sync_ptr, published, sem="relaxed", scope="gpu", mask=num_found == 0)
+                published = num_published + 1
+                tl.atomic_xchg(sync_ptr, published, sem="release", scope="gpu", mask=num_published > 0)
+                tl.atomic_xchg(sync_ptr, published, sem="relaxed", scope="gpu", mask=num_published == 0)
         else:
-            num_found += _wait_for_plan(sync_ptr, num_programs)
+            num_published += _wait_for_plan(sync_ptr, num_programs)
         # fmt: off
-        _copy_published_pairs(pid, num_programs, num_found, valid_ptr, codes_ptr, victims_ptr, R, host_offset,
+        _copy_published_pairs(pid, num_programs, num_published, valid_ptr, codes_ptr, victims_ptr, R, host_offset,
                               num_chunks, rows0, host0, numel0, rows1, host1, numel1, rows2, host2, numel2,
                               rows3, host3, numel3, rows4, host4, numel4, rows5, host5, numel5, rows6, host6,
                               numel6, rows7, host7, numel7, NUM_OPS, BLOCK)
         # fmt: on
-        if DEFER_COMMIT and num_found > 0:
-            _commit_admitted(sync_ptr, l2p_ptr, codes_ptr, victims_ptr, valid_ptr, base, R, num_found,
+        if DEFER_COMMIT and num_published > 0:
+            _commit_admitted(sync_ptr, l2p_ptr, codes_ptr, victims_ptr, valid_ptr, base, R, num_published,
                              num_programs, BLOCK_E)  # fmt: skip

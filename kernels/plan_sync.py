@@ -10,7 +10,8 @@ try:  # Triton is optional for the CPU core
 except ImportError:  # pragma: no cover
     triton = None  # type: ignore[assignment]
 
-# word 0: low 16 bits published admissions + 1 (0: not yet), high bits arrivals of roles 1..P-1; word 1:
+# word 0: low 16 bits published pairs + 1 (0: not yet; the pairs to copy, 0..n-1: LRU's admissions, the adaptive
+# plans' pairs up to the last admitted one), high bits arrivals of roles 1..P-1; word 1:
 # programs whose admission copies are stored (only when something was admitted); word 2: tickets drawn (a plain
 # grid's programs take their roles in the order they start: `_draw_ticket`)
 SYNC_WORDS = 3
@@ -33,7 +34,7 @@ if triton is not None:
 
     @triton.jit
     def _wait_for_plan(sync_ptr, num_programs):
-        """Roles 1..P-1: wait until role 0 published, return the admissions; the last one resets."""
+        """Roles 1..P-1: wait until role 0 published, return the published pair count; the last one resets."""
         seen = tl.load(sync_ptr, volatile=True)
         while seen == 0:  # each thread polls on its own: the warps of a program leave at different times
             seen = tl.load(sync_ptr, volatile=True)

@@ -58,7 +58,7 @@ class GpuPath:
             logger.warning(
                 "planner policy %s runs on the torch-ops planner: a few dozen small kernels per layer, several "
                 "times the MoE's own time per decode step on an H200 (docs/BENCHMARKS.md); lru-cycle and lru "
-                "plan in one fused launch, adaptive and adaptive-router in a fused plan and the row gather",
+                "plan in one fused launch per layer, as do adaptive and adaptive-router",
                 policy_name,
             )
         logger.info(

@@ -165,6 +165,10 @@ class DevicePlanner:
                 f"bank and <= {MAX_FUSED_OPERANDS} operands ({len(self._rows_flat)})"
             )
         self.one_launch = can_one and (not envs.plan_split_copy() if one_launch is None else one_launch)
+        if self.one_launch and plan_warps not in (1, 2, 4, 8):
+            raise ValueError(
+                f"plan_warps={plan_warps}: the one-launch plan + copy takes 1, 2, 4 or 8 warps per program"
+            )
         self.copy_programs = copy_programs
         self._cooperative = envs.plan_cooperative() if cooperative is None else cooperative
         self._pdl = envs.plan_pdl() if pdl is None else pdl

@@ -55,8 +55,11 @@ PATHS = {
 }
 
 
-@pytest.mark.parametrize("trial", range(10))
+@pytest.mark.parametrize("trial", range(14))
 def test_one_launch_equals_reference_and_two_launches(trial: int) -> None:
+    """Trials 10-13 ("hot"): frequency mode, every row owned, two in three of the owners far hotter than any candidate:
+    steps admit into the cold rows, then reject the rest (checked), so the copy and the commit meet pairs with
+    `valid = 0` at several geometries."""
     rnd = random.Random(500 + trial)
     L, E = rnd.randint(1, 3), rnd.choice([1, 3, 7, 16, 33])
     EM, R = E + rnd.randint(0, 2), rnd.choice([1, 2, 5, 9, 33])
@@ -66,8 +69,15 @@ def test_one_launch_equals_reference_and_two_launches(trial: int) -> None:
     num_ops = [1, 2, 3, 5, 6, 8][trial % 6]
     P, C = rnd.choice([1, 2, 3, 32]), rnd.choice([1, 2, 3])
     bm = rnd.choice([16, 2])
+    hot = trial >= 10
+    if hot:
+        h = trial - 10
+        L, E, EM, R, T, K, bm, freq_mode = 2, 16, 16, 9, 3, 4, 16, True
+        num_ops, P, C = [3, 6, 2, 8][h], [1, 3, 32, 2][h], 2
     g = torch.Generator().manual_seed(trial)
     start = {**_random_tables(L, EM, R, g), **_state_dict(_random_state(L, EM, router, freq_mode, g))}
+    if hot:
+        _own_every_row_half_hot(start, L, EM, R, router, g)
     empty = trial % 3 == 0  # every row free: each routed miss is admitted (a free victim takes any candidate)
     if empty:
         start["row_owner"][:R] = -1
@@ -78,7 +88,7 @@ def test_one_launch_equals_reference_and_two_launches(trial: int) -> None:
     rows, hosts = random_rows(num_ops, R, L * EM, g)
     runs = {name: ({k: v.clone() for k, v in start.items()}, [r.clone() for r in rows]) for name in PATHS}
     syncs = {name: torch.zeros(SYNC_WORDS, dtype=torch.int32) for name in PATHS}
-    num_admitted = num_routed = 0
+    num_admitted = num_routed = num_rejected = 0
     for step in range(5):
         layer = rnd.randrange(L) if step % 2 else step % L
         n = T * K if step != 2 else 0  # one empty step
@@ -109,10 +119,29 @@ def test_one_launch_equals_reference_and_two_launches(trial: int) -> None:
             assert syncs[name].tolist() == [0] * SYNC_WORDS, f"{where}: {name} sync {syncs[name]}"
         admitted = outs["reference"][2] != 0
         num_admitted += int(admitted.sum())
+        victims, codes = outs["reference"][:2]
+        num_rejected += int((~admitted & ((codes != R) | (victims != 0))).sum())  # a pair found, not admitted
         for row, code in zip(
             outs["reference"][0][admitted].tolist(), outs["reference"][1][admitted].tolist()
         ):
             for got, host in zip(runs["one launch, deferred commit"][1], hosts):  # the bank's row, whole
                 assert torch.equal(got[row], host[layer * EM + code - R]), f"{where}: row {row}"
+    if hot:
+        assert num_rejected > 0 and num_admitted > 0, (num_rejected, num_admitted)
     if empty and num_routed > 0 and bm == 16:  # (bm 2 asks 2 reads: a token per expert is no candidate)
         assert num_admitted > 0, "the trial admitted nothing: the copy went untested"
+
+
+def _own_every_row_half_hot(start: dict, L: int, EM: int, R: int, router: bool, g: torch.Generator) -> None:
+    """Every row owned by a distinct random expert; the owners of two rows in three valued far above any
+    candidate (a candidate is valued 0 here, plus its chain start), the others 0."""
+    owner = torch.randperm(L * EM, generator=g)[:R]
+    start["row_owner"][:R] = owner
+    start["row_stamp"][:R] = torch.randint(1, 40, (R,), generator=g)
+    l2p = R + torch.arange(L * EM) % EM
+    l2p[owner] = torch.arange(R)
+    start["l2p"] = l2p.to(torch.int32)
+    value = start["ranked"] if router else start["count"]
+    value.zero_()
+    value[owner] = 50 * ONE
+    value[owner[0::3]] = 0

@@ -123,8 +123,10 @@ SCRIPT = textwrap.dedent(
     if GRAPHS:  # the launch inventory of one planned layer step (eager): 1 kernel, against 1 + ceil(6 / 4)
         from torch.profiler import ProfilerActivity, profile
 
-        for one_launch, want in ((True, 1), (False, 3)):
-            planner, tel = build(LRUPolicy, one_launch)
+        for policy, one_launch, want in (
+            (LRUPolicy, True, 1), (LRUPolicy, False, 3), (adaptive[0], True, 1), (adaptive[0], False, 3)
+        ):
+            planner, tel = build(policy, one_launch)
             set_ids()
             planner.plan(0, ids[0], tel)  # compiled
             torch.cuda.synchronize()
@@ -132,8 +134,8 @@ SCRIPT = textwrap.dedent(
                 planner.plan(1, ids[1], tel)
                 torch.cuda.synchronize()
             names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-            print(f"one_launch={one_launch}: {names}", flush=True)
-            assert len(names) == want, f"one_launch={one_launch}: {len(names)} device events {names}"
+            print(f"{planner.policy.name} one_launch={one_launch}: {names}", flush=True)
+            assert len(names) == want, f"{planner.policy.name} one_launch={one_launch}: {len(names)} events {names}"
     print("plan copy graphs ok")
     """
 )

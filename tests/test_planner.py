@@ -217,6 +217,17 @@ def test_bad_launch_shapes_refused_at_construction(kwargs):
         DevicePlanner(make_pool([6], rows=3), LRUPolicy(), **kwargs)
 
 
+@pytest.mark.parametrize("policy", ["lru", "adaptive"])
+def test_one_launch_warps_refused_at_construction(policy):
+    """16 and 32 warps are valid for the single-program plans, not for the one-launch plan + copy: refused when
+    the planner is built with the one launch, accepted without it."""
+    pool = make_pool([6], rows=3)
+    make = (lambda: LRUPolicy()) if policy == "lru" else (lambda: make_policy("adaptive", num_rows=3))
+    with pytest.raises(ValueError, match="plan_warps=16: the one-launch"):
+        DevicePlanner(pool, make(), fused=True, one_launch=True, plan_warps=16)
+    assert not DevicePlanner(pool, make(), fused=True, one_launch=False, plan_warps=16).one_launch
+
+
 class _TableWritingPolicy(LRUPolicy):
     """A buggy policy: its observe() writes a location code (two experts then claim row 0)."""
 
