@@ -146,23 +146,36 @@ def main() -> None:
     ap.add_argument(
         "--commit", default="", help="the tree's commit (a device copy may carry a stale git HEAD)"
     )
+    ap.add_argument("--out", default="", help="also write the table (markdown) here")
     args = ap.parse_args()
     variants = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
     if any(len(v) != 3 or min(v) < 1 or any(x & (x - 1) for x in v) for v in variants):
         raise SystemExit(f"--variants {args.variants}: expected 'rank,shadow,present;...' powers of two")
     seed_all(0)
+    shipped = tuple(getattr(plan_module, n) for n in VARIANT_NAMES)  # the launcher's own block sizes
+    if shipped not in variants:
+        variants.insert(0, shipped)
     cuda = args.device == "cuda"
     L, E, R, K = (6, 128, 384, 8) if cuda else (2, 9, 5, 3)
-    print(f"policy {args.policy}; L {L}, E {E}, R {R}, top-{K}; commit {commit_id(args.commit)}")
-    print("| variant (rank, shadow, present) | M | check | plans µs per step |")
-    print("|---|---|---|---|")
+    lines = [
+        f"policy {args.policy}; L {L}, E {E}, R {R}, top-{K}; commit {commit_id(args.commit)}",
+        "| variant (rank, shadow, present) | M | check | plans µs per step | vs the shipped blocks |",
+        "|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
     for M in (int(t) for t in args.tokens.split(",")):
         checks = {v: check_variant(v, L, E, R, M, K, args.policy, args.device, 3 + M) for v in variants}
         good = [v for v in variants if checks[v] is None]
         times = time_variants(good, L, E, R, M, K, args.policy) if cuda and good else {}
         for v in variants:
             t = f"{times[v]:.1f}" if v in times else "-"
-            print(f"| {v} | {M} | {checks[v] or 'equal'} | {t} |", flush=True)
+            base = times.get(shipped)
+            ratio = f"{times[v] / base:.2f}x" if v in times and base else "-"
+            lines.append(f"| {v} | {M} | {checks[v] or 'equal'} | {t} | {ratio} |")
+            print(lines[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

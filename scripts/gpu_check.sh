@@ -75,6 +75,8 @@ else
   step bench_planner "${BENCH_PLANNER_CAP:-120}" "$PY" -m bench.planner --quick --out "$OUT/bench_planner.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # the plan + copy's launch forms against each other at 1-64 tokens per step (bench/planner_forms.py)
   step bench_planner_forms "${BENCH_PLANNER_FORMS_CAP:-240}" "$PY" -m bench.planner --quick --forms one,one-coop,one-pdl,one-nc,one-coop-pdl --out "$OUT/bench_planner_forms.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  # the adaptive plan kernel alone at wider serial passes, each variant checked against the reference first
+  step bench_plan_blocks "${BENCH_PLAN_BLOCKS_CAP:-120}" "$PY" -m bench.plan_blocks --out "$OUT/bench_plan_blocks.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_decode "${BENCH_DECODE_CAP:-360}" "$PY" -m bench.decode --quick --out "$OUT/bench_decode.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # MTP: ours at num_spec 0 and 3, with and without draft-lane pruning (budgets 0 and 8 unpaid routes per step)
   step bench_decode_mtp "${BENCH_DECODE_MTP_CAP:-240}" "$PY" -m bench.decode --quick --mtp per-layer --families per-layer --ours-only --draft-budgets 0,8 --out "$OUT/bench_decode_mtp.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
