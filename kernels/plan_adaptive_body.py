@@ -20,11 +20,11 @@ def _plan_adaptive_body(
     BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr, ROUTER: tl.constexpr, FIRST_LAYER: tl.constexpr,
     COUNT_IN_REGISTERS: tl.constexpr, TELEMETRY: tl.constexpr, DEFER_COMMIT: tl.constexpr,
 ):  # fmt: skip
-    """The whole plan, by one program (see `plan_adaptive.py`'s docstring); returns n = 1 + the index of the last
-    admitted pair, 0 if none (the pairs to copy: entries 0..n-1 of victims/codes/valid; a rejected pair has
-    `valid = 0`; by the rule the admitted pairs are a prefix of the pairs found, so n is the admissions). DEFER_COMMIT: an admitted
-    expert's location code (its new row) is left for the caller to write once the row holds its weights
-    (`plan_sync._commit_admitted`), as in `plan_body._plan_lru_body`."""
+    """The whole plan, by one program (see `plan_adaptive.py`'s docstring); returns n = 1 + the index of the
+    last admitted pair, 0 if none (the pairs to copy: entries 0..n-1 of victims/codes/valid; a rejected pair
+    has `valid = 0`; by the rule the admitted pairs are a prefix of the pairs found, so n is the admissions).
+    DEFER_COMMIT: an admitted expert's location code (its new row) is left for the caller to write once the
+    row holds its weights (`plan_sync._commit_admitted`), as in `plan_body._plan_lru_body`."""
     INT64_MAX: tl.constexpr = 0x7FFFFFFFFFFFFFFF
     e_offs = tl.arange(0, BLOCK_E)
     e_in = e_offs < E
