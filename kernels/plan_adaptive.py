@@ -107,32 +107,19 @@ def check_adaptive_state(state: AdaptiveState, rule: AdaptiveRule, max_experts: 
 
 
 def check_adaptive_arguments(
-    ids: torch.Tensor,
-    l2p: torch.Tensor,
-    row_owner: torch.Tensor,
-    row_stamp: torch.Tensor,
-    clock: torch.Tensor,
-    counters: torch.Tensor,
-    counts: torch.Tensor,
-    victims: torch.Tensor,
-    codes: torch.Tensor,
-    valid: torch.Tensor,
-    layer: int,
-    num_experts: int,
-    max_experts: int,
-    num_rows: int,
-    block_m: int,
-    min_reads: int,
+    plan: tuple[torch.Tensor, ...],
+    sizes: tuple[int, ...],
     state: AdaptiveState,
     rule: AdaptiveRule,
     telemetry: Telemetry | None = None,
 ) -> None:
     """ValueError naming the first bad argument of `plan_adaptive` (the plan tables as `plan_lru`'s, the
-    layer count, the policy state, the pair count)."""
-    args = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
-    check_plan_arguments(
-        *args, layer, num_experts, max_experts, num_rows, block_m, min_reads, None, telemetry
-    )
+    layer count, the policy state, the pair count). `plan` = (ids, l2p, row_owner, row_stamp, clock, counters,
+    counts, victims, codes, valid), `sizes` = (layer, num_experts, max_experts, num_rows, block_m, min_reads):
+    `plan_adaptive`'s arguments in order."""
+    check_plan_arguments(*plan, *sizes, None, telemetry)
+    ids, l2p, victims = plan[0], plan[1], plan[7]
+    _, num_experts, max_experts, num_rows, _, _ = sizes
     num_layers = rule.num_layers
     if l2p.shape[0] != num_layers * max_experts:
         raise ValueError(f"l2p holds {l2p.shape[0]} entries, expected L * E_max = {num_layers * max_experts}")
@@ -145,28 +132,16 @@ def check_adaptive_arguments(
 
 
 def adaptive_kernel_arguments(
-    ids: torch.Tensor,
-    l2p: torch.Tensor,
-    row_owner: torch.Tensor,
-    row_stamp: torch.Tensor,
-    clock: torch.Tensor,
-    counters: torch.Tensor,
-    counts: torch.Tensor,
-    victims: torch.Tensor,
-    codes: torch.Tensor,
-    valid: torch.Tensor,
-    layer: int,
-    num_experts: int,
-    max_experts: int,
-    num_rows: int,
-    block_m: int,
-    min_reads: int,
+    plan: tuple[torch.Tensor, ...],
+    sizes: tuple[int, ...],
     state: AdaptiveState,
     rule: AdaptiveRule,
     telemetry: Telemetry | None = None,
 ) -> tuple[tuple[object, ...], dict[str, object]]:
     """The positional arguments and the constexprs of `_plan_adaptive_body` for checked `plan_adaptive`
-    arguments (shared by the one-launch plan + copy)."""
+    arguments (`plan`, `sizes` as `check_adaptive_arguments`'s; shared by the one-launch plan + copy)."""
+    ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid = plan
+    layer, num_experts, max_experts, num_rows, block_m, min_reads = sizes
     num_layers, num_routed = rule.num_layers, ids.shape[0]
     block_tk = min(1024, triton.next_power_of_2(max(num_routed, 1)))
     block_e = triton.next_power_of_2(max_experts)
@@ -223,8 +198,8 @@ def plan_adaptive(
         raise RuntimeError("plan_adaptive needs Triton")
     plan = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
     sizes = (layer, num_experts, max_experts, num_rows, block_m, min_reads)
-    check_adaptive_arguments(*plan, *sizes, state, rule, telemetry)
-    args, meta = adaptive_kernel_arguments(*plan, *sizes, state, rule, telemetry)
+    check_adaptive_arguments(plan, sizes, state, rule, telemetry)
+    args, meta = adaptive_kernel_arguments(plan, sizes, state, rule, telemetry)
     _plan_adaptive_kernel[(1,)](*args, **meta, num_warps=4)
 
 

@@ -73,9 +73,9 @@ def plan_adaptive_copy(
         raise RuntimeError("plan_adaptive_copy needs Triton")
     plan = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
     sizes = (layer, num_experts, max_experts, num_rows, block_m, min_reads)
-    check_adaptive_arguments(*plan, *sizes, state, rule, telemetry)
+    check_adaptive_arguments(plan, sizes, state, rule, telemetry)
     check_copy(rows, hosts, victims, codes, valid, num_rows, host_offset, sync, num_programs, chunk_programs)
-    args, meta = adaptive_kernel_arguments(*plan, *sizes, state, rule, telemetry)
+    args, meta = adaptive_kernel_arguments(plan, sizes, state, rule, telemetry)
     geo = copy_launch(
         ids, rows, hosts, victims.shape[0], num_programs, chunk_programs, cooperative, pdl, num_warps
     )
@@ -135,7 +135,7 @@ def plan_adaptive_copy_reference(
     sizes = (layer, num_experts, max_experts, num_rows, block_m, min_reads)
     if telemetry is not None:
         raise ValueError("plan_adaptive_copy_reference records no telemetry: pass telemetry=None")
-    check_adaptive_arguments(*plan, *sizes, state, rule, None)
+    check_adaptive_arguments(plan, sizes, state, rule, None)
     check_copy(rows, hosts, victims, codes, valid, num_rows, host_offset, sync, num_programs, chunk_programs)
     plan_adaptive_reference(*plan, *sizes, state, rule)
     for dst, host in zip(rows, hosts):

@@ -55,18 +55,18 @@ class DevicePlanner:
       min_reads_to_admit: byte-cost threshold (see module docstring).
       debug_checks: verify the tables after every step (host sync; default from POOLED_RUNNER_DEBUG_CHECKS).
       fused: plan with a single-program kernel: `kernels/plan_lru.py` for LRU and lru-cycle,
-        `kernels/plan_adaptive.py` for the adaptive policies; the others have torch ops only. None = on CUDA with those unless POOLED_RUNNER_TORCH_PLANNER is set; True on the CPU runs it
-        under the Triton interpreter (tests).
+        `kernels/plan_adaptive.py` for the adaptive policies; the others have torch ops only. None = on CUDA
+        with those unless POOLED_RUNNER_TORCH_PLANNER is set; True on the CPU runs it under the Triton
+        interpreter (tests).
       gather_chunks: programs per admitted expert and operand in the admission copy (more stream the pinned
         bank at a higher PCIe rate; unused ones exit at once).
       one_launch: the fused plan and its admission copy in one launch (`kernels/plan_copy.py`, for the
         adaptive policies `kernels/plan_adaptive_copy.py`; `copy_programs` programs) instead of two (the plan,
-        then `gather_rows_multi` per 4 operands). None = with `fused`,
-        a bank and <= 8 operands, unless POOLED_RUNNER_PLAN_SPLIT_COPY is set. cooperative: launch it as a
-        cooperative grid where Triton supports it, else a plain grid whose programs take their roles by ticket
-        (None: POOLED_RUNNER_PLAN_COOPERATIVE, default off). pdl: as a programmatic dependent launch where PDL
-        is available, cooperative or not (None: POOLED_RUNNER_PLAN_PDL, default on). plan_warps: its warps per
-        program. overlap: the one launch lets the MoE's first GEMM start beside it (`kernels/plan_copy.py`,
+        then `gather_rows_multi` per 4 operands). None = with `fused`, a bank and <= 8 operands, unless
+        POOLED_RUNNER_PLAN_SPLIT_COPY is set. cooperative: launch it as a cooperative grid where Triton supports
+        it, else a plain grid whose programs take their roles by ticket (None: POOLED_RUNNER_PLAN_COOPERATIVE,
+        default off). pdl: as a programmatic dependent launch where PDL is available, cooperative or not (None:
+        POOLED_RUNNER_PLAN_PDL, default on). plan_warps: its warps per program. overlap: the one launch lets the MoE's first GEMM start beside it (`kernels/plan_copy.py`,
         `early_trigger`); read `self.overlap` to tell the kernels (`KernelPath.forward(after_plan=...)`). None:
         POOLED_RUNNER_PLAN_OVERLAP (default on) where the one launch runs and the device has PDL
         (`pdl.pdl_available`); True also elsewhere (the interpreter tests the deferred commit).
@@ -170,6 +170,12 @@ class DevicePlanner:
                 f"plan_warps={plan_warps}: the one-launch plan + copy takes 1, 2, 4 or 8 warps per program"
             )
         self.copy_programs = copy_programs
+        # the one launch's operands, in the planner's operand order: pool rows, bank rows (built once)
+        self._copy_operands = (
+            (list(self._rows_flat.values()), [self._bank_flat[n] for n in self._rows_flat])
+            if self._bank_flat is not None
+            else ([], [])
+        )
         self._cooperative = envs.plan_cooperative() if cooperative is None else cooperative
         self._pdl = envs.plan_pdl() if pdl is None else pdl
         self._plan_warps = plan_warps

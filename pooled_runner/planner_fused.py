@@ -6,6 +6,7 @@ router's membership launch before either.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,32 +34,13 @@ def plan_lru_fused(
 ) -> bool:
     """LRU and the admitted rows' copy in one launch (`plan_lru_copy`), or in two (`plan_lru`, then
     `gather_rows_multi` per four operands). Returns whether the kernel read `topk_ids` in place."""
-    ids = _flat_ids(topk_ids)
-    in_place = ids.data_ptr() == topk_ids.data_ptr()
-    victims, codes, valid = _pair_buffers(self, num_pairs)
-    R, EM = self.num_rows, self.max_experts
+    prefix, in_place = _plan_prefix(self, layer, topk_ids, E, num_pairs)
     plan_args = (
-        ids,
-        *_tables(self),
-        victims,
-        codes,
-        valid,
-        layer,
-        E,
-        EM,
-        R,
-        self.block_m,
-        self.min_reads_to_admit,
+        *prefix,
         self.policy.cycle if isinstance(self.policy, CycleLRUPolicy) else None,
         telemetry.fused_target(layer) if telemetry is not None else None,
     )
-    if not self.one_launch:
-        plan_lru(*plan_args)
-        gather_admitted(self, layer, victims, codes, valid)
-        return in_place
-    # with a temporary ids the next kernel must not start beside the plan (see `plan`)
-    plan_lru_copy(*plan_args, *_copy_args(self, layer), early_trigger=self.overlap and in_place)
-    return in_place
+    return _plan_and_copy(self, layer, plan_args, in_place, plan_lru, plan_lru_copy)
 
 
 def plan_adaptive_fused(
@@ -80,31 +62,14 @@ def plan_adaptive_fused(
         if router_scores.stride(1) != 1:
             router_scores = router_scores.contiguous()
         policy.observe_scores_fused(layer, router_scores, topk_ids, E)
-    ids = _flat_ids(topk_ids)
-    in_place = ids.data_ptr() == topk_ids.data_ptr()
-    victims, codes, valid32 = _pair_buffers(self, num_pairs)
+    prefix, in_place = _plan_prefix(self, layer, topk_ids, E, num_pairs)
     plan_args = (
-        ids,
-        *_tables(self),
-        victims,
-        codes,
-        valid32,
-        layer,
-        E,
-        self.max_experts,
-        self.num_rows,
-        self.block_m,
-        self.min_reads_to_admit,
+        *prefix,
         policy.kernel_state(),
         policy.kernel_rule(),
         telemetry.fused_target(layer) if telemetry is not None else None,
     )
-    if not self.one_launch:
-        plan_adaptive(*plan_args)
-        gather_admitted(self, layer, victims, codes, valid32)
-        return in_place
-    plan_adaptive_copy(*plan_args, *_copy_args(self, layer), early_trigger=self.overlap and in_place)
-    return in_place
+    return _plan_and_copy(self, layer, plan_args, in_place, plan_adaptive, plan_adaptive_copy)
 
 
 def gather_admitted(
@@ -132,13 +97,35 @@ def gather_admitted(
         )
 
 
-def _copy_args(self: DevicePlanner, layer: int) -> tuple[object, ...]:
-    """The one-launch plans' copy and launch arguments after the plan's (`plan_lru_copy`'s contract): pool rows,
-    bank rows, the layer's first bank row, the sync words, programs, chunks, cooperative, PDL, warps."""
-    assert self._bank_flat is not None and self.pool.bank is not None
-    return (
-        list(self._rows_flat.values()),
-        [self._bank_flat[n] for n in self._rows_flat],
+def _plan_prefix(
+    self: DevicePlanner, layer: int, topk_ids: torch.Tensor, E: int, num_pairs: int
+) -> tuple[tuple[object, ...], bool]:
+    """The plan kernels' arguments up to `min_reads` (ids, tables, pair buffers, sizes; `plan_lru`'s and
+    `plan_adaptive`'s common head), and whether the ids are `topk_ids` itself (no temporary copy)."""
+    ids = _flat_ids(topk_ids)
+    victims, codes, valid = _pair_buffers(self, num_pairs)
+    sizes = (layer, E, self.max_experts, self.num_rows, self.block_m, self.min_reads_to_admit)
+    return (ids, *_tables(self), victims, codes, valid, *sizes), ids.data_ptr() == topk_ids.data_ptr()
+
+
+def _plan_and_copy(
+    self: DevicePlanner,
+    layer: int,
+    plan_args: tuple,
+    in_place: bool,
+    plan: Callable[..., None],
+    plan_copy: Callable[..., None],
+) -> bool:
+    """The plan and the admitted rows' copy: `plan_copy` (the one launch, with the copy arguments after
+    `plan_args`), or `plan` then `gather_admitted`. Returns `in_place`."""
+    if not self.one_launch:
+        plan(*plan_args)
+        gather_admitted(self, layer, *plan_args[7:10])  # victims, codes, valid
+        return in_place
+    assert self.pool.bank is not None  # the one launch needs a bank (the planner's `can_one`)
+    plan_copy(
+        *plan_args,
+        *self._copy_operands,  # pool rows, bank rows
         self.pool.bank.layer_offsets[layer],
         self._sync32,
         self.copy_programs,
@@ -146,7 +133,10 @@ def _copy_args(self: DevicePlanner, layer: int) -> tuple[object, ...]:
         self._cooperative,
         self._pdl,
         self._plan_warps,
+        # with a temporary ids the next kernel must not start beside the plan (see `plan`)
+        early_trigger=self.overlap and in_place,
     )
+    return in_place
 
 
 def _flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
