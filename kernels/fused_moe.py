@@ -51,6 +51,11 @@ DECODE_VARIANT = envs.moe_decode_kernel()
 # int4 layer moved within noise (34.6 vs inline 34.3). "gemv" was then slower everywhere except the Qwen3-like
 # int4 layer at M=1 (30.8 µs); since its x split (2026-12-01) it is the int4 / NVFP4 default below.
 INLINE_DEFAULT_MAX_PAIRS = 8
+# ... unless a long plan runs beside the step (`long_plan`: the adaptive policies' one-launch plan + copy, 14-20 µs
+# per layer at 4-8 tokens on the H200): the align kernel waits for the whole plan, the inline GEMMs start beside it.
+# H200 (2026-12-04, tree 0c3d7df, bench.planner, Qwen3-like, 6 layers, graph replay), M=4, adaptive: plan + MoE
+# 510.9 µs with inline against 558.9 with align (the latter an earlier machine of the same day); lru-cycle's short
+# plan: 487.2 vs 479.7, so only the long plans take it.
 # Decode steps of at most this many routed pairs take the GEMV path by default, per format. On the H200
 # (2026-12-01, commit 0c1b470, `bench/kernels.py --variants --formats int4-g128,nvfp4`), with the x tile split in
 # registers, int4 (4-stage K tiles of 128) against the align path with swapped tiles, M = 1 / 2 / 4 / 8:
@@ -120,6 +125,7 @@ def default_variant(
     num_tokens: int = 0,
     num_experts: int = 0,
     hidden_size: int = 0,
+    long_plan: bool = False,
 ) -> str:
     """The decode kernels used when neither the caller nor POOLED_RUNNER_MOE_DECODE names one: the GEMV path
     up to GEMV_DEFAULT_MAX_PAIRS[format] routed pairs, and for dense weights on experts with I <=
@@ -127,8 +133,9 @@ def default_variant(
     SPLITK_DEFAULT_MAX_PAIRS where T*H <= splitk.SPLITK_TAIL_MAX (one tail block), unless the caller gives MMA
     tiles (`configs`) or the step's pairs share experts heavily (`distinct_share` below GEMV_MIN_DISTINCT_SHARE,
     SPLITK_MIN_DISTINCT_SHARE; 1.0 when `num_tokens` or `num_experts` is 0); else inline up to INLINE_DEFAULT_MAX_PAIRS routed pairs where the tiles
-    are not swapped, else the align path. Swapped: those of `configs` where the caller gives them, else
-    `swapped_tiles`."""
+    are not swapped (up to INLINE_MAX_PAIRS with `long_plan`: a long plan runs beside the step, which the
+    inline GEMMs start beside and the align kernel waits for), else the align path. Swapped: those of
+    `configs` where the caller gives them, else `swapped_tiles`."""
     share = distinct_share(num_pairs, num_tokens, num_experts) if configs is None else 0.0
     if share >= GEMV_MIN_DISTINCT_SHARE and num_pairs <= GEMV_DEFAULT_MAX_PAIRS.get(weight_fmt, 0):
         return "gemv"
@@ -140,7 +147,7 @@ def default_variant(
     if distinct and narrow and num_pairs <= SPLITK_DEFAULT_MAX_PAIRS:
         return "splitk"
     swapped = any(c.swap_ab for c in configs) if configs else swapped_tiles(weight_fmt, intermediate_size)
-    if num_pairs <= INLINE_DEFAULT_MAX_PAIRS and not swapped:
+    if num_pairs <= (INLINE_MAX_PAIRS if long_plan else INLINE_DEFAULT_MAX_PAIRS) and not swapped:
         return "inline"
     return "align"
 
@@ -214,6 +221,7 @@ def pooled_fused_moe(
     variant: str | None = None,
     gemv_config: GemvConfig | None = None,
     after_plan: bool = False,
+    long_plan: bool = False,
 ) -> torch.Tensor:
     """Routed-experts output `[T, H]` of one pooled layer.
 
@@ -230,7 +238,8 @@ def pooled_fused_moe(
       after_plan: the step's plan + copy may still be running beside this call's first kernel (the value
         `DevicePlanner.plan` returned, nothing launched since; kernels/plan_copy.py); the GEMV, inline and split
         decode kernels then read location codes as that allows (OVERLAP); the other paths, and non-contiguous ids or
-        weights (copied first), start with a plain launch, after the plan ends.
+        weights (copied first), start with a plain launch, after the plan ends. long_plan: with after_plan,
+        the plan is a long one (`DevicePlanner.long_plan`): `default_variant` then prefers the inline path.
     """
     T, K = topk_ids.shape
     H = hidden.shape[1]
@@ -241,11 +250,14 @@ def pooled_fused_moe(
         return torch.empty((0, H), dtype=hidden.dtype, device=hidden.device)
     # a copy made here would launch between the plan and the first GEMM, which then is not the plan's dependent
     after_plan = after_plan and topk_ids.is_contiguous() and topk_weights.is_contiguous()
-    variant = variant or DECODE_VARIANT or default_variant(fmt.fmt, T * K, I, configs, T, num_experts, H)
+    long_plan = long_plan and after_plan
+    variant = (
+        variant or DECODE_VARIANT or default_variant(fmt.fmt, T * K, I, configs, T, num_experts, H, long_plan)
+    )
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
     if variant == "splitk" and not splitk_supported(fmt):
-        variant = default_variant(fmt.fmt, T * K, I, configs, T, num_experts, H)
+        variant = default_variant(fmt.fmt, T * K, I, configs, T, num_experts, H, long_plan)
     if decode is None and variant == "gemv" and T * K <= GEMV_MAX_PAIRS and gemv_supported(fmt, H, I):
         return gemv_moe(
             hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt, gemv_config, after_plan

@@ -109,7 +109,10 @@ class GpuPath:
                 if staged is not None:
                     passes = staged.layer_passes(layer, experts, with_tables=True)
                     return self.kernels.forward_staged(layer, hidden, topk_ids, topk_weights, passes)
-        return self.kernels.forward(layer, hidden, topk_ids, topk_weights, after_plan=after_plan)
+        long_plan = self.planner is not None and self.planner.long_plan
+        return self.kernels.forward(
+            layer, hidden, topk_ids, topk_weights, after_plan=after_plan, long_plan=long_plan
+        )
 
     def sync_tables_to_host(self) -> None:
         """Make the pool's host bookkeeping current (after device-planned steps). Syncs; not during capture."""

@@ -78,10 +78,11 @@ class KernelPath:
         topk_weights: torch.Tensor,
         host_view: dict[str, torch.Tensor] | None = None,
         after_plan: bool = False,
+        long_plan: bool = False,
     ) -> torch.Tensor:
         """`[T, H]` routed-experts output of `layer` with the current location codes (no host sync).
         `after_plan`: the step was just planned by a `DevicePlanner` with `overlap` (its plan + copy may still
-        run beside the first kernel: `pooled_fused_moe`)."""
+        run beside the first kernel: `pooled_fused_moe`); `long_plan`: that planner's `long_plan`."""
         w13, w2 = self.projections(layer, host_view)
         return pooled_fused_moe(
             hidden,
@@ -93,6 +94,7 @@ class KernelPath:
             w2,
             self.fmt,
             after_plan=after_plan,
+            long_plan=long_plan,
         )
 
     def forward_staged(

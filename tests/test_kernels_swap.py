@@ -105,6 +105,15 @@ def test_swapped_tiles_and_default_variant_rules():
         default_variant(FMT_DENSE, 8, 2048, None, 1, 256, 7168) == "inline"
     )  # DeepSeek-like: two tail blocks
     assert default_variant(FMT_DENSE, 8, 1024, None, 1, 256, 7168) == "inline"  # its TP=2 shard
+    # a long plan beside the step (the adaptive policies): inline up to INLINE_MAX_PAIRS, never where swapped
+    from pooled_runner.kernels.moe_gemm import INLINE_MAX_PAIRS
+
+    qwen3_m4 = (FMT_DENSE, 32, 768, None, 4, 128, 2048)
+    assert default_variant(*qwen3_m4) == "align" and default_variant(*qwen3_m4, True) == "inline"
+    assert default_variant(FMT_DENSE, INLINE_MAX_PAIRS + 1, 768, None, 0, 0, 0, True) == "align"
+    assert default_variant(FMT_DENSE, 8, 768, None, 1, 128, 2048, True) == "splitk"  # split path first
+    assert default_variant(FMT_FP8_CHANNEL, 16, 2048, None, 2, 128, 0, True) == "align"  # swapped tiles
+    assert default_variant(FMT_INT4, 64, 768, None, 8, 128, 0, True) == "gemv"
 
 
 def test_decode_path_refuses_swapped_tiles():

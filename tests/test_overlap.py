@@ -114,3 +114,33 @@ def test_after_plan_is_ignored_where_the_blocks_are_aligned_first() -> None:
     a = pooled_fused_moe(x, ids, w, l2p, 9, w13, w2, fmt, cfgs, variant="inline")
     b = pooled_fused_moe(x, ids, w, l2p, 9, w13, w2, fmt, cfgs, variant="inline", after_plan=True)
     assert torch.equal(a, b)
+
+
+def test_a_long_plan_beside_takes_the_inline_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`long_plan` (an adaptive policy's plan beside the step): 20 routed pairs, past the inline default of 8,
+    run the inline schedule, which starts beside the plan, instead of the align path (no align launch); equal
+    to the reference. Without `after_plan` nothing runs beside, and `long_plan` changes nothing."""
+    from pooled_runner.kernels import fused_moe
+
+    aligned_calls: list[int] = []
+    real_align = fused_moe.align_blocks
+
+    def spy(*args, **kwargs):
+        aligned_calls.append(1)
+        return real_align(*args, **kwargs)
+
+    monkeypatch.setattr(fused_moe, "align_blocks", spy)
+    g = torch.Generator().manual_seed(5)
+    fmt_obj, pool, bank, l2p = build_layer("bf16", 40, 24, 9, 3, g)
+    fmt = kernel_format(fmt_obj)
+    w13, w2 = make_projections(fmt, pool, bank, 40, 24)
+    x = torch.randn(4, 40, generator=g).bfloat16()
+    ids, w = random_routing(
+        4, 5, 9, g
+    )  # 20 pairs: above INLINE_DEFAULT_MAX_PAIRS, not above INLINE_MAX_PAIRS
+    long = pooled_fused_moe(x, ids, w, l2p, 9, w13, w2, fmt, after_plan=True, long_plan=True)
+    assert not aligned_calls, "long_plan after a plan launched the align kernel"
+    assert_close(long, pooled_fused_moe_ref(x, ids, w, l2p, 9, w13, w2, fmt), "long_plan inline", 3e-2)
+    alone = pooled_fused_moe(x, ids, w, l2p, 9, w13, w2, fmt, long_plan=True)
+    assert aligned_calls == [1], "without after_plan, long_plan changed the path"
+    assert_close(alone, long, "long_plan without after_plan", 3e-2)

@@ -267,6 +267,7 @@ def test_planner_one_launch_equals_two_launches(policy, overlap: bool) -> None:
             overlap=overlap and one,
         )
         assert planner.one_launch is one and planner.overlap is (overlap and one)
+        assert not planner.long_plan, "an LRU plan is short: the MoE keeps its default path"
         planners.append(planner)
         tels.append(RouteTelemetry(layers, torch.device("cpu"), fused=True))
     g = torch.Generator().manual_seed(3)

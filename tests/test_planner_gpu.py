@@ -152,7 +152,9 @@ class Stack:
                 scores = self.scores[layer]
             after_plan = self.planner.plan(layer, ids, router_scores=scores)
             assert after_plan == self.planner.overlap, "the plan read a temporary copy of the ids"
-            y = self.kpath.forward(layer, h, ids, w_dtype, after_plan=after_plan)
+            y = self.kpath.forward(
+                layer, h, ids, w_dtype, after_plan=after_plan, long_plan=self.planner.long_plan
+            )
             self.y[layer].copy_(y)
             h = h + y
         self.out.copy_(h)
