@@ -129,7 +129,9 @@ def test_fused_planner_equals_twin(launch, router, layers, rows, K, max_T, kw):
         pool, dev_policy, max_routed=max_T * K, fused=True, one_launch=one, overlap=overlap
     )
     assert planner.fused and planner.one_launch is one and planner.overlap is overlap
-    assert planner.long_plan is overlap, "an adaptive plan beside the MoE is a long one (inline path preferred)"
+    assert planner.long_plan is overlap, (
+        "an adaptive plan beside the MoE is a long one (inline path preferred)"
+    )
     twin = HostTwin(pool, host_policy)
     # telemetry recorded inside the plan kernel, against the torch form's; a low cap so that it saturates
     tel, tel_ref = (RouteTelemetry(layers, torch.device("cpu"), max_count=20, fused=False) for _ in range(2))
