@@ -155,6 +155,7 @@ def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
         ("lru-cycle (fused, two launches)", CycleLRUPolicy(), {"fused": True, "one_launch": False}),
         ("lru (" + PLANNERS["one"][0] + ")", LRUPolicy(), PLANNERS["one"][1]),
         ("lru (torch ops)", LRUPolicy(), {"fused": False}),
+        ("adaptive (" + PLANNERS["fused-adaptive"][0] + ")", AdaptivePolicy(ROWS), {"fused": True}),
         ("freq", FreqDecayPolicy(), {}),
         ("aging", AgingFreqPolicy(), {}),
     ]

@@ -62,6 +62,7 @@ CASES = [(w, "lru") for w in WIDTHS] + [
         "M1",
         "adaptive",
     ),  # the adaptive policies: the fused one launch (kernels/plan_adaptive_copy.py), overlapped
+    ("M8", "adaptive"),  # 32 pairs: past the inline default, inline beside the long plan (`long_plan`)
     ("mtp_bs3_ns3", "adaptive"),
     ("M4", "adaptive-ops"),  # and their torch-ops form
     ("M1", "adaptive-router"),
