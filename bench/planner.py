@@ -188,8 +188,7 @@ def _replay(trace: Trace, policy: Policy, warm: int, **planner_kwargs: object) -
 
     def step() -> None:
         for layer in range(L):
-            after_plan = planner.plan(layer, ids[layer])
-            kpath.forward(layer, x, ids[layer], w[layer], after_plan=after_plan, long_plan=planner.long_plan)
+            kpath.planned_forward(planner, layer, x, ids[layer], w[layer])
 
     ids.copy_(ids_host[0])
     step()  # compile before capture (this is trace step 0)

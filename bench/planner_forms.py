@@ -94,15 +94,7 @@ class _Stack:
 
             def step(ids: torch.Tensor = ids, x: torch.Tensor = x, w: torch.Tensor = w) -> None:
                 for layer in range(L):
-                    after_plan = self.planner.plan(layer, ids[layer])
-                    kpath.forward(
-                        layer,
-                        x,
-                        ids[layer],
-                        w[layer],
-                        after_plan=after_plan,
-                        long_plan=self.planner.long_plan,
-                    )
+                    kpath.planned_forward(self.planner, layer, x, ids[layer], w[layer])
 
             step()  # compile before capture (replays this trace's step 0 once more than the others)
             torch.cuda.synchronize()

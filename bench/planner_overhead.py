@@ -152,10 +152,8 @@ def _overhead_rows(lines: list[str], args: argparse.Namespace, name: str) -> Non
         def planned(x=x, ids=ids, w=w, scores=scores, telemetry: bool = False) -> None:
             for layer in range(L):  # as PooledMoE on CUDA: the planner records telemetry (fused: in-kernel)
                 layer_scores = None if scores is None else scores[layer]
-                after_plan = planner.plan(layer, ids[layer], tel if telemetry else None, layer_scores)
-                kpath.forward(
-                    layer, x, ids[layer], w[layer], after_plan=after_plan, long_plan=planner.long_plan
-                )
+                tel_here = tel if telemetry else None
+                kpath.planned_forward(planner, layer, x, ids[layer], w[layer], tel_here, layer_scores)
 
         t = time_graphs(
             {

@@ -42,6 +42,10 @@ class AlignOutput:
     block_order: torch.Tensor  # [max_blocks] int32
     num_post_padded: torch.Tensor  # [1] int32
     block_m: int
+    # aligned before the step's plan (`align_blocks(before_plan=True)`): the layout reads only the ids, but
+    # block_codes / block_order are the old table's; only the OVERLAP GEMMs (which locate each block's expert
+    # themselves) may take it
+    before_plan: bool = False
 
     @property
     def max_blocks(self) -> int:
@@ -347,9 +351,15 @@ def _check_align_inputs(topk_ids: torch.Tensor, l2p: torch.Tensor, num_experts: 
 
 
 def align_blocks(
-    topk_ids: torch.Tensor, l2p: torch.Tensor, num_experts: int, num_rows: int, block_m: int
+    topk_ids: torch.Tensor,
+    l2p: torch.Tensor,
+    num_experts: int,
+    num_rows: int,
+    block_m: int,
+    before_plan: bool = False,
 ) -> AlignOutput:
     """Align routed pairs into M-blocks per expert and locate each block (see the module docstring).
+    `before_plan`: launched before the step's plan changes `l2p` (the output says so: `AlignOutput.before_plan`).
 
     Args:
       topk_ids: `[T, K]` int32/int64 logical expert ids, -1 padding (contiguous, on the device).
@@ -397,7 +407,7 @@ def align_blocks(
         _align_scatter_kernel[(num_chunks,)](
             ids, counts, sorted_pairs, num_pairs, num_experts, E_POW2=e_pow2, CHUNK=CHUNK
         )
-    return AlignOutput(sorted_pairs, block_experts, block_codes, block_order, num_post, block_m)
+    return AlignOutput(sorted_pairs, block_experts, block_codes, block_order, num_post, block_m, before_plan)
 
 
 # the reference lives in align_ref.py (imported last: it uses this module's checks); re-exported for the callers

@@ -96,6 +96,20 @@ def _inline_block_by_id(pid_m, ids_ptr, l2p_ptr, num_pairs, num_experts, num_row
 
 
 @triton.jit
+def _aligned_block_by_id(pid_m, sorted_ptr, experts_ptr, num_post_ptr, l2p_ptr, num_rows,
+                         BLOCK_M: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """As `_inline_block_by_id`, from `align_blocks` outputs computed before the plan (`AlignOutput.before_plan`:
+    their layout reads only the ids; their codes and order are the old table's and are not read): block pid_m
+    is block pid_m, its expert (`block_experts`) located once with acquire semantics and settled."""
+    found = pid_m * BLOCK_M < tl.load(num_post_ptr)
+    expert = tl.load(experts_ptr + pid_m, mask=found, other=-1)
+    found = found & (expert >= 0)
+    code = tl.where(found, load_acquire(l2p_ptr + tl.maximum(expert, 0), PDL), -1)
+    code = settle_code(code, l2p_ptr, expert, num_rows, PDL)
+    return pid_m, code, tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+
+
+@triton.jit
 def _routed_here(ids_ptr, l2p_ptr, pairs, mask, num_experts):
     """Whether each pair (`pairs` any shape) is routed to an expert located here (id in [0, E), code >= 0)."""
     e = tl.load(ids_ptr + pairs, mask=mask, other=-1).to(tl.int32)
@@ -171,20 +185,27 @@ class DecodeRouting:
 
 
 def overlap_mode(align: AlignOutput | None, routing: DecodeRouting | None, use_pdl: bool) -> bool:
-    """Whether the inline GEMMs run in OVERLAP mode (`moe_gemm.py`): the routing says the plan + copy may still
-    be running (`after_plan`), the blocks are inline, and PDL launches the GEMMs (or the interpreter tests it)."""
-    if routing is None or not routing.after_plan or align is not None:
-        return False
-    return use_pdl or interpreting()
+    """Whether the GEMMs run in OVERLAP mode (`moe_gemm.py`): the routing says the plan + copy may still be
+    running (`after_plan`), the blocks are inline or aligned before the plan (`AlignOutput.before_plan`), and
+    PDL launches the GEMMs (or the interpreter tests it). Raises where the blocks were aligned before the plan
+    and the mode cannot hold (their codes are the old table's)."""
+    overlap = routing is not None and routing.after_plan and (align is None or align.before_plan)
+    overlap = overlap and (use_pdl or interpreting())
+    if align is not None and align.before_plan and not overlap:
+        raise ValueError(
+            "blocks aligned before the plan (their codes are the old table's) need the OVERLAP mode: decode "
+            f"routing with after_plan (routing given: {routing is not None}) and PDL (use_pdl={use_pdl})"
+        )
+    return overlap
 
 
 def _inline_args(align: AlignOutput | None, routing: DecodeRouting | None, num_pairs: int, num_experts_max: int,
                  block_m: int) -> tuple[list[torch.Tensor], int]:  # fmt: skip
     """(sorted, codes, order, num_post tensors or stand-ins, max_blocks) for the gemm kernels."""
-    if align is not None:
+    if align is not None:  # before the plan, the codes' place holds the block experts (OVERLAP locates them)
         return [
             align.sorted_pairs,
-            align.block_codes,
+            align.block_experts if align.before_plan else align.block_codes,
             align.block_order,
             align.num_post_padded,
         ], align.max_blocks

@@ -3,7 +3,7 @@ a few routed pairs one of two two-launch decode paths: on tensor cores (`decode.
 (`gemv.py`).
 
 Graph-safe: every buffer is sized from host-known shapes (T, K, E, block sizes), routing stays on the device,
-nothing is read back. Torch references with the same signatures sit beside each stage.
+nothing is read back. Torch references with the same signatures: `fused_moe_ref.py`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,15 @@ import torch
 
 from pooled_runner import envs
 
-from . import splitk
+from . import pdl, splitk
 from .align import AlignOutput, align_blocks
 from .combine import combine
 from .decode import DECODE_MAX_PAIRS, decode_moe
 from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NVFP4
+from .fused_moe_ref import dense_row as dense_row  # re-exported
+from .fused_moe_ref import gemm1_ref as gemm1_ref
+from .fused_moe_ref import gemm2_ref as gemm2_ref
+from .fused_moe_ref import pooled_fused_moe_ref as pooled_fused_moe_ref
 from .gemv import GEMV_MAX_PAIRS, GemvConfig, gemv_moe, gemv_supported
 from .moe_gemm import INLINE_MAX_PAIRS, DecodeRouting, GemmConfig, gemm1, gemm2, interpreting
 from .operands import KernelFormat, Projection, make_projection
@@ -222,6 +226,7 @@ def pooled_fused_moe(
     gemv_config: GemvConfig | None = None,
     after_plan: bool = False,
     long_plan: bool = False,
+    aligned: AlignOutput | None = None,
 ) -> torch.Tensor:
     """Routed-experts output `[T, H]` of one pooled layer.
 
@@ -240,6 +245,9 @@ def pooled_fused_moe(
         decode kernels then read location codes as that allows (OVERLAP); the other paths, and non-contiguous ids or
         weights (copied first), start with a plain launch, after the plan ends. long_plan: with after_plan,
         the plan is a long one (`DevicePlanner.long_plan`): `default_variant` then prefers the inline path.
+      aligned: `align_before_plan`'s output for this step (the same ids, layer and long_plan), or None. Taken
+        where the step runs the align path in OVERLAP (after_plan, PDL): the GEMMs then start beside the plan;
+        elsewhere it is ignored and the blocks are aligned here, after the plan (its codes are the old table's).
     """
     T, K = topk_ids.shape
     H = hidden.shape[1]
@@ -284,10 +292,51 @@ def pooled_fused_moe(
         return decode_moe(hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt, configs)
     cfg1, cfg2 = configs or pick_configs(T, K, num_experts, H, I, fmt.fmt)
     _check_same_block_m(cfg1, cfg2)
-    align = align_blocks(topk_ids.contiguous(), l2p, num_experts, w13.num_rows, cfg1.block_m)
-    act = gemm1(hidden, align, w13, fmt, K, cfg1)
-    y = gemm2(act, align, w2, fmt, T * K, cfg2)
+    routing = None
+    if (
+        aligned is not None
+        and after_plan
+        and decode is None
+        and (pdl.pdl_enabled(hidden, fmt.fmt) or interpreting())
+    ):
+        align = aligned  # aligned before the plan: the GEMMs locate its blocks in OVERLAP, beside the plan
+        routing = DecodeRouting(topk_ids, l2p, num_experts, after_plan=True)
+    else:
+        align = align_blocks(topk_ids.contiguous(), l2p, num_experts, w13.num_rows, cfg1.block_m)
+    act = gemm1(hidden, align, w13, fmt, K, cfg1, routing)
+    y = gemm2(act, align, w2, fmt, T * K, cfg2, routing)
     return combine(y, topk_ids.contiguous(), topk_weights.contiguous(), l2p, num_experts)
+
+
+def align_before_plan(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    l2p: torch.Tensor,
+    num_experts: int,
+    w13: Projection,
+    w2: Projection,
+    fmt: KernelFormat,
+    long_plan: bool,
+) -> AlignOutput | None:
+    """The align launch of a decode step that will run the align path beside a long plan, made BEFORE the plan
+    (its block layout reads only the ids): with it, `pooled_fused_moe(aligned=...)` starts the GEMMs beside the
+    plan instead of behind an align kernel that waits for the whole plan. Arguments as that call's (hidden
+    `[T, H]`, topk_ids `[T, K]` contiguous, the layer's `l2p`). None (nothing launched) unless `long_plan`, the
+    step has INLINE_MAX_PAIRS < T*K <= DECODE_STEP_MAX_PAIRS routed pairs (fewer take the inline path, which
+    needs no align) on the align variant (POOLED_RUNNER_MOE_DECODE or `default_variant`) and the GEMMs are
+    PDL-launched. On the H200 (2026-12-04, tree 7a78a29, bench.planner, 6 Qwen3-like layers, M=8 = 64 pairs) the
+    inline path at 64 pairs cost 868 µs per step against align's 651 (MoE alone): hence the align path there."""
+    T, K = topk_ids.shape
+    H = hidden.shape[1]
+    I = w2.weight.shape[2] * fmt.values_per_element()
+    if not long_plan or not INLINE_MAX_PAIRS < T * K <= DECODE_STEP_MAX_PAIRS or not topk_ids.is_contiguous():
+        return None
+    if (DECODE_VARIANT or default_variant(fmt.fmt, T * K, I, None, T, num_experts, H, True)) != "align":
+        return None
+    if not (pdl.pdl_enabled(hidden, fmt.fmt) or interpreting()):
+        return None
+    cfg1, _ = pick_configs(T, K, num_experts, H, I, fmt.fmt)
+    return align_blocks(topk_ids, l2p, num_experts, w13.num_rows, cfg1.block_m, before_plan=True)
 
 
 def _check_same_block_m(cfg1: GemmConfig, cfg2: GemmConfig) -> None:
@@ -295,119 +344,3 @@ def _check_same_block_m(cfg1: GemmConfig, cfg2: GemmConfig) -> None:
         raise ValueError(
             f"gemm1 block_m={cfg1.block_m} != gemm2 block_m={cfg2.block_m}: give both one block_m"
         )
-
-
-# ---- references ---------------------------------------------------------------------------------------------
-def dense_row(proj: Projection, fmt: KernelFormat, code: int, dtype: torch.dtype) -> torch.Tensor:
-    """The dense `[N, K]` weight at location `code` (pool row or host row), by the formats' reference dequant."""
-    from pooled_runner.formats import quant
-
-    src = proj.pool if code < proj.num_rows else proj.bank
-    r = code if code < proj.num_rows else code - proj.num_rows
-    w, s, z, g = (t[r].cpu() if t is not None else None for t in src)
-    assert w is not None
-    if fmt.fmt == FMT_DENSE:
-        return w.to(dtype)
-    assert s is not None
-    if fmt.fmt == FMT_INT4:
-        return quant.dequantize_int4(w, s, z, dtype)
-    if fmt.fmt in (FMT_FP8_CHANNEL, FMT_FP8_BLOCK):
-        return quant.dequantize_fp8(w, s, fmt.group if fmt.fmt == FMT_FP8_BLOCK else None, dtype)
-    assert g is not None
-    return quant.dequantize_nvfp4(w, s, g, dtype)
-
-
-def gemm1_ref(
-    x: torch.Tensor, align: AlignOutput, w13: Projection, fmt: KernelFormat, top_k: int, config: GemmConfig
-) -> torch.Tensor:
-    """Reference of `gemm1`: only the slots of routed pairs are defined (others 0)."""
-    from pooled_runner.torch_path import batch_invariant_linear
-
-    I = w13.weight.shape[1] // 2
-    act = torch.zeros((align.max_blocks * align.block_m, I), dtype=x.dtype)
-    sorted_pairs, codes = align.sorted_pairs.cpu(), align.block_codes.cpu()
-    xc = x.cpu()
-    for b in range(int(align.num_post_padded.item()) // align.block_m):
-        code = int(codes[b])
-        slots = torch.arange(b * align.block_m, (b + 1) * align.block_m)
-        pairs = sorted_pairs[slots]
-        keep = pairs < xc.shape[0] * top_k
-        if code < 0 or not keep.any():
-            continue
-        w = dense_row(w13, fmt, code, x.dtype)
-        gate_up = batch_invariant_linear(xc[pairs[keep].long() // top_k], w).to(x.dtype)
-        gate, up = gate_up[:, :I].float(), gate_up[:, I:].float()
-        act[slots[keep]] = (torch.nn.functional.silu(gate) * up).to(x.dtype)
-    return act.to(x.device)
-
-
-def gemm2_ref(
-    act: torch.Tensor,
-    align: AlignOutput,
-    w2: Projection,
-    fmt: KernelFormat,
-    num_pairs: int,
-    config: GemmConfig,
-    y: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Reference of `gemm2` (align path): rows of pairs not computed are 0, or, with `y` given, left as they
-    are in `y` (computed rows written into it, as `gemm2(..., y=y)` does)."""
-    from pooled_runner.torch_path import batch_invariant_linear
-
-    H = w2.weight.shape[1]
-    out = y
-    y = torch.zeros((max(num_pairs, 1), H), dtype=act.dtype) if out is None else out.cpu().clone()
-    sorted_pairs, codes, ac = align.sorted_pairs.cpu(), align.block_codes.cpu(), act.cpu()
-    for b in range(int(align.num_post_padded.item()) // align.block_m):
-        code = int(codes[b])
-        slots = torch.arange(b * align.block_m, (b + 1) * align.block_m)
-        pairs = sorted_pairs[slots]
-        keep = pairs < num_pairs
-        if code < 0 or not keep.any():
-            continue
-        w = dense_row(w2, fmt, code, act.dtype)
-        y[pairs[keep].long()] = batch_invariant_linear(ac[slots[keep]], w).to(act.dtype)
-    if out is not None:
-        out.copy_(y)
-        return out
-    return y.to(act.device)
-
-
-def pooled_fused_moe_ref(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    l2p: torch.Tensor,
-    num_experts: int,
-    w13: Projection,
-    w2: Projection,
-    fmt: KernelFormat,
-    configs: tuple[GemmConfig, GemmConfig] | None = None,
-    decode: bool | None = None,
-    variant: str | None = None,
-    gemv_config: GemvConfig | None = None,
-    after_plan: bool = False,
-) -> torch.Tensor:
-    """Reference of `pooled_fused_moe`: per distinct expert, the torch path's `expert_mlp` and `combine`."""
-    from pooled_runner.torch_path import combine as torch_combine
-    from pooled_runner.torch_path import expert_mlp
-
-    T, K = topk_ids.shape
-    H = hidden.shape[1]
-    ids = topk_ids.long().cpu()
-    l2p_cpu = l2p.cpu()
-    x = hidden.cpu()
-    expert_out = torch.zeros((T, K, H), dtype=hidden.dtype)
-    for e in torch.unique(ids[(ids >= 0) & (ids < num_experts)]).tolist():
-        code = int(l2p_cpu[e])
-        if code < 0:
-            continue
-        t_idx, k_idx = (ids == e).nonzero(as_tuple=True)
-        expert_out[t_idx, k_idx] = expert_mlp(
-            x[t_idx], dense_row(w13, fmt, code, hidden.dtype), dense_row(w2, fmt, code, hidden.dtype)
-        )
-    routed = ids.clone()
-    not_here = (ids >= 0) & (ids < num_experts)
-    not_here &= l2p_cpu[ids.clamp(0, num_experts - 1)] < 0
-    routed[not_here] = -1
-    return torch_combine(expert_out, routed, topk_weights.cpu()).to(hidden.device)

@@ -20,6 +20,7 @@ from .align import AlignOutput
 from .decode_align import INLINE_MAX_PAIRS as INLINE_MAX_PAIRS  # re-exported
 from .decode_align import (
     DecodeRouting,
+    _aligned_block_by_id,
     _arrive_and_combine,
     _inline_args,
     _inline_block,
@@ -54,9 +55,14 @@ def _gemm1_kernel(
     pdl.trigger(PDL)  # OVERLAP: gemm2 settles host codes after its wait, as this kernel does before its loads
     pid_m, pid_n = _block_of(tl.program_id(0), tl.cdiv(I, BLOCK_N), max_blocks, GROUP_M)
     if OVERLAP:  # beside the plan + copy (plan_copy.py): wait for it only on a host code, and before the end
-        blk, code, pair = _inline_block_by_id(
-            pid_m, ids_ptr, l2p_ptr, num_pairs, num_experts, num_rows, BLOCK_M, P_POW2, PDL
-        )
+        if INLINE_ALIGN:
+            blk, code, pair = _inline_block_by_id(
+                pid_m, ids_ptr, l2p_ptr, num_pairs, num_experts, num_rows, BLOCK_M, P_POW2, PDL
+            )
+        else:  # aligned before the plan: codes_ptr holds the block experts
+            blk, code, pair = _aligned_block_by_id(
+                pid_m, sorted_ptr, codes_ptr, num_post_ptr, l2p_ptr, num_rows, BLOCK_M, PDL
+            )
         if code < 0:
             pdl.wait(PDL)
             return
@@ -150,9 +156,14 @@ def _gemm2_kernel(
                                   num_experts, TOP_K, K_POW2, P_POW2, BLOCK_N, COMPUTE)  # fmt: skip
     # nothing before pdl.wait reads what gemm1 writes (act); every program waits, early exits included
     if OVERLAP:  # gemm1 ran beside the plan + copy (see gemm1): the same rule for codes
-        blk, code, pair = _inline_block_by_id(
-            pid_m, ids_ptr, l2p_ptr, num_pairs, num_experts, num_rows, BLOCK_M, P_POW2, PDL
-        )
+        if INLINE_ALIGN:
+            blk, code, pair = _inline_block_by_id(
+                pid_m, ids_ptr, l2p_ptr, num_pairs, num_experts, num_rows, BLOCK_M, P_POW2, PDL
+            )
+        else:
+            blk, code, pair = _aligned_block_by_id(
+                pid_m, sorted_ptr, codes_ptr, num_post_ptr, l2p_ptr, num_rows, BLOCK_M, PDL
+            )
         if code < 0:
             pdl.wait(PDL)
             return

@@ -88,31 +88,26 @@ class GpuPath:
         device_planned = device_planned and T <= self.max_decode_tokens
         if telemetry is not None and not device_planned:
             telemetry.record(layer, topk_ids)
-        after_plan = False
+        if self.planner is not None and device_planned:
+            return self.kernels.planned_forward(
+                self.planner, layer, hidden, topk_ids, topk_weights, telemetry, router_scores
+            )
         if self.planner is not None:
-            if device_planned:
-                after_plan = self.planner.plan(layer, topk_ids, telemetry, router_scores)
-            else:
-                if capturing:
-                    raise RuntimeError(
-                        f"a step of {T} tokens (staged={staged is not None}, admit_misses={admit_misses}) cannot "
-                        f"be captured: only decode steps of <= {self.max_decode_tokens} tokens are device-planned "
-                        "(set_decode_lanes(>= T) before the first forward sizes the planner)"
-                    )
-                self.planner.store_to_pool()
-                ids = topk_ids.long()  # [T, K]
-                experts = torch.unique(
-                    ids[(ids >= 0) & (ids < self.pool.num_experts_per_layer[layer])]
-                ).tolist()
-                self.pool.plan_step(layer, experts, admit_misses=admit_misses, staged=staged is not None)
-                self.planner.load_from_pool()
-                if staged is not None:
-                    passes = staged.layer_passes(layer, experts, with_tables=True)
-                    return self.kernels.forward_staged(layer, hidden, topk_ids, topk_weights, passes)
-        long_plan = self.planner is not None and self.planner.long_plan
-        return self.kernels.forward(
-            layer, hidden, topk_ids, topk_weights, after_plan=after_plan, long_plan=long_plan
-        )
+            if capturing:
+                raise RuntimeError(
+                    f"a step of {T} tokens (staged={staged is not None}, admit_misses={admit_misses}) cannot "
+                    f"be captured: only decode steps of <= {self.max_decode_tokens} tokens are device-planned "
+                    "(set_decode_lanes(>= T) before the first forward sizes the planner)"
+                )
+            self.planner.store_to_pool()
+            ids = topk_ids.long()  # [T, K]
+            experts = torch.unique(ids[(ids >= 0) & (ids < self.pool.num_experts_per_layer[layer])]).tolist()
+            self.pool.plan_step(layer, experts, admit_misses=admit_misses, staged=staged is not None)
+            self.planner.load_from_pool()
+            if staged is not None:
+                passes = staged.layer_passes(layer, experts, with_tables=True)
+                return self.kernels.forward_staged(layer, hidden, topk_ids, topk_weights, passes)
+        return self.kernels.forward(layer, hidden, topk_ids, topk_weights)
 
     def sync_tables_to_host(self) -> None:
         """Make the pool's host bookkeeping current (after device-planned steps). Syncs; not during capture."""

@@ -8,17 +8,27 @@ The location codes are read on the device; the caller plans residency first (`Ex
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from pooled_runner.bank import ExpertBank
-from pooled_runner.kernels.align import align_blocks
+from pooled_runner.kernels.align import AlignOutput, align_blocks
 from pooled_runner.kernels.combine import combine
-from pooled_runner.kernels.fused_moe import make_projections, pick_configs, pooled_fused_moe
+from pooled_runner.kernels.fused_moe import (
+    align_before_plan,
+    make_projections,
+    pick_configs,
+    pooled_fused_moe,
+)
 from pooled_runner.kernels.moe_gemm import gemm1, gemm2
 from pooled_runner.kernels.operands import KernelFormat, Projection, kernel_format
 from pooled_runner.pool import ExpertPool
 from pooled_runner.staging import StagedPass
+
+if TYPE_CHECKING:
+    from pooled_runner.planner import DevicePlanner
+    from pooled_runner.telemetry import RouteTelemetry
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -79,10 +89,12 @@ class KernelPath:
         host_view: dict[str, torch.Tensor] | None = None,
         after_plan: bool = False,
         long_plan: bool = False,
+        aligned: AlignOutput | None = None,
     ) -> torch.Tensor:
         """`[T, H]` routed-experts output of `layer` with the current location codes (no host sync).
         `after_plan`: the step was just planned by a `DevicePlanner` with `overlap` (its plan + copy may still
-        run beside the first kernel: `pooled_fused_moe`); `long_plan`: that planner's `long_plan`."""
+        run beside the first kernel: `pooled_fused_moe`); `long_plan`: that planner's `long_plan`; `aligned`:
+        `align_before_plan`'s output for this step. A device-planned step: `planned_forward`."""
         w13, w2 = self.projections(layer, host_view)
         return pooled_fused_moe(
             hidden,
@@ -95,6 +107,49 @@ class KernelPath:
             self.fmt,
             after_plan=after_plan,
             long_plan=long_plan,
+            aligned=aligned,
+        )
+
+    def align_before_plan(
+        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, long_plan: bool
+    ) -> AlignOutput | None:
+        """The step's align launch before its plan, where the MoE will take the align path beside a long plan
+        (`kernels.fused_moe.align_before_plan`); None (nothing launched) elsewhere."""
+        w13, w2 = self.projections(layer)
+        return align_before_plan(
+            hidden,
+            topk_ids,
+            self.pool.l2p_gpu[layer],
+            self.pool.num_experts_per_layer[layer],
+            w13,
+            w2,
+            self.fmt,
+            long_plan,
+        )
+
+    def planned_forward(
+        self,
+        planner: DevicePlanner,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        telemetry: RouteTelemetry | None = None,
+        router_scores: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """A device-planned decode step of `layer` (graph-safe): the align of a long plan's align-path step,
+        `planner.plan`, then the MoE, its first GEMM the plan's programmatic dependent. `topk_weights` must be
+        ready before the call (nothing may launch between the plan and the MoE)."""
+        aligned = self.align_before_plan(layer, hidden, topk_ids, planner.long_plan)
+        after_plan = planner.plan(layer, topk_ids, telemetry, router_scores)
+        return self.forward(
+            layer,
+            hidden,
+            topk_ids,
+            topk_weights,
+            after_plan=after_plan,
+            long_plan=planner.long_plan,
+            aligned=aligned,
         )
 
     def forward_staged(

@@ -144,3 +144,39 @@ def test_a_long_plan_beside_takes_the_inline_path(monkeypatch: pytest.MonkeyPatc
     alone = pooled_fused_moe(x, ids, w, l2p, 9, w13, w2, fmt, long_plan=True)
     assert aligned_calls == [1], "without after_plan, long_plan changed the path"
     assert_close(alone, long, "long_plan without after_plan", 3e-2)
+
+
+def test_blocks_aligned_before_the_plan_locate_the_new_table(overlap_modes: list[bool]) -> None:
+    """`align_before_plan` (36 pairs: past the inline schedule, a long plan beside): the blocks are aligned on
+    the old table, then a "plan" evicts a routed expert from its row and admits another there. The OVERLAP
+    GEMMs locate each block's expert in the new table: equal to the reference on it (a stale code would read
+    the admitted expert's weights for the evicted one). Not after a plan, the old blocks are not taken (aligned
+    again), and a GEMM handed them outside OVERLAP refuses."""
+    from pooled_runner.kernels.fused_moe import align_before_plan
+
+    H, I, E, R = 40, 24, 9, 4
+    g = torch.Generator().manual_seed(11)
+    fmt_obj, pool, bank, l2p = build_layer("bf16", H, I, E, R, g)
+    fmt = kernel_format(fmt_obj)
+    w13, w2 = make_projections(fmt, pool, bank, H, I)
+    x = torch.randn(6, H, generator=g).bfloat16()
+    ids, w = random_routing(6, 6, E, g)  # 36 pairs > INLINE_MAX_PAIRS
+    routed = set(ids.flatten().tolist())
+    evicted = next(e for e in range(E) if 0 <= int(l2p[e]) < R and e in routed)
+    admitted = next(e for e in range(E) if int(l2p[e]) >= R and e in routed)
+    assert align_before_plan(x, ids, l2p, E, w13, w2, fmt, long_plan=False) is None
+    aligned = align_before_plan(x, ids, l2p, E, w13, w2, fmt, long_plan=True)
+    assert aligned is not None and aligned.before_plan
+    row = int(l2p[evicted])  # the "plan": evict, copy the admitted expert in, publish
+    for k in pool:
+        pool[k][row] = bank[k][admitted]
+    l2p[evicted], l2p[admitted] = R + evicted, row
+    want = pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt)
+    got = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, after_plan=True, long_plan=True, aligned=aligned)
+    assert overlap_modes == [True, True], overlap_modes
+    assert_close(got, want, "aligned before the plan", 3e-2)
+    again = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, long_plan=True, aligned=aligned)
+    assert overlap_modes[2:] == [False, False], overlap_modes
+    assert_close(again, want, "aligned before the plan, no plan beside", 3e-2)
+    with pytest.raises(ValueError, match="aligned before the plan"):
+        moe_gemm.gemm1(x, aligned, w13, fmt, 6, GemmConfig(aligned.block_m, 16, 32, num_stages=1))

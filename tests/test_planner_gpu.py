@@ -151,10 +151,18 @@ class Stack:
             if self.with_scores:
                 self.scores[layer].copy_(logits)
                 scores = self.scores[layer]
+            # as KernelPath.planned_forward, with the plan's answer checked
+            aligned = self.kpath.align_before_plan(layer, h, ids, self.planner.long_plan)
             after_plan = self.planner.plan(layer, ids, router_scores=scores)
             assert after_plan == self.planner.overlap, "the plan read a temporary copy of the ids"
             y = self.kpath.forward(
-                layer, h, ids, w_dtype, after_plan=after_plan, long_plan=self.planner.long_plan
+                layer,
+                h,
+                ids,
+                w_dtype,
+                after_plan=after_plan,
+                long_plan=self.planner.long_plan,
+                aligned=aligned,
             )
             self.y[layer].copy_(y)
             h = h + y
