@@ -57,9 +57,11 @@ DECODE_VARIANT = envs.moe_decode_kernel()
 INLINE_DEFAULT_MAX_PAIRS = 8
 # ... unless a long plan runs beside the step (`long_plan`: the adaptive policies' one-launch plan + copy, 14-20 µs
 # per layer at 4-8 tokens on the H200): the align kernel waits for the whole plan, the inline GEMMs start beside it.
-# H200 (2026-12-04, tree 0c3d7df, bench.planner, Qwen3-like, 6 layers, graph replay), M=4, adaptive: plan + MoE
-# 510.9 µs with inline against 558.9 with align (the latter an earlier machine of the same day); lru-cycle's short
-# plan: 487.2 vs 479.7, so only the long plans take it.
+# H200, 2026-12-04, bench.planner (6 Qwen3-like bf16 layers, routing that only hits, graph replay), M=4 = 32 pairs,
+# plan + MoE µs per step, inline against align (POOLED_RUNNER_MOE_DECODE=align) in one call: adaptive 513.5 vs 557.9
+# and 508.9 vs 555.9 (trees 315c1af, 7a78a29), adaptive-router 572.8 vs 639.5 (two calls); lru-cycle's short
+# plan the other way, 484.2 vs 481.3 and 479.4 vs 474.8: only the long plans take it.
+
 # Decode steps of at most this many routed pairs take the GEMV path by default, per format. On the H200
 # (2026-12-01, commit 0c1b470, `bench/kernels.py --variants --formats int4-g128,nvfp4`), with the x tile split in
 # registers, int4 (4-stage K tiles of 128) against the align path with swapped tiles, M = 1 / 2 / 4 / 8:
@@ -316,22 +318,28 @@ def align_before_plan(
     w13: Projection,
     w2: Projection,
     fmt: KernelFormat,
-    long_plan: bool,
+    overlap: bool,
+    long_plan: bool = False,
 ) -> AlignOutput | None:
-    """The align launch of a decode step that will run the align path beside a long plan, made BEFORE the plan
+    """The align launch of a decode step that will run the align path beside its plan, made BEFORE the plan
     (its block layout reads only the ids): with it, `pooled_fused_moe(aligned=...)` starts the GEMMs beside the
     plan instead of behind an align kernel that waits for the whole plan. Arguments as that call's (hidden
-    `[T, H]`, topk_ids `[T, K]` contiguous, the layer's `l2p`). None (nothing launched) unless `long_plan`, the
-    step has INLINE_MAX_PAIRS < T*K <= DECODE_STEP_MAX_PAIRS routed pairs (fewer take the inline path, which
-    needs no align) on the align variant (POOLED_RUNNER_MOE_DECODE or `default_variant`) and the GEMMs are
-    PDL-launched. On the H200 (2026-12-04, tree 7a78a29, bench.planner, 6 Qwen3-like layers, M=8 = 64 pairs) the
-    inline path at 64 pairs cost 868 µs per step against align's 651 (MoE alone): hence the align path there."""
+    `[T, H]`, topk_ids `[T, K]` contiguous, the layer's `l2p`, `long_plan`); `overlap`: the planner's (its plan
+    lets the MoE start beside it). None (nothing launched) unless `overlap`, the step has INLINE_MAX_PAIRS <
+    T*K <= DECODE_STEP_MAX_PAIRS routed pairs on the align variant (POOLED_RUNNER_MOE_DECODE or
+    `default_variant`) and the GEMMs are PDL-launched.
+
+    Measured on the H200 (2026-12-04, bench.planner, 6 Qwen3-like bf16 layers, routing that only hits, graph
+    replay, M=8 = 64 pairs): adaptive plan + MoE 731.9 µs per step against 801.7 with the align after the plan
+    (tree 3895ef1 against 315c1af); lru-cycle 668.6 against 688.9 (one machine, the rule widened to it by hand).
+    Steps of 9-32 pairs behind a short (LRU) plan keep the align after it: not measured this way; the inline
+    path at 64 pairs cost 868 µs against align's 651 (MoE alone, tree 7a78a29)."""
     T, K = topk_ids.shape
     H = hidden.shape[1]
     I = w2.weight.shape[2] * fmt.values_per_element()
-    if not long_plan or not INLINE_MAX_PAIRS < T * K <= DECODE_STEP_MAX_PAIRS or not topk_ids.is_contiguous():
+    if not overlap or not INLINE_MAX_PAIRS < T * K <= DECODE_STEP_MAX_PAIRS or not topk_ids.is_contiguous():
         return None
-    if (DECODE_VARIANT or default_variant(fmt.fmt, T * K, I, None, T, num_experts, H, True)) != "align":
+    if (DECODE_VARIANT or default_variant(fmt.fmt, T * K, I, None, T, num_experts, H, long_plan)) != "align":
         return None
     if not (pdl.pdl_enabled(hidden, fmt.fmt) or interpreting()):
         return None

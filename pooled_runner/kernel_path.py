@@ -111,10 +111,11 @@ class KernelPath:
         )
 
     def align_before_plan(
-        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, long_plan: bool
+        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, overlap: bool, long_plan: bool
     ) -> AlignOutput | None:
-        """The step's align launch before its plan, where the MoE will take the align path beside a long plan
-        (`kernels.fused_moe.align_before_plan`); None (nothing launched) elsewhere."""
+        """The step's align launch before its plan, where the MoE will take the align path beside the plan
+        (`overlap`, `long_plan`: the planner's; `kernels.fused_moe.align_before_plan`); None (nothing launched)
+        elsewhere."""
         w13, w2 = self.projections(layer)
         return align_before_plan(
             hidden,
@@ -124,6 +125,7 @@ class KernelPath:
             w13,
             w2,
             self.fmt,
+            overlap,
             long_plan,
         )
 
@@ -137,10 +139,10 @@ class KernelPath:
         telemetry: RouteTelemetry | None = None,
         router_scores: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """A device-planned decode step of `layer` (graph-safe): the align of a long plan's align-path step,
+        """A device-planned decode step of `layer` (graph-safe): the align of an align-path step beside the plan,
         `planner.plan`, then the MoE, its first GEMM the plan's programmatic dependent. `topk_weights` must be
         ready before the call (nothing may launch between the plan and the MoE)."""
-        aligned = self.align_before_plan(layer, hidden, topk_ids, planner.long_plan)
+        aligned = self.align_before_plan(layer, hidden, topk_ids, planner.overlap, planner.long_plan)
         after_plan = planner.plan(layer, topk_ids, telemetry, router_scores)
         return self.forward(
             layer,

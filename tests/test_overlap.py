@@ -147,7 +147,7 @@ def test_a_long_plan_beside_takes_the_inline_path(monkeypatch: pytest.MonkeyPatc
 
 
 def test_blocks_aligned_before_the_plan_locate_the_new_table(overlap_modes: list[bool]) -> None:
-    """`align_before_plan` (36 pairs: past the inline schedule, a long plan beside): the blocks are aligned on
+    """`align_before_plan` (36 pairs: past the inline schedule, a plan beside): the blocks are aligned on
     the old table, then a "plan" evicts a routed expert from its row and admits another there. The OVERLAP
     GEMMs locate each block's expert in the new table: equal to the reference on it (a stale code would read
     the admitted expert's weights for the evicted one). Not after a plan, the old blocks are not taken (aligned
@@ -164,8 +164,11 @@ def test_blocks_aligned_before_the_plan_locate_the_new_table(overlap_modes: list
     routed = set(ids.flatten().tolist())
     evicted = next(e for e in range(E) if 0 <= int(l2p[e]) < R and e in routed)
     admitted = next(e for e in range(E) if int(l2p[e]) >= R and e in routed)
-    assert align_before_plan(x, ids, l2p, E, w13, w2, fmt, long_plan=False) is None
-    aligned = align_before_plan(x, ids, l2p, E, w13, w2, fmt, long_plan=True)
+    assert align_before_plan(x, ids, l2p, E, w13, w2, fmt, overlap=False) is None  # nothing beside
+    assert (
+        align_before_plan(x[:4], ids[:4], l2p, E, w13, w2, fmt, overlap=True, long_plan=True) is None
+    )  # inline
+    aligned = align_before_plan(x, ids, l2p, E, w13, w2, fmt, overlap=True)
     assert aligned is not None and aligned.before_plan
     row = int(l2p[evicted])  # the "plan": evict, copy the admitted expert in, publish
     for k in pool:

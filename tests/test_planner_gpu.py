@@ -152,7 +152,9 @@ class Stack:
                 self.scores[layer].copy_(logits)
                 scores = self.scores[layer]
             # as KernelPath.planned_forward, with the plan's answer checked
-            aligned = self.kpath.align_before_plan(layer, h, ids, self.planner.long_plan)
+            aligned = self.kpath.align_before_plan(
+                layer, h, ids, self.planner.overlap, self.planner.long_plan
+            )
             after_plan = self.planner.plan(layer, ids, router_scores=scores)
             assert after_plan == self.planner.overlap, "the plan read a temporary copy of the ids"
             y = self.kpath.forward(
