@@ -244,8 +244,9 @@ def pooled_fused_moe(
         `decode` given wins over `variant`. gemv_config: the GEMV path's tiles (default `gemv_configs`).
       after_plan: the step's plan + copy may still be running beside this call's first kernel (the value
         `DevicePlanner.plan` returned, nothing launched since; kernels/plan_copy.py); the GEMV, inline and split
-        decode kernels then read location codes as that allows (OVERLAP); the other paths, and non-contiguous ids or
-        weights (copied first), start with a plain launch, after the plan ends. long_plan: with after_plan,
+        decode kernels, and the align path's GEMMs on `aligned` blocks, then read location codes as that allows
+        (OVERLAP); the other paths, and non-contiguous ids or weights (copied first), start with a plain launch,
+        after the plan ends. long_plan: with after_plan,
         the plan is a long one (`DevicePlanner.long_plan`): `default_variant` then prefers the inline path.
       aligned: `align_before_plan`'s output for this step (the same ids, layer and long_plan), or None. Taken
         where the step runs the align path in OVERLAP (after_plan, PDL): the GEMMs then start beside the plan;

@@ -24,7 +24,8 @@ The GEMV decode path (`gemv.py`) does the same with its two kernels: gate_up wai
 down finds its pair and location, then waits before it reads act or an arrival counter (`gemv_pdl_enabled`).
 
 OVERLAP (`DevicePlanner.overlap`, the default with PDL, `envs.plan_overlap`): the one-launch plan + copy triggers
-at its start, so the first GEMM (inline gemm1, GEMV gate_up or the split path's one kernel) runs beside the plan. Its programs then take
+at its start, so the first GEMM (inline gemm1, gemm1 on blocks aligned before the plan (`fused_moe.align_before_plan`),
+GEMV gate_up or the split path's one kernel) runs beside the plan. Its programs then take
 their blocks in an order that does not read the location table, read their code once with acquire semantics
 (`load_acquire`), wait for the plan only on a host code (`settle_code`: the expert may be being copied in) and
 wait before they end; the second GEMM settles host codes the same way after its wait. `plan_copy.py` gives the
