@@ -13,7 +13,7 @@ import torch
 from pooled_runner import envs
 
 from . import pdl, splitk
-from .align import AlignOutput, align_blocks
+from .align import AlignOutput, align_blocks, max_blocks_for
 from .combine import combine
 from .decode import DECODE_MAX_PAIRS, decode_moe
 from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NVFP4
@@ -261,7 +261,8 @@ def pooled_fused_moe(
         return torch.empty((0, H), dtype=hidden.dtype, device=hidden.device)
     # a copy made here would launch between the plan and the first GEMM, which then is not the plan's dependent
     after_plan = after_plan and topk_ids.is_contiguous() and topk_weights.is_contiguous()
-    long_plan = long_plan and after_plan
+    # the inline preference pays only where its gemm1 starts beside the plan (PDL-launched GEMMs)
+    long_plan = long_plan and after_plan and (pdl.pdl_enabled(hidden, fmt.fmt) or interpreting())
     variant = (
         variant or DECODE_VARIANT or default_variant(fmt.fmt, T * K, I, configs, T, num_experts, H, long_plan)
     )
@@ -302,6 +303,12 @@ def pooled_fused_moe(
         and decode is None
         and (pdl.pdl_enabled(hidden, fmt.fmt) or interpreting())
     ):
+        want = max_blocks_for(T * K, num_experts, cfg1.block_m)
+        if aligned.max_blocks != want or aligned.sorted_pairs.numel() != want * cfg1.block_m:
+            raise ValueError(
+                f"aligned: {aligned.max_blocks} blocks of {aligned.block_m}, expected {want} of {cfg1.block_m} "
+                f"for {T}x{K} pairs over {num_experts} experts: give align_before_plan this step's arguments"
+            )
         align = aligned  # aligned before the plan: the GEMMs locate its blocks in OVERLAP, beside the plan
         routing = DecodeRouting(topk_ids, l2p, num_experts, after_plan=True)
     else:

@@ -1,6 +1,7 @@
 """The decode kernels' OVERLAP mode (`after_plan`: the plan + copy may still run beside the first GEMM) on the
-CPU, under Triton's interpreter: the inline MMA path and the GEMV path schedule their blocks by expert id
-instead of host-first, read each code once and settle host codes (`pdl.settle_code`). The interpreter runs one
+CPU, under Triton's interpreter: the inline MMA path, the GEMV path and the align path on blocks aligned before
+the plan schedule their blocks by expert id instead of host-first, read each code once and settle host codes
+(`pdl.settle_code`). The interpreter runs one
 program at a time, so this checks the schedule (every pair computed exactly once, at the slots the second
 kernel reads) and the settle path; the race itself is the GPU tests' (`test_gpu_path.py`, `test_planner_gpu.py`).
 Outputs must equal the host-first schedule's bit for bit (the same tiles and sums per pair) and the reference.
@@ -152,6 +153,7 @@ def test_blocks_aligned_before_the_plan_locate_the_new_table(overlap_modes: list
     GEMMs locate each block's expert in the new table: equal to the reference on it (a stale code would read
     the admitted expert's weights for the evicted one). Not after a plan, the old blocks are not taken (aligned
     again), and a GEMM handed them outside OVERLAP refuses."""
+    from pooled_runner.kernels import fused_moe
     from pooled_runner.kernels.fused_moe import align_before_plan
 
     H, I, E, R = 40, 24, 9, 4
@@ -165,9 +167,13 @@ def test_blocks_aligned_before_the_plan_locate_the_new_table(overlap_modes: list
     evicted = next(e for e in range(E) if 0 <= int(l2p[e]) < R and e in routed)
     admitted = next(e for e in range(E) if int(l2p[e]) >= R and e in routed)
     assert align_before_plan(x, ids, l2p, E, w13, w2, fmt, overlap=False) is None  # nothing beside
-    assert (
-        align_before_plan(x[:4], ids[:4], l2p, E, w13, w2, fmt, overlap=True, long_plan=True) is None
-    )  # inline
+    assert align_before_plan(x[:4], ids[:4], l2p, E, w13, w2, fmt, overlap=True) is None  # 24: inline range
+    shipped = fused_moe.DECODE_VARIANT
+    try:  # 36 pairs on another variant (POOLED_RUNNER_MOE_DECODE): no align before the plan
+        fused_moe.DECODE_VARIANT = "inline"
+        assert align_before_plan(x, ids, l2p, E, w13, w2, fmt, overlap=True) is None
+    finally:
+        fused_moe.DECODE_VARIANT = shipped
     aligned = align_before_plan(x, ids, l2p, E, w13, w2, fmt, overlap=True)
     assert aligned is not None and aligned.before_plan
     row = int(l2p[evicted])  # the "plan": evict, copy the admitted expert in, publish
@@ -181,5 +187,7 @@ def test_blocks_aligned_before_the_plan_locate_the_new_table(overlap_modes: list
     again = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, long_plan=True, aligned=aligned)
     assert overlap_modes[2:] == [False, False], overlap_modes
     assert_close(again, want, "aligned before the plan, no plan beside", 3e-2)
+    with pytest.raises(ValueError, match="give align_before_plan this step's arguments"):  # another step's
+        pooled_fused_moe(x[:5], ids[:5], w[:5], l2p, E, w13, w2, fmt, after_plan=True, aligned=aligned)
     with pytest.raises(ValueError, match="aligned before the plan"):
         moe_gemm.gemm1(x, aligned, w13, fmt, 6, GemmConfig(aligned.block_m, 16, 32, num_stages=1))
