@@ -96,8 +96,9 @@ def overhead(lines: list[str], args: argparse.Namespace) -> None:
         "### Overhead per decode step (6 layers, routing that only hits; graph replay)",
         "",
         "| planner | M | MoE µs | planner µs | planner+MoE µs | planner / MoE | telemetry µs | "
-        "tel+planner+MoE µs | telemetry / MoE layer |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "tel+planner+MoE µs | telemetry / MoE layer | planner+MoE, path chosen as if no plan beside µs | "
+        "planner+MoE / that |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in args.planners:
         _overhead_rows(lines, args, name)
@@ -111,7 +112,9 @@ def overhead(lines: list[str], args: argparse.Namespace) -> None:
         "plan_lru launch + one row gather per 4 operands (POOLED_RUNNER_PLAN_SPLIT_COPY=1); telemetry recorded "
         "inside the plan kernel in both ('telemetry µs' alone is the standalone route-count launch of "
         "host-planned steps); 'torch ops': the policy-generic planner and telemetry "
-        "(POOLED_RUNNER_TORCH_PLANNER=1).",
+        "(POOLED_RUNNER_TORCH_PLANNER=1). 'as if no plan beside': the MoE's decode path picked without "
+        "`long_plan` and aligned after the plan (as before 2026-12-04: inline up to 8 pairs, the align kernel "
+        "behind the plan above), in the same process, for an A/B of `KernelPath.planned_forward`'s choice.",
     ]
     write(args.out, lines)
 
@@ -155,6 +158,12 @@ def _overhead_rows(lines: list[str], args: argparse.Namespace, name: str) -> Non
                 tel_here = tel if telemetry else None
                 kpath.planned_forward(planner, layer, x, ids[layer], w[layer], tel_here, layer_scores)
 
+        def behind(x=x, ids=ids, w=w, scores=scores) -> None:
+            for layer in range(L):  # the MoE's path chosen as if no plan ran beside it (before 2026-12-04)
+                layer_scores = None if scores is None else scores[layer]
+                after_plan = planner.plan(layer, ids[layer], router_scores=layer_scores)
+                kpath.forward(layer, x, ids[layer], w[layer], after_plan=after_plan)
+
         t = time_graphs(
             {
                 "moe": moe_only,
@@ -162,13 +171,14 @@ def _overhead_rows(lines: list[str], args: argparse.Namespace, name: str) -> Non
                 "tel": tel_only,
                 "both": planned,
                 "all": lambda: planned(telemetry=True),
+                "behind": behind,
             }
         )
         t_moe, t_plan, t_tel, t_both, t_all = (t[k] for k in ("moe", "plan", "tel", "both", "all"))
         lines.append(
             f"| {label} | {M} | {1e3 * t_moe:.1f} | {1e3 * t_plan:.1f} | {1e3 * t_both:.1f} | "
             f"{(t_both - t_moe) / t_moe:.1%} | {1e3 * t_tel:.1f} | {1e3 * t_all:.1f} | "
-            f"{(t_all - t_both) / t_moe:.1%} |"
+            f"{(t_all - t_both) / t_moe:.1%} | {1e3 * t['behind']:.1f} | {t_both / t['behind']:.3f} |"
         )
         write(args.out, lines)
     counters = planner.counter_values()
