@@ -23,7 +23,15 @@ logger = logging.getLogger("pooled_runner")
 AUTO = "auto"
 SPEC_GOVERNORS = ("off", "cost")  # PoolConfig.spec_governor
 # PoolConfig.planner_policy: the keys of `policies.POLICIES` (a test keeps them equal), the default first
-PLANNER_POLICIES = ("lru-cycle", "lru", "freq", "aging", "adaptive", "adaptive-router")
+PLANNER_POLICIES = (
+    "lru-cycle",
+    "lru",
+    "freq",
+    "aging",
+    "adaptive",
+    "adaptive-router",
+    "adaptive-router-duel",
+)
 
 
 @dataclass(frozen=True)
@@ -50,8 +58,9 @@ class PoolConfig:
         "lru-cycle" (the default) and "lru" plan in one fused launch per layer (plan + copy), "adaptive" (LRU or
         hit-count frequency by set dueling) and "adaptive-router" (the same, each layer ordered by its router's
         scores where the engine passes them) also in one fused launch per layer (plan + copy; with the
-        router's scores, one membership launch more; the plan's cost grows with L x E_max); "freq" and "aging" with torch ops (a few dozen small kernels per
-        layer). Host-planned steps (prefill, the CPU) use the pool's LRU.
+        router's scores, one membership launch more; the plan's cost grows with L x E_max); "freq", "aging" and
+        "adaptive-router-duel" (adaptive-router with a slow and a fast router memory, dueled: `policy_duel.py`)
+        with torch ops (a few dozen small kernels per layer). Host-planned steps (prefill, the CPU) use the pool's LRU.
     """
 
     pool_rows: int
@@ -90,7 +99,8 @@ class PoolConfig:
         "misses on skewed routing) or adaptive-router (adaptive, each layer ordered by the router's logits "
         "where the model's top-k selects on them), also one fused launch per layer; on torch "
         "ops (a few dozen launches per layer, several times the MoE's time per decode step: for policy "
-        "studies): freq, aging.",
+        "studies): freq, aging, adaptive-router-duel (adaptive-router with a slow and a fast router memory, "
+        "whichever a shadow cache misses less on).",
     }
     _FLAG_NAMES: ClassVar[dict[str, str]] = {"pool_rows": "--moe-expert-pool-rows"}
     _CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {

@@ -211,7 +211,7 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
 def router_scores_usable(pool: PoolConfig | None, facts: ModelFacts | None) -> bool:
     """Whether the pooled layers hand their router logits to the device planner: only for a policy that reads
     them, on a model whose top-k selects on its logits (else the policy ranks by hit counts alone; logged)."""
-    if pool is None or pool.planner_policy != "adaptive-router":
+    if pool is None or not pool.planner_policy.startswith("adaptive-router"):
         return False
     why = "config.json was not found" if facts is None else facts.router_logits_differ
     if why:

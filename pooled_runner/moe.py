@@ -388,7 +388,8 @@ class PooledMoE:
           topk_weights: `[T, K]` floating combine weights.
           admit_misses: copy missed experts into rows (LRU) before computing; False reads them in place.
           router_scores: `[T, >= E]` floating, the scores the top-k was taken on (logit units), for a device
-            planner policy that reads them (`planner_policy="adaptive-router"`); ignored otherwise.
+            planner policy that reads them (`planner_policy` "adaptive-router" or "adaptive-router-duel"); ignored
+            otherwise.
         Returns:
           `[T, H]` in `dtype`: `sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t])`.
         """

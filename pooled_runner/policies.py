@@ -23,6 +23,7 @@ from pooled_runner.policy_base import NEVER as NEVER  # re-exported
 from pooled_runner.policy_base import Policy as Policy  # re-exported
 from pooled_runner.policy_base import check_policy_rows as check_policy_rows  # re-exported
 from pooled_runner.policy_base import shift_ticks
+from pooled_runner.policy_duel import MemoryDuelPolicy
 from pooled_runner.policy_router import RouterAdaptivePolicy
 
 
@@ -353,6 +354,7 @@ POLICIES: dict[str, type] = {
     "aging": AgingFreqPolicy,
     "adaptive": AdaptivePolicy,  # needs num_rows=
     "adaptive-router": RouterAdaptivePolicy,  # needs num_rows=; reads router scores (plan(router_scores=))
+    "adaptive-router-duel": MemoryDuelPolicy,  # the same; torch ops only (policy_duel.py)
 }
 
 

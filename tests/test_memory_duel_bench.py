@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.memory_duel import MemoryDuelPolicy
 from bench.traces import policy_hit_rate, synthetic_trace
+from pooled_runner.config import PoolConfig
 from pooled_runner.planner import DevicePlanner
 from pooled_runner.planner_twin import HostTwin
-from pooled_runner.policies import LRUPolicy
+from pooled_runner.policies import LRUPolicy, policy_for_pool
+from pooled_runner.policy_duel import MemoryDuelPolicy
 from pooled_runner.policy_router import RouterAdaptivePolicy
-from tests.test_planner import make_pool
+from tests.test_planner import assert_rows_hold_owners, assert_same_state, make_pool
 
 
 def test_equal_memories_decide_as_the_router_policy():
@@ -37,7 +38,7 @@ def test_equal_memories_decide_as_the_router_policy():
         assert torch.equal(pools[0].l2p_gpu, pools[1].l2p_gpu), step
         modes.add(int(router.mode))
     assert modes == {0, 1}
-    assert duel.fast_ticks == 0 and int(duel.order_misses.sum()) == 0
+    assert duel.fast_share == 0 and duel.order_misses is not None and int(duel.order_misses.sum()) == 0
     a, b = duel.state_tensors(), router.state_tensors()
     assert all(torch.equal(a[k], b[k]) for k in b)
 
@@ -67,6 +68,49 @@ def test_bad_parameters():
     for kw in (dict(fast=0), dict(slow=31), dict(order_floor=-1)):
         with pytest.raises(ValueError, match="slow="):
             MemoryDuelPolicy(4, **kw)
-    pool = make_pool([5, 4], 3)
-    with pytest.raises(NotImplementedError, match="no host form"):
-        HostTwin(pool, MemoryDuelPolicy(3))
+    policy = MemoryDuelPolicy(3)
+    DevicePlanner(make_pool([5, 4], 3), policy, max_routed=4)
+    assert not DevicePlanner(make_pool([5, 4], 3), MemoryDuelPolicy(3), max_routed=4).fused  # torch ops only
+    with pytest.raises(NotImplementedError, match="no fused membership"):
+        policy.observe_scores_fused(0, torch.zeros(1, 5), torch.zeros(1, 2, dtype=torch.int64), 5)
+    with pytest.raises(ValueError, match="planner_policy"):
+        PoolConfig.resolve(pool_rows=4, planner_policy="adaptive-router-dual")
+    assert PoolConfig.resolve(pool_rows=4, planner_policy="adaptive-router-duel").planner_policy == (
+        "adaptive-router-duel"
+    )
+    assert isinstance(policy_for_pool("adaptive-router-duel", 4), MemoryDuelPolicy)
+
+
+@pytest.mark.parametrize(("layers", "rows", "K", "seed"), [([9, 6, 11], 7, 2, 1), ([13, 5], 6, 3, 2)])
+def test_device_planner_equals_twin(layers: list[int], rows: int, K: int, seed: int) -> None:
+    """The torch-ops planner with the duel against the host twin, step by step (tables, every state tensor:
+    both memberships and ranked orders, the order duel's counters), on routing whose popular experts move every
+    25 steps (fresh random scores; some steps without): both orders get chosen, and both LRU / frequency modes."""
+    pool = make_pool(layers, rows, seed=seed)
+    pool.fill([(len(layers) - 1, 0), (0, layers[0] - 1)])
+    kw = dict(slow=8, fast=2, order_floor=0, floor_misses=0, decay_shift=3, duel_shift=2)
+    dev_policy, host_policy = MemoryDuelPolicy(rows, **kw), MemoryDuelPolicy(rows, **kw)
+    planner = DevicePlanner(pool, dev_policy, max_routed=4 * K, debug_checks=True)
+    twin = HostTwin(pool, host_policy)
+    assert_same_state(planner, twin, "start")
+    g = torch.Generator().manual_seed(seed)
+    modes, orders = set(), set()
+    for step in range(240):
+        layer = step % len(layers)
+        E = layers[layer]
+        T = int(torch.randint(0, 4, (1,), generator=g))
+        hot = torch.roll(torch.linspace(3, -3, E), (step // 25) * 3)  # the popular experts move
+        scores = torch.cat([torch.randn(T, E, generator=g) + hot, torch.randn(T, 1, generator=g)], 1)
+        ids = torch.topk(scores[:, :E], min(K, E), dim=1).indices
+        with_scores = step % 7 != 6
+        planner.plan(layer, ids, router_scores=scores if with_scores else None)
+        codes = twin.plan(layer, ids, router_scores=scores if with_scores else None)
+        assert_same_state(planner, twin, f"step {step}")
+        present = sorted({e for e in ids.flatten().tolist() if 0 <= e < E})
+        assert [int(pool.l2p_gpu[layer, e]) for e in present] == codes
+        modes.add(int(dev_policy.mode))
+        orders.add(dev_policy.uses_fast)
+    assert modes == {0, 1} and orders == {0, 1}, (modes, orders)
+    assert_rows_hold_owners(pool, planner)
+    planner.store_to_pool()
+    pool.check_invariants()

@@ -20,6 +20,7 @@ from pooled_runner.planner import DevicePlanner
 from pooled_runner.planner_twin import HostTwin
 from pooled_runner.policies import AgingFreqPolicy, FreqDecayPolicy, LRUPolicy
 from pooled_runner.policy_adaptive import AdaptivePolicy
+from pooled_runner.policy_duel import MemoryDuelPolicy
 from pooled_runner.policy_router import RouterAdaptivePolicy
 from pooled_runner.telemetry import RouteTelemetry
 
@@ -43,6 +44,11 @@ def make_policy(name: str):
     if name in ("adaptive", "adaptive-ops"):
         # no floor: both modes within the few captured steps (the floor itself is tested on the CPU)
         return AdaptivePolicy(ROWS, decay_shift=2, duel_shift=1, margin_shift=1, floor_misses=0)
+    if (
+        name == "adaptive-router-duel"
+    ):  # two router memories dueled, on torch ops (no host read under capture)
+        kw = dict(decay_shift=2, duel_shift=1, margin_shift=1, floor_misses=0)
+        return MemoryDuelPolicy(ROWS, slow=6, fast=2, order_floor=0, **kw)
     if name.startswith("adaptive-router"):  # the same, each layer ordered by the router's logits (fed to it)
         return RouterAdaptivePolicy(ROWS, decay_shift=2, duel_shift=1, margin_shift=1, floor_misses=0)
     return (
@@ -68,6 +74,7 @@ CASES = [(w, "lru") for w in WIDTHS] + [
     ("M1", "adaptive-router"),
     ("mtp_bs3_ns3", "adaptive-router"),
     ("M2", "adaptive-router-bf16"),  # bf16 logits, as SGLang's bf16 gate hands them over
+    ("M4", "adaptive-router-duel"),
 ]
 
 
@@ -263,7 +270,7 @@ def test_captured_decode_step_replays_with_new_routing(width, policy, weights, r
     M = WIDTHS[width]
     # the graphed stack's plan + copy overlaps the first GEMM (the fused one launch: LRU and the adaptive
     # policies; the other planners cannot), the eager one's does not: the same outputs bit for bit, the same tables
-    fused = policy not in ("freq", "aging") and not policy.endswith("-ops")
+    fused = policy not in ("freq", "aging", "adaptive-router-duel") and not policy.endswith("-ops")
     overlap = True if fused else None
     graphed, eager = Stack(weights, M, policy, overlap=overlap), Stack(weights, M, policy, overlap=False)
     assert graphed.planner.overlap == fused, "only the fused one-launch planner overlaps"

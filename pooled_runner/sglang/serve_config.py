@@ -30,7 +30,7 @@ class ServeConfig:
       speculative: SGLang runs speculative decoding (`--speculative-algorithm`): without CUDA the scheduler
         needs the speculative CPU patches too.
       router_scores: hand each layer's router logits to the device planner (its policy reads them:
-        `planner_policy` "adaptive-router", on a model whose top-k selects on its logits).
+        `planner_policy` "adaptive-router" or "adaptive-router-duel", on a model whose top-k selects on its logits).
     """
 
     pool: PoolConfig | None
