@@ -359,8 +359,8 @@ POLICIES: dict[str, type] = {
 
 
 def make_policy(name: str, **kwargs: int) -> Policy:
-    """A fresh policy by name (a key of `POLICIES`); "adaptive" and "adaptive-router" need `num_rows=` (the
-    pool's rows)."""
+    """A fresh policy by name (a key of `POLICIES`); the adaptive ones ("adaptive", "adaptive-router",
+    "adaptive-router-duel") need `num_rows=` (the pool's rows)."""
     if name not in POLICIES:
         raise ValueError(f"policy {name!r} is not one of {sorted(POLICIES)}")
     if name.startswith("adaptive") and "num_rows" not in kwargs:

@@ -284,6 +284,9 @@ def test_router_scores_reach_the_children_only_for_a_policy_that_reads_them(
     p = plan([*base, "--moe-expert-pool-planner-policy", "adaptive-router"])
     assert p.serve.router_scores and p.serve.pool is not None
     assert p.serve.pool.planner_policy == "adaptive-router"
+    duel = plan([*base, "--moe-expert-pool-planner-policy", "adaptive-router-duel"])
+    assert duel.serve.router_scores and duel.serve.pool is not None
+    assert duel.serve.pool.planner_policy == "adaptive-router-duel"
     assert ServeConfig.from_json(p.serve.to_json()) == p.serve
     (tmp_path / "ds").mkdir()
     sigmoid = write_model(

@@ -1,5 +1,6 @@
-"""bench/memory_duel.py: the two-memory router policy (a CPU model of a rule) against `RouterAdaptivePolicy`,
-step by step where its two memories are equal, and on short drifting and skewed traces."""
+"""The two-memory router policy (`pooled_runner/policy_duel.py`, `adaptive-router-duel`): against
+`RouterAdaptivePolicy` step by step where its two memories are equal, against its host twin step by step, and on
+short drifting and skewed traces; its registration and bad parameters."""
 
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def test_bad_parameters():
             MemoryDuelPolicy(4, **kw)
     policy = MemoryDuelPolicy(3)
     DevicePlanner(make_pool([5, 4], 3), policy, max_routed=4)
-    assert not DevicePlanner(make_pool([5, 4], 3), MemoryDuelPolicy(3), max_routed=4).fused  # torch ops only
+    with pytest.raises(ValueError, match="fused planner implements"):  # a subclass: torch ops only
+        DevicePlanner(make_pool([5, 4], 3), MemoryDuelPolicy(3), max_routed=4, fused=True)
     with pytest.raises(NotImplementedError, match="no fused membership"):
         policy.observe_scores_fused(0, torch.zeros(1, 5), torch.zeros(1, 2, dtype=torch.int64), 5)
     with pytest.raises(ValueError, match="planner_policy"):

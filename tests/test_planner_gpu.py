@@ -44,9 +44,7 @@ def make_policy(name: str):
     if name in ("adaptive", "adaptive-ops"):
         # no floor: both modes within the few captured steps (the floor itself is tested on the CPU)
         return AdaptivePolicy(ROWS, decay_shift=2, duel_shift=1, margin_shift=1, floor_misses=0)
-    if (
-        name == "adaptive-router-duel"
-    ):  # two router memories dueled, on torch ops (no host read under capture)
+    if name == "adaptive-router-duel":  # two router memories dueled, on torch ops (no host read in capture)
         kw = dict(decay_shift=2, duel_shift=1, margin_shift=1, floor_misses=0)
         return MemoryDuelPolicy(ROWS, slow=6, fast=2, order_floor=0, **kw)
     if name.startswith("adaptive-router"):  # the same, each layer ordered by the router's logits (fed to it)
@@ -314,6 +312,8 @@ def test_captured_decode_step_replays_with_new_routing(width, policy, weights, r
                 assert_close(graphed.y[layer], ref, f"replay {replay} layer {layer} vs dense reference")
     counters = graphed.planner.counter_values()
     assert counters["misses"] > 0 and counters["admissions"] > 0, f"the trace never missed: {counters}"
+    if policy == "adaptive-router-duel":  # which orders ran (the twin checked the choice after every replay)
+        print(f"{policy}: fast order share {graphed.planner.policy.fast_share:.2f}")
     # telemetry: every routed id of warm-up and replays, nothing else
     snap = graphed.tel.snapshot()
     expect = torch.zeros(len(LAYERS), EM, dtype=torch.int64)
