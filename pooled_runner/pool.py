@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import torch
 
 from pooled_runner.bank import ExpertBank, check_expert_counts, check_expert_weights
 from pooled_runner.formats.base import OperandSpec
+from pooled_runner.pool_stats import PoolStats as PoolStats  # re-exported
 
 logger = logging.getLogger("pooled_runner")
 
@@ -33,26 +33,6 @@ def _same_device(t: torch.Tensor, device: torch.device) -> bool:
     if device.index is None:
         return device.type != "cuda" or t.device.index == torch.cuda.current_device()
     return t.device.index == device.index
-
-
-@dataclass
-class PoolStats:
-    """Counters since the pool was built (or since `reset_stats`)."""
-
-    hits: int = 0  # distinct (step, layer, expert) found in a row
-    misses: int = 0  # distinct (step, layer, expert) not in a row
-    admissions: int = 0  # host row copied into a pool row
-    evictions: int = 0  # row given up by one (layer, expert) for another
-    bytes_copied_to_rows: int = 0  # host -> pool row copies
-    bytes_read_host_view: int = 0  # expert rows read in place from the bank, once per step
-    rows_in_use_per_layer: list[int] = field(default_factory=list)
-    rows_staged: int = 0  # rows copied into prefill staging buffers (filled in by PooledMoE.stats)
-    bytes_staged: int = 0  # their bytes (host -> staging buffers)
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 1.0
 
 
 class ExpertPool:
