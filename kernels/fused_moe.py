@@ -262,7 +262,7 @@ def pooled_fused_moe(
     # a copy made here would launch between the plan and the first GEMM, which then is not the plan's dependent
     after_plan = after_plan and topk_ids.is_contiguous() and topk_weights.is_contiguous()
     # the inline preference pays only where its gemm1 starts beside the plan (PDL-launched GEMMs)
-    long_plan = long_plan and after_plan and (pdl.pdl_enabled(hidden, fmt.fmt) or interpreting())
+    long_plan = long_plan and after_plan and _gemms_overlap(hidden, fmt)
     variant = (
         variant or DECODE_VARIANT or default_variant(fmt.fmt, T * K, I, configs, T, num_experts, H, long_plan)
     )
@@ -297,12 +297,7 @@ def pooled_fused_moe(
     cfg1, cfg2 = configs or pick_configs(T, K, num_experts, H, I, fmt.fmt)
     _check_same_block_m(cfg1, cfg2)
     routing = None
-    if (
-        aligned is not None
-        and after_plan
-        and decode is None
-        and (pdl.pdl_enabled(hidden, fmt.fmt) or interpreting())
-    ):
+    if aligned is not None and after_plan and decode is None and _gemms_overlap(hidden, fmt):
         want = max_blocks_for(T * K, num_experts, cfg1.block_m)
         if aligned.max_blocks != want or aligned.sorted_pairs.numel() != want * cfg1.block_m:
             raise ValueError(
@@ -349,10 +344,15 @@ def align_before_plan(
         return None
     if (DECODE_VARIANT or default_variant(fmt.fmt, T * K, I, None, T, num_experts, H, long_plan)) != "align":
         return None
-    if not (pdl.pdl_enabled(hidden, fmt.fmt) or interpreting()):
+    if not _gemms_overlap(hidden, fmt):
         return None
     cfg1, _ = pick_configs(T, K, num_experts, H, I, fmt.fmt)
     return align_blocks(topk_ids, l2p, num_experts, w13.num_rows, cfg1.block_m, before_plan=True)
+
+
+def _gemms_overlap(hidden: torch.Tensor, fmt: KernelFormat) -> bool:
+    """Whether the MMA GEMMs can run in OVERLAP mode (`moe_gemm.overlap_mode`): PDL-launched, or interpreted."""
+    return pdl.pdl_enabled(hidden, fmt.fmt) or interpreting()
 
 
 def _check_same_block_m(cfg1: GemmConfig, cfg2: GemmConfig) -> None:

@@ -49,11 +49,10 @@ NEVER = -(1 << 40)  # `policy_base.NEVER`: the last use of an expert never route
 ROW_BLOCK = 256
 SHADOW_BLOCK = 256  # experts of all layers compared per pass of the shadow ranks
 PRESENT_BLOCK = 16  # present experts per pass (a narrow step: one pass)
-RANK_BLOCK = (
-    32  # experts compared per pass of the router's pairwise ranks (H200, 2026-12-04, bench.plan_blocks, tree
-)
-# 0c3d7df, 6 layers, E 128, R 384: the plan alone 106.3 µs per step at M=1 and 212.7 at M=8 against 124.0 and 223.9
-# with 16; 64: 201.7 and 324.2)
+# experts compared per pass of the router's pairwise ranks (H200, 2026-12-04, bench.plan_blocks, tree 0c3d7df,
+# 6 layers, E 128, R 384: the plan alone 106.3 µs per step at M=1 and 212.7 at M=8, against 124.0 and 223.9 with
+# 16; 64: 201.7 and 324.2)
+RANK_BLOCK = 32
 
 
 class AdaptiveState(NamedTuple):

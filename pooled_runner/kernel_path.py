@@ -142,9 +142,8 @@ class KernelPath:
         """A device-planned decode step of `layer` (graph-safe): the align of an align-path step beside the plan,
         `planner.plan`, then the MoE, its first GEMM the plan's programmatic dependent. `topk_weights` must be
         ready before the call (nothing may launch between the plan and the MoE)."""
-        aligned = (
-            None  # non-contiguous weights are copied after the plan, which then does not overlap the MoE
-        )
+        # non-contiguous weights are copied after the plan, which then does not overlap the MoE: no align before
+        aligned = None
         if topk_weights.is_contiguous():
             aligned = self.align_before_plan(layer, hidden, topk_ids, planner.overlap, planner.long_plan)
         after_plan = planner.plan(layer, topk_ids, telemetry, router_scores)

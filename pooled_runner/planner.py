@@ -66,8 +66,9 @@ class DevicePlanner:
         POOLED_RUNNER_PLAN_SPLIT_COPY is set. cooperative: launch it as a cooperative grid where Triton supports
         it, else a plain grid whose programs take their roles by ticket (None: POOLED_RUNNER_PLAN_COOPERATIVE,
         default off). pdl: as a programmatic dependent launch where PDL is available, cooperative or not (None:
-        POOLED_RUNNER_PLAN_PDL, default on). plan_warps: its warps per program. overlap: the one launch lets the MoE's first GEMM start beside it (`kernels/plan_copy.py`,
-        `early_trigger`); read `self.overlap` to tell the kernels (`KernelPath.planned_forward` does). None:
+        POOLED_RUNNER_PLAN_PDL, default on). plan_warps: its warps per program. overlap: the one launch lets
+        the MoE's first GEMM start beside it (`kernels/plan_copy.py`, `early_trigger`); read `self.overlap` to
+        tell the kernels (`KernelPath.planned_forward` does). None:
         POOLED_RUNNER_PLAN_OVERLAP (default on) where the one launch runs and the device has PDL
         (`pdl.pdl_available`); True also elsewhere (the interpreter tests the deferred commit).
     """

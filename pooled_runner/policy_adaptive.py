@@ -194,15 +194,27 @@ class AdaptivePolicy:
         self._h_count, self._h_last = [0] * size, [NEVER] * size
         self._h_misses, self._h_mode = [0, 0], 0
 
+    def host_frequency_out(
+        self, value_counts: list[int], layer: int, present: list[int], now: int
+    ) -> list[bool]:
+        """Host form of `frequency_shadow_miss`: per expert of `present`, outside the idealized frequency cache
+        ranked by `value_counts [L * E_max]` (+ recent bonus, last use), as of the previous tick."""
+        L, R, lo, last_all = self._layers, self.num_rows, layer * self._max_experts, self._h_last
+        value = [c + self._bonus * (now - 1 - t < L) for c, t in zip(value_counts, last_all)]
+        out = []
+        for e in present:
+            t, v = last_all[lo + e], value[lo + e]
+            out.append(t == NEVER or sum(w > v or (w == v and x > t) for w, x in zip(value, last_all)) >= R)
+        return out
+
     def host_observe(self, layer: int, present: list[int], now: int) -> None:
         L, R, lo = self._layers, self.num_rows, layer * self._max_experts
         last_all, count = self._h_last, self._h_count
-        value = [c + self._bonus * (now - 1 - t < L) for c, t in zip(self._h_value_counts(), last_all)]
+        freq_outs = self.host_frequency_out(self._h_value_counts(), layer, present, now)
         lru_miss = freq_miss = 0  # misses of one shadow where the other hits
-        for e in present:
-            t, v = last_all[lo + e], value[lo + e]
+        for e, freq_out in zip(present, freq_outs):
+            t = last_all[lo + e]
             lru_out = t == NEVER or sum(x > t for x in last_all) >= R
-            freq_out = t == NEVER or sum(w > v or (w == v and x > t) for w, x in zip(value, last_all)) >= R
             lru_miss += int(lru_out and not freq_out)
             freq_miss += int(freq_out and not lru_out)
         if layer == 0:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 
 from pooled_runner.policy_adaptive import SCORE, AdaptivePolicy
-from pooled_runner.policy_base import NEVER
 from pooled_runner.policy_router import (
     MEMBER_UNIT,
     RouterAdaptivePolicy,
@@ -146,21 +145,8 @@ class MemoryDuelPolicy(RouterAdaptivePolicy):
             for member in self._h_members:
                 member[lo + e] += units * MEMBER_UNIT
 
-    def _h_frequency_out(
-        self, value_counts: list[int], layer: int, present: list[int], now: int
-    ) -> list[bool]:
-        """Per expert of `present`: outside the idealized frequency cache ranked by `value_counts` (host form of
-        `frequency_shadow_miss`, as of the previous tick)."""
-        L, R, lo, last_all = self._layers, self.num_rows, layer * self._max_experts, self._h_last
-        value = [c + self._bonus * (now - 1 - t < L) for c, t in zip(value_counts, last_all)]
-        out = []
-        for e in present:
-            t, v = last_all[lo + e], value[lo + e]
-            out.append(t == NEVER or sum(w > v or (w == v and x > t) for w, x in zip(value, last_all)) >= R)
-        return out
-
     def host_observe(self, layer: int, present: list[int], now: int) -> None:
-        out = [self._h_frequency_out(ranked, layer, present, now) for ranked in self._h_rankeds]
+        out = [self.host_frequency_out(ranked, layer, present, now) for ranked in self._h_rankeds]
         AdaptivePolicy.host_observe(self, layer, present, now)
         if layer == 0:
             self._h_order_misses = [m - (m >> self.duel_shift) for m in self._h_order_misses]

@@ -14,7 +14,7 @@ from pooled_runner.planner_twin import HostTwin
 from pooled_runner.policies import LRUPolicy, policy_for_pool
 from pooled_runner.policy_duel import MemoryDuelPolicy
 from pooled_runner.policy_router import RouterAdaptivePolicy
-from tests.test_planner import assert_rows_hold_owners, assert_same_state, make_pool
+from tests.test_planner import assert_rows_hold_owners, assert_same_state, make_pool, plan_both
 
 
 def test_equal_memories_decide_as_the_router_policy():
@@ -105,11 +105,7 @@ def test_device_planner_equals_twin(layers: list[int], rows: int, K: int, seed: 
         scores = torch.cat([torch.randn(T, E, generator=g) + hot, torch.randn(T, 1, generator=g)], 1)
         ids = torch.topk(scores[:, :E], min(K, E), dim=1).indices
         with_scores = step % 7 != 6
-        planner.plan(layer, ids, router_scores=scores if with_scores else None)
-        codes = twin.plan(layer, ids, router_scores=scores if with_scores else None)
-        assert_same_state(planner, twin, f"step {step}")
-        present = sorted({e for e in ids.flatten().tolist() if 0 <= e < E})
-        assert [int(pool.l2p_gpu[layer, e]) for e in present] == codes
+        plan_both(planner, twin, layer, ids, f"step {step}", scores if with_scores else None)
         modes.add(int(dev_policy.mode))
         orders.add(dev_policy.uses_fast)
     assert modes == {0, 1} and orders == {0, 1}, (modes, orders)

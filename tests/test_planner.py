@@ -67,11 +67,18 @@ def random_ids(T: int, K: int, E: int, g: torch.Generator) -> torch.Tensor:
     return ids
 
 
-def plan_both(planner: DevicePlanner, twin: HostTwin, layer: int, ids: torch.Tensor, where: str) -> None:
+def plan_both(
+    planner: DevicePlanner,
+    twin: HostTwin,
+    layer: int,
+    ids: torch.Tensor,
+    where: str,
+    router_scores: torch.Tensor | None = None,
+) -> None:
     """One step through the device planner and its host twin: identical state, and the twin's codes of the
     routed experts equal the device table's."""
-    planner.plan(layer, ids)
-    codes = twin.plan(layer, ids)
+    planner.plan(layer, ids, router_scores=router_scores)
+    codes = twin.plan(layer, ids, router_scores=router_scores)
     assert_same_state(planner, twin, where)
     E = planner.pool.num_experts_per_layer[layer]
     present = sorted({e for e in ids.flatten().tolist() if 0 <= e < E})

@@ -22,7 +22,7 @@ from pooled_runner.policy_router import (
     membership_units_host,
     ranked_counts_host,
 )
-from tests.test_planner import assert_rows_hold_owners, assert_same_state, make_pool, random_ids
+from tests.test_planner import assert_rows_hold_owners, assert_same_state, make_pool, plan_both, random_ids
 from tests.test_policy_adaptive import skewed_ids
 
 
@@ -112,11 +112,7 @@ def test_device_planner_equals_twin_with_scores(layers, rows, K, max_T, kw):
         extra = int(torch.randint(0, 3, (1,), generator=g))  # columns past E are ignored
         scores = torch.randn(T, E + extra, generator=g) * 3
         with_scores = step % 5 != 4  # some steps come without scores
-        planner.plan(layer, ids, router_scores=scores if with_scores else None)
-        codes = twin.plan(layer, ids, router_scores=scores if with_scores else None)
-        assert_same_state(planner, twin, f"step {step}")
-        present = sorted({e for e in ids.flatten().tolist() if 0 <= e < E})
-        assert [int(pool.l2p_gpu[layer, e]) for e in present] == codes
+        plan_both(planner, twin, layer, ids, f"step {step}", scores if with_scores else None)
         modes.add(int(dev_policy.mode))
     assert dev_policy.member is not None and int(dev_policy.member.sum()) > 0
     assert_rows_hold_owners(pool, planner)
