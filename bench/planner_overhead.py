@@ -51,9 +51,14 @@ PLANNERS: dict[str, tuple[str, dict[str, object]]] = {
     # the policies the torch-ops planner exists for (--moe-expert-pool-planner-policy), fed random router logits
     "ops-adaptive": ("torch ops, adaptive", {"fused": False, "policy": "adaptive"}),
     "ops-router": ("torch ops, adaptive-router", {"fused": False, "policy": "adaptive-router"}),
+    "ops-duel": ("torch ops, adaptive-router-duel", {"fused": False, "policy": "adaptive-router-duel"}),
     # the adaptive policies' fused plan: one launch with the copy, PDL and overlap (the planner's CUDA defaults)
     "fused-adaptive": ("fused, one launch, adaptive", {"fused": True, "policy": "adaptive"}),
     "fused-router": ("fused, one launch, adaptive-router", {"fused": True, "policy": "adaptive-router"}),
+    "fused-duel": (
+        "fused, one launch, adaptive-router-duel",
+        {"fused": True, "policy": "adaptive-router-duel"},
+    ),
     "two-adaptive": (
         "fused plan + row gather, adaptive",
         {"fused": True, "one_launch": False, "policy": "adaptive"},
@@ -127,7 +132,7 @@ def _overhead_rows(lines: list[str], args: argparse.Namespace, name: str) -> Non
     g = torch.Generator(device="cuda").manual_seed(1)
     for M in (1, 4, 8):
         scores = None
-        if policy_name == "adaptive-router":
+        if policy_name.startswith("adaptive-router"):
             scores = torch.randn(L, M, E, generator=g, device="cuda").bfloat16()  # [L, M, E] router logits
         x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
         ids = torch.stack(

@@ -11,7 +11,8 @@ ramp, and integer atomics into `member` (exact in any order).
 
 Shapes: `scores [T, >= E]` floating, unit stride along experts (columns past E are ignored); `ids [T, K]`
 integer (the step's routed ids: a token votes when one of them is in [0, E)); `member [>= E]` int64 (the
-layer's slice, added to in place); `scale [1]` float64 (RAMP / width: a tensor so the product stays float64).
+layer's slice, added to in place), or `[C, >= E]` with unit stride along the experts (C copies that each get
+the same units: the duel policy's two memberships); `scale [1]` float64 (RAMP / width: a tensor so the product stays float64).
 T = 0 launches nothing. The torch reference with the same signature is `add_membership_reference`.
 """
 
@@ -55,13 +56,15 @@ def _check(
             f"ids: shape {tuple(ids.shape)} dtype {ids.dtype}; expected [{scores.shape[0]}, K >= 1] integer"
         )
     if (
-        member.dim() != 1
+        member.dim() not in (1, 2)
         or member.dtype != torch.int64
-        or member.shape[0] < num_experts
-        or member.stride(0) != 1
+        or member.shape[-1] < num_experts
+        or member.stride(-1) != 1
+        or member.shape[0] < 1
     ):
         raise ValueError(
-            f"member: shape {tuple(member.shape)} dtype {member.dtype}; expected [>= {num_experts}] int64"
+            f"member: shape {tuple(member.shape)} stride {member.stride()} dtype {member.dtype}; expected "
+            f"[>= {num_experts}] or [C >= 1, >= {num_experts}] int64, unit stride along the experts"
         )
     if scale.shape != (1,) or scale.dtype != torch.float64 or unit < 1:
         raise ValueError(
@@ -82,8 +85,8 @@ def add_membership(
     scale: torch.Tensor,
     unit: int,
 ) -> None:
-    """`member[:E] += membership units x unit` of the step (see module docstring). One launch of T programs,
-    graph-safe; ValueError for bad shapes."""
+    """`member[..., :E] += membership units x unit` of the step (see module docstring; a 2-D `member` gets them
+    in every row). One launch of T programs, graph-safe; ValueError for bad shapes."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("add_membership needs Triton")
     _check(scores, ids, member, num_experts, scale, unit)
@@ -91,10 +94,12 @@ def add_membership(
     if num_tokens == 0:
         return
     ids = ids if ids.stride(1) == 1 else ids.contiguous()
+    copies = member.shape[0] if member.dim() == 2 else 1
     _membership_kernel[(num_tokens,)](
-        scores, scores.stride(0), ids, ids.stride(0), top_k, member, scale, num_experts, min(top_k, num_experts),
-        unit, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
-        BLOCK_J=RANK_BLOCK, RAMP_STEPS=RAMP, num_warps=4,
+        scores, scores.stride(0), ids, ids.stride(0), top_k, member, member.stride(0) if copies > 1 else 0,
+        scale, num_experts, min(top_k, num_experts), unit, BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_J=RANK_BLOCK, RAMP_STEPS=RAMP, NUM_COPIES=copies,
+        num_warps=4,
     )  # fmt: skip
 
 
@@ -110,7 +115,7 @@ def add_membership_reference(
     _check(scores, ids, member, num_experts, scale, unit)
     valid = ((ids >= 0) & (ids < num_experts)).any(1)  # [T]
     units = ramp_units(scores[:, :num_experts], valid, ids.shape[1], float(scale.item()))
-    member[:num_experts] += units * unit
+    member[..., :num_experts] += units * unit
 
 
 def ramp_units(scores: torch.Tensor, valid: torch.Tensor, top_k: int, scale: float) -> torch.Tensor:
@@ -137,8 +142,9 @@ if triton is not None:
 
     @triton.jit
     def _membership_kernel(
-        scores_ptr, stride_t, ids_ptr, stride_ids, top_k, member_ptr, scale_ptr, E, k, unit,
+        scores_ptr, stride_t, ids_ptr, stride_ids, top_k, member_ptr, stride_copy, scale_ptr, E, k, unit,
         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr, RAMP_STEPS: tl.constexpr,
+        NUM_COPIES: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         e_offs = tl.arange(0, BLOCK_E)
@@ -161,4 +167,5 @@ if triton is not None:
         ramp = tl.minimum(tl.maximum(ramp, 0.0), RAMP_STEPS * 1.0)
         votes = e_in & routed & clean & (d == d)  # inf - inf: NaN, adds nothing
         units = tl.where(votes, ramp, 0.0).to(tl.int64) * unit
-        tl.atomic_add(member_ptr + e_offs, units, mask=votes & (units > 0))
+        for c in tl.static_range(NUM_COPIES):
+            tl.atomic_add(member_ptr + c * stride_copy + e_offs, units, mask=votes & (units > 0))

@@ -1,5 +1,5 @@
-"""Fused plan of one decode step of one layer for the adaptive policies (`adaptive`, `adaptive-router`): the
-policy's update and the whole residency decision in one single-program launch.
+"""Fused plan of one decode step of one layer for the adaptive policies (`adaptive`, `adaptive-router`,
+`adaptive-router-duel`): the policy's update and the whole residency decision in one single-program launch.
 
 The torch-ops planner (`pooled_runner/planner_ops.py`) runs these policies as ~100 small kernels per layer
 (10-17x the MoE's own step time at M=1 on the H200, docs/BENCHMARKS.md); this program does the same, in order,
@@ -12,6 +12,11 @@ with the same integers (the rules are `policy_adaptive.py`'s and `policy_router.
      misses where the two shadows disagree, the mode, the chain-start counts and the last-use ticks;
   4. with the router (ROUTER), the layer's ranked counts: its counts, largest first, handed out in the order
      (member desc, count desc, expert id), by pairwise ranks;
+  DUEL (`policy_duel.py`): two memberships and two ranked counts (slow, fast), stored one after the other; step
+     2 also scores an idealized frequency cache under each ranked order (the adaptive duel reads the order
+     chosen at the previous tick), step 3 decays both memberships (their own shifts), both ranked counts and
+     the order misses, adds the misses where the two orders disagree and picks the order, step 4 ranks both,
+     and the decisions below read the chosen order's ranked counts;
   5. hit rows get the new stamp; candidates = misses with `ceil(tokens / block_m) >= min_reads`, in the order
      (-value x mode, expert id); victims = rows not used by this step in the order (free first, value x mode,
      then `(stamp + 1) * R + row`, i.e. least recently used, then row index): pair i is the i-th of each, both
@@ -27,7 +32,9 @@ launch of `kernels/membership.py`). In LRU mode the decisions equal `plan_lru`'s
 Shapes: as `plan_lru.py` (`ids [T*K]`, `l2p [L * E_max]` int32, `row_owner, row_stamp [>= R]` int64, `clock
 [1]`, `counters [5]` int64, `counts [>= E_max]` int32 scratch, `victims, codes, valid [P]` int32), plus the
 policy's state (`AdaptiveState`): `count [L * E_max + 1]`, `last_use [L * E_max]`, `misses [2]`, `mode [1]`,
-with the router `member [L * E_max]` and `ranked [L * E_max + 1]`, and a scratch `[>= E_max]`, all int64.
+with the router `member [L * E_max]` and `ranked [L * E_max + 1]` (with the duel `[2 * L * E_max]` and
+`[2 * (L * E_max + 1)]`: slow then fast, plus `order_misses [2]` and `order_state [3]`), and a scratch
+`[>= E_max]`, all int64.
 The torch reference with the same signature is `plan_adaptive_ref.plan_adaptive_reference`.
 """
 
@@ -62,9 +69,13 @@ class AdaptiveState(NamedTuple):
     last_use: torch.Tensor  # [N] tick of the last routing, NEVER before the first
     misses: torch.Tensor  # [2] decayed shadow misses: LRU-only, frequency-only (x SCORE)
     mode: torch.Tensor  # [1] 1 = frequency mode
-    member: torch.Tensor | None  # [N] router membership units (the router policy only)
-    ranked: torch.Tensor | None  # [N + 1] ranked counts (the router policy only)
+    member: torch.Tensor | None  # [N] router membership units (the router policies; duel: [2N] slow, fast)
+    ranked: torch.Tensor | None  # [N + 1] ranked counts (the router policies; duel: [2(N + 1)] slow, fast)
     scratch: torch.Tensor  # [>= E_max] int64 workspace
+    # the duel only (`MemoryDuelPolicy`): [2] decayed slow-only, fast-only shadow misses (x SCORE); [3] the
+    # order chosen at the last tick (1: fast), ticks that ended with it fast, all ticks
+    order_misses: torch.Tensor | None = None
+    order_state: torch.Tensor | None = None
 
 
 class AdaptiveRule(NamedTuple):
@@ -79,6 +90,8 @@ class AdaptiveRule(NamedTuple):
     score: int  # SCORE, one shadow miss
     one: int  # ONE, one chain start
     member_decay_shift: int  # the router's membership decay (`RouterAdaptivePolicy`; default: decay_shift)
+    fast_decay_shift: int = 0  # the duel's fast membership decay (its slow one is member_decay_shift)
+    order_floor: int = 0  # the duel's order floor x SCORE
 
 
 def check_adaptive_state(state: AdaptiveState, rule: AdaptiveRule, max_experts: int) -> None:
@@ -91,7 +104,14 @@ def check_adaptive_state(state: AdaptiveState, rule: AdaptiveRule, max_experts: 
         raise ValueError(f"floor and bonus must be >= 0, score and one >= 1: {rule}")
     if (state.member is None) != (state.ranked is None):
         raise ValueError("member and ranked come together (the router policy) or not at all")
-    want = {"count": n + 1, "last_use": n, "misses": 2, "mode": 1, "member": n, "ranked": n + 1}
+    duel = state.order_misses is not None
+    if duel != (state.order_state is not None) or (duel and state.member is None):
+        raise ValueError("order_misses and order_state come together, with member and ranked (the duel)")
+    if duel and (not 1 <= rule.fast_decay_shift <= 30 or rule.order_floor < 0):
+        raise ValueError(f"the duel needs fast_decay_shift in [1, 30] and order_floor >= 0: {rule}")
+    copies = 2 if duel else 1
+    want = {"count": n + 1, "last_use": n, "misses": 2, "mode": 1, "member": copies * n,
+            "ranked": copies * (n + 1), "order_misses": 2, "order_state": 3}  # fmt: skip
     device = state.count.device
     for name, size in want.items():
         t = getattr(state, name)
@@ -150,6 +170,9 @@ def adaptive_kernel_arguments(
     block_e = triton.next_power_of_2(max_experts)
     member = state.member if state.member is not None else state.count  # placeholders: unread without ROUTER
     ranked = state.ranked if state.ranked is not None else state.count
+    # placeholders again: unread without DUEL
+    order_misses = state.order_misses if state.order_misses is not None else state.misses
+    order_state = state.order_state if state.order_state is not None else state.mode
     tel = (
         (telemetry[0], telemetry[1].view(torch.int8), telemetry[2]) if telemetry is not None else (clock,) * 3
     )
@@ -157,14 +180,16 @@ def adaptive_kernel_arguments(
         ids, num_routed, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid,
         *tel, telemetry[3] if telemetry is not None else 1,
         state.count, state.last_use, state.misses, state.mode, member, ranked, state.scratch,
+        order_misses, order_state,
         layer * max_experts, num_experts, max_experts, num_rows, num_layers * max_experts, num_layers,
         victims.shape[0], block_m, min_reads, NEVER,
         rule.decay_shift, rule.duel_shift, rule.margin_shift, rule.floor, rule.bonus, rule.score, rule.one,
-        rule.member_decay_shift,
+        rule.member_decay_shift, rule.fast_decay_shift, rule.order_floor,
     )  # fmt: skip
     meta = dict(
         BLOCK_TK=block_tk, BLOCK_E=block_e, BLOCK_R=ROW_BLOCK, BLOCK_N=SHADOW_BLOCK, BLOCK_P=PRESENT_BLOCK,
-        BLOCK_J=RANK_BLOCK, ROUTER=state.member is not None, FIRST_LAYER=layer == 0,
+        BLOCK_J=RANK_BLOCK, ROUTER=state.member is not None, DUEL=state.order_misses is not None,
+        FIRST_LAYER=layer == 0,
         COUNT_IN_REGISTERS=block_tk * block_e <= MAX_COUNT_MATRIX and num_routed <= 1024,
         TELEMETRY=telemetry is not None,
     )  # fmt: skip
@@ -214,18 +239,22 @@ if triton is not None:
         ids_ptr, num_routed, l2p_ptr, owner_ptr, stamp_ptr, clock_ptr, counters_ptr, counts_ptr,
         victims_ptr, codes_ptr, valid_ptr, tel_counts_ptr, tel_routed_ptr, tel_flags_ptr, tel_max,
         count_ptr, last_ptr, misses_ptr, mode_ptr, member_ptr, ranked_ptr, scratch_ptr,
+        order_misses_ptr, order_state_ptr,
         base, E, EM, R, N, L, num_pairs, block_m, min_reads, never,
         decay_shift, duel_shift, margin_shift, floor, bonus, score, one, member_decay_shift,
+        fast_decay_shift, order_floor,
         BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr, ROUTER: tl.constexpr, FIRST_LAYER: tl.constexpr,
-        COUNT_IN_REGISTERS: tl.constexpr, TELEMETRY: tl.constexpr,
+        BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr, ROUTER: tl.constexpr, DUEL: tl.constexpr,
+        FIRST_LAYER: tl.constexpr, COUNT_IN_REGISTERS: tl.constexpr, TELEMETRY: tl.constexpr,
     ):  # fmt: skip
         _plan_adaptive_body(
             ids_ptr, num_routed, l2p_ptr, owner_ptr, stamp_ptr, clock_ptr, counters_ptr, counts_ptr,
             victims_ptr, codes_ptr, valid_ptr, tel_counts_ptr, tel_routed_ptr, tel_flags_ptr, tel_max,
             count_ptr, last_ptr, misses_ptr, mode_ptr, member_ptr, ranked_ptr, scratch_ptr,
+            order_misses_ptr, order_state_ptr,
             base, E, EM, R, N, L, num_pairs, block_m, min_reads, never,
             decay_shift, duel_shift, margin_shift, floor, bonus, score, one, member_decay_shift,
-            BLOCK_TK, BLOCK_E, BLOCK_R, BLOCK_N, BLOCK_P, BLOCK_J, ROUTER, FIRST_LAYER, COUNT_IN_REGISTERS,
-            TELEMETRY, False,
+            fast_decay_shift, order_floor,
+            BLOCK_TK, BLOCK_E, BLOCK_R, BLOCK_N, BLOCK_P, BLOCK_J, ROUTER, DUEL, FIRST_LAYER,
+            COUNT_IN_REGISTERS, TELEMETRY, False,
         )  # fmt: skip

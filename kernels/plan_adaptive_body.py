@@ -14,11 +14,14 @@ def _plan_adaptive_body(
     ids_ptr, num_routed, l2p_ptr, owner_ptr, stamp_ptr, clock_ptr, counters_ptr, counts_ptr,
     victims_ptr, codes_ptr, valid_ptr, tel_counts_ptr, tel_routed_ptr, tel_flags_ptr, tel_max,
     count_ptr, last_ptr, misses_ptr, mode_ptr, member_ptr, ranked_ptr, scratch_ptr,
+    order_misses_ptr, order_state_ptr,
     base, E, EM, R, N, L, num_pairs, block_m, min_reads, never,
     decay_shift, duel_shift, margin_shift, floor, bonus, score, one, member_decay_shift,
+    fast_decay_shift, order_floor,
     BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr, ROUTER: tl.constexpr, FIRST_LAYER: tl.constexpr,
-    COUNT_IN_REGISTERS: tl.constexpr, TELEMETRY: tl.constexpr, DEFER_COMMIT: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr, ROUTER: tl.constexpr, DUEL: tl.constexpr,
+    FIRST_LAYER: tl.constexpr, COUNT_IN_REGISTERS: tl.constexpr, TELEMETRY: tl.constexpr,
+    DEFER_COMMIT: tl.constexpr,
 ):  # fmt: skip
     """The whole plan, by one program (see `plan_adaptive.py`'s docstring); returns n = 1 + the index of the
     last admitted pair, 0 if none (the pairs to copy: entries 0..n-1 of victims/codes/valid; a rejected pair
@@ -70,7 +73,15 @@ def _plan_adaptive_body(
     tl.debug_barrier()
     lru_only = tl.zeros([], dtype=tl.int64)
     freq_only = tl.zeros([], dtype=tl.int64)
-    value_ptr = ranked_ptr if ROUTER else count_ptr
+    value_ptr = ranked_ptr if ROUTER else count_ptr  # with DUEL: the slow order's ranked counts
+    # the duel's fast order (its membership and ranked counts follow the slow ones'); read only with DUEL
+    fast_member_ptr = member_ptr + N
+    fast_ranked_ptr = ranked_ptr + N + 1
+    slow_only = tl.zeros([], dtype=tl.int64)  # the duel's misses of one order's frequency shadow only
+    fast_only = tl.zeros([], dtype=tl.int64)
+    prev_fast = tl.zeros([], dtype=tl.int64)
+    if DUEL:
+        prev_fast = tl.load(order_state_ptr)  # the order the adaptive duel reads: the last tick's choice
     p_start = 0
     while p_start < num_present:
         q_offs = p_start + tl.arange(0, BLOCK_P)
@@ -78,22 +89,38 @@ def _plan_adaptive_body(
         flat = base + tl.load(scratch_ptr + q_offs, mask=q_in, other=0, volatile=True)
         mine_last = tl.load(last_ptr + flat, mask=q_in, other=never)
         mine = tl.load(value_ptr + flat, mask=q_in, other=0)
-        mine += bonus * ((now - 1 - mine_last) < L).to(tl.int64)
+        mine_bonus = bonus * ((now - 1 - mine_last) < L).to(tl.int64)
+        mine += mine_bonus
+        mine_fast = mine
+        if DUEL:
+            mine_fast = tl.load(fast_ranked_ptr + flat, mask=q_in, other=0) + mine_bonus
         newer = tl.zeros([BLOCK_P], dtype=tl.int32)
         above = tl.zeros([BLOCK_P], dtype=tl.int32)
+        above_fast = tl.zeros([BLOCK_P], dtype=tl.int32)
         for n_start in range(0, N, BLOCK_N):
             n_offs = n_start + tl.arange(0, BLOCK_N)
             n_in = n_offs < N
             last_n = tl.load(last_ptr + n_offs, mask=n_in, other=never)
-            value_n = tl.load(value_ptr + n_offs, mask=n_in, other=0)
-            value_n += bonus * ((now - 1 - last_n) < L).to(tl.int64)
+            bonus_n = bonus * ((now - 1 - last_n) < L).to(tl.int64)
+            value_n = tl.load(value_ptr + n_offs, mask=n_in, other=0) + bonus_n
             later = (last_n[None, :] > mine_last[:, None]) & n_in[None, :]
             higher = (value_n[None, :] > mine[:, None]) | ((value_n[None, :] == mine[:, None]) & later)
             newer += tl.sum(later.to(tl.int32), 1)
             above += tl.sum((higher & n_in[None, :]).to(tl.int32), 1)
+            if DUEL:
+                fast_n = tl.load(fast_ranked_ptr + n_offs, mask=n_in, other=0) + bonus_n
+                higher = (fast_n[None, :] > mine_fast[:, None]) | (
+                    (fast_n[None, :] == mine_fast[:, None]) & later
+                )
+                above_fast += tl.sum((higher & n_in[None, :]).to(tl.int32), 1)
         seen = mine_last != never
         lru_out = ~(seen & (newer < R))
         freq_out = ~(seen & (above < R))
+        if DUEL:  # the two orders' shadows; the adaptive duel scores the last tick's choice
+            fast_out = ~(seen & (above_fast < R))
+            slow_only += tl.sum((q_in & freq_out & ~fast_out).to(tl.int64), 0)
+            fast_only += tl.sum((q_in & fast_out & ~freq_out).to(tl.int64), 0)
+            freq_out = tl.where(prev_fast != 0, fast_out, freq_out)
         lru_only += tl.sum((q_in & lru_out & ~freq_out).to(tl.int64), 0)
         freq_only += tl.sum((q_in & freq_out & ~lru_out).to(tl.int64), 0)
         p_start += BLOCK_P
@@ -110,6 +137,11 @@ def _plan_adaptive_body(
                 tl.store(member_ptr + n_offs, m - (m >> member_decay_shift), mask=n_in)
                 k = tl.load(ranked_ptr + n_offs, mask=n_in, other=0)
                 tl.store(ranked_ptr + n_offs, k - (k >> decay_shift), mask=n_in)
+            if DUEL:
+                m = tl.load(fast_member_ptr + n_offs, mask=n_in, other=0)
+                tl.store(fast_member_ptr + n_offs, m - (m >> fast_decay_shift), mask=n_in)
+                k = tl.load(fast_ranked_ptr + n_offs, mask=n_in, other=0)
+                tl.store(fast_ranked_ptr + n_offs, k - (k >> decay_shift), mask=n_in)
     m_offs = tl.arange(0, 2)
     misses = tl.load(misses_ptr + m_offs)
     if FIRST_LAYER:
@@ -120,6 +152,21 @@ def _plan_adaptive_body(
     freq_misses = tl.sum(tl.where(m_offs == 1, misses, 0), 0)
     mode = (freq_misses + (freq_misses >> margin_shift) + floor < lru_misses).to(tl.int64)
     tl.store(mode_ptr, mode)
+    if DUEL:  # the order duel, as the mode's: slow-only, fast-only misses, the fast order on a clear win
+        order_misses = tl.load(order_misses_ptr + m_offs)
+        if FIRST_LAYER:
+            order_misses = order_misses - (order_misses >> duel_shift)
+        order_misses += tl.where(m_offs == 0, slow_only, fast_only) * score
+        tl.store(order_misses_ptr + m_offs, order_misses)
+        slow_misses = tl.sum(tl.where(m_offs == 0, order_misses, 0), 0)
+        fast_misses = tl.sum(tl.where(m_offs == 1, order_misses, 0), 0)
+        fast = (fast_misses + (fast_misses >> margin_shift) + order_floor < slow_misses).to(tl.int64)
+        s_offs = tl.arange(0, 4)
+        s_in = s_offs < 3
+        order_state = tl.load(order_state_ptr + s_offs, mask=s_in, other=0)
+        order_state = tl.where(s_offs == 0, fast, order_state + tl.where(s_offs == 1, fast, 1))
+        tl.store(order_state_ptr + s_offs, order_state, mask=s_in)
+        value_ptr = ranked_ptr + fast * (N + 1)  # the decisions below read the chosen order
     tl.debug_barrier()  # the decayed counts were written by other threads
     last = tl.load(last_ptr + base + e_offs, mask=e_in, other=never)
     layer_count = tl.load(count_ptr + base + e_offs, mask=e_in, other=0, volatile=True)
@@ -132,8 +179,12 @@ def _plan_adaptive_body(
         em_in = e_offs < EM
         c_e = tl.load(count_ptr + base + e_offs, mask=em_in, other=0, volatile=True)
         m_e = tl.load(member_ptr + base + e_offs, mask=em_in, other=0, volatile=True)
+        mf_e = m_e
+        if DUEL:
+            mf_e = tl.load(fast_member_ptr + base + e_offs, mask=em_in, other=0, volatile=True)
         order_rank = tl.zeros([BLOCK_E], dtype=tl.int32)
         count_rank = tl.zeros([BLOCK_E], dtype=tl.int32)
+        fast_rank = tl.zeros([BLOCK_E], dtype=tl.int32)
         for j_start in range(0, EM, BLOCK_J):
             j_offs = j_start + tl.arange(0, BLOCK_J)
             j_in = j_offs < EM
@@ -145,10 +196,17 @@ def _plan_adaptive_body(
             by_order = (m_j[None, :] > m_e[:, None]) | ((m_j[None, :] == m_e[:, None]) & by_count)
             count_rank += tl.sum((by_count & j_in[None, :]).to(tl.int32), 1)
             order_rank += tl.sum((by_order & j_in[None, :]).to(tl.int32), 1)
+            if DUEL:
+                mf_j = tl.load(fast_member_ptr + base + j_offs, mask=j_in, other=0, volatile=True)
+                by_fast = (mf_j[None, :] > mf_e[:, None]) | ((mf_j[None, :] == mf_e[:, None]) & by_count)
+                fast_rank += tl.sum((by_fast & j_in[None, :]).to(tl.int32), 1)
         tl.store(scratch_ptr + count_rank, c_e, mask=em_in)  # the curve: counts, largest first
         tl.debug_barrier()
         curve = tl.load(scratch_ptr + order_rank, mask=em_in, other=0, volatile=True)
         tl.store(ranked_ptr + base + e_offs, curve, mask=em_in)
+        if DUEL:
+            curve = tl.load(scratch_ptr + fast_rank, mask=em_in, other=0, volatile=True)
+            tl.store(fast_ranked_ptr + base + e_offs, curve, mask=em_in)
         tl.debug_barrier()
     # 5. hits first (their rows are busy this step); candidates and victims in key order
     hit = present & (code < R)

@@ -1,5 +1,6 @@
 """Plan + admission copy of one decode step of one layer in ONE launch for the adaptive policies (`adaptive`,
-`adaptive-router`): `plan_adaptive` then `gather_rows_multi` over every operand, with `plan_copy.py`'s roles.
+`adaptive-router`, `adaptive-router-duel`): `plan_adaptive` then `gather_rows_multi` over every operand, with
+`plan_copy.py`'s roles.
 
 Why: the adaptive plan is a single program of serial phases (shadow ranks, decays, the router's ranking, the
 key-ordered pair search); as its own launch followed by the row gather it adds its whole latency and two launches
@@ -154,14 +155,17 @@ if triton is not None:
         ids_ptr, num_routed, l2p_ptr, owner_ptr, stamp_ptr, clock_ptr, counters_ptr, counts_ptr,
         victims_ptr, codes_ptr, valid_ptr, tel_counts_ptr, tel_routed_ptr, tel_flags_ptr, tel_max,
         count_ptr, last_ptr, misses_ptr, mode_ptr, member_ptr, ranked_ptr, scratch_ptr,
+        order_misses_ptr, order_state_ptr,
         base, E, EM, R, N, L, num_pairs, block_m, min_reads, never,
         decay_shift, duel_shift, margin_shift, floor, bonus, score, one, member_decay_shift,
+        fast_decay_shift, order_floor,
         sync_ptr, host_offset, num_chunks,
         rows0, host0, numel0, rows1, host1, numel1, rows2, host2, numel2, rows3, host3, numel3,
         rows4, host4, numel4, rows5, host5, numel5, rows6, host6, numel6, rows7, host7, numel7,
         BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr, ROUTER: tl.constexpr, FIRST_LAYER: tl.constexpr,
-        COUNT_IN_REGISTERS: tl.constexpr, TELEMETRY: tl.constexpr, NUM_OPS: tl.constexpr, BLOCK: tl.constexpr,
+        BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr, ROUTER: tl.constexpr, DUEL: tl.constexpr,
+        FIRST_LAYER: tl.constexpr, COUNT_IN_REGISTERS: tl.constexpr, TELEMETRY: tl.constexpr,
+        NUM_OPS: tl.constexpr, BLOCK: tl.constexpr,
         SPIN: tl.constexpr, PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr, DEFER_COMMIT: tl.constexpr,
         TICKET: tl.constexpr,
     ):  # fmt: skip
@@ -179,10 +183,12 @@ if triton is not None:
                 ids_ptr, num_routed, l2p_ptr, owner_ptr, stamp_ptr, clock_ptr, counters_ptr, counts_ptr,
                 victims_ptr, codes_ptr, valid_ptr, tel_counts_ptr, tel_routed_ptr, tel_flags_ptr, tel_max,
                 count_ptr, last_ptr, misses_ptr, mode_ptr, member_ptr, ranked_ptr, scratch_ptr,
+                order_misses_ptr, order_state_ptr,
                 base, E, EM, R, N, L, num_pairs, block_m, min_reads, never,
                 decay_shift, duel_shift, margin_shift, floor, bonus, score, one, member_decay_shift,
-                BLOCK_TK, BLOCK_E, BLOCK_R, BLOCK_N, BLOCK_P, BLOCK_J, ROUTER, FIRST_LAYER, COUNT_IN_REGISTERS,
-                TELEMETRY, DEFER_COMMIT,
+                fast_decay_shift, order_floor,
+                BLOCK_TK, BLOCK_E, BLOCK_R, BLOCK_N, BLOCK_P, BLOCK_J, ROUTER, DUEL, FIRST_LAYER,
+                COUNT_IN_REGISTERS, TELEMETRY, DEFER_COMMIT,
             )  # fmt: skip
             tl.debug_barrier()  # every thread's plan writes happen before the release below
             if SPIN:  # with no pair the spinners read nothing of the plan: no release (no fence) needed

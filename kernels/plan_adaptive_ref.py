@@ -40,8 +40,7 @@ def plan_adaptive_reference(
     present = tokens > 0
     now = int(clock.item()) + 1
     clock.fill_(now)
-    value_counts = state.ranked if state.ranked is not None else state.count
-    _observe(state, rule, layer, lo, present, now, value_counts, R)
+    value_counts = _observe(state, rule, layer, lo, present, now, R)
 
     code = l2p[lo : lo + E].to(torch.int64)
     hit, miss = present & (code < R), present & (code >= R)
@@ -84,6 +83,28 @@ def plan_adaptive_reference(
     )
 
 
+def _orders(state: AdaptiveState, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The memberships `[n]` and ranked counts `[n + 1]` of each order: none without the router, one with it,
+    slow then fast with the duel (views of `state.member` / `state.ranked`)."""
+    if state.member is None or state.ranked is None:
+        return [], []
+    copies = 2 if state.order_misses is not None else 1
+    return list(state.member.view(copies, n)), list(state.ranked.view(copies, n + 1))
+
+
+def _frequency_out(
+    value_counts: torch.Tensor, last_all: torch.Tensor, lo: int, e: int, now: int, L: int, rule: AdaptiveRule,
+    num_rows: int,
+) -> bool:  # fmt: skip
+    """Is expert `e` of the layer at `lo` outside an idealized frequency cache of `num_rows` rows ranked by
+    (value + recent bonus, last use), as of the previous tick?"""
+    n = last_all.shape[0]
+    value_all = value_counts[:n] + rule.bonus * ((now - 1 - last_all) < L).to(torch.int64)
+    t, v = int(last_all[lo + e]), int(value_all[lo + e])
+    above = (value_all > v) | ((value_all == v) & (last_all > t))
+    return t == NEVER or int(above.sum()) >= num_rows
+
+
 def _observe(
     state: AdaptiveState,
     rule: AdaptiveRule,
@@ -91,42 +112,68 @@ def _observe(
     lo: int,
     present: torch.Tensor,
     now: int,
-    value_counts: torch.Tensor,
     num_rows: int,
-) -> None:
+) -> torch.Tensor:
     """The policy's update: shadows, decays, misses, mode, chain starts, last use; with the router, the ranked
-    counts of the layer."""
+    counts of the layer; with the duel, the order duel. Returns the counts the decisions read (the chosen
+    order's ranked counts with the router, else the counts)."""
     L, E = rule.num_layers, present.shape[0]
     n = state.last_use.shape[0]
     last_all = state.last_use
-    value_all = value_counts[:n] + rule.bonus * ((now - 1 - last_all) < L).to(torch.int64)
+    members, rankeds = _orders(state, n)
+    duel = state.order_misses is not None and state.order_state is not None
+    chosen = int(state.order_state[0]) if duel else 0  # type: ignore[index]
+    shadow_counts = rankeds[chosen] if rankeds else state.count
     lru_only = freq_only = 0
+    order_only = [0, 0]  # the duel: misses of the slow / fast order's frequency shadow only
     for e in torch.nonzero(present).flatten().tolist():
-        t, v = int(last_all[lo + e]), int(value_all[lo + e])
+        t = int(last_all[lo + e])
         lru_out = t == NEVER or int((last_all > t).sum()) >= num_rows
-        above = (value_all > v) | ((value_all == v) & (last_all > t))
-        freq_out = t == NEVER or int(above.sum()) >= num_rows
+        freq_out = _frequency_out(shadow_counts, last_all, lo, e, now, L, rule, num_rows)
         lru_only += int(lru_out and not freq_out)
         freq_only += int(freq_out and not lru_out)
+        if duel:
+            slow, fast = (_frequency_out(r, last_all, lo, e, now, L, rule, num_rows) for r in rankeds)
+            order_only[0] += int(slow and not fast)
+            order_only[1] += int(fast and not slow)
     if layer == 0:
         state.count.sub_(state.count >> rule.decay_shift)
         state.misses.sub_(state.misses >> rule.duel_shift)
-        if state.member is not None and state.ranked is not None:
-            state.member.sub_(state.member >> rule.member_decay_shift)
-            state.ranked.sub_(state.ranked >> rule.decay_shift)
+        shifts = (rule.member_decay_shift, rule.fast_decay_shift)
+        for member, ranked, shift in zip(members, rankeds, shifts):
+            member.sub_(member >> shift)
+            ranked.sub_(ranked >> rule.decay_shift)
     state.misses.add_(
         torch.tensor([lru_only, freq_only], dtype=torch.int64, device=state.misses.device) * rule.score
     )
     lru_m, freq_m = (int(x) for x in state.misses.tolist())
     state.mode.fill_(int(freq_m + (freq_m >> rule.margin_shift) + rule.floor < lru_m))
+    if duel:
+        _order_duel(state, rule, layer, order_only)
+        chosen = int(state.order_state[0])  # type: ignore[index]
     last = last_all[lo : lo + E]
     state.count[lo : lo + E] += (present & (last != now - L)).to(torch.int64) * rule.one
     last.copy_(torch.where(present, now, last))
-    if state.member is not None and state.ranked is not None:
-        em = state.member.shape[0] // L
-        count = state.count[lo : lo + em].tolist()
-        member = state.member[lo : lo + em].tolist()
-        curve = sorted(count, reverse=True)
-        order = sorted(range(em), key=lambda e: (-member[e], -count[e], e))
+    em = n // L
+    count = state.count[lo : lo + em].tolist()
+    curve = sorted(count, reverse=True)
+    for member, ranked in zip(members, rankeds):
+        layer_member = member[lo : lo + em].tolist()
+        order = sorted(range(em), key=lambda e: (-layer_member[e], -count[e], e))
         for c, e in zip(curve, order):
-            state.ranked[lo + e] = c
+            ranked[lo + e] = c
+    return rankeds[chosen] if rankeds else state.count
+
+
+def _order_duel(state: AdaptiveState, rule: AdaptiveRule, layer: int, order_only: list[int]) -> None:
+    """The duel's order misses (decayed at layer 0), the order choice and its tick counters."""
+    order_misses, order_state = state.order_misses, state.order_state
+    assert order_misses is not None and order_state is not None
+    if layer == 0:
+        order_misses.sub_(order_misses >> rule.duel_shift)
+    order_misses.add_(torch.tensor(order_only, dtype=torch.int64, device=order_misses.device) * rule.score)
+    slow_m, fast_m = (int(x) for x in order_misses.tolist())
+    fast = int(fast_m + (fast_m >> rule.margin_shift) + rule.order_floor < slow_m)
+    order_state[0] = fast
+    order_state[1] += fast
+    order_state[2] += 1

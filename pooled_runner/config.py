@@ -56,11 +56,12 @@ class PoolConfig:
         each verify step's depth (0 included) by measured tokens per request per second (`spec_governor.py`).
       planner_policy: the device planner's residency policy (CUDA decode steps; `policies.POLICIES`):
         "lru-cycle" (the default) and "lru" plan in one fused launch per layer (plan + copy), "adaptive" (LRU or
-        hit-count frequency by set dueling) and "adaptive-router" (the same, each layer ordered by its router's
-        scores where the engine passes them) also in one fused launch per layer (plan + copy; with the
-        router's scores, one membership launch more; the plan's cost grows with L x E_max); "freq", "aging" and
-        "adaptive-router-duel" (adaptive-router with a slow and a fast router memory, dueled: `policy_duel.py`)
-        with torch ops (a few dozen small kernels per layer). Host-planned steps (prefill, the CPU) use the pool's LRU.
+        hit-count frequency by set dueling), "adaptive-router" (the same, each layer ordered by its router's
+        scores where the engine passes them) and "adaptive-router-duel" (adaptive-router with a slow and a fast
+        router memory, dueled: `policy_duel.py`) also in one fused launch per layer (plan + copy; with the
+        router's scores, one membership launch more; the plan's cost grows with L x E_max); "freq" and "aging"
+        with torch ops (a few dozen small kernels per layer). Host-planned steps (prefill, the CPU) use the
+        pool's LRU.
     """
 
     pool_rows: int
@@ -97,10 +98,10 @@ class PoolConfig:
         "planner_policy": "Residency policy of the device planner (CUDA decode steps): lru-cycle (default) or "
         "lru, one fused launch per layer; adaptive (LRU or hit-count frequency, whichever misses less: fewer "
         "misses on skewed routing) or adaptive-router (adaptive, each layer ordered by the router's logits "
-        "where the model's top-k selects on them), also one fused launch per layer; on torch "
-        "ops (a few dozen launches per layer, several times the MoE's time per decode step: for policy "
-        "studies): freq, aging, adaptive-router-duel (adaptive-router with a slow and a fast router memory, "
-        "whichever a shadow cache misses less on).",
+        "where the model's top-k selects on them) or adaptive-router-duel (adaptive-router with a slow and a "
+        "fast router memory, whichever a shadow cache misses less on), also one fused launch per layer; on "
+        "torch ops (a few dozen launches per layer, several times the MoE's time per decode step: for policy "
+        "studies): freq, aging.",
     }
     _FLAG_NAMES: ClassVar[dict[str, str]] = {"pool_rows": "--moe-expert-pool-rows"}
     _CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {

@@ -38,6 +38,7 @@ from pooled_runner.planner_ops import plan_ops
 from pooled_runner.planner_twin import FREE, residency_from_pool, table_problems
 from pooled_runner.policies import LRUPolicy, Policy, check_policy_rows
 from pooled_runner.policy_adaptive import AdaptivePolicy
+from pooled_runner.policy_duel import MemoryDuelPolicy
 from pooled_runner.policy_router import RouterAdaptivePolicy
 from pooled_runner.pool import ExpertPool
 from pooled_runner.routing import check_router_scores
@@ -137,12 +138,13 @@ class DevicePlanner:
         self.policy.bind(L, EM, dev)
         is_lru = type(self.policy) in (LRUPolicy, CycleLRUPolicy)
         # exact types: a subclass that changes the rule must not be fused with the base rule
-        exact = type(self.policy) in (AdaptivePolicy, RouterAdaptivePolicy)
+        exact = type(self.policy) in (AdaptivePolicy, RouterAdaptivePolicy, MemoryDuelPolicy)
         self._adaptive = self.policy if isinstance(self.policy, AdaptivePolicy) and exact else None
         can_fuse = is_lru or self._adaptive is not None
         if fused and not can_fuse:
             raise ValueError(
-                f"the fused planner implements lru, lru-cycle, adaptive and adaptive-router, not policy "
+                "the fused planner implements lru, lru-cycle, adaptive, adaptive-router and "
+                f"adaptive-router-duel, not policy "
                 f"{self.policy.name!r}"
             )
         self.fused = (

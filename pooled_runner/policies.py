@@ -354,7 +354,7 @@ POLICIES: dict[str, type] = {
     "aging": AgingFreqPolicy,
     "adaptive": AdaptivePolicy,  # needs num_rows=
     "adaptive-router": RouterAdaptivePolicy,  # needs num_rows=; reads router scores (plan(router_scores=))
-    "adaptive-router-duel": MemoryDuelPolicy,  # the same; torch ops only (policy_duel.py)
+    "adaptive-router-duel": MemoryDuelPolicy,  # the same, two router memories dueled (policy_duel.py)
 }
 
 

@@ -47,7 +47,8 @@ MEMBER_UNIT = ONE // RAMP
 MIN_WIDTH, MAX_WIDTH = 2.0**-20, 2.0**20  # d * RAMP / width stays finite in float64 for any fp32 difference
 
 
-def _ramp_scale(width: float) -> float:
+def ramp_scale(width: float) -> float:
+    """The membership's ramp steps per logit unit (RAMP / width)."""
     return RAMP / width
 
 
@@ -57,7 +58,7 @@ def membership_units(
     """`scores [T, E]` (floating, any device), `valid [T]` bool (tokens routed at all), `top_k` >= 1 ->
     `[E]` int64 member units summed over the valid tokens (see module docstring). T = 0 gives zeros. Torch ops
     (the torch-ops planner's form; the fused planner's is `kernels/membership.py`)."""
-    return ramp_units(scores, valid, top_k, _ramp_scale(width))
+    return ramp_units(scores, valid, top_k, ramp_scale(width))
 
 
 def membership_units_host(
@@ -69,7 +70,7 @@ def membership_units_host(
     k = min(top_k, num_experts)
     if k < 1:
         return out
-    scale = _ramp_scale(width)
+    scale = ramp_scale(width)
     for row, ok in zip(scores, valid):
         if not ok or any(math.isnan(x) for x in row):
             continue
@@ -121,7 +122,7 @@ class RouterAdaptivePolicy(AdaptivePolicy):
         size = num_layers * max_experts
         self.member = torch.zeros(size, dtype=torch.int64, device=device)
         self.ranked = torch.zeros(size + 1, dtype=torch.int64, device=device)
-        self._scale = torch.tensor([_ramp_scale(self.width)], dtype=torch.float64, device=device)
+        self._scale = torch.tensor([ramp_scale(self.width)], dtype=torch.float64, device=device)
         self._kernel_state = super().kernel_state()._replace(member=self.member, ranked=self.ranked)
         self._kernel_rule = super().kernel_rule()._replace(member_decay_shift=self.member_decay_shift)
 

@@ -67,6 +67,27 @@ def test_a_strided_slice_of_wider_scores():
     assert torch.equal(got, want) and int(got.sum()) > 0
 
 
+@pytest.mark.parametrize("copies", [1, 2, 3])
+def test_every_copy_of_a_two_dimensional_member_gets_the_units(copies: int) -> None:
+    """The duel's two memberships (a `[C, >= E]` view of a wider state: row stride past E): each row gets the
+    units a 1-D slice gets, from different starting values; the columns past E stay."""
+    g = torch.Generator().manual_seed(copies)
+    E, T, K = 13, 6, 3
+    scores = torch.randn(T, E, generator=g) * 2
+    ids = torch.randint(-1, E, (T, K), generator=g)
+    scale = torch.tensor([RAMP / 1.5], dtype=torch.float64)
+    state = torch.randint(0, 500, (copies, 40), generator=g) * MEMBER_UNIT
+    got = state.clone()
+    add_membership(scores, ids, got[:, 5 : 5 + E + 2], E, scale, MEMBER_UNIT)  # [C, E + 2], row stride 40
+    units = torch.zeros(E, dtype=torch.int64)
+    add_membership_reference(scores, ids, units, E, scale, MEMBER_UNIT)
+    assert int(units.sum()) > 0
+    want = state.clone()
+    want[:, 5 : 5 + E] += units
+    bad = (got != want).nonzero().tolist()
+    assert not bad, f"differs at {bad[:6]}"
+
+
 def test_bad_input_is_refused_and_changes_nothing():
     scores, ids = torch.randn(3, 8), torch.zeros(3, 2, dtype=torch.int64)
     member, scale = torch.zeros(8, dtype=torch.int64), torch.tensor([32.0], dtype=torch.float64)

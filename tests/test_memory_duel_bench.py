@@ -1,6 +1,7 @@
 """The two-memory router policy (`pooled_runner/policy_duel.py`, `adaptive-router-duel`): against
-`RouterAdaptivePolicy` step by step where its two memories are equal, against its host twin step by step, and on
-short drifting and skewed traces; its registration and bad parameters."""
+`RouterAdaptivePolicy` step by step where its two memories are equal, against its host twin step by step (torch
+ops and the fused plan under the interpreter), and on short drifting and skewed traces; its registration and bad
+parameters."""
 
 from __future__ import annotations
 
@@ -41,7 +42,15 @@ def test_equal_memories_decide_as_the_router_policy():
     assert modes == {0, 1}
     assert duel.fast_share == 0 and duel.order_misses is not None and int(duel.order_misses.sum()) == 0
     a, b = duel.state_tensors(), router.state_tensors()
-    assert all(torch.equal(a[k], b[k]) for k in b)
+    pairs = {
+        "member_slow": "member",
+        "member_fast": "member",
+        "ranked_slow": "ranked",
+        "ranked_fast": "ranked",
+    }
+    pairs.update({k: k for k in ("count", "last_use", "misses", "mode")})
+    for mine, theirs in pairs.items():
+        assert torch.equal(a[mine], b[theirs]), (mine, a[mine], b[theirs])
 
 
 @pytest.mark.slow
@@ -70,11 +79,15 @@ def test_bad_parameters():
         with pytest.raises(ValueError, match="slow="):
             MemoryDuelPolicy(4, **kw)
     policy = MemoryDuelPolicy(3)
-    DevicePlanner(make_pool([5, 4], 3), policy, max_routed=4)
-    with pytest.raises(ValueError, match="fused planner implements"):  # a subclass: torch ops only
-        DevicePlanner(make_pool([5, 4], 3), MemoryDuelPolicy(3), max_routed=4, fused=True)
-    with pytest.raises(NotImplementedError, match="no fused membership"):
+    with pytest.raises(RuntimeError, match="before bind"):
         policy.observe_scores_fused(0, torch.zeros(1, 5), torch.zeros(1, 2, dtype=torch.int64), 5)
+    assert DevicePlanner(make_pool([5, 4], 3), policy, max_routed=4, fused=True).fused
+
+    class Custom(MemoryDuelPolicy):
+        name = "custom-duel"
+
+    with pytest.raises(ValueError, match="fused planner implements"):  # a subclass may change the rule
+        DevicePlanner(make_pool([5, 4], 3), Custom(3), max_routed=4, fused=True)
     with pytest.raises(ValueError, match="planner_policy"):
         PoolConfig.resolve(pool_rows=4, planner_policy="adaptive-router-dual")
     assert PoolConfig.resolve(pool_rows=4, planner_policy="adaptive-router-duel").planner_policy == (
@@ -83,16 +96,29 @@ def test_bad_parameters():
     assert isinstance(policy_for_pool("adaptive-router-duel", 4), MemoryDuelPolicy)
 
 
+@pytest.mark.parametrize("launch", ["ops", "one-overlap", "two"])
 @pytest.mark.parametrize(("layers", "rows", "K", "seed"), [([9, 6, 11], 7, 2, 1), ([13, 5], 6, 3, 2)])
-def test_device_planner_equals_twin(layers: list[int], rows: int, K: int, seed: int) -> None:
-    """The torch-ops planner with the duel against the host twin, step by step (tables, every state tensor:
-    both memberships and ranked orders, the order duel's counters), on routing whose popular experts move every
-    25 steps (fresh random scores; some steps without): both orders get chosen, and both LRU / frequency modes."""
+def test_device_planner_equals_twin(launch: str, layers: list[int], rows: int, K: int, seed: int) -> None:
+    """The planner with the duel against the host twin, step by step (tables, every state tensor: both
+    memberships and ranked orders, the order duel's counters), on routing whose popular experts move every 25
+    steps (fresh random scores; some steps without): both orders get chosen, and both LRU / frequency modes.
+    `launch`: the torch ops, the fused plan + copy in one launch with the overlap, or the fused plan and the row
+    gather (the interpreter)."""
     pool = make_pool(layers, rows, seed=seed)
     pool.fill([(len(layers) - 1, 0), (0, layers[0] - 1)])
     kw = dict(slow=8, fast=2, order_floor=0, floor_misses=0, decay_shift=3, duel_shift=2)
     dev_policy, host_policy = MemoryDuelPolicy(rows, **kw), MemoryDuelPolicy(rows, **kw)
-    planner = DevicePlanner(pool, dev_policy, max_routed=4 * K, debug_checks=True)
+    fused = launch != "ops"
+    planner = DevicePlanner(
+        pool,
+        dev_policy,
+        max_routed=4 * K,
+        debug_checks=True,
+        fused=fused,
+        one_launch=launch.startswith("one") if fused else None,
+        overlap=launch == "one-overlap",
+    )
+    assert planner.fused is fused
     twin = HostTwin(pool, host_policy)
     assert_same_state(planner, twin, "start")
     g = torch.Generator().manual_seed(seed)

@@ -12,6 +12,7 @@ from pooled_runner.planner import DevicePlanner
 from pooled_runner.planner_twin import HostTwin
 from pooled_runner.policies import make_policy
 from pooled_runner.policy_adaptive import ONE, SCORE, AdaptivePolicy
+from pooled_runner.policy_duel import MemoryDuelPolicy
 from pooled_runner.policy_router import RouterAdaptivePolicy
 from pooled_runner.telemetry import RouteTelemetry
 from tests.test_planner import assert_rows_hold_owners, assert_same_state, make_pool, random_ids
@@ -38,17 +39,27 @@ def _random_tables(L: int, EM: int, R: int, g: torch.Generator) -> dict[str, tor
     }
 
 
-def _random_state(L: int, EM: int, router: bool, freq_mode: bool, g: torch.Generator) -> AdaptiveState:
+def _random_state(L: int, EM: int, router: bool | str, freq_mode: bool, g: torch.Generator) -> AdaptiveState:
+    """router: False (adaptive), True (one membership order) or "duel" (two: slow, fast; the order duel's
+    misses on the edge of a flip and a random last choice)."""
     n = L * EM
     count = torch.cat(
         [torch.randint(0, 6 * ONE, (n,), generator=g) // 7 * 7, torch.zeros(1, dtype=torch.int64)]
     )
     last = torch.where(torch.rand(n, generator=g) < 0.25, NEVER, torch.randint(20, 46, (n,), generator=g))
     misses = torch.tensor([900, 40]) if freq_mode else torch.tensor([40, 900])
-    member = torch.randint(0, 4 * ONE, (n,), generator=g) // 3 * 3 if router else None
-    ranked = torch.cat([count[:n].flip(0), torch.zeros(1, dtype=torch.int64)]) if router else None
+    orders = 2 if router == "duel" else int(bool(router))
+    member = ranked = order_misses = order_state = None
+    if orders:
+        member = torch.randint(0, 4 * ONE, (orders * n,), generator=g) // 3 * 3
+        curves = [count[:n].flip(0), count[:n].roll(3)][:orders]
+        zero = torch.zeros(1, dtype=torch.int64)
+        ranked = torch.cat([x for c in curves for x in (c, zero)])
+    if orders == 2:
+        order_misses = torch.tensor([60, 50]) * SCORE  # a slow-only miss more or less flips the order
+        order_state = torch.tensor([int(torch.randint(0, 2, (1,), generator=g)), 7, 20])
     return AdaptiveState(count, last, misses * SCORE, torch.zeros(1, dtype=torch.int64), member, ranked,
-                         torch.zeros(EM, dtype=torch.int64))  # fmt: skip
+                         torch.zeros(EM, dtype=torch.int64), order_misses, order_state)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -65,15 +76,16 @@ def _random_state(L: int, EM: int, router: bool, freq_mode: bool, g: torch.Gener
     ],
 )
 @pytest.mark.parametrize(
-    ("router", "freq_mode"), [(False, True), (False, False), (True, True), (True, False)]
+    ("router", "freq_mode"),
+    [(False, True), (False, False), (True, True), (True, False), ("duel", True), ("duel", False)],
 )
 def test_kernel_equals_reference(L, EM, E, R, T, K, layer, router, freq_mode):
-    g = torch.Generator().manual_seed(L * 1000 + EM * 10 + R + T + int(router))
+    g = torch.Generator().manual_seed(L * 1000 + EM * 10 + R + T + len(str(router)))
     tables = _random_tables(L, EM, R, g)
     state = _random_state(L, EM, router, freq_mode, g)
-    # the router's members decay apart from the counts
+    # the router's members decay apart from the counts (the duel's fast ones at another shift again)
     rule = AdaptiveRule(L, decay_shift=3, duel_shift=2, margin_shift=2, floor=SCORE, bonus=2 * ONE, score=SCORE,
-                        one=ONE, member_decay_shift=1)  # fmt: skip
+                        one=ONE, member_decay_shift=1, fast_decay_shift=2, order_floor=SCORE)  # fmt: skip
     ids = torch.randint(-1, E + 2, (T * K,), generator=g)
     P = min(E, R, max(T * K, 1))
     got = {
@@ -104,7 +116,8 @@ def _state_dict(state: AdaptiveState) -> dict[str, torch.Tensor]:
 
 def _state_from(d: dict[str, torch.Tensor], EM: int) -> AdaptiveState:
     return AdaptiveState(d["count"], d["last_use"], d["misses"], d["mode"], d.get("member"), d.get("ranked"),
-                         torch.zeros(EM, dtype=torch.int64))  # fmt: skip
+                         torch.zeros(EM, dtype=torch.int64), d.get("order_misses"),
+                         d.get("order_state"))  # fmt: skip
 
 
 @pytest.mark.parametrize("launch", ["one", "one-overlap", "two"])
@@ -199,7 +212,7 @@ def test_bad_configuration_and_state():
 @pytest.mark.parametrize("seed", range(6))
 def test_fused_equals_torch_ops_on_random_configurations(seed):
     """The fused planner against the torch-ops planner (`fused=False`), all state after every step, on seeded
-    random pools: layer sizes, rows, top-k (above E too), block_m and min_reads, both policies."""
+    random pools: layer sizes, rows, top-k (above E too), block_m and min_reads, the three policies."""
     g = torch.Generator().manual_seed(seed)
     layers = torch.randint(1, 12, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
     rows = int(torch.randint(1, 15, (1,), generator=g))
@@ -208,8 +221,10 @@ def test_fused_equals_torch_ops_on_random_configurations(seed):
         int(torch.randint(1, 4, (1,), generator=g)),
         int(torch.randint(1, 3, (1,), generator=g)),
     )
-    cls = RouterAdaptivePolicy if seed % 2 else AdaptivePolicy
+    cls = (AdaptivePolicy, RouterAdaptivePolicy, MemoryDuelPolicy)[seed % 3]
     kw = dict(floor_misses=0, decay_shift=2, duel_shift=1)
+    if cls is MemoryDuelPolicy:  # orders that differ much, no floor: the order flips in a few steps
+        kw.update(slow=6, fast=1, order_floor=0)
     pools = [make_pool(layers, rows, seed=seed) for _ in range(2)]
     fused, ops = (
         DevicePlanner(
@@ -231,7 +246,7 @@ def test_fused_equals_torch_ops_on_random_configurations(seed):
             if K <= E
             else torch.randint(-1, E, (T, K), generator=g)
         )
-        scores = torch.randn(T, E, generator=g) * 2 if cls is RouterAdaptivePolicy else None
+        scores = torch.randn(T, E, generator=g) * 2 if cls is not AdaptivePolicy else None
         fused.plan(layer, ids, router_scores=scores)
         ops.plan(layer, ids, router_scores=scores)
         a, b = fused.state(), ops.state()

@@ -2,8 +2,9 @@
 interpreter, against its reference (`plan_adaptive_reference` then the row gather's reference) and the two-launch
 path it replaces (`plan_adaptive` then `gather_rows_multi`, both kernels): random residency and policy states at
 awkward sizes (empty steps, K > E, one expert, rows longer than a copy block), both modes, with and without the
-router, 1-8 operands, programs fewer and more than the work, with and without the deferred commit. Every table,
-policy word, pair, counter and pool row equal, exactly; the sync words back to zero after every launch."""
+router (one order or the duel's two), 1-8 operands, programs fewer and more than the work, with and without the
+deferred commit. Every table, policy word, pair, counter and pool row equal, exactly; the sync words back to zero
+after every launch."""
 
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def test_one_launch_equals_reference_and_two_launches(trial: int) -> None:
     EM, R = E + rnd.randint(0, 2), rnd.choice([1, 2, 5, 9, 33])
     R = min(R, L * EM)  # the random tables give each owned row a distinct expert
     T, K = rnd.choice([0, 1, 2, 7]), rnd.randint(1, E + 1)  # K > E: duplicates in a token's ids
-    router, freq_mode = trial % 2 == 1, trial % 4 < 2
+    router: bool | str = "duel" if trial in (3, 7) else trial % 2 == 1  # the duel: two router orders
+    freq_mode = trial % 4 < 2
     num_ops = [1, 2, 3, 5, 6, 8][trial % 6]
     P, C = rnd.choice([1, 2, 3, 32]), rnd.choice([1, 2, 3])
     bm = rnd.choice([16, 2])
@@ -84,7 +86,7 @@ def test_one_launch_equals_reference_and_two_launches(trial: int) -> None:
         start["row_stamp"][:R] = -1
         start["l2p"] = (R + torch.arange(L * EM) % EM).to(torch.int32)
     rule = AdaptiveRule(L, decay_shift=3, duel_shift=2, margin_shift=2, floor=SCORE, bonus=2 * ONE, score=SCORE,
-                        one=ONE, member_decay_shift=2)  # fmt: skip
+                        one=ONE, member_decay_shift=2, fast_decay_shift=1, order_floor=0)  # fmt: skip
     rows, hosts = random_rows(num_ops, R, L * EM, g)
     runs = {name: ({k: v.clone() for k, v in start.items()}, [r.clone() for r in rows]) for name in PATHS}
     syncs = {name: torch.zeros(SYNC_WORDS, dtype=torch.int32) for name in PATHS}
