@@ -7,9 +7,9 @@ Each variant first plans a few steps eagerly against `plan_adaptive_reference` f
 and policy word equal, exactly: a variant that differs is reported and not timed), then one decode step (one
 plan launch per layer) is captured and timed by graph replay (`common.time_graphs`). Setup as `bench/planner.py`:
 6 layers of 128 experts, R = 384, top-8; M tokens of random distinct ids per layer; the router's state (member,
-ranked) random.
+ranked; with the duel both orders' and the order duel's words) random.
 
-Usage: python -m bench.plan_blocks [--variants "16,256,16;32,256,16;64,512,16"] [--policy adaptive-router]
+Usage: python -m bench.plan_blocks [--variants "16,256,16;32,256,16;64,512,16;32,256,16,8"] [--policy ...]
        [--tokens 1,8] [--device cpu]  (cpu: the eager check only, under the Triton interpreter, tiny sizes)
 """
 
@@ -31,16 +31,21 @@ VARIANT_NAMES = ("RANK_BLOCK", "SHADOW_BLOCK", "PRESENT_BLOCK")
 
 
 @contextlib.contextmanager
-def blocks(variant: tuple[int, int, int]) -> Iterator[None]:
-    """The plan launcher's block sizes set to `variant` (rank, shadow, present) while inside."""
+def blocks(variant: tuple[int, ...]) -> Iterator[None]:
+    """The plan launcher's block sizes set to `variant` (rank, shadow, present[, warps]) while inside."""
     old = tuple(getattr(plan_module, n) for n in VARIANT_NAMES)
-    for name, value in zip(VARIANT_NAMES, variant):
+    for name, value in zip(VARIANT_NAMES, variant[:3]):
         setattr(plan_module, name, value)
     try:
         yield
     finally:
         for name, value in zip(VARIANT_NAMES, old):
             setattr(plan_module, name, value)
+
+
+def warps(variant: tuple[int, ...]) -> int:
+    """The variant's warps per program (its 4th number; 4, the launcher's, without)."""
+    return variant[3] if len(variant) > 3 else 4
 
 
 def random_setup(L: int, E: int, R: int, policy: str, device: str, g: torch.Generator) -> dict:
@@ -66,11 +71,14 @@ def random_setup(L: int, E: int, R: int, policy: str, device: str, g: torch.Gene
         "mode": torch.ones(1, dtype=torch.int64),
     }
     if state.member is not None:
-        words["member"] = torch.randint(0, 1 << 20, (n,), generator=g)
-        words["ranked"] = torch.randint(0, 1 << 20, (n + 1,), generator=g)
-    for key in ("count", "ranked"):  # the last slot is a dummy the fused plan never reads, zero as in use
-        if key in words:
-            words[key][n] = 0
+        orders = state.member.shape[0] // n  # the duel: two, slow then fast
+        words["member"] = torch.randint(0, 1 << 20, (orders * n,), generator=g)
+        words["ranked"] = torch.randint(0, 1 << 20, (orders * (n + 1),), generator=g)
+        words["ranked"][n :: n + 1] = 0  # each order's last slot is a dummy never read, zero as in use
+    if state.order_misses is not None:
+        words["order_misses"] = torch.randint(0, 1 << 16, (2,), generator=g)
+        words["order_state"] = torch.tensor([int(torch.randint(0, 2, (1,), generator=g)), 0, 0])
+    words["count"][n] = 0
     out = {k: v.to(device) for k, v in {**tables, **words}.items()}
     out["rule"] = pol.kernel_rule()  # type: ignore[attr-defined]
     return out
@@ -80,7 +88,8 @@ def plan_args(
     s: dict, ids: torch.Tensor, layer: int, E: int, R: int, outs: list, counts: torch.Tensor
 ) -> tuple:
     state = AdaptiveState(s["count"], s["last_use"], s["misses"], s["mode"], s.get("member"), s.get("ranked"),
-                          torch.zeros(E, dtype=torch.int64, device=ids.device))  # fmt: skip
+                          torch.zeros(E, dtype=torch.int64, device=ids.device), s.get("order_misses"),
+                          s.get("order_state"))  # fmt: skip
     return (ids, s["l2p"], s["row_owner"], s["row_stamp"], s["clock"], s["counters"], counts, *outs,
             layer, E, E, R, 16, 1, state, s["rule"])  # fmt: skip
 
@@ -94,11 +103,15 @@ def check_variant(variant, L, E, R, M, K, policy, device, seed) -> str | None:
     P = min(E, R, M * K)
     for layer in range(L):
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]).reshape(-1).to(device)
-        for name, fn in (("k", plan_adaptive), ("r", plan_adaptive_reference)):
+        for name in "kr":
             outs = [torch.zeros(P, dtype=torch.int32, device=device) for _ in range(3)]
             counts = torch.zeros(E, dtype=torch.int32, device=device)
+            args = plan_args(runs[name], ids, layer, E, R, outs, counts)
             with blocks(variant):
-                fn(*plan_args(runs[name], ids, layer, E, R, outs, counts))
+                if name == "k":
+                    plan_adaptive(*args, num_warps=warps(variant))
+                else:
+                    plan_adaptive_reference(*args)
             runs[name]["outs"] = outs
         for key, want in runs["r"].items():
             got = runs["k"][key]
@@ -131,7 +144,9 @@ def time_variants(variants, L, E, R, M, K, policy) -> dict:
         def step(s=s, outs=outs, counts=counts, variant=variant) -> None:
             with blocks(variant):
                 for layer in range(L):
-                    plan_adaptive(*plan_args(s, ids[layer], layer, E, R, outs, counts))
+                    plan_adaptive(
+                        *plan_args(s, ids[layer], layer, E, R, outs, counts), num_warps=warps(variant)
+                    )
 
         fns[variant] = step
     return {v: ms * 1000 for v, ms in time_graphs(fns, rounds=5, per_replay=4, iters=20).items()}
@@ -140,7 +155,11 @@ def time_variants(variants, L, E, R, M, K, policy) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", default="16,256,16;32,256,16;64,256,16;16,512,16;16,256,32")
-    ap.add_argument("--policy", default="adaptive-router", choices=["adaptive", "adaptive-router"])
+    ap.add_argument(
+        "--policy",
+        default="adaptive-router",
+        choices=["adaptive", "adaptive-router", "adaptive-router-duel"],
+    )
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument(
@@ -149,8 +168,12 @@ def main() -> None:
     ap.add_argument("--out", default="", help="also write the table (markdown) here")
     args = ap.parse_args()
     variants = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
-    if any(len(v) != 3 or min(v) < 1 or any(x & (x - 1) for x in v) for v in variants):
-        raise SystemExit(f"--variants {args.variants}: expected 'rank,shadow,present;...' powers of two")
+    if any(
+        len(v) not in (3, 4) or min(v) < 1 or any(x & (x - 1) for x in v) or warps(v) > 8 for v in variants
+    ):
+        raise SystemExit(
+            f"--variants {args.variants}: expected 'rank,shadow,present[,warps];...' powers of two (warps <= 8)"
+        )
     seed_all(0)
     shipped = tuple(getattr(plan_module, n) for n in VARIANT_NAMES)  # the launcher's own block sizes
     if shipped not in variants:
@@ -159,7 +182,7 @@ def main() -> None:
     L, E, R, K = (6, 128, 384, 8) if cuda else (2, 9, 5, 3)
     lines = [
         f"policy {args.policy}; L {L}, E {E}, R {R}, top-{K}; commit {commit_id(args.commit)}",
-        "| variant (rank, shadow, present) | M | check | plans µs per step | vs the shipped blocks |",
+        "| variant (rank, shadow, present[, warps]) | M | check | plans µs per step | vs the shipped blocks |",
         "|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)

@@ -6,9 +6,9 @@ GPU (default): Qwen3-30B-like layers (H 2048, I 768, E 128, top-8, bf16), 6 pool
     MoE kernel path alone; planner alone; planner + MoE; telemetry alone; telemetry + planner + MoE; for each
     planner of `--planners` (one: plan + admission copy in one launch, the CUDA default; one-coop and others: its
     launch variants, `planner_overhead.PLANNERS`; two: plan, then copy; ops: the torch-ops planner).
-  - trace: a skew-dominated synthetic trace replayed step by step (ids copied into the captured step's static
-    buffer, then replay) with LRU and the frequency policy; time per step against the DESIGN.md §4 bound at the
-    achieved hit rate, `hits x row / B_hbm + misses x row / B_zero_copy` (bandwidths measured in this run).
+  - trace: a skew-dominated synthetic trace (with its router scores) replayed step by step (ids and scores
+    copied into the captured step's static buffers, then replay) with the LRU, frequency, adaptive and
+    router-ordered policies; time per step against the DESIGN.md §4 bound at the achieved hit rate, `hits x row / B_hbm + misses x row / B_zero_copy` (bandwidths measured in this run).
 CPU (`--quality`): hit rates of LRU, the frequency, aging, adaptive and router-ordered adaptive policies and
 Belady (MIN with bypass) on synthetic traces (24 layers, 128 experts, top-8, per-layer Zipf skew, token-to-token
 reuse, popularity drift; with their router scores, `--noise-scale lo,hi` spreading each expert's differently), 25%
@@ -43,6 +43,7 @@ from bench.traces import Trace, belady_hit_rate, policy_hit_rate, synthetic_trac
 from pooled_runner.cycle_lru import CycleLRUPolicy
 from pooled_runner.policies import AgingFreqPolicy, FreqDecayPolicy, LRUPolicy, Policy
 from pooled_runner.policy_adaptive import AdaptivePolicy
+from pooled_runner.policy_duel import MemoryDuelPolicy
 from pooled_runner.policy_router import RouterAdaptivePolicy
 
 # Synthetic trace families: (skew range, reuse, drift_every). Skew-dominated first, then recency-dominated.
@@ -127,7 +128,7 @@ def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
     bw = measure_bandwidths()
     steps, warm = (60, 20) if args.quick else (200, 50)
     trace: Trace = synthetic_trace(
-        steps, num_layers=L, num_experts=E, top_k=K, skew=(0.8, 1.4), reuse=0.3, seed=7
+        steps, num_layers=L, num_experts=E, top_k=K, skew=(0.8, 1.4), reuse=0.3, seed=7, with_scores=True
     )
     lines += [
         "",
@@ -156,6 +157,9 @@ def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
         ("lru (" + PLANNERS["one"][0] + ")", LRUPolicy(), PLANNERS["one"][1]),
         ("lru (torch ops)", LRUPolicy(), {"fused": False}),
         ("adaptive (" + PLANNERS["fused-adaptive"][0] + ")", AdaptivePolicy(ROWS), {"fused": True}),
+        # fed the trace's router scores (`_replay`)
+        ("adaptive-router (fused, one launch)", RouterAdaptivePolicy(ROWS), {"fused": True}),
+        ("adaptive-router-duel (fused, one launch)", MemoryDuelPolicy(ROWS), {"fused": True}),
         ("freq", FreqDecayPolicy(), {}),
         ("aging", AgingFreqPolicy(), {}),
     ]
@@ -178,19 +182,31 @@ def trace_replay(lines: list[str], args: argparse.Namespace) -> None:
 
 
 def _replay(trace: Trace, policy: Policy, warm: int, **planner_kwargs: object) -> tuple[int, int, float, int]:
-    """Replay `trace` through one captured decode step: (hits, misses, ms per step, row bytes) after `warm`."""
+    """Replay `trace` through one captured decode step: (hits, misses, ms per step, row bytes) after `warm`.
+    A router-ordered policy is also fed the trace's scores (copied beside the ids every step)."""
     moe, planner, _, kpath = build(policy, **planner_kwargs)
     steps = trace.num_steps
     ids_host = trace.ids.to(torch.int64).pin_memory()  # [S, L, 1, K]
     ids = torch.zeros(L, 1, K, dtype=torch.int64, device="cuda")
     x = torch.randn(1, H, generator=torch.Generator(device="cuda").manual_seed(0), device="cuda").bfloat16()
     w = torch.full((L, 1, K), 1.0 / K, device="cuda").bfloat16()
+    with_scores = isinstance(policy, RouterAdaptivePolicy)
+    if with_scores and trace.scores is None:
+        raise ValueError(f"{policy.name} reads router scores: build the trace with_scores=True")
+    scores_host = trace.scores.pin_memory() if with_scores else None  # type: ignore[union-attr]  # [S, L, 1, E]
+    scores = torch.zeros(L, 1, E, device="cuda")
 
     def step() -> None:
         for layer in range(L):
-            kpath.planned_forward(planner, layer, x, ids[layer], w[layer])
+            layer_scores = scores[layer] if with_scores else None
+            kpath.planned_forward(planner, layer, x, ids[layer], w[layer], router_scores=layer_scores)
 
-    ids.copy_(ids_host[0])
+    def load(s: int) -> None:
+        ids.copy_(ids_host[s], non_blocking=True)
+        if scores_host is not None:
+            scores.copy_(scores_host[s], non_blocking=True)
+
+    load(0)
     step()  # compile before capture (this is trace step 0)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -203,7 +219,7 @@ def _replay(trace: Trace, policy: Policy, warm: int, **planner_kwargs: object) -
             torch.cuda.synchronize()
             before = planner.counter_values()
             start.record()
-        ids.copy_(ids_host[s], non_blocking=True)
+        load(s)
         graph.replay()
     end.record()
     end.synchronize()

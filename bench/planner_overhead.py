@@ -55,6 +55,14 @@ PLANNERS: dict[str, tuple[str, dict[str, object]]] = {
     # the adaptive policies' fused plan: one launch with the copy, PDL and overlap (the planner's CUDA defaults)
     "fused-adaptive": ("fused, one launch, adaptive", {"fused": True, "policy": "adaptive"}),
     "fused-router": ("fused, one launch, adaptive-router", {"fused": True, "policy": "adaptive-router"}),
+    "fused-router-w8": (
+        "fused, one launch, adaptive-router, 8 plan warps",
+        {"fused": True, "policy": "adaptive-router", "plan_warps": 8},
+    ),
+    "fused-duel-w8": (
+        "fused, one launch, adaptive-router-duel, 8 plan warps",
+        {"fused": True, "policy": "adaptive-router-duel", "plan_warps": 8},
+    ),
     "fused-duel": (
         "fused, one launch, adaptive-router-duel",
         {"fused": True, "policy": "adaptive-router-duel"},

@@ -44,6 +44,12 @@ from pooled_runner.pool import ExpertPool
 from pooled_runner.routing import check_router_scores
 from pooled_runner.telemetry import RouteTelemetry
 
+# The duel's one-launch plan + copy runs 8 warps per program: its shadow and ranking passes compare twice the
+# pairs of the router's (H200, 2026-12-04, bench.planner, 6 layers, E 128, R 384: plan + MoE 238.2 / 654.0 / 931.8
+# µs per step at M = 1 / 4 / 8 against 266.2 / 700.0 / 996.1 with 4; the router's one launch gained nothing at
+# M = 1 and lost at M = 8, so it keeps 4)
+DUEL_PLAN_WARPS = 8
+
 
 class DevicePlanner:
     """Plans decode steps of `pool` on its device (see module docstring).
@@ -67,7 +73,8 @@ class DevicePlanner:
         POOLED_RUNNER_PLAN_SPLIT_COPY is set. cooperative: launch it as a cooperative grid where Triton supports
         it, else a plain grid whose programs take their roles by ticket (None: POOLED_RUNNER_PLAN_COOPERATIVE,
         default off). pdl: as a programmatic dependent launch where PDL is available, cooperative or not (None:
-        POOLED_RUNNER_PLAN_PDL, default on). plan_warps: its warps per program. overlap: the one launch lets
+        POOLED_RUNNER_PLAN_PDL, default on). plan_warps: its warps per program (None: 8 for the duel policy,
+        `DUEL_PLAN_WARPS`, else 4). overlap: the one launch lets
         the MoE's first GEMM start beside it (`kernels/plan_copy.py`, `early_trigger`); read `self.overlap` to
         tell the kernels (`KernelPath.planned_forward` does). None:
         POOLED_RUNNER_PLAN_OVERLAP (default on) where the one launch runs and the device has PDL
@@ -88,7 +95,7 @@ class DevicePlanner:
         copy_programs: int = COPY_PROGRAMS,
         cooperative: bool | None = None,
         pdl: bool | None = None,
-        plan_warps: int = 4,
+        plan_warps: int | None = None,
         overlap: bool | None = None,
     ):
         if max_routed < 1 or block_m < 1 or min_reads_to_admit < 1:
@@ -96,7 +103,7 @@ class DevicePlanner:
                 f"max_routed={max_routed}, block_m={block_m}, min_reads_to_admit={min_reads_to_admit} "
                 "must all be >= 1"
             )
-        if gather_chunks < 1 or copy_programs < 1 or plan_warps not in (1, 2, 4, 8, 16, 32):
+        if gather_chunks < 1 or copy_programs < 1 or plan_warps not in (None, 1, 2, 4, 8, 16, 32):
             raise ValueError(
                 f"gather_chunks={gather_chunks}, copy_programs={copy_programs} must be >= 1 and "
                 f"plan_warps={plan_warps} a power of two <= 32"
@@ -168,6 +175,8 @@ class DevicePlanner:
                 f"bank and <= {MAX_FUSED_OPERANDS} operands ({len(self._rows_flat)})"
             )
         self.one_launch = can_one and (not envs.plan_split_copy() if one_launch is None else one_launch)
+        if plan_warps is None:
+            plan_warps = DUEL_PLAN_WARPS if isinstance(self._adaptive, MemoryDuelPolicy) else 4
         if self.one_launch and plan_warps not in (1, 2, 4, 8):
             raise ValueError(
                 f"plan_warps={plan_warps}: the one-launch plan + copy takes 1, 2, 4 or 8 warps per program"

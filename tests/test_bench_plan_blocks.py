@@ -8,8 +8,8 @@ import pytest
 from bench import plan_blocks
 
 
-@pytest.mark.parametrize("policy", ["adaptive", "adaptive-router"])
-@pytest.mark.parametrize("variant", [(16, 256, 16), (64, 512, 32), (1, 1, 1)])
+@pytest.mark.parametrize("policy", ["adaptive", "adaptive-router", "adaptive-router-duel"])
+@pytest.mark.parametrize("variant", [(16, 256, 16), (64, 512, 32), (1, 1, 1), (32, 256, 8, 8)])
 def test_variants_equal_the_reference(policy, variant):
     assert plan_blocks.check_variant(variant, 2, 9, 5, 2, 3, policy, "cpu", seed=4) is None
 
@@ -17,8 +17,8 @@ def test_variants_equal_the_reference(policy, variant):
 def test_a_kernel_that_differs_is_reported(monkeypatch):
     real = plan_blocks.plan_adaptive
 
-    def off_by_one(*args):  # the plan, then one hit too many in the counters
-        real(*args)
+    def off_by_one(*args, **kwargs):  # the plan, then one hit too many in the counters
+        real(*args, **kwargs)
         args[5][0] += 1
 
     monkeypatch.setattr(plan_blocks, "plan_adaptive", off_by_one)
