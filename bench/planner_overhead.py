@@ -59,9 +59,9 @@ PLANNERS: dict[str, tuple[str, dict[str, object]]] = {
         "fused, one launch, adaptive-router, 8 plan warps",
         {"fused": True, "policy": "adaptive-router", "plan_warps": 8},
     ),
-    "fused-duel-w8": (
-        "fused, one launch, adaptive-router-duel, 8 plan warps",
-        {"fused": True, "policy": "adaptive-router-duel", "plan_warps": 8},
+    "fused-duel-w4": (  # the duel's plan at the other policies' warps (its default: planner.DUEL_PLAN_WARPS)
+        "fused, one launch, adaptive-router-duel, 4 plan warps",
+        {"fused": True, "policy": "adaptive-router-duel", "plan_warps": 4},
     ),
     "fused-duel": (
         "fused, one launch, adaptive-router-duel",

@@ -74,7 +74,7 @@ class DevicePlanner:
         it, else a plain grid whose programs take their roles by ticket (None: POOLED_RUNNER_PLAN_COOPERATIVE,
         default off). pdl: as a programmatic dependent launch where PDL is available, cooperative or not (None:
         POOLED_RUNNER_PLAN_PDL, default on). plan_warps: its warps per program (None: 8 for the duel policy,
-        `DUEL_PLAN_WARPS`, else 4). overlap: the one launch lets
+        `DUEL_PLAN_WARPS`, else 4; the two-launch plan runs 4). overlap: the one launch lets
         the MoE's first GEMM start beside it (`kernels/plan_copy.py`, `early_trigger`); read `self.overlap` to
         tell the kernels (`KernelPath.planned_forward` does). None:
         POOLED_RUNNER_PLAN_OVERLAP (default on) where the one launch runs and the device has PDL

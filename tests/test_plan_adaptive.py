@@ -39,16 +39,20 @@ def _random_tables(L: int, EM: int, R: int, g: torch.Generator) -> dict[str, tor
     }
 
 
+# the duel's starting order misses [slow only, fast only] x SCORE: on the edge (a few slow-only misses of the step
+# flip it), clearly for the fast order, clearly for the slow one; the last choice is random, so a step may flip
+DUEL_MISSES = {"duel": [60, 50], "duel-fast": [300, 10], "duel-slow": [10, 300]}
+
+
 def _random_state(L: int, EM: int, router: bool | str, freq_mode: bool, g: torch.Generator) -> AdaptiveState:
-    """router: False (adaptive), True (one membership order) or "duel" (two: slow, fast; the order duel's
-    misses on the edge of a flip and a random last choice)."""
+    """router: False (adaptive), True (one membership order) or a key of DUEL_MISSES (two orders: slow, fast)."""
     n = L * EM
     count = torch.cat(
         [torch.randint(0, 6 * ONE, (n,), generator=g) // 7 * 7, torch.zeros(1, dtype=torch.int64)]
     )
     last = torch.where(torch.rand(n, generator=g) < 0.25, NEVER, torch.randint(20, 46, (n,), generator=g))
     misses = torch.tensor([900, 40]) if freq_mode else torch.tensor([40, 900])
-    orders = 2 if router == "duel" else int(bool(router))
+    orders = 2 if router in DUEL_MISSES else int(bool(router))
     member = ranked = order_misses = order_state = None
     if orders:
         member = torch.randint(0, 4 * ONE, (orders * n,), generator=g) // 3 * 3
@@ -56,7 +60,7 @@ def _random_state(L: int, EM: int, router: bool | str, freq_mode: bool, g: torch
         zero = torch.zeros(1, dtype=torch.int64)
         ranked = torch.cat([x for c in curves for x in (c, zero)])
     if orders == 2:
-        order_misses = torch.tensor([60, 50]) * SCORE  # a slow-only miss more or less flips the order
+        order_misses = torch.tensor(DUEL_MISSES[str(router)]) * SCORE
         order_state = torch.tensor([int(torch.randint(0, 2, (1,), generator=g)), 7, 20])
     return AdaptiveState(count, last, misses * SCORE, torch.zeros(1, dtype=torch.int64), member, ranked,
                          torch.zeros(EM, dtype=torch.int64), order_misses, order_state)  # fmt: skip
@@ -77,7 +81,8 @@ def _random_state(L: int, EM: int, router: bool | str, freq_mode: bool, g: torch
 )
 @pytest.mark.parametrize(
     ("router", "freq_mode"),
-    [(False, True), (False, False), (True, True), (True, False), ("duel", True), ("duel", False)],
+    [(False, True), (False, False), (True, True), (True, False)]
+    + [(duel, mode) for duel in DUEL_MISSES for mode in (True, False)],
 )
 def test_kernel_equals_reference(L, EM, E, R, T, K, layer, router, freq_mode):
     g = torch.Generator().manual_seed(L * 1000 + EM * 10 + R + T + len(str(router)))
@@ -225,6 +230,7 @@ def test_fused_equals_torch_ops_on_random_configurations(seed):
     kw = dict(floor_misses=0, decay_shift=2, duel_shift=1)
     if cls is MemoryDuelPolicy:  # orders that differ much, no floor: the order flips in a few steps
         kw.update(slow=6, fast=1, order_floor=0)
+        rows = max(1, min(rows, sum(layers) // 2))  # a pool that holds every expert never misses: no duel
     pools = [make_pool(layers, rows, seed=seed) for _ in range(2)]
     fused, ops = (
         DevicePlanner(
@@ -237,6 +243,7 @@ def test_fused_equals_torch_ops_on_random_configurations(seed):
         )
         for pool, f in zip(pools, (True, False))
     )
+    orders = set()
     for step in range(40):
         layer = int(torch.randint(0, len(layers), (1,), generator=g))
         E = layers[layer]
@@ -253,7 +260,10 @@ def test_fused_equals_torch_ops_on_random_configurations(seed):
         for key in a:
             assert torch.equal(a[key], b[key]), f"seed {seed} step {step}: {key} {a[key]} vs {b[key]}"
         assert torch.equal(pools[0].l2p_gpu, pools[1].l2p_gpu), f"seed {seed} step {step}: l2p"
+        if isinstance(fused.policy, MemoryDuelPolicy):
+            orders.add(fused.policy.uses_fast)
     assert_rows_hold_owners(pools[0], fused)
+    assert cls is not MemoryDuelPolicy or orders == {0, 1}, f"seed {seed}: the duel chose only {orders}"
 
 
 def test_a_subclass_is_not_fused_with_the_base_rule():
