@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-from .plan_lru import MAX_COUNT_MATRIX, Telemetry, check_plan_arguments
+from .plan_lru import MAX_COUNT_MATRIX, PLAN_WARPS, Telemetry, check_plan_arguments
 
 try:  # Triton is optional for the CPU core
     import triton
@@ -225,14 +225,14 @@ def plan_adaptive(
     graph-safe (no host sync, no allocation). `P = victims.shape[0]` (the planner passes `min(E, R, T*K)`) and
     T*K may be 0 (then the clock moves and the policy sees an empty step). `telemetry = (counts, routed, flags,
     max_count)` also records the step's route telemetry (the `count_routes` contract, from the token counts the
-    kernel computes anyway). `num_warps`: 1, 2, 4 or 8. ValueError for bad shapes."""
+    kernel computes anyway). `num_warps`: a power of two <= 32. ValueError for bad shapes."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("plan_adaptive needs Triton")
     plan = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
     sizes = (layer, num_experts, max_experts, num_rows, block_m, min_reads)
     check_adaptive_arguments(plan, sizes, state, rule, telemetry)
-    if num_warps not in (1, 2, 4, 8):
-        raise ValueError(f"num_warps={num_warps}: expected 1, 2, 4 or 8")
+    if num_warps not in PLAN_WARPS:
+        raise ValueError(f"num_warps={num_warps}: expected one of {PLAN_WARPS}")
     args, meta = adaptive_kernel_arguments(plan, sizes, state, rule, telemetry)
     _plan_adaptive_kernel[(1,)](*args, **meta, num_warps=num_warps)
 

@@ -119,7 +119,7 @@ def _plan_and_copy(
     """The plan and the admitted rows' copy: `plan_copy` (the one launch, with the copy arguments after
     `plan_args`), or `plan` then `gather_admitted`. Returns `in_place`."""
     if not self.one_launch:
-        plan(*plan_args)
+        plan(*plan_args, num_warps=self._plan_warps)
         gather_admitted(self, layer, *plan_args[7:10])  # victims, codes, valid
         return in_place
     assert self.pool.bank is not None  # the one launch needs a bank (the planner's `can_one`)

@@ -235,6 +235,29 @@ def test_one_launch_warps_refused_at_construction(policy):
     assert not DevicePlanner(pool, make(), fused=True, one_launch=False, plan_warps=16).one_launch
 
 
+@pytest.mark.parametrize(("policy", "plan_warps", "want"), [("lru", None, 4), ("lru", 16, 16),
+                                                          ("adaptive-router-duel", None, 8), ("adaptive", 2, 2)])  # fmt: skip
+def test_the_two_launch_plan_runs_the_planner_warps(policy, plan_warps, want, monkeypatch):
+    """`plan_warps` (None: 8 for the duel, else 4) reaches the single-program plan of the two-launch form too."""
+    import pooled_runner.planner_fused as planner_fused
+
+    name = "plan_lru" if policy == "lru" else "plan_adaptive"
+    real, seen = getattr(planner_fused, name), []
+
+    def spy(*args, num_warps=4):
+        seen.append(num_warps)
+        real(*args, num_warps=num_warps)
+
+    monkeypatch.setattr(planner_fused, name, spy)
+    pool = make_pool([6, 5], rows=3)
+    chosen = LRUPolicy() if policy == "lru" else make_policy(policy, num_rows=3)
+    planner = DevicePlanner(pool, chosen, max_routed=4, fused=True, one_launch=False, plan_warps=plan_warps)
+    planner.plan(1, torch.tensor([[4, 2]]))
+    assert seen == [want], seen
+    counters = planner.counter_values()
+    assert counters["misses"] + counters["hits"] == 2, counters  # the real plan ran
+
+
 class _TableWritingPolicy(LRUPolicy):
     """A buggy policy: its observe() writes a location code (two experts then claim row 0)."""
 
