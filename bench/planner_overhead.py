@@ -59,7 +59,7 @@ PLANNERS: dict[str, tuple[str, dict[str, object]]] = {
         "fused, one launch, adaptive-router, 8 plan warps",
         {"fused": True, "policy": "adaptive-router", "plan_warps": 8},
     ),
-    "fused-duel-w4": (  # the duel's plan at the other policies' warps (its default: planner.DUEL_PLAN_WARPS)
+    "fused-duel-w4": (  # the duel's plan at the other policies' warps (its default: MemoryDuelPolicy.plan_warps)
         "fused, one launch, adaptive-router-duel, 4 plan warps",
         {"fused": True, "policy": "adaptive-router-duel", "plan_warps": 4},
     ),

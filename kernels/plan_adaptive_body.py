@@ -10,6 +10,24 @@ import triton.language as tl
 
 
 @triton.jit
+def _duel(
+    misses_ptr, first_only, second_only, duel_shift, margin_shift, floor, score, FIRST_LAYER: tl.constexpr
+):
+    """Set dueling: `misses [2]` (decayed by `>> duel_shift` at layer 0) += (first-only, second-only misses) x
+    score; returns 1 (int64) when the second wins clearly (`second + (second >> margin_shift) + floor < first`).
+    The adaptive policy's mode (LRU, frequency) and the duel's order (slow, fast)."""
+    m_offs = tl.arange(0, 2)
+    misses = tl.load(misses_ptr + m_offs)
+    if FIRST_LAYER:
+        misses = misses - (misses >> duel_shift)
+    misses += tl.where(m_offs == 0, first_only, second_only) * score
+    tl.store(misses_ptr + m_offs, misses)
+    first = tl.sum(tl.where(m_offs == 0, misses, 0), 0)
+    second = tl.sum(tl.where(m_offs == 1, misses, 0), 0)
+    return (second + (second >> margin_shift) + floor < first).to(tl.int64)
+
+
+@triton.jit
 def _plan_adaptive_body(
     ids_ptr, num_routed, l2p_ptr, owner_ptr, stamp_ptr, clock_ptr, counters_ptr, counts_ptr,
     victims_ptr, codes_ptr, valid_ptr, tel_counts_ptr, tel_routed_ptr, tel_flags_ptr, tel_max,
@@ -142,25 +160,11 @@ def _plan_adaptive_body(
                 tl.store(fast_member_ptr + n_offs, m - (m >> fast_decay_shift), mask=n_in)
                 k = tl.load(fast_ranked_ptr + n_offs, mask=n_in, other=0)
                 tl.store(fast_ranked_ptr + n_offs, k - (k >> decay_shift), mask=n_in)
-    m_offs = tl.arange(0, 2)
-    misses = tl.load(misses_ptr + m_offs)
-    if FIRST_LAYER:
-        misses = misses - (misses >> duel_shift)
-    misses += tl.where(m_offs == 0, lru_only, freq_only) * score
-    tl.store(misses_ptr + m_offs, misses)
-    lru_misses = tl.sum(tl.where(m_offs == 0, misses, 0), 0)
-    freq_misses = tl.sum(tl.where(m_offs == 1, misses, 0), 0)
-    mode = (freq_misses + (freq_misses >> margin_shift) + floor < lru_misses).to(tl.int64)
+    mode = _duel(misses_ptr, lru_only, freq_only, duel_shift, margin_shift, floor, score, FIRST_LAYER)
     tl.store(mode_ptr, mode)
     if DUEL:  # the order duel, as the mode's: slow-only, fast-only misses, the fast order on a clear win
-        order_misses = tl.load(order_misses_ptr + m_offs)
-        if FIRST_LAYER:
-            order_misses = order_misses - (order_misses >> duel_shift)
-        order_misses += tl.where(m_offs == 0, slow_only, fast_only) * score
-        tl.store(order_misses_ptr + m_offs, order_misses)
-        slow_misses = tl.sum(tl.where(m_offs == 0, order_misses, 0), 0)
-        fast_misses = tl.sum(tl.where(m_offs == 1, order_misses, 0), 0)
-        fast = (fast_misses + (fast_misses >> margin_shift) + order_floor < slow_misses).to(tl.int64)
+        fast = _duel(order_misses_ptr, slow_only, fast_only, duel_shift, margin_shift, order_floor, score,
+                     FIRST_LAYER)  # fmt: skip
         s_offs = tl.arange(0, 4)
         s_in = s_offs < 3
         order_state = tl.load(order_state_ptr + s_offs, mask=s_in, other=0)

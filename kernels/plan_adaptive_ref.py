@@ -138,19 +138,18 @@ def _observe(
             order_only[1] += int(fast and not slow)
     if layer == 0:
         state.count.sub_(state.count >> rule.decay_shift)
-        state.misses.sub_(state.misses >> rule.duel_shift)
         shifts = (rule.member_decay_shift, rule.fast_decay_shift)
         for member, ranked, shift in zip(members, rankeds, shifts):
             member.sub_(member >> shift)
             ranked.sub_(ranked >> rule.decay_shift)
-    state.misses.add_(
-        torch.tensor([lru_only, freq_only], dtype=torch.int64, device=state.misses.device) * rule.score
-    )
-    lru_m, freq_m = (int(x) for x in state.misses.tolist())
-    state.mode.fill_(int(freq_m + (freq_m >> rule.margin_shift) + rule.floor < lru_m))
+    state.mode.fill_(_duel(state.misses, [lru_only, freq_only], layer == 0, rule, rule.floor))
     if duel:
-        _order_duel(state, rule, layer, order_only)
-        chosen = int(state.order_state[0])  # type: ignore[index]
+        order_misses, order_state = state.order_misses, state.order_state
+        assert order_misses is not None and order_state is not None
+        chosen = _duel(order_misses, order_only, layer == 0, rule, rule.order_floor)
+        order_state[0] = chosen  # the order chosen, ticks that ended with it fast, all ticks
+        order_state[1] += chosen
+        order_state[2] += 1
     last = last_all[lo : lo + E]
     state.count[lo : lo + E] += (present & (last != now - L)).to(torch.int64) * rule.one
     last.copy_(torch.where(present, now, last))
@@ -165,15 +164,11 @@ def _observe(
     return rankeds[chosen] if rankeds else state.count
 
 
-def _order_duel(state: AdaptiveState, rule: AdaptiveRule, layer: int, order_only: list[int]) -> None:
-    """The duel's order misses (decayed at layer 0), the order choice and its tick counters."""
-    order_misses, order_state = state.order_misses, state.order_state
-    assert order_misses is not None and order_state is not None
-    if layer == 0:
-        order_misses.sub_(order_misses >> rule.duel_shift)
-    order_misses.add_(torch.tensor(order_only, dtype=torch.int64, device=order_misses.device) * rule.score)
-    slow_m, fast_m = (int(x) for x in order_misses.tolist())
-    fast = int(fast_m + (fast_m >> rule.margin_shift) + rule.order_floor < slow_m)
-    order_state[0] = fast
-    order_state[1] += fast
-    order_state[2] += 1
+def _duel(misses: torch.Tensor, only: list[int], decay: bool, rule: AdaptiveRule, floor: int) -> int:
+    """Set dueling: `misses [2]` (decayed first if `decay`) += `only` (first-only, second-only misses) x score;
+    1 when the second wins clearly. The mode (LRU, frequency) and the duel's order (slow, fast)."""
+    if decay:
+        misses.sub_(misses >> rule.duel_shift)
+    misses.add_(torch.tensor(only, dtype=torch.int64, device=misses.device) * rule.score)
+    first, second = (int(x) for x in misses.tolist())
+    return int(second + (second >> rule.margin_shift) + floor < first)

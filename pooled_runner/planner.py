@@ -44,13 +44,6 @@ from pooled_runner.pool import ExpertPool
 from pooled_runner.routing import check_router_scores
 from pooled_runner.telemetry import RouteTelemetry
 
-# The duel's one-launch plan + copy runs 8 warps per program: its shadow and ranking passes compare twice the
-# pairs of the router's (H200, 2026-12-04, bench.planner, 6 layers, E 128, R 384: plan + MoE 238.2 / 654.0 / 931.8
-# µs per step at M = 1 / 4 / 8 against 266.2 / 700.0 / 996.1 with 4; the router's one launch gained nothing at
-# M = 1 and lost at M = 8, so it keeps 4). The duel's plan alone (the two-launch form, bench.plan_blocks): 138.1 /
-# 190.6 / 292.8 µs per step against 164.2 / 229.0 / 351.6 with 4.
-DUEL_PLAN_WARPS = 8
-
 
 class DevicePlanner:
     """Plans decode steps of `pool` on its device (see module docstring).
@@ -74,8 +67,8 @@ class DevicePlanner:
         POOLED_RUNNER_PLAN_SPLIT_COPY is set. cooperative: launch it as a cooperative grid where Triton supports
         it, else a plain grid whose programs take their roles by ticket (None: POOLED_RUNNER_PLAN_COOPERATIVE,
         default off). pdl: as a programmatic dependent launch where PDL is available, cooperative or not (None:
-        POOLED_RUNNER_PLAN_PDL, default on). plan_warps: the plan's warps per program, in either form (None: 8
-        for the duel policy, `DUEL_PLAN_WARPS`, else 4). overlap: the one launch lets
+        POOLED_RUNNER_PLAN_PDL, default on). plan_warps: the plan's warps per program, in either form (None: the
+        adaptive policies' `plan_warps`, 8 for the duel; else 4). overlap: the one launch lets
         the MoE's first GEMM start beside it (`kernels/plan_copy.py`, `early_trigger`); read `self.overlap` to
         tell the kernels (`KernelPath.planned_forward` does). None:
         POOLED_RUNNER_PLAN_OVERLAP (default on) where the one launch runs and the device has PDL
@@ -177,7 +170,7 @@ class DevicePlanner:
             )
         self.one_launch = can_one and (not envs.plan_split_copy() if one_launch is None else one_launch)
         if plan_warps is None:
-            plan_warps = DUEL_PLAN_WARPS if isinstance(self._adaptive, MemoryDuelPolicy) else 4
+            plan_warps = self._adaptive.plan_warps if self._adaptive is not None else 4
         if self.one_launch and plan_warps not in (1, 2, 4, 8):
             raise ValueError(
                 f"plan_warps={plan_warps}: the one-launch plan + copy takes 1, 2, 4 or 8 warps per program"

@@ -44,6 +44,7 @@ class AdaptivePolicy:
     (see module docstring)."""
 
     name = "adaptive"
+    plan_warps = 4  # warps per program of the fused plan (`DevicePlanner(plan_warps=None)`)
 
     def __init__(
         self,

@@ -45,6 +45,11 @@ class MemoryDuelPolicy(RouterAdaptivePolicy):
     host forms."""
 
     name = "adaptive-router-duel"
+    # 8 warps: its shadow and ranking passes compare twice the pairs of the router's (H200, 2026-12-04,
+    # bench.planner, 6 layers, E 128, R 384: one-launch plan + MoE 238.2 / 654.0 / 931.8 µs per step at M = 1 /
+    # 4 / 8 against 266.2 / 700.0 / 996.1 with 4; bench.plan_blocks, the plan alone: 138.1 / 190.6 / 292.8 against
+    # 164.2 / 229.0 / 351.6). The router's one launch gained nothing at M = 1 and lost at M = 8: it keeps 4.
+    plan_warps = 8
 
     def __init__(self, num_rows: int, slow: int = 9, fast: int = 5, order_floor: int = 8, **kwargs: int):
         if not (1 <= fast <= 30 and 1 <= slow <= 30) or order_floor < 0:
