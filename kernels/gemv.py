@@ -261,9 +261,16 @@ def gemv_gate_up(
         COMPUTE=_TL_DTYPES[hidden.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(),
         EVEN_K=H % config.block_k1 == 0, SPLIT=split, PDL=use_pdl, OVERLAP=_overlap(after_plan, use_pdl),
         num_warps=config.num_warps, num_stages=1,
-        **({"launch_pdl": True} if use_pdl else {}),
+        **({"launch_pdl": True} if use_pdl else {}), **reg_limit(config),
     )  # fmt: skip
     return act
+
+
+def reg_limit(config: GemvConfig) -> dict:
+    """Launch options: ptxas' register limit (`maxnreg`) where the config sets one."""
+    if config.max_registers < 0 or config.max_registers > 255:
+        raise ValueError(f"GEMV path: max_registers={config.max_registers} must be 0 (no limit) or 1..255")
+    return {"maxnreg": config.max_registers} if config.max_registers else {}
 
 
 def _k_split(k: int, block_k: int, split: int) -> tuple[int, int]:
@@ -321,6 +328,7 @@ def gemv_down_combine(
         FUSE_COMBINE=config.fuse_combine, EVEN_K=I % config.block_k2 == 0, PDL=use_pdl,
         OVERLAP=_overlap(after_plan, use_pdl),
         num_warps=config.num_warps, num_stages=1, **({"launch_pdl": True} if use_pdl else {}),
+        **reg_limit(config),
     )  # fmt: skip
     if not config.fuse_combine:
         return combine(y, topk_ids, tw, l2p, num_experts)

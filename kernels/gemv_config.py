@@ -12,6 +12,7 @@ import triton
 from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NVFP4
 from .gemm_args import interpreting
 
+PACKED_MAX_REGISTERS = 96  # int4 and NVFP4 GEMV kernels: registers per thread at most (`gemv_configs`)
 _VALUES_PER_WORD = {FMT_DENSE: 2, FMT_INT4: 8, FMT_NVFP4: 8, FMT_FP8_CHANNEL: 4, FMT_FP8_BLOCK: 4}
 
 
@@ -28,6 +29,7 @@ class GemvConfig:
     one_launch: bool = False  # gate_up and down tiles in one grid (`_fused_kernel`); implies fuse_combine
     tickets: bool = True  # one_launch: tiles taken in arrival order from a counter (else by program id)
     split_k1: int = 1  # gate_up programs per (pair, N block), each over a share of K (two launches only)
+    max_registers: int = 0  # > 0: registers per thread at most (ptxas `maxnreg`); 0: the compiler's choice
 
     def prefetch_code(self) -> int:
         """The kernels' PREFETCH: 1 register prefetch, 0 none, >= 2 pipeline stages."""
@@ -61,7 +63,14 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group
         # Other int4 groups (64: two per tile, a load per row each; 32: four, a load per word) and a K that is
         # not a multiple of 256: K tiles of 128 without a pipeline (at group 128 as fast as the 4-stage one).
         bk1, bk2 = (_int4_block_k(k, group) for k in (H, I)) if fmt == FMT_INT4 else (bk, bk)
-        return GemvConfig(bn1, bk1, bn2, bk2, num_warps=4, prefetch=False)
+        # tiles of 64 down rows (16 words per thread): at most 96 registers, five programs of 128 threads per
+        # SM instead of four (the compiler took 106 for NVFP4's down kernel, 120 for int4's; no spills at 96).
+        # H200, 2026-12-04 (bench.gemv_sweep --set alt --alt max_registers=96): DeepSeek-like NVFP4 down 33.8 ->
+        # 31.3 µs at M=1, 205.3 -> 183.8 at M=8; int4 down 30.0 -> 28.7 at M=1; Qwen3-like NVFP4 layer 75.2 ->
+        # 71.6 at M=8; gate_up within 1%. Not on smaller tiles: the Qwen3-like layer at M=1 (32 down rows) took
+        # 8% longer with it (NVFP4 16.0 -> 17.3 µs, int4 14.9 -> 15.5). At 80 both kernels spill, slower.
+        regs = PACKED_MAX_REGISTERS if bn2 >= 64 else 0
+        return GemvConfig(bn1, bk1, bn2, bk2, num_warps=4, prefetch=False, max_registers=regs)
     return GemvConfig(bn1, bk, bn2, bk, num_warps=4, prefetch=True)
 
 

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _check_proj_shape
-from .gemv import _VALUES_PER_WORD, SPIN_LIMIT, GemvConfig, _check_gemv, _pairs_pow2, _word_args
+from .gemv import _VALUES_PER_WORD, SPIN_LIMIT, GemvConfig, _check_gemv, _pairs_pow2, _word_args, reg_limit
 from .gemv_tiles import _down_tile, _gate_up_tile, _slot_pair
 from .operands import KernelFormat, Projection
 from .workspace import SYNC_WORDS, _counters
@@ -144,5 +144,6 @@ def gemv_one_launch(
         HAS_ZERO=fmt.has_zero, NATIVE_FP8=native, COMPUTE=_TL_DTYPES[hidden.dtype],
         VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(), EVEN_K1=H % config.block_k1 == 0,
         EVEN_K2=I % config.block_k2 == 0, TICKETS=config.tickets, SYNC=SYNC_WORDS, num_warps=config.num_warps, num_stages=1,
+        **reg_limit(config),
     )  # fmt: skip
     return out
