@@ -12,7 +12,7 @@ from tests.interpreter import interpreter_imports
 with interpreter_imports():
     import triton
     import triton.language as tl
-    from pooled_runner.kernels import gemv, gemv_one, gemv_words
+    from pooled_runner.kernels import gemv, gemv_words
     from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe, pooled_fused_moe_ref
     from pooled_runner.kernels.gemv import (
         GemvConfig,
@@ -235,7 +235,6 @@ def test_gemv_split_k_gate_up(name, H, I, dtype, split, cfg):
     """gate_up with K split over `split` programs per (pair, N block) (fewer tiles than splits, a last tile
     past K, the three prefetch modes): the reference's act; the arrival counters back at zero; a second call
     bitwise the first (the parts are summed in split order, whatever program arrives last)."""
-    import dataclasses
 
     E, T, K = 7, 3, 3
     g, fmt, w13, w2, l2p = _layer(name, H, I, dtype, E)
@@ -321,94 +320,3 @@ def test_gemv_rejects_bad_input():
         with pytest.raises(ValueError, match=rf"K=40 is not a multiple of 16 values \({unit}\)"):
             gemv._check_gemv(fmt16, 40, 16)
         assert not gemv.gemv_supported(fmt16, 40, 32) and gemv.gemv_supported(fmt16, H, 32), name
-
-
-def test_int4_k_tiles_hold_whole_groups():
-    """int4's K tile is 256 only where K is whole tiles of whole groups of 128 (or a multiple); else 128 (a tile
-    straddling more than two groups, or masked past K, would load a scale per word)."""
-    assert gemv._int4_block_k(7168, 128) == 256
-    assert gemv._int4_block_k(768, 256) == 256
-    assert gemv._int4_block_k(1408, 128) == 128  # I % 256 == 128: the last tile would be half past K
-    assert gemv._int4_block_k(2048, 64) == 128
-    assert gemv._int4_block_k(2048, 32) == 128
-
-
-def test_default_tiles_on_a_132_sm_gpu(monkeypatch):
-    """`gemv_configs` off the interpreter (a stand-in of 132 SMs): rows per tile halved until pairs x N blocks
-    reach two programs per SM; int4 K tiles from `_int4_block_k`, NVFP4 256, dense 128 with the register
-    prefetch; worked by hand for the DeepSeek-like (H 7168, I 2048) and Qwen3-like (H 2048, I 768) layers."""
-    from pooled_runner.kernels import dequant, gemv_config
-
-    monkeypatch.setattr(gemv_config, "interpreting", lambda: False)
-    monkeypatch.setattr(gemv_config, "_num_sms", lambda: 132)
-    cfg = gemv_config.gemv_configs
-
-    def tiles(c: GemvConfig) -> tuple:
-        return c.block_n1, c.block_k1, c.block_n2, c.block_k2, c.prefetch
-
-    # packed formats with 64 down rows at most 96 registers per thread (five programs per SM); smaller tiles
-    # and the other formats the compiler's choice
-    for fmt_code in (dequant.FMT_INT4, dequant.FMT_NVFP4):
-        assert cfg(7168, 2048, fmt_code, 8, 128).max_registers == gemv_config.PACKED_MAX_REGISTERS == 96
-        assert cfg(2048, 768, fmt_code, 64, 128).max_registers == 96  # 64 pairs: 64 down rows
-        assert cfg(2048, 768, fmt_code, 8, 128).max_registers == 0  # 32 down rows
-    for fmt_code in (dequant.FMT_DENSE, dequant.FMT_FP8_CHANNEL, dequant.FMT_FP8_BLOCK):
-        assert cfg(7168, 2048, fmt_code, 8).max_registers == 0, fmt_code
-
-    assert tiles(cfg(7168, 2048, dequant.FMT_INT4, 8, 128)) == (32, 256, 64, 256, False)  # 512 / 896 programs
-    assert tiles(cfg(2048, 768, dequant.FMT_INT4, 8, 128)) == (
-        16,
-        256,
-        32,
-        256,
-        False,
-    )  # 192 -> 384, 256 -> 512
-    assert tiles(cfg(2048, 768, dequant.FMT_INT4, 8, 64)) == (16, 128, 32, 128, False)
-    assert tiles(cfg(7168, 2048, dequant.FMT_NVFP4, 64)) == (32, 256, 64, 256, False)
-    assert tiles(cfg(2048, 768, dequant.FMT_DENSE, 8)) == (16, 128, 32, 128, True)
-    assert tiles(cfg(2048, 768, dequant.FMT_INT4, 1, 128)) == (
-        8,
-        256,
-        8,
-        256,
-        False,
-    )  # halving stops at 8 rows
-
-
-@pytest.mark.parametrize("one_launch", [False, True])
-def test_register_limit_reaches_the_launch(monkeypatch, one_launch):
-    """`GemvConfig.max_registers` is handed to every GEMV launch as ptxas' `maxnreg` (and none is handed without
-    one); the results are those of the unlimited launch; a value ptxas cannot take is refused first."""
-    g, fmt, w13, w2, l2p = _layer("int4-g32", 64, 32, torch.bfloat16)
-    x = torch.randn(3, 64, generator=g).bfloat16()
-    ids = torch.randint(0, 7, (3, 2), generator=g)
-    tw = torch.rand(3, 2, generator=g)
-    seen: list = []
-
-    def spy(module, name):
-        kernel = getattr(module, name)
-
-        class Spy:
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    seen.append((name, kwargs.get("maxnreg")))
-                    return kernel[grid](*args, **kwargs)
-
-                return launch
-
-        monkeypatch.setattr(module, name, Spy())
-
-    for module, name in ((gemv, "_gate_up_kernel"), (gemv, "_down_kernel"), (gemv_one, "_fused_kernel")):
-        spy(module, name)
-    base = dataclasses.replace(CONFIGS[0], one_launch=one_launch)
-    out = {}
-    for regs in (0, 96):
-        seen.clear()
-        cfg = dataclasses.replace(base, max_registers=regs)
-        out[regs] = pooled_fused_moe(x, ids, tw, l2p, 7, w13, w2, fmt, variant="gemv", gemv_config=cfg)
-        kernels = ["_fused_kernel"] if one_launch else ["_gate_up_kernel", "_down_kernel"]
-        assert seen == [(k, regs or None) for k in kernels], (regs, seen)
-    assert torch.equal(out[0], out[96])
-    for bad in (-1, 256):
-        with pytest.raises(ValueError, match=f"max_registers={bad} must be 0"):
-            gemv.reg_limit(dataclasses.replace(base, max_registers=bad))
