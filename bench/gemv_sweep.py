@@ -115,6 +115,7 @@ def _row(shape, name, M, kernel, cfg: GemvConfig, us, pct, diff) -> str:
     split = cfg.split_k1 if kernel != "down" else 1
     return (
         f"| {shape} | {name} | {M} | {kernel} | {bn} | {bk} | {cfg.num_warps} | {cfg.prefetch_code()} | {split} "
+        f"| {cfg.max_registers or '-'} "
         f"| {us:.1f} | {pct:.0f}% | {diff:.2e} |"
     )
 
@@ -198,8 +199,8 @@ def main() -> None:
     lines += [
         "GEMV kernels apart (µs per call, graph replay; % HBM of that kernel's bytes; max |diff| to the default):",
         "",
-        "| shape | format | M | kernel | BN | BK | warps | prefetch | split K | µs | % HBM | max diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | format | M | kernel | BN | BK | warps | prefetch | split K | max regs | µs | % HBM | max diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -306,8 +306,8 @@ def sweep_gemv(g, hbm: float, cases, t_start: float, budget: float) -> list[str]
         "",
         "GEMV tile sweep (M = 1, resident; µs per layer, % of HBM read):",
         "",
-        "| shape | format | BN1 | BK1 | BN2 | BK2 | warps | prefetch (stages) | launches | µs | % HBM |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | format | BN1 | BK1 | BN2 | BK2 | warps | prefetch (stages) | launches | max regs | µs | % HBM |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(out), flush=True)
     for shape, name in cases:
@@ -317,7 +317,7 @@ def sweep_gemv(g, hbm: float, cases, t_start: float, budget: float) -> list[str]
         layer = resident_layer(shape, name, 1, g)
         for cfg in sweep_configs(gemv_configs(H, I, layer.args[-1].fmt, K, layer.args[-1].group)):
             if time.perf_counter() - t_start > budget:
-                out.append(f"| {shape} | {name} | (budget of {budget:.0f} s reached) | | | | | | | | |")
+                out.append(f"| {shape} | {name} | (budget of {budget:.0f} s reached) | | | | | | | | | |")
                 break
             fn = functools.partial(pooled_fused_moe, *layer.args, variant="gemv", gemv_config=cfg)
             us, _, err = _time_variant(fn)
@@ -325,7 +325,7 @@ def sweep_gemv(g, hbm: float, cases, t_start: float, budget: float) -> list[str]
             out.append(
                 f"| {shape} | {name} | {cfg.block_n1} | {cfg.block_k1} | {cfg.block_n2} | {cfg.block_k2} | "
                 f"{cfg.num_warps} | {cfg.stages if cfg.stages >= 2 else cfg.prefetch} | {1 if cfg.one_launch else 2} | "
-                f"{res} |"
+                f"{cfg.max_registers or '-'} | {res} |"
             )
             print(out[-1], flush=True)
         del layer

@@ -266,11 +266,14 @@ def gemv_gate_up(
     return act
 
 
-def reg_limit(config: GemvConfig) -> dict:
-    """Launch options: ptxas' register limit (`maxnreg`) where the config sets one."""
+def reg_limit(config: GemvConfig) -> dict[str, int]:
+    """Launch options: ptxas' register limit (`maxnreg`) where the config sets one (none on ROCm: its compiler
+    options have no such field)."""
     if config.max_registers < 0 or config.max_registers > 255:
         raise ValueError(f"GEMV path: max_registers={config.max_registers} must be 0 (no limit) or 1..255")
-    return {"maxnreg": config.max_registers} if config.max_registers else {}
+    if not config.max_registers or torch.version.hip:
+        return {}
+    return {"maxnreg": config.max_registers}
 
 
 def _k_split(k: int, block_k: int, split: int) -> tuple[int, int]:

@@ -40,7 +40,9 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group
     """Default tiles: ~16 packed words per thread per tile, N blocks halved (down to 8 rows) until pairs x N
     blocks gives at least two programs per SM; int4 and NVFP4 without the register prefetch (the H200 sweeps
     cited below). `group`: int4's group size. int4 takes K tiles of 256 only where they hold whole groups of
-    128 (or a multiple) and K is a multiple of 256 (else a tile would load a scale per word: 3x slower)."""
+    128 (or a multiple) and K is a multiple of 256 (else a tile would load a scale per word: 3x slower). int4
+    and NVFP4 cap the registers (`max_registers`) where the down grid needs more than one wave; configs derived
+    from these with `dataclasses.replace` keep the cap unless they set it."""
     if interpreting():  # the interpreter's cost grows with tile size; correctness only
         return GemvConfig(16, 32, 16, 32, num_warps=4)
     vpw = _VALUES_PER_WORD.get(fmt, 2)
@@ -63,13 +65,15 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group
         # Other int4 groups (64: two per tile, a load per row each; 32: four, a load per word) and a K that is
         # not a multiple of 256: K tiles of 128 without a pipeline (at group 128 as fast as the 4-stage one).
         bk1, bk2 = (_int4_block_k(k, group) for k in (H, I)) if fmt == FMT_INT4 else (bk, bk)
-        # tiles of 64 down rows (16 words per thread): at most 96 registers, five programs of 128 threads per
-        # SM instead of four (the compiler took 106 for NVFP4's down kernel, 120 for int4's; no spills at 96).
-        # H200, 2026-12-04 (bench.gemv_sweep --set alt --alt max_registers=96): DeepSeek-like NVFP4 down 33.8 ->
-        # 31.3 µs at M=1, 205.3 -> 183.8 at M=8; int4 down 30.0 -> 28.7 at M=1; Qwen3-like NVFP4 layer 75.2 ->
-        # 71.6 at M=8; gate_up within 1%. Not on smaller tiles: the Qwen3-like layer at M=1 (32 down rows) took
-        # 8% longer with it (NVFP4 16.0 -> 17.3 µs, int4 14.9 -> 15.5). At 80 both kernels spill, slower.
-        regs = PACKED_MAX_REGISTERS if bn2 >= 64 else 0
+        # down grids of more than one wave at four programs per SM, tiles of 64 rows (16 words per thread): at
+        # most 96 registers, five programs of 128 threads per SM instead of four (the compiler took 106 for
+        # NVFP4's down kernel, 120 for int4's; no spills at 96). H200, 2026-12-04 (bench.gemv_sweep --set alt
+        # --alt max_registers=96): DeepSeek-like NVFP4 down 33.8 -> 31.3 µs at M=1 (896 programs), 205.3 ->
+        # 183.8 at M=8; int4 down 30.0 -> 28.7 at M=1; Qwen3-like NVFP4 layer 75.2 -> 71.6 at M=8 (2048);
+        # gate_up within 1%. Not on one wave: the Qwen3-like layer at M=1 (512 down programs) took 4-8% longer
+        # with it (NVFP4 16.0 -> 17.3 µs, int4 14.9 -> 15.5). At 80 both kernels spill (slower at M=1).
+        one_wave = num_pairs * triton.cdiv(H, bn2) <= 4 * _num_sms()
+        regs = PACKED_MAX_REGISTERS if bn2 >= 64 and not one_wave else 0
         return GemvConfig(bn1, bk1, bn2, bk2, num_warps=4, prefetch=False, max_registers=regs)
     return GemvConfig(bn1, bk, bn2, bk, num_warps=4, prefetch=True)
 

@@ -41,7 +41,9 @@ ExpertLoader = Callable[[int, int], dict[str, torch.Tensor]]
 class PooledMoE(BoundaryOps):
     """The routed experts of every pooled MoE layer, behind one shared pool.
 
-    Usage: `register_layer(num_experts)` once per MoE layer, then `install(loader)`, then `forward(...)`.
+    Usage: `register_layer(num_experts)` once per MoE layer, then `install(loader)`, then `forward(...)`; the
+    boundary operations (`stats`, `reset_stats`, `sync_tables`, `evict_expert`, `telemetry_boundary`) come from
+    `moe_boundary.BoundaryOps`.
 
     Args:
       config: resolved PoolConfig (`pool_rows`, device, format).

@@ -36,9 +36,12 @@ _DIVISIBLE = {"w_se", "s_se", "w_sn", "stride_x", "stride_act", "stride_y", "str
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 
 
-def compile_gemv(kernel: str, fmt: str, block_n: int, block_k: int, warps: int, prefetch: int = 0):
+def compile_gemv(
+    kernel: str, fmt: str, block_n: int, block_k: int, warps: int, prefetch: int = 0, max_registers: int = 0
+):
     """The compiled `_gate_up_kernel` / `_down_kernel` for sm_90 at the given tile (top-8, 64-pair schedule,
-    bf16 activations, K a multiple of the tile, symmetric int4)."""
+    bf16 activations, K a multiple of the tile, symmetric int4); `max_registers` > 0: ptxas' `maxnreg`, as
+    `GemvConfig.max_registers` launches it."""
     fmt_code, vpw, group = FORMATS[fmt]
     fn = gemv._gate_up_kernel if kernel == "gate_up" else gemv._down_kernel
     consts = dict(TOP_K=8, P_POW2=64, BLOCK_N=block_n, BLOCK_K=block_k, FMT=fmt_code, GROUP=group,
@@ -56,7 +59,13 @@ def compile_gemv(kernel: str, fmt: str, block_n: int, block_k: int, warps: int, 
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, signature, consts, attrs)
     return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1}
+        src,
+        target=GPUTarget("cuda", 90, 32),
+        options={
+            "num_warps": warps,
+            "num_stages": 1,
+            **({"maxnreg": max_registers} if max_registers else {}),
+        },
     )
 
 
@@ -107,9 +116,12 @@ def main() -> None:
     ap.add_argument(
         "--prefetch", type=int, default=0, help="0 none, 1 register prefetch, >= 2 pipeline stages"
     )
+    ap.add_argument("--max-registers", type=int, default=0, help="ptxas maxnreg (0: none), as GemvConfig's")
     ap.add_argument("--dump", default=None, help="write the whole SASS here")
     args = ap.parse_args()
-    compiled = compile_gemv(args.kernel, args.fmt, args.block_n, args.block_k, args.warps, args.prefetch)
+    compiled = compile_gemv(
+        args.kernel, args.fmt, args.block_n, args.block_k, args.warps, args.prefetch, args.max_registers
+    )
     sass = _cuobjdump(compiled, "-sass")
     if args.dump:
         with open(args.dump, "w") as f:
