@@ -23,6 +23,7 @@ import torch
 from pooled_runner.kernels import plan_adaptive as plan_module
 from pooled_runner.kernels.plan_adaptive import AdaptiveState, plan_adaptive
 from pooled_runner.kernels.plan_adaptive_ref import plan_adaptive_reference
+from pooled_runner.kernels.plan_lru import PLAN_WARPS
 
 from bench.common import commit_id, seed_all
 from pooled_runner.policies import make_policy
@@ -169,10 +170,11 @@ def main() -> None:
     args = ap.parse_args()
     variants = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
     if any(
-        len(v) not in (3, 4) or min(v) < 1 or any(x & (x - 1) for x in v) or warps(v) > 8 for v in variants
+        len(v) not in (3, 4) or min(v) < 1 or any(x & (x - 1) for x in v) or warps(v) not in PLAN_WARPS
+        for v in variants
     ):
         raise SystemExit(
-            f"--variants {args.variants}: expected 'rank,shadow,present[,warps];...' powers of two (warps <= 8)"
+            f"--variants {args.variants}: expected 'rank,shadow,present[,warps];...' powers of two (warps <= 32)"
         )
     seed_all(0)
     shipped = tuple(getattr(plan_module, n) for n in VARIANT_NAMES)  # the launcher's own block sizes

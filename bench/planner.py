@@ -8,7 +8,8 @@ GPU (default): Qwen3-30B-like layers (H 2048, I 768, E 128, top-8, bf16), 6 pool
     launch variants, `planner_overhead.PLANNERS`; two: plan, then copy; ops: the torch-ops planner).
   - trace: a skew-dominated synthetic trace (with its router scores) replayed step by step (ids and scores
     copied into the captured step's static buffers, then replay) with the LRU, frequency, adaptive and
-    router-ordered policies; time per step against the DESIGN.md §4 bound at the achieved hit rate, `hits x row / B_hbm + misses x row / B_zero_copy` (bandwidths measured in this run).
+    router-ordered policies; time per step against the DESIGN.md §4 bound at the achieved hit rate,
+    `hits x row / B_hbm + misses x row / B_zero_copy` (bandwidths measured in this run).
 CPU (`--quality`): hit rates of LRU, the frequency, aging, adaptive and router-ordered adaptive policies and
 Belady (MIN with bypass) on synthetic traces (24 layers, 128 experts, top-8, per-layer Zipf skew, token-to-token
 reuse, popularity drift; with their router scores, `--noise-scale lo,hi` spreading each expert's differently), 25%

@@ -23,6 +23,7 @@ if triton is not None:
     from .pdl import pdl_available
 
 MAX_FUSED_OPERANDS = 8  # int4 with zero points and NVFP4 have 6
+ONE_LAUNCH_WARPS = (1, 2, 4, 8)  # the warps per program a one-launch plan + copy takes
 COPY_PROGRAMS = 32  # P: co-resident on any recent GPU; each streams its items at a few GB/s from the bank
 # Elements per program per loop step: twice gather_rows_multi's block, so that each of the fewer programs keeps
 # twice the bytes in flight (a read of the pinned bank waits ~1-2 µs on PCIe).
@@ -100,8 +101,8 @@ def copy_launch(
     for i in range(MAX_FUSED_OPERANDS):
         j = min(i, len(rows) - 1)  # unused slots repeat the last operand (never read: NUM_OPS prunes them)
         ops += [rows[j], hosts[j], rows[j].shape[1]]
-    if num_warps not in (1, 2, 4, 8):
-        raise ValueError(f"num_warps={num_warps}: expected 1, 2, 4 or 8")
+    if num_warps not in ONE_LAUNCH_WARPS:
+        raise ValueError(f"num_warps={num_warps}: expected one of {ONE_LAUNCH_WARPS}")
     launch: dict[str, object] = {"num_warps": num_warps}
     can_pdl = pdl_available(ids)
     pdl = pdl and can_pdl

@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-from .plan_lru import MAX_COUNT_MATRIX, PLAN_WARPS, Telemetry, check_plan_arguments
+from .plan_lru import MAX_COUNT_MATRIX, Telemetry, check_plan_arguments, check_plan_warps
 
 try:  # Triton is optional for the CPU core
     import triton
@@ -231,8 +231,7 @@ def plan_adaptive(
     plan = (ids, l2p, row_owner, row_stamp, clock, counters, counts, victims, codes, valid)
     sizes = (layer, num_experts, max_experts, num_rows, block_m, min_reads)
     check_adaptive_arguments(plan, sizes, state, rule, telemetry)
-    if num_warps not in PLAN_WARPS:
-        raise ValueError(f"num_warps={num_warps}: expected one of {PLAN_WARPS}")
+    check_plan_warps(num_warps)
     args, meta = adaptive_kernel_arguments(plan, sizes, state, rule, telemetry)
     _plan_adaptive_kernel[(1,)](*args, **meta, num_warps=num_warps)
 

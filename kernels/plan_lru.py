@@ -42,14 +42,14 @@ ROW_BLOCK = 1024
 # Token counts by a [T*K, E] comparison in registers up to this many elements (64 per thread: M <= 8 at top-8
 # of 128 experts, M <= 4 of 256), else by atomics in global memory (two barriers and a round trip more).
 MAX_COUNT_MATRIX = 8192
-PLAN_WARPS = (
-    1,
-    2,
-    4,
-    8,
-    16,
-    32,
-)  # the warps a single-program plan launch takes (`plan_lru`, `plan_adaptive`)
+# the warps a single-program plan launch takes (`plan_lru`, `plan_adaptive`)
+PLAN_WARPS = (1, 2, 4, 8, 16, 32)
+
+
+def check_plan_warps(num_warps: int) -> None:
+    """ValueError unless `num_warps` is one of `PLAN_WARPS`."""
+    if num_warps not in PLAN_WARPS:
+        raise ValueError(f"num_warps={num_warps}: expected one of {PLAN_WARPS}")
 
 
 def check_plan_arguments(
@@ -290,9 +290,10 @@ def plan_lru(
     num_warps: int = 4,
 ) -> None:
     """Plan one step of `layer` in place (see module docstring). One launch of `num_warps` warps (a power of
-    two <= 32), graph-safe (no host sync, no allocation). `P = victims.shape[0]` must be at least the number of admissions wanted (the planner passes
-    `min(E, R, T*K)`); P and T*K may be 0 (then only the clock moves). `cycle [3]` int64 (last layer, clock at
-    the current and at the previous cycle start) turns on cycle protection (`pooled_runner/cycle_lru.py`).
+    two <= 32), graph-safe (no host sync, no allocation). `P = victims.shape[0]` must be at least the number of
+    admissions wanted (the planner passes `min(E, R, T*K)`); P and T*K may be 0 (then only the clock moves).
+    `cycle [3]` int64 (last layer, clock at the current and at the previous cycle start) turns on cycle
+    protection (`pooled_runner/cycle_lru.py`).
     `telemetry = (counts, routed, flags, max_count)` also records the step's route telemetry (the
     `count_routes` contract, from the counts this kernel computes anyway: no launch of its own)."""
     if triton is None:  # pragma: no cover
@@ -301,8 +302,7 @@ def plan_lru(
     check_plan_arguments(
         *args, layer, num_experts, max_experts, num_rows, block_m, min_reads, cycle, telemetry
     )
-    if num_warps not in PLAN_WARPS:
-        raise ValueError(f"num_warps={num_warps}: expected one of {PLAN_WARPS}")
+    check_plan_warps(num_warps)
     kernel_args, meta = kernel_arguments(
         *args, layer, num_experts, max_experts, num_rows, block_m, min_reads, cycle, telemetry
     )

@@ -30,8 +30,10 @@ import torch
 
 from pooled_runner import envs
 from pooled_runner.cycle_lru import CycleLRUPolicy
+from pooled_runner.kernels.admit_copy import ONE_LAUNCH_WARPS
 from pooled_runner.kernels.pdl import pdl_available
 from pooled_runner.kernels.plan_copy import COPY_PROGRAMS, MAX_FUSED_OPERANDS, SYNC_WORDS
+from pooled_runner.kernels.plan_lru import PLAN_WARPS
 from pooled_runner.kernels.row_gather import MULTI_CHUNK_PROGRAMS
 from pooled_runner.planner_fused import plan_adaptive_fused, plan_lru_fused
 from pooled_runner.planner_ops import plan_ops
@@ -97,7 +99,11 @@ class DevicePlanner:
                 f"max_routed={max_routed}, block_m={block_m}, min_reads_to_admit={min_reads_to_admit} "
                 "must all be >= 1"
             )
-        if gather_chunks < 1 or copy_programs < 1 or plan_warps not in (None, 1, 2, 4, 8, 16, 32):
+        if (
+            gather_chunks < 1
+            or copy_programs < 1
+            or (plan_warps is not None and plan_warps not in PLAN_WARPS)
+        ):
             raise ValueError(
                 f"gather_chunks={gather_chunks}, copy_programs={copy_programs} must be >= 1 and "
                 f"plan_warps={plan_warps} a power of two <= 32"
@@ -171,9 +177,9 @@ class DevicePlanner:
         self.one_launch = can_one and (not envs.plan_split_copy() if one_launch is None else one_launch)
         if plan_warps is None:
             plan_warps = self._adaptive.plan_warps if self._adaptive is not None else 4
-        if self.one_launch and plan_warps not in (1, 2, 4, 8):
+        if self.one_launch and plan_warps not in ONE_LAUNCH_WARPS:
             raise ValueError(
-                f"plan_warps={plan_warps}: the one-launch plan + copy takes 1, 2, 4 or 8 warps per program"
+                f"plan_warps={plan_warps}: the one-launch plan + copy takes {ONE_LAUNCH_WARPS} warps per program"
             )
         self.copy_programs = copy_programs
         # the one launch's operands, in the planner's operand order: pool rows, bank rows (built once)
