@@ -56,7 +56,7 @@ def gate_up_configs(base: GemvConfig) -> list[GemvConfig]:
 def down_configs(base: GemvConfig) -> list[GemvConfig]:
     """down tiles around `base`: rows x2 / /2; 8 warps (same and x2 rows); 2 warps; K tiles x2, /2 (rows x2); K
     tiles of 128 pipelined (4 stages) or not; 3 stages; rows /4; rows /2 and /4 with K tiles x2; rows /4 with 2
-    warps."""
+    warps; split K 2 / 4."""
     r = dataclasses.replace
     bn = base.block_n2
     configs = [
@@ -77,6 +77,9 @@ def down_configs(base: GemvConfig) -> list[GemvConfig]:
         r(base, block_n2=max(8, bn // 2), block_k2=2 * base.block_k2),
         r(base, block_n2=max(8, bn // 4), block_k2=2 * base.block_k2),
         r(base, block_n2=max(8, bn // 4), num_warps=2),
+        # K split over 2 / 4 programs: the same tile, smaller work items for the last wave
+        r(base, split_k2=2),
+        r(base, split_k2=4),
     ]
     return list(dict.fromkeys(configs))
 
@@ -112,7 +115,7 @@ def focus_configs(base: GemvConfig, kernel: str) -> list[GemvConfig]:
 
 def _row(shape, name, M, kernel, cfg: GemvConfig, us, pct, diff) -> str:
     bn, bk = (cfg.block_n1, cfg.block_k1) if kernel != "down" else (cfg.block_n2, cfg.block_k2)
-    split = cfg.split_k1 if kernel != "down" else 1
+    split = {"gate_up": cfg.split_k1, "down": cfg.split_k2}.get(kernel, f"{cfg.split_k1}/{cfg.split_k2}")
     return (
         f"| {shape} | {name} | {M} | {kernel} | {bn} | {bk} | {cfg.num_warps} | {cfg.prefetch_code()} | {split} "
         f"| {cfg.max_registers or '-'} "

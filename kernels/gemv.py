@@ -116,17 +116,18 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, y_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
+    act_ptr, y_ptr, part_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
     wp, sp, zp, gp, wb, sb, zb, gb,
     w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
-    num_pairs, num_experts, num_rows, H, I, stride_act, stride_y, stride_out, c0, c1,
+    num_pairs, num_experts, num_rows, H, I, stride_act, stride_y, stride_out, c0, c1, tiles_per_split,
     TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, FUSE_COMBINE: tl.constexpr,
-    EVEN_K: tl.constexpr, PDL: tl.constexpr, OVERLAP: tl.constexpr,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr, OVERLAP: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     num_nb = tl.cdiv(H, BLOCK_N)
-    slot = tl.program_id(0) // num_nb
+    item = tl.program_id(0) // SPLIT
+    slot = item // num_nb
     if OVERLAP:  # gate_up ran beside the plan + copy (see gate_up): the same rule for codes
         pair, code = _slot_pair_by_id(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2, PDL)
     else:
@@ -135,11 +136,11 @@ def _down_kernel(
     # unrouted pairs too, so that this kernel's completion still implies gate_up's
     pdl.wait(PDL)
     _down_tile(
-        pair, code, tl.program_id(0) % num_nb, act_ptr, y_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
-        wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
+        pair, code, item % num_nb, tl.program_id(0) % SPLIT, tiles_per_split, act_ptr, y_ptr, part_ptr, out_ptr,
+        cnt_ptr, ids_ptr, l2p_ptr, tw_ptr, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
         num_experts, num_rows, H, I, stride_act, stride_y, stride_out, c0, c1,
         TOP_K, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, FUSE_COMBINE,
-        EVEN_K, False,
+        EVEN_K, False, SPLIT,
     )  # fmt: skip
 
 
@@ -241,7 +242,7 @@ def gemv_gate_up(
         return act
     ptrs, strides, native, c0, c1 = _word_args(w13, fmt)
     num_nb = triton.cdiv(I, config.block_n1)
-    split, tiles_per_split = _k_split(H, config.block_k1, config.split_k1)
+    split, tiles_per_split = _k_split(H, config.block_k1, config.split_k1, "split_k1")
     if split > 1 and not counters_ready(act.device, num_pairs * num_nb):
         # the workspace's growth launches kernels: this one is no longer the plan's dependent
         after_plan = False
@@ -276,10 +277,10 @@ def reg_limit(config: GemvConfig) -> dict[str, int]:
     return {"maxnreg": config.max_registers}
 
 
-def _k_split(k: int, block_k: int, split: int) -> tuple[int, int]:
+def _k_split(k: int, block_k: int, split: int, name: str) -> tuple[int, int]:
     """(splits, K tiles per split) for `split` requested shares of K's tiles, none of them empty."""
     if split < 1:
-        raise ValueError(f"GEMV path: split_k1={split} must be >= 1")
+        raise ValueError(f"GEMV path: {name}={split} must be >= 1")
     tiles = triton.cdiv(k, block_k)
     per_split = triton.cdiv(tiles, split)
     return triton.cdiv(tiles, per_split), per_split
@@ -314,26 +315,34 @@ def gemv_down_combine(
             f"topk_weights {tuple(tw.shape)}, topk_ids {tuple(topk_ids.shape)}, act {tuple(act.shape)}"
         )
     num_pairs = T * K
+    split, tiles_per_split = _k_split(I, config.block_k2, config.split_k2, "split_k2")
+    if split > 1 and not config.fuse_combine:
+        raise ValueError(
+            f"GEMV path: split_k2={config.split_k2} needs fuse_combine=True (its parts are summed there)"
+        )
     if num_pairs == 0:  # top-k 0: every token's output is the empty sum
         return torch.zeros((T, H), dtype=act.dtype, device=act.device)
-    y = torch.empty((num_pairs, H), dtype=act.dtype, device=act.device)
+    y = torch.empty((num_pairs, H), dtype=act.dtype, device=act.device) if split == 1 else None
+    part = torch.empty((num_pairs, split, H), dtype=torch.float32, device=act.device) if split > 1 else None
     out = torch.empty((T, H), dtype=act.dtype, device=act.device)
     num_nb = triton.cdiv(H, config.block_n2)
     cnt = _counters(act.device, T * num_nb)[SYNC_WORDS:]
     ptrs, strides, native, c0, c1 = _word_args(w2, fmt)
     use_pdl = pdl.gemv_pdl_enabled(act)
-    _down_kernel[(num_pairs * num_nb,)](
-        act, y, out, cnt, topk_ids, l2p, tw, *ptrs, *strides,
-        num_pairs, num_experts, w2.num_rows, H, I, act.stride(0), y.stride(0), out.stride(0), c0, c1,
+    _down_kernel[(num_pairs * num_nb * split,)](
+        act, y if y is not None else part, part if part is not None else y, out, cnt, topk_ids, l2p, tw,
+        *ptrs, *strides, num_pairs, num_experts, w2.num_rows, H, I, act.stride(0), H, out.stride(0), c0, c1,
+        tiles_per_split,
         TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n2, BLOCK_K=config.block_k2,
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
         COMPUTE=_TL_DTYPES[act.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(),
         FUSE_COMBINE=config.fuse_combine, EVEN_K=I % config.block_k2 == 0, PDL=use_pdl,
-        OVERLAP=_overlap(after_plan, use_pdl),
+        OVERLAP=_overlap(after_plan, use_pdl), SPLIT=split,
         num_warps=config.num_warps, num_stages=1, **({"launch_pdl": True} if use_pdl else {}),
         **reg_limit(config),
     )  # fmt: skip
     if not config.fuse_combine:
+        assert y is not None
         return combine(y, topk_ids, tw, l2p, num_experts)
     return out
 

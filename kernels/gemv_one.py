@@ -86,11 +86,11 @@ def _fused_kernel(
         pair, code = _slot_pair(ids_ptr, l2p_ptr, item2 // nb2, num_pairs, num_experts, num_rows, P_POW2)
         _wait_for_act(sync_ptr, ready_ptr, passed_ptr, pair, nb1, nb2, spin_limit)
         _down_tile(
-            pair, code, item2 % nb2, act_ptr, y_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
+            pair, code, item2 % nb2, 0, 0, act_ptr, y_ptr, y_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
             wp2, sp2, zp2, gp2, wb2, sb2, zb2, gb2, w_se2, s_se2, z_se2, g_se2, w_sn2, s_sn2, z_sn2,
             num_experts, num_rows, H, I, stride_act, stride_y, stride_out, c0, c1,
             TOP_K, BLOCK_N2, BLOCK_K2, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, True,
-            EVEN_K2, True,
+            EVEN_K2, True, 1,
         )  # fmt: skip
 
 
@@ -106,8 +106,11 @@ def gemv_one_launch(
     config: GemvConfig,
 ) -> torch.Tensor:
     """`gemv_moe` in one launch (`_fused_kernel`): the same tiles and result as the two launches."""
-    if config.split_k1 != 1:
-        raise ValueError(f"one launch: split_k1={config.split_k1} is for the two-launch path (use 1)")
+    if config.split_k1 != 1 or config.split_k2 != 1:
+        raise ValueError(
+            f"one launch: split_k1={config.split_k1}, split_k2={config.split_k2} are for the two-launch path "
+            "(use 1)"
+        )
     T, K = topk_ids.shape
     H = hidden.shape[1]
     I = w2.weight.shape[2] * fmt.values_per_element()

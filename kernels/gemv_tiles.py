@@ -251,17 +251,22 @@ def _store_act(gu, act_row, nb, I, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr)
 
 @triton.jit
 def _down_tile(
-    pair, code, nb, act_ptr, y_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
+    pair, code, nb, split, tiles_per_split, act_ptr, y_ptr, part_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
     wp, sp, zp, gp, wb, sb, zb, gb,
     w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
     num_experts, num_rows, H, I, stride_act, stride_y, stride_out, c0, c1,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, FUSE_COMBINE: tl.constexpr,
-    EVEN_K: tl.constexpr, X_CG: tl.constexpr,
+    EVEN_K: tl.constexpr, X_CG: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     """`y[pair, nb block]` (a pair routed here) and, with FUSE_COMBINE, the arrival of this (pair, block): the
-    last of the token's K arrivals sums `out[t, nb block]`."""
+    last of the token's K arrivals sums `out[t, nb block]`.
+
+    SPLIT > 1 (FUSE_COMBINE only): this program sums K tiles `[split, split + 1) * tiles_per_split` only and
+    stores its fp32 rows to `part_ptr` (`[pairs, SPLIT, H]`); the last of the token's K * SPLIT arrivals sums
+    each pair's parts in split order, rounds that y as the unsplit kernel stores it, and combines (deterministic).
+    Smaller work items, so the grid's last wave is fuller (y is not stored)."""
     num_nb = tl.cdiv(H, BLOCK_N)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
@@ -270,17 +275,27 @@ def _down_tile(
             code, num_rows, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se
         )
         x_row = act_ptr + pair.to(tl.int64) * stride_act
-        y = _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, I, 0, I // VPW, w_sn, s_sn, z_sn, c0, c1,
-                      BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH,
+        KW: tl.constexpr = BLOCK_K // VPW
+        if SPLIT == 1:
+            kw_lo = 0
+            kw_hi = I // VPW
+        else:
+            kw_lo = split * tiles_per_split * KW
+            kw_hi = tl.minimum(kw_lo + tiles_per_split * KW, I // VPW)
+        y = _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, I, kw_lo, kw_hi, w_sn, s_sn, z_sn,
+                      c0, c1, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH,
                       EVEN_K, X_CG)  # fmt: skip
-        tl.store(y_ptr + pair.to(tl.int64) * stride_y + offs_n, y.to(COMPUTE), mask=n_ok)
+        if SPLIT == 1:
+            tl.store(y_ptr + pair.to(tl.int64) * stride_y + offs_n, y.to(COMPUTE), mask=n_ok)
+        else:
+            tl.store(part_ptr + (pair * SPLIT + split).to(tl.int64) * H + offs_n, y, mask=n_ok)
     if FUSE_COMBINE:
         t = pair // TOP_K
-        # every thread's y stores happen before the (one-thread, release) arrival; the last of the token's K
-        # arrivals (acquire) sums the K rows of y, read from L2
+        # every thread's y stores happen before the (one-thread, release) arrival; the last of the token's
+        # K * SPLIT arrivals (acquire) sums the K rows of y, read from L2
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + t * num_nb + nb, 1, sem="acq_rel", scope="gpu")
-        if arrived == TOP_K - 1:
+        if arrived == TOP_K * SPLIT - 1:
             tl.store(cnt_ptr + t * num_nb + nb, 0)  # ready for the next launch
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for k in tl.static_range(TOP_K):
@@ -289,7 +304,22 @@ def _down_tile(
                 routed = (e >= 0) & (e < num_experts)
                 routed = routed & (tl.load(l2p_ptr + e, mask=routed, other=-1) >= 0)
                 wk = tl.load(tw_ptr + pk).to(tl.float32)
-                yk = tl.load(y_ptr + pk.to(tl.int64) * stride_y + offs_n, mask=n_ok & routed, other=0.0,
-                             cache_modifier=".cg").to(tl.float32)  # fmt: skip
+                if SPLIT == 1:
+                    yk = tl.load(y_ptr + pk.to(tl.int64) * stride_y + offs_n, mask=n_ok & routed, other=0.0,
+                                 cache_modifier=".cg").to(tl.float32)  # fmt: skip
+                else:
+                    yk = _sum_parts(
+                        part_ptr + (pk * SPLIT).to(tl.int64) * H + offs_n, H, n_ok & routed, SPLIT
+                    )
+                    yk = yk.to(COMPUTE).to(tl.float32)
                 acc += tl.where(routed, wk * yk, 0.0)
             tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, acc.to(COMPUTE), mask=n_ok)
+
+
+@triton.jit
+def _sum_parts(part, H, mask, SPLIT: tl.constexpr):
+    """fp32 sum, in split order, of the SPLIT parts at `part + s * H` (read from L2)."""
+    total = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLIT):
+        total += tl.load(part + s * H, mask=mask, other=0.0, cache_modifier=".cg")
+    return total

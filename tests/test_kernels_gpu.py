@@ -268,7 +268,8 @@ def test_fused_combine_variants_real_shapes(resident_layers, shape, M, variant):
 )
 def test_decode_variants_formats_mixed_rows(name, M, variant):
     """Decode variants for every format at the Qwen3-like shape: pool rows, pinned host rows, an expert not
-    here. gemv-split3: the GEMV path with gate_up's K split over 3 programs (8 K tiles: 3, 3, 2)."""
+    here. gemv-split3: the GEMV path with gate_up's K split over 3 programs (8 K tiles: 3, 3, 2) and down's
+    over 3 (3 K tiles of 256: one each)."""
     import dataclasses
 
     from pooled_runner.kernels.fused_moe import dense_row
@@ -289,7 +290,7 @@ def test_decode_variants_formats_mixed_rows(name, M, variant):
     ids, w = routing(M, K, E, g)
     poison_allocator()
     if variant == "gemv-split3":
-        cfg = dataclasses.replace(gemv_configs(H, I, fmt.fmt, M * K, fmt.group), split_k1=3)
+        cfg = dataclasses.replace(gemv_configs(H, I, fmt.fmt, M * K, fmt.group), split_k1=3, split_k2=3)
         out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=cfg)
     else:
         out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant=variant)
@@ -343,9 +344,11 @@ def test_gemv_graph_replay_equals_eager(name, mode):
     x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
     ids, w = routing(M, K, E, g)
     base = gemv.gemv_configs(H, I, fmt.fmt, M * K, fmt.group)
-    if mode == "split":  # gate_up's K over 3 programs (parts summed in split order, not arrival order: 3
-        # fp32 parts in another order can round differently): compared with eager split calls
-        base = dataclasses.replace(base, split_k1=3)
+    if (
+        mode == "split"
+    ):  # gate_up's K over 3 programs, down's over 2 (parts summed in split order, not arrival
+        # order: 3 fp32 parts in another order can round differently): compared with eager split calls
+        base = dataclasses.replace(base, split_k1=3, split_k2=2)
     cfg = (
         base
         if mode in ("two", "split", "wide")
