@@ -7,8 +7,9 @@ reads 2/3 of a layer's expert bytes, down 1/3). Each row also gives max |differe
 default config's (split K changes only the fp32 summation order). Seeded; the default config runs first.
 
 Usage: python -m bench.gemv_sweep [--cases "deepseek:int4-g128:1,8;qwen3:int4-g128:1"] [--set wide|focus|default|alt]
-                                 [--alt "stages=3"] [--kernels gate_up,down,layer] [--out sweep.md]
-`--set alt`: the default and the `--alt` config (GemvConfig fields replaced), alternating `--rounds` times;
+                                 [--alt "stages=3;split_k2=2"] [--kernels gate_up,down,layer] [--out sweep.md]
+`--set alt`: the default and each `--alt` config (GemvConfig fields replaced; configs separated by ";"), in
+turn, `--rounds` times;
 kernel `layer`: the whole GEMV layer (`pooled_fused_moe`, variant "gemv").
 """
 
@@ -132,7 +133,7 @@ def sweep_case(
     deadline: float,
     config_set: str = "wide",
     only: list[str] | None = None,
-    alt: dict | None = None,
+    alts: list[dict] | None = None,
     rounds: int = 1,
 ) -> list[str]:
     """The rows of one case: gate_up configs, then down configs (down reads the default config's act)."""
@@ -158,7 +159,7 @@ def sweep_case(
         if config_set == "default":
             configs = [base]
         elif config_set == "alt":
-            configs = [base, dataclasses.replace(base, **(alt or {}))] * rounds
+            configs = [base, *(dataclasses.replace(base, **alt) for alt in alts or [])] * rounds
         elif config_set == "focus":
             configs = focus_configs(base, kernel)
         else:
@@ -180,6 +181,20 @@ def sweep_case(
     return rows
 
 
+def _alt_fields(text: str) -> dict[str, int]:
+    """`"k=v,k=v"` -> GemvConfig fields (all integer or boolean fields: the values are taken as integers)."""
+    fields = {f.name for f in dataclasses.fields(GemvConfig)}
+    alt = {}
+    for kv in text.split(","):
+        key, sep, value = kv.partition("=")
+        if not sep or key.strip() not in fields:
+            raise SystemExit(
+                f"--alt: {kv!r} is not k=v with k a GemvConfig field ({', '.join(sorted(fields))})"
+            )
+        alt[key.strip()] = int(value)
+    return alt
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="deepseek:int4-g128:1,8;qwen3:int4-g128:1,8;deepseek:nvfp4:1")
@@ -191,13 +206,17 @@ def main() -> None:
         help="configs: around the default, focus, or the default alone (A/B runs of two trees)",
     )
     ap.add_argument("--kernels", default="gate_up,down", help="comma list of gate_up, down, layer")
-    ap.add_argument("--alt", default="", help='--set alt: GemvConfig fields of the other config, "k=v,k=v"')
+    ap.add_argument(
+        "--alt",
+        default="",
+        help='--set alt: GemvConfig fields of the other configs, "k=v,k=v;k=v" (";" between)',
+    )
     ap.add_argument("--rounds", type=int, default=3, help="--set alt: default / alt alternations")
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     deadline = time.perf_counter() + args.budget
-    alt = {k: int(v) for k, v in (kv.split("=") for kv in args.alt.split(",") if kv)}  # integer fields
+    alts = [_alt_fields(one) for one in args.alt.split(";") if one]
     hbm, _, lines = measured_header(args.commit)
     lines += [
         "GEMV kernels apart (µs per call, graph replay; % HBM of that kernel's bytes; max |diff| to the default):",
@@ -211,7 +230,7 @@ def main() -> None:
         shape, name, ms = case.split(":")
         for M in (int(m) for m in ms.split(",")):
             lines += sweep_case(
-                shape, name, M, hbm, g, deadline, args.set, args.kernels.split(","), alt, args.rounds
+                shape, name, M, hbm, g, deadline, args.set, args.kernels.split(","), alts, args.rounds
             )
             torch.cuda.empty_cache()
     write(args.out, lines)

@@ -18,7 +18,8 @@ once, contiguous, and split it in registers (`gemv_words._x_split8`). The grid i
 token's top-8 gives a few hundred programs. Loads run ahead of use by `GemvConfig`: the next tile in registers
 (`prefetch`, dense and fp8 by default) or Triton's pipeline (`stages`); int4 and NVFP4 by default neither
 (K tiles of 256: each row's 128 bytes per tile keep the loads near the HBM rate, `gemv_configs`). gate_up can
-split K over programs (`split_k1`, parts summed in order by the last arrival) where pairs x N blocks are few.
+split K over programs (`split_k1`, parts summed in order by the last arrival) where pairs x N blocks are few;
+down too (`split_k2`: fp32 parts summed in split order by the token's last arrival, which combines).
 
 Per format (one int32 word holds VPW values along K; value j of word w is element `VPW * w + j`):
   dense bf16 (VPW 2): `w << 16` and `w & 0xFFFF0000` are the two values as fp32. fp16: converted halves.

@@ -37,17 +37,24 @@ _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 
 
 def compile_gemv(
-    kernel: str, fmt: str, block_n: int, block_k: int, warps: int, prefetch: int = 0, max_registers: int = 0
+    kernel: str,
+    fmt: str,
+    block_n: int,
+    block_k: int,
+    warps: int,
+    prefetch: int = 0,
+    max_registers: int = 0,
+    split: int = 1,
 ):
     """The compiled `_gate_up_kernel` / `_down_kernel` for sm_90 at the given tile (top-8, 64-pair schedule,
     bf16 activations, K a multiple of the tile, symmetric int4); `max_registers` > 0: ptxas' `maxnreg`, as
-    `GemvConfig.max_registers` launches it."""
+    `GemvConfig.max_registers` launches it; `split`: K split over programs (`split_k1` / `split_k2`)."""
     fmt_code, vpw, group = FORMATS[fmt]
     fn = gemv._gate_up_kernel if kernel == "gate_up" else gemv._down_kernel
     consts = dict(TOP_K=8, P_POW2=64, BLOCK_N=block_n, BLOCK_K=block_k, FMT=fmt_code, GROUP=group,
                   HAS_ZERO=False, NATIVE_FP8=True, COMPUTE=tl.bfloat16, VPW=vpw, PREFETCH=prefetch,
                   EVEN_K=True, PDL=False, OVERLAP=False)  # fmt: skip
-    consts |= {"SPLIT": 1} if kernel == "gate_up" else {"FUSE_COMBINE": True}
+    consts |= {"SPLIT": split} if kernel == "gate_up" else {"SPLIT": split, "FUSE_COMBINE": True}
     scale = "*fp8e4nv" if fmt == "nvfp4" else "*fp32"
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -117,10 +124,18 @@ def main() -> None:
         "--prefetch", type=int, default=0, help="0 none, 1 register prefetch, >= 2 pipeline stages"
     )
     ap.add_argument("--max-registers", type=int, default=0, help="ptxas maxnreg (0: none), as GemvConfig's")
+    ap.add_argument("--split", type=int, default=1, help="K split over programs (split_k1 / split_k2)")
     ap.add_argument("--dump", default=None, help="write the whole SASS here")
     args = ap.parse_args()
     compiled = compile_gemv(
-        args.kernel, args.fmt, args.block_n, args.block_k, args.warps, args.prefetch, args.max_registers
+        args.kernel,
+        args.fmt,
+        args.block_n,
+        args.block_k,
+        args.warps,
+        args.prefetch,
+        args.max_registers,
+        args.split,
     )
     sass = _cuobjdump(compiled, "-sass")
     if args.dump:
@@ -130,7 +145,7 @@ def main() -> None:
     rows = 2 * args.block_n if args.kernel == "gate_up" else args.block_n
     words = rows * args.block_k // FORMATS[args.fmt][1] // (32 * args.warps)
     print(f"triton {triton.__version__}, {args.kernel} {args.fmt} BN {args.block_n} BK {args.block_k} warps "
-          f"{args.warps} prefetch {args.prefetch}: {registers(compiled)} registers, K loop {count} instructions "
+          f"{args.warps} prefetch {args.prefetch} split {args.split}: {registers(compiled)} registers, K loop {count} instructions "
           f"for {words} words per thread")  # fmt: skip
     print(" ".join(f"{op} {n}" for op, n in ops.most_common()))
 

@@ -64,17 +64,19 @@ def test_compiles_a_gemv_kernel_for_sm90_without_a_gpu():
 @pytest.mark.slow
 def test_the_register_cap_reaches_ptxas():
     """`--max-registers 96` (as `GemvConfig.max_registers` launches it) compiles the NVFP4 down kernel of the
-    DeepSeek-like default tile within 96 registers; without it the compiler takes more (106-128 seen)."""
+    DeepSeek-like default tile within 96 registers, with K split over 2 programs too (`split_k2`); without it the
+    compiler takes more (106-128 seen)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     regs = {}
-    for cap in (0, 96):
+    for cap, split in ((0, 1), (96, 1), (96, 2)):
         args = ["--fmt", "nvfp4", "--kernel", "down", "--block-n", "64", "--block-k", "256", "--warps", "4",
-                "--max-registers", str(cap)]  # fmt: skip
+                "--max-registers", str(cap), "--split", str(split)]  # fmt: skip
         run = subprocess.run(
             [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300
         )
         assert run.returncode == 0, run.stderr[-2000:]
         head = re.search(r"(\d+) registers", run.stdout)
         assert head, run.stdout
-        regs[cap] = int(head.group(1))
-    assert regs[96] <= 96 < regs[0], regs
+        assert f"split {split}:" in run.stdout, run.stdout
+        regs[cap, split] = int(head.group(1))
+    assert max(regs[96, 1], regs[96, 2]) <= 96 < regs[0, 1], regs
