@@ -52,7 +52,8 @@ from typing import TypeVar
 
 import torch
 
-from bench.baselines import AllHostView, AllResident, Ours, PerLayerSlots
+from bench.baseline_slots import PerLayerSlots
+from bench.baselines import AllHostView, AllResident, Ours
 from bench.common import Bandwidths, bound_ms, commit_id, measure_bandwidths, print_table, write
 from bench.decode_steps import (
     FMT,

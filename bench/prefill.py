@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench.baselines import PerLayerSlots
+from bench.baseline_slots import PerLayerSlots
 from bench.common import commit_id, copy_bandwidth, print_table, read_bandwidth, write
 from bench.decode_steps import StepTimer, empty_cache, sync
 from bench.kernels import random_rows

@@ -1,4 +1,4 @@
-"""The decode baselines (bench/baselines.py) against an independent dense reference at awkward sizes, their
+"""The decode baselines (bench/baselines.py, bench/baseline_slots.py) against an independent dense reference at awkward sizes, their
 slot/LRU bookkeeping, and the wave logic (every routed (token, k) computed exactly once)."""
 
 from __future__ import annotations
@@ -6,16 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.baselines import (
-    AllHostView,
-    AllResident,
-    Ours,
-    PerLayerSlots,
-    SlotLRU,
-    distinct_experts,
-    plan_waves,
-    wave_ids,
-)
+from bench.baseline_slots import PerLayerSlots, SlotLRU, plan_waves, wave_ids
+from bench.baselines import AllHostView, AllResident, Ours, distinct_experts
 from pooled_runner import PoolConfig, PooledMoE
 from pooled_runner.bank import ExpertBank
 from pooled_runner.formats import make_format
