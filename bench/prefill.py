@@ -3,7 +3,7 @@
 Modes per (shape, format, pool fraction, step tokens):
   resident   every expert in VRAM (the compute floor of the step)
   host_view  non-resident experts read in place from the pinned bank by the kernel (once per M-block)
-  page_in    SGLang paged experts' per-layer slots (`bench/baselines.py` `PerLayerSlots`): copy-then-compute in
+  page_in    SGLang paged experts' per-layer slots (`bench/baseline_slots.py` `PerLayerSlots`): copy-then-compute in
              host-planned waves of at most S experts per layer (resident experts first), LRU per layer, at equal
              VRAM: S = (R + the stager's ring of chunk buffers, in experts) // L slots per layer, at most E
              (table column 'slots/layer'; the same bank as host_view). `--layers-model N` sizes S for a model of
