@@ -253,83 +253,6 @@ def _align_tiny_kernel(
     tl.store(block_order_ptr + order_pos, tl.where(used, b, -1), mask=in_table)
 
 
-@triton.jit
-def _align_count_kernel(
-    ids_ptr, counts_ptr, num_pairs, num_experts, E_POW2: tl.constexpr, CHUNK: tl.constexpr
-):
-    pid = tl.program_id(0)
-    _offs, ids, valid = _chunk_ids(ids_ptr, pid * CHUNK, num_pairs, num_experts, CHUNK)
-    tl.atomic_add(counts_ptr + pid * E_POW2 + ids, 1, mask=valid)
-
-
-@triton.jit
-def _align_scan_kernel(
-    counts_ptr,  # [P, E_POW2] int32 in: per-chunk counts; out: per-chunk base slot
-    ends_ptr,
-    l2p_ptr,
-    block_experts_ptr,
-    block_codes_ptr,
-    block_order_ptr,
-    num_post_ptr,
-    num_chunks,
-    num_experts,
-    num_rows,
-    max_blocks,
-    BLOCK_M: tl.constexpr,
-    E_POW2: tl.constexpr,
-    P_BLOCK: tl.constexpr,
-    BLOCK_CHUNK: tl.constexpr,
-):
-    e_offs = tl.arange(0, E_POW2)
-    totals = tl.zeros((E_POW2,), dtype=tl.int32)
-    for p0 in range(0, num_chunks, P_BLOCK):
-        p = p0 + tl.arange(0, P_BLOCK)
-        c = tl.load(
-            counts_ptr + p[:, None] * E_POW2 + e_offs[None, :], mask=(p < num_chunks)[:, None], other=0
-        )
-        totals += tl.sum(c, axis=0)
-    padded = tl.cdiv(totals, BLOCK_M) * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    total = tl.sum(padded, axis=0)
-    tl.store(ends_ptr + e_offs, ends)
-    tl.store(num_post_ptr, total)
-    carry = ends - padded
-    for p0 in range(0, num_chunks, P_BLOCK):
-        p = p0 + tl.arange(0, P_BLOCK)
-        ptrs = counts_ptr + p[:, None] * E_POW2 + e_offs[None, :]
-        mask = (p < num_chunks)[:, None]
-        c = tl.load(ptrs, mask=mask, other=0)
-        incl = tl.cumsum(c, axis=0)
-        tl.store(ptrs, carry[None, :] + incl - c, mask=mask)
-        carry += tl.sum(c, axis=0)
-    tl.debug_barrier()
-    _block_tables(
-        ends_ptr,
-        l2p_ptr,
-        block_experts_ptr,
-        block_codes_ptr,
-        block_order_ptr,
-        num_experts,
-        num_rows,
-        max_blocks,
-        total,
-        BLOCK_M,
-        E_POW2,
-        BLOCK_CHUNK,
-    )
-
-
-@triton.jit
-def _align_scatter_kernel(
-    ids_ptr, base_ptr, sorted_ptr, num_pairs, num_experts, E_POW2: tl.constexpr, CHUNK: tl.constexpr
-):
-    pid = tl.program_id(0)
-    offs, ids, valid = _chunk_ids(ids_ptr, pid * CHUNK, num_pairs, num_experts, CHUNK)
-    rank = _rank_in_chunk(ids, valid, CHUNK)
-    base = tl.load(base_ptr + pid * E_POW2 + ids, mask=valid, other=0)
-    tl.store(sorted_ptr + base + rank, offs, mask=valid)
-
-
 # ------------------------------------------------------------------------------------------------------------
 def _check_align_inputs(topk_ids: torch.Tensor, l2p: torch.Tensor, num_experts: int, block_m: int) -> None:
     if topk_ids.dim() != 2:
@@ -378,6 +301,7 @@ def align_blocks(
     block_order = torch.empty(max_blocks, dtype=torch.int32, device=device)
     num_post = torch.empty(1, dtype=torch.int32, device=device)
     ids = topk_ids.reshape(-1)
+    out = AlignOutput(sorted_pairs, block_experts, block_codes, block_order, num_post, block_m, before_plan)
     common = (num_experts, num_rows, max_blocks)
     if num_pairs <= TINY_MAX_PAIRS:
         _align_tiny_kernel[(1,)](
@@ -393,22 +317,11 @@ def align_blocks(
             BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=CHUNK, BLOCK_CHUNK=BLOCK_CHUNK, num_warps=4,
         )  # fmt: skip
     else:
-        num_chunks = triton.cdiv(num_pairs, CHUNK)
-        counts = torch.zeros((num_chunks, e_pow2), dtype=torch.int32, device=device)
-        ends = torch.empty(e_pow2, dtype=torch.int32, device=device)
-        sorted_pairs.fill_(num_pairs)
-        _align_count_kernel[(num_chunks,)](ids, counts, num_pairs, num_experts, E_POW2=e_pow2, CHUNK=CHUNK)
-        p_block = max(1, min(64, 16384 // e_pow2))
-        _align_scan_kernel[(1,)](
-            counts, ends, l2p, block_experts, block_codes, block_order, num_post,
-            num_chunks, *common,
-            BLOCK_M=block_m, E_POW2=e_pow2, P_BLOCK=p_block, BLOCK_CHUNK=BLOCK_CHUNK, num_warps=4,
-        )  # fmt: skip
-        _align_scatter_kernel[(num_chunks,)](
-            ids, counts, sorted_pairs, num_pairs, num_experts, E_POW2=e_pow2, CHUNK=CHUNK
-        )
-    return AlignOutput(sorted_pairs, block_experts, block_codes, block_order, num_post, block_m, before_plan)
+        align_wide(ids, l2p, num_experts, num_rows, out)
+    return out
 
 
-# the reference lives in align_ref.py (imported last: it uses this module's checks); re-exported for the callers
+# the reference lives in align_ref.py and the wide path in align_wide.py (imported last: they use this module's
+# checks and tiles); the reference is re-exported for the callers
 from .align_ref import align_blocks_ref as align_blocks_ref  # noqa: E402
+from .align_wide import align_wide  # noqa: E402
