@@ -68,8 +68,10 @@ else
   # general variants step above may run out of budget before the bf16 cases)
   step bench_variants_bf16 "${BENCH_VARIANTS_BF16_CAP:-120}" "$PY" -m bench.kernels --variants --formats bf16 --shapes qwen3 --no-align-sweep --budget 90 --out "$OUT/bench_variants_bf16.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # issue #4's packed decode at one token: the default against each changed GEMV config in turn, alternating
-  # (bench.gemv_sweep --set alt; GEMV_ALTS: ";" between configs, GEMV_ALT_CASES: shape:format:M list)
-  step bench_gemv_alts "${BENCH_GEMV_ALTS_CAP:-240}" "$PY" -m bench.gemv_sweep --set alt --rounds 2 --budget 200 --kernels gate_up,down,layer --cases "${GEMV_ALT_CASES:-deepseek:nvfp4:1;deepseek:int4-g128:1}" --alt "${GEMV_ALTS:-split_k2=2;split_k2=4;prefetch=1;prefetch=1,max_registers=128}" --out "$OUT/bench_gemv_alts.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  # (bench.gemv_sweep --set alt; GEMV_ALTS: ";" between configs, GEMV_ALT_CASES: shape:format:M list). The
+  # register prefetch capped at 128 registers: 4 programs per SM still hold all 512 DeepSeek-like gate_up programs
+  # at M=1 (a wave of 528), each with two tiles in flight
+  step bench_gemv_alts "${BENCH_GEMV_ALTS_CAP:-240}" "$PY" -m bench.gemv_sweep --set alt --rounds 2 --budget 200 --kernels gate_up,down,layer --cases "${GEMV_ALT_CASES:-deepseek:nvfp4:1;deepseek:int4-g128:1}" --alt "${GEMV_ALTS:-split_k2=2;split_k2=4;prefetch=1,max_registers=128;split_k2=2,prefetch=1,max_registers=128}" --out "$OUT/bench_gemv_alts.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # the one-launch split path (kernels/splitk.py): its tiles, then against the default decode path per shape and M
   step bench_splitk "${BENCH_SPLITK_CAP:-330}" "$PY" -m bench.splitk_sweep --budget 150 --out "$OUT/bench_splitk.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_pdl "${BENCH_PDL_CAP:-150}" "$PY" -m bench.kernel_pdl --budget 110 --out "$OUT/bench_pdl.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
