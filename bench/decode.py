@@ -1,5 +1,5 @@
 """Decode benchmark (GPU): a model-shaped stack of MoE layers, decode steps on routing traces, four systems side
-by side in one process (`bench/baselines.py`), plain decode and MTP verify steps.
+by side in one process (`bench/baselines.py`, `bench/baseline_slots.py`), plain decode and MTP verify steps.
 
 Shape: Qwen3-30B-like (H 2048, I 768, E 128, top-8, bf16), 8 layers (`--quick`) or 12. The bank is generated
 on the GPU and copied into a pinned `ExpertBank` (as bench/prefill.py does); every system reads that bank (ours

@@ -22,7 +22,7 @@ import time
 
 import torch
 from pooled_runner.kernels.fused_moe import pooled_fused_moe
-from pooled_runner.kernels.gemv import GemvConfig, gemv_configs, gemv_down_combine, gemv_gate_up
+from pooled_runner.kernels.gemv import GemvConfig, _k_split, gemv_configs, gemv_down_combine, gemv_gate_up
 
 from bench.common import write
 from bench.kernel_variants import resident_layer
@@ -114,9 +114,28 @@ def focus_configs(base: GemvConfig, kernel: str) -> list[GemvConfig]:
     return list(dict.fromkeys(configs))
 
 
+# the fields each kernel reads (`layer` reads all): an --alt config equal to the default in these is not rerun
+_KERNEL_FIELDS = {
+    "gate_up": ("block_n1", "block_k1", "split_k1"),
+    "down": ("block_n2", "block_k2", "split_k2", "fuse_combine"),
+}
+_SHARED_FIELDS = ("num_warps", "prefetch", "stages", "max_registers")
+
+
+def _differs_for(kernel: str, cfg: GemvConfig, base: GemvConfig) -> bool:
+    """`cfg` launches `kernel` differently from `base` (the one-launch fields only matter to `layer`)."""
+    if kernel not in _KERNEL_FIELDS:
+        return cfg != base
+    return any(getattr(cfg, f) != getattr(base, f) for f in _KERNEL_FIELDS[kernel] + _SHARED_FIELDS)
+
+
 def _row(shape, name, M, kernel, cfg: GemvConfig, us, pct, diff) -> str:
+    H, I, _, _ = SHAPES[shape]
     bn, bk = (cfg.block_n1, cfg.block_k1) if kernel != "down" else (cfg.block_n2, cfg.block_k2)
-    split = {"gate_up": cfg.split_k1, "down": cfg.split_k2}.get(kernel, f"{cfg.split_k1}/{cfg.split_k2}")
+    # the splits that run (`_k_split`: never more than the K tiles), not the ones asked for
+    s1 = _k_split(H, cfg.block_k1, cfg.split_k1, "split_k1")[0]
+    s2 = _k_split(I, cfg.block_k2, cfg.split_k2, "split_k2")[0]
+    split = {"gate_up": s1, "down": s2}.get(kernel, f"{s1}/{s2}")
     return (
         f"| {shape} | {name} | {M} | {kernel} | {bn} | {bk} | {cfg.num_warps} | {cfg.prefetch_code()} | {split} "
         f"| {cfg.max_registers or '-'} "
@@ -159,7 +178,8 @@ def sweep_case(
         if config_set == "default":
             configs = [base]
         elif config_set == "alt":
-            configs = [base, *(dataclasses.replace(base, **alt) for alt in alts or [])] * rounds
+            changed = [dataclasses.replace(base, **alt) for alt in alts or []]
+            configs = [base, *(c for c in changed if _differs_for(kernel, c, base))] * rounds
         elif config_set == "focus":
             configs = focus_configs(base, kernel)
         else:

@@ -317,11 +317,11 @@ def align_blocks(
             BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=CHUNK, BLOCK_CHUNK=BLOCK_CHUNK, num_warps=4,
         )  # fmt: skip
     else:
+        from .align_wide import align_wide  # imported here: it uses this module's jit helpers
+
         align_wide(ids, l2p, num_experts, num_rows, out)
     return out
 
 
-# the reference lives in align_ref.py and the wide path in align_wide.py (imported last: they use this module's
-# checks and tiles); the reference is re-exported for the callers
+# the reference lives in align_ref.py (imported last: it uses this module's checks); re-exported for the callers
 from .align_ref import align_blocks_ref as align_blocks_ref  # noqa: E402
-from .align_wide import align_wide  # noqa: E402

@@ -4,8 +4,9 @@
                 with the gate/up sums and the activation rounded to the compute dtype, as `gemm1` stores them.
   down_combine: one program per (routed pair, N block of H): `y[pair, n] = round(act[pair] . w2[n])`; the last of
                 the token's K programs of an N block (a self-resetting arrival counter per (token, N block))
-                sums `w[t, k] * y[t*K + k]` in k order in fp32, exactly as `combine` does; no float atomics, so
-                the output does not depend on scheduling. `fuse_combine=False` leaves the sum to `combine`.
+                sums `w[t, k] * y[t*K + k]` in k order in fp32, exactly as `combine` does (of K x split_k2 with
+                K split: `gemv_tiles._down_tile`); no float atomics, so the output does not depend on scheduling.
+                `fuse_combine=False` leaves the sum to `combine`.
   one_launch:   both in one grid (`_fused_kernel`): gate_up tiles first, a down tile waits for its pair's
                 act (see the kernel for why this cannot deadlock and what happens if a wait gives up).
 
@@ -282,7 +283,7 @@ def _k_split(k: int, block_k: int, split: int, name: str) -> tuple[int, int]:
     """(splits, K tiles per split) for `split` requested shares of K's tiles, none of them empty."""
     if split < 1:
         raise ValueError(f"GEMV path: {name}={split} must be >= 1")
-    tiles = triton.cdiv(k, block_k)
+    tiles = max(triton.cdiv(k, block_k), 1)  # K = 0: one (empty) share
     per_split = triton.cdiv(tiles, split)
     return triton.cdiv(tiles, per_split), per_split
 
@@ -317,7 +318,7 @@ def gemv_down_combine(
         )
     num_pairs = T * K
     split, tiles_per_split = _k_split(I, config.block_k2, config.split_k2, "split_k2")
-    if split > 1 and not config.fuse_combine:
+    if config.split_k2 > 1 and not config.fuse_combine:
         raise ValueError(
             f"GEMV path: split_k2={config.split_k2} needs fuse_combine=True (its parts are summed there)"
         )

@@ -267,6 +267,7 @@ def _down_tile(
     stores its fp32 rows to `part_ptr` (`[pairs, SPLIT, H]`); the last of the token's K * SPLIT arrivals sums
     each pair's parts in split order, rounds that y as the unsplit kernel stores it, and combines (deterministic).
     Smaller work items, so the grid's last wave is fuller (y is not stored)."""
+    tl.static_assert(SPLIT == 1 or FUSE_COMBINE, "a split down sums its parts in the fused combine")
     num_nb = tl.cdiv(H, BLOCK_N)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H

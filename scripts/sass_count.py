@@ -87,9 +87,15 @@ def _cuobjdump(compiled, flag: str) -> str:
 
 def registers(compiled) -> int:
     """Registers per thread (`cuobjdump -res-usage`)."""
-    match = re.search(r"REG:(\d+)", _cuobjdump(compiled, "-res-usage"))
-    assert match, "cuobjdump -res-usage printed no REG count"
-    return int(match.group(1))
+    return resources(compiled)[0]
+
+
+def resources(compiled) -> tuple[int, int]:
+    """(registers per thread, stack bytes per thread) from `cuobjdump -res-usage`; a stack without calls is
+    where ptxas spills registers."""
+    match = re.search(r"REG:(\d+) STACK:(\d+)", _cuobjdump(compiled, "-res-usage"))
+    assert match, "cuobjdump -res-usage printed no REG / STACK counts"
+    return int(match.group(1)), int(match.group(2))
 
 
 def loop_profile(sass: str) -> tuple[int, collections.Counter]:
@@ -144,8 +150,9 @@ def main() -> None:
     count, ops = loop_profile(sass)
     rows = 2 * args.block_n if args.kernel == "gate_up" else args.block_n
     words = rows * args.block_k // FORMATS[args.fmt][1] // (32 * args.warps)
+    regs, stack = resources(compiled)
     print(f"triton {triton.__version__}, {args.kernel} {args.fmt} BN {args.block_n} BK {args.block_k} warps "
-          f"{args.warps} prefetch {args.prefetch} split {args.split}: {registers(compiled)} registers, K loop {count} instructions "
+          f"{args.warps} prefetch {args.prefetch} split {args.split}: {regs} registers, {stack} stack bytes, K loop {count} instructions "
           f"for {words} words per thread")  # fmt: skip
     print(" ".join(f"{op} {n}" for op, n in ops.most_common()))
 

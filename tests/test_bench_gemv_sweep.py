@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from pooled_runner.kernels.gemv import GemvConfig
 
-from bench.gemv_sweep import _alt_fields, down_configs, gate_up_configs
+from bench.gemv_sweep import _alt_fields, _differs_for, down_configs, gate_up_configs
 
 
 def test_alt_fields_parse_each_config():
@@ -27,3 +27,13 @@ def test_config_sets_start_at_the_default_without_repeats():
     for configs in (gate_up_configs(base), down_configs(base)):
         assert configs[0] == base and len(set(configs)) == len(configs)
     assert {c.split_k2 for c in down_configs(base)} == {1, 2, 4}
+
+
+def test_alt_configs_rerun_only_where_the_kernel_reads_the_change():
+    base = GemvConfig(32, 256, 64, 256, prefetch=False, max_registers=96)
+    split_down = dataclasses.replace(base, split_k2=2)
+    assert not _differs_for("gate_up", split_down, base)
+    assert _differs_for("down", split_down, base) and _differs_for("layer", split_down, base)
+    capped = dataclasses.replace(base, max_registers=128)
+    assert all(_differs_for(k, capped, base) for k in ("gate_up", "down", "layer"))
+    assert not _differs_for("down", dataclasses.replace(base, one_launch=True), base)

@@ -57,8 +57,9 @@ SPLIT_FORMATS = [
 )
 def test_gemv_split_k_down(name, H, I, dtype, split, cfg):
     """down with K split over `split` programs per (pair, N block), a pair not routed (-1) and host and pool
-    rows: the references' output; counters back at zero; a second call bitwise the first (the parts are summed
-    in split order whatever program arrives last); within fp32 summation order of the unsplit kernel."""
+    rows: the references' output; counters back at zero; a second call bitwise the first (on the interpreter the
+    last arrival is always the same program: arrival-order independence is the GPU graph replay test's); within
+    fp32 summation order of the unsplit kernel."""
     E, T, K = 7, 3, 3
     g, fmt, w13, w2, l2p = _layer(name, H, I, dtype, E)
     x = torch.randn(T, H, generator=g).to(dtype)
@@ -77,12 +78,16 @@ def test_gemv_split_k_down(name, H, I, dtype, split, cfg):
 
 
 def test_gemv_split_k_both_and_one_token():
-    """gate_up and down both split, one token with top-1 (one program per N block and split), then top-8 over
-    an odd expert count with every pair on one expert (the K arrivals of one block read one expert's parts)."""
-    E, H, I = 9, 64, 96
-    g, fmt, w13, w2, l2p = _layer("nvfp4", H, I, torch.bfloat16, E, R=4)
+    """gate_up and down both split, one token with top-1 on a host row (one program per N block and split),
+    then top-8 over an odd expert count with every pair on one pool row (the K arrivals of one block read one
+    expert's parts)."""
+    E, H, I, R = 9, 64, 96, 4
+    g, fmt, w13, w2, l2p = _layer("nvfp4", H, I, torch.bfloat16, E, R=R)
+    codes = l2p[:E].tolist()
+    host = next(e for e in range(E) if codes[e] >= R)
+    pool = next(e for e in range(E) if 0 <= codes[e] < R)
     cfg = GemvConfig(16, 32, 16, 32, split_k1=2, split_k2=3)
-    for ids in (torch.tensor([[4]]), torch.full((2, 8), 5)):
+    for ids in (torch.tensor([[host]]), torch.full((2, 8), pool)):
         x = torch.randn(ids.shape[0], H, generator=g).bfloat16()
         w = torch.rand(ids.shape, generator=g)
         out = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, cfg)

@@ -344,10 +344,8 @@ def test_gemv_graph_replay_equals_eager(name, mode):
     x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
     ids, w = routing(M, K, E, g)
     base = gemv.gemv_configs(H, I, fmt.fmt, M * K, fmt.group)
-    if (
-        mode == "split"
-    ):  # gate_up's K over 3 programs, down's over 2 (parts summed in split order, not arrival
-        # order: 3 fp32 parts in another order can round differently): compared with eager split calls
+    if mode == "split":  # gate_up's K over 3 programs, down's over 2: compared with eager split calls
+        # (parts summed in split order, not arrival order: fp32 parts in another order can round differently)
         base = dataclasses.replace(base, split_k1=3, split_k2=2)
     cfg = (
         base

@@ -81,9 +81,10 @@ def test_after_plan_equals_host_first_schedule(name, H, I, dtype, variant, T, K,
 
 
 @pytest.mark.parametrize("name", ["int4-g128", "nvfp4"])
-def test_after_plan_split_k_gate_up(name, overlap_modes) -> None:
-    """The GEMV's split-K gate_up in OVERLAP mode: each split program settles its pair's code on its own; the
-    parts still sum in split order (bitwise the host-first schedule's output)."""
+@pytest.mark.parametrize("split_k2", [1, 2])
+def test_after_plan_split_k_gate_up(name, split_k2, overlap_modes) -> None:
+    """The GEMV's split-K gate_up (and down, `split_k2`) in OVERLAP mode: each split program settles its pair's
+    code on its own; the parts still sum in split order (bitwise the host-first schedule's output)."""
     g = torch.Generator().manual_seed(17)
     H, I, E, R, T, K = 256, 128, 7, 3, 2, 3
     fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, R, g, torch.bfloat16)
@@ -91,7 +92,7 @@ def test_after_plan_split_k_gate_up(name, overlap_modes) -> None:
     w13, w2 = make_projections(fmt, pool, bank, H, I)
     x = torch.randn(T, H, generator=g).bfloat16()
     ids, w = random_routing(T, K, E, g)
-    cfg = GemvConfig(16, 32, 16, 32, num_warps=4, split_k1=3)
+    cfg = GemvConfig(16, 32, 16, 32, num_warps=4, split_k1=3, split_k2=split_k2)
     gemv.gemv_moe(
         x, ids, w, l2p, E, w13, w2, fmt, cfg
     )  # the workspace grows here, before the overlapped call

@@ -148,7 +148,8 @@ def test_plan_copy_is_a_programmatic_dependent_where_asked_and_available(monkeyp
 def test_gemv_launchers_pass_pdl_to_both_kernels(monkeypatch, on, split):
     """The GEMV path's wiring: with the gate open, gate_up (waits, then triggers) and down + combine (waits
     before reading act) are compiled with PDL and launched with `launch_pdl`; with it shut, neither, and no
-    `launch_pdl` at all. Split K of gate_up changes nothing. Kernels replaced by recorders."""
+    `launch_pdl` at all. Split K of gate_up and of down (K tiles of 16 values: two in I = 32) changes nothing.
+    Kernels replaced by recorders."""
     import dataclasses
 
     from pooled_runner.kernels import gemv
@@ -162,10 +163,10 @@ def test_gemv_launchers_pass_pdl_to_both_kernels(monkeypatch, on, split):
     monkeypatch.setattr(gemv, "_down_kernel", k2)
     monkeypatch.setattr(pdl, "gemv_pdl_enabled", lambda t: on)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    cfg = dataclasses.replace(gemv.gemv_configs(64, 32), split_k1=split)
+    cfg = dataclasses.replace(gemv.gemv_configs(64, 32), split_k1=split, split_k2=split, block_k2=16)
     pooled_fused_moe(*args, variant="gemv", gemv_config=cfg)
     assert len(k1.calls) == 1 and len(k2.calls) == 1, (k1.calls, k2.calls)
-    assert k1.calls[0]["SPLIT"] == split
+    assert k1.calls[0]["SPLIT"] == split and k2.calls[0]["SPLIT"] == split
     for k in (k1, k2):
         assert k.calls[0]["PDL"] is on, k.calls[0]
         assert k.calls[0].get("launch_pdl", False) is on and ("launch_pdl" in k.calls[0]) == on

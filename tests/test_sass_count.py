@@ -52,9 +52,12 @@ def test_compiles_a_gemv_kernel_for_sm90_without_a_gpu():
         [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    head = re.search(r"(\d+) registers, K loop (\d+) instructions for (\d+) words per thread", run.stdout)
+    head = re.search(
+        r"(\d+) registers, (\d+) stack bytes, K loop (\d+) instructions for (\d+) words per thread",
+        run.stdout,
+    )
     assert head, run.stdout
-    regs, loop, words = map(int, head.groups())
+    regs, _stack, loop, words = map(int, head.groups())
     # 2 x 8 rows x 8 words per tile over 128 threads: one word each; a loop that loads words and multiplies
     assert words == 1 and 0 < regs <= 255 and loop > 10, run.stdout
     ops = dict(re.findall(r"([A-Z][A-Z0-9]+) (\d+)", run.stdout.splitlines()[-1]))
@@ -65,7 +68,8 @@ def test_compiles_a_gemv_kernel_for_sm90_without_a_gpu():
 def test_the_register_cap_reaches_ptxas():
     """`--max-registers 96` (as `GemvConfig.max_registers` launches it) compiles the NVFP4 down kernel of the
     DeepSeek-like default tile within 96 registers, with K split over 2 programs too (`split_k2`); without it the
-    compiler takes more (106-128 seen)."""
+    compiler takes more (106-128 seen), without spilling. How much the capped tiles spill depends on the Triton
+    version (Triton 3.6: 40 stack bytes split or not; 3.8: 32 unsplit, 56 split), so that is not asserted."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     regs = {}
     for cap, split in ((0, 1), (96, 1), (96, 2)):
@@ -75,8 +79,9 @@ def test_the_register_cap_reaches_ptxas():
             [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300
         )
         assert run.returncode == 0, run.stderr[-2000:]
-        head = re.search(r"(\d+) registers", run.stdout)
+        head = re.search(r"(\d+) registers, (\d+) stack bytes", run.stdout)
         assert head, run.stdout
         assert f"split {split}:" in run.stdout, run.stdout
-        regs[cap, split] = int(head.group(1))
-    assert max(regs[96, 1], regs[96, 2]) <= 96 < regs[0, 1], regs
+        regs[cap, split] = int(head.group(1)), int(head.group(2))
+    assert max(regs[96, 1][0], regs[96, 2][0]) <= 96 < regs[0, 1][0], regs
+    assert regs[0, 1][1] == 0, regs
