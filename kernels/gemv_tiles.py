@@ -185,6 +185,17 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
 
 
 @triton.jit
+def _split_words(split, tiles_per_split, K_WORDS, KW: tl.constexpr, SPLIT: tl.constexpr):
+    """Word columns `[lo, hi)` of K that split `split` of SPLIT sums (K tiles of KW words, `tiles_per_split`
+    each, the last one cut at K); all of K when SPLIT is 1."""
+    if SPLIT == 1:
+        return 0, K_WORDS
+    else:
+        lo = split * tiles_per_split * KW
+        return lo, tl.minimum(lo + tiles_per_split * KW, K_WORDS)
+
+
+@triton.jit
 def _gate_up_tile(
     pair, code, nb, split, tiles_per_split, x_ptr, act_ptr, part_ptr, cnt_ptr, ids_ptr, l2p_ptr,
     wp, sp, zp, gp, wb, sb, zb, gb,
@@ -209,13 +220,7 @@ def _gate_up_tile(
         # gate row i and up row i interleaved: one loop over K for both, each x value serving twice the rows
         r = tl.arange(0, 2 * BLOCK_N)
         n_local = nb * BLOCK_N + r // 2
-        KW: tl.constexpr = BLOCK_K // VPW
-        if SPLIT == 1:
-            kw_lo = 0
-            kw_hi = H // VPW
-        else:
-            kw_lo = split * tiles_per_split * KW
-            kw_hi = tl.minimum(kw_lo + tiles_per_split * KW, H // VPW)
+        kw_lo, kw_hi = _split_words(split, tiles_per_split, H // VPW, BLOCK_K // VPW, SPLIT)
         gu = _rows_dot(w_base, s_base, z_base, g_base, x_row, n_local + (r % 2) * I, n_local < I, H, kw_lo, kw_hi,
                        w_sn, s_sn, z_sn, c0, c1, 2 * BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE,
                        VPW, PREFETCH, EVEN_K, False)  # fmt: skip
@@ -276,13 +281,7 @@ def _down_tile(
             code, num_rows, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se
         )
         x_row = act_ptr + pair.to(tl.int64) * stride_act
-        KW: tl.constexpr = BLOCK_K // VPW
-        if SPLIT == 1:
-            kw_lo = 0
-            kw_hi = I // VPW
-        else:
-            kw_lo = split * tiles_per_split * KW
-            kw_hi = tl.minimum(kw_lo + tiles_per_split * KW, I // VPW)
+        kw_lo, kw_hi = _split_words(split, tiles_per_split, I // VPW, BLOCK_K // VPW, SPLIT)
         y = _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, I, kw_lo, kw_hi, w_sn, s_sn, z_sn,
                       c0, c1, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH,
                       EVEN_K, X_CG)  # fmt: skip

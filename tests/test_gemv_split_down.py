@@ -8,32 +8,28 @@ import dataclasses
 import pytest
 import torch
 
-from tests.interpreter import interpreter_imports
-
-with interpreter_imports():
-    from pooled_runner.kernels import gemv
-    from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe_ref
-    from pooled_runner.kernels.gemv import GemvConfig, gemv_down_combine, gemv_gate_up, gemv_moe, gemv_moe_ref
-    from pooled_runner.kernels.moe_gemm import interpreting
-    from pooled_runner.kernels.operands import kernel_format
-
-from tests.kernel_helpers import assert_close, build_layer, random_routing
+from tests.kernel_helpers import assert_close, random_routing
+from tests.test_kernels_gemv import (
+    GemvConfig,
+    _layer,
+    gemv,
+    gemv_down_combine,
+    gemv_gate_up,
+    gemv_moe,
+    gemv_moe_ref,
+    interpreting,
+    pooled_fused_moe_ref,
+)
 
 pytestmark = pytest.mark.skipif(
     not interpreting(), reason="interpreter tests; the GPU runs test_kernels_gpu.py"
 )
+SEED = 3
 
 
 @pytest.fixture(autouse=True)
 def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def _layer(name, H, I, dtype, E=7, R=3, seed=3):
-    g = torch.Generator().manual_seed(seed + H + I)
-    fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, R, g, dtype)
-    fmt = kernel_format(fmt_obj)
-    return g, fmt, *make_projections(fmt, pool, bank, H, I), l2p
 
 
 # (format, H, I, dtype): down's K is I; with K tiles of 32 values: 3 tiles (the last partial for bf16's 72),
@@ -61,7 +57,7 @@ def test_gemv_split_k_down(name, H, I, dtype, split, cfg):
     last arrival is always the same program: arrival-order independence is the GPU graph replay test's); within
     fp32 summation order of the unsplit kernel."""
     E, T, K = 7, 3, 3
-    g, fmt, w13, w2, l2p = _layer(name, H, I, dtype, E)
+    g, fmt, w13, w2, l2p = _layer(name, H, I, dtype, E, seed=SEED)
     x = torch.randn(T, H, generator=g).to(dtype)
     ids, w = random_routing(T, K, E, g)
     ids[2, 1] = -1
@@ -82,7 +78,7 @@ def test_gemv_split_k_both_and_one_token():
     then top-8 over an odd expert count with every pair on one pool row (the K arrivals of one block read one
     expert's parts)."""
     E, H, I, R = 9, 64, 96, 4
-    g, fmt, w13, w2, l2p = _layer("nvfp4", H, I, torch.bfloat16, E, R=R)
+    g, fmt, w13, w2, l2p = _layer("nvfp4", H, I, torch.bfloat16, E, R=R, seed=SEED)
     codes = l2p[:E].tolist()
     host = next(e for e in range(E) if codes[e] >= R)
     pool = next(e for e in range(E) if 0 <= codes[e] < R)
@@ -96,7 +92,7 @@ def test_gemv_split_k_both_and_one_token():
 
 
 def test_gemv_split_k_down_rejects_bad_configs():
-    g, fmt, w13, w2, l2p = _layer("int4-g32", 64, 96, torch.bfloat16)
+    g, fmt, w13, w2, l2p = _layer("int4-g32", 64, 96, torch.bfloat16, seed=SEED)
     x = torch.randn(2, 64, generator=g).bfloat16()
     ids, w = random_routing(2, 2, 7, g)
     act = gemv_gate_up(x, ids, l2p, 7, w13, fmt, GemvConfig(16, 32, 16, 32))
