@@ -114,19 +114,25 @@ def focus_configs(base: GemvConfig, kernel: str) -> list[GemvConfig]:
     return list(dict.fromkeys(configs))
 
 
-# the fields each kernel reads (`layer` reads all): an --alt config equal to the default in these is not rerun
+# the tile fields each kernel reads (`layer` reads all): an --alt config equal to the default in these and in
+# the kernel's warps, load mode and register cap is not rerun
 _KERNEL_FIELDS = {
     "gate_up": ("block_n1", "block_k1", "split_k1"),
     "down": ("block_n2", "block_k2", "split_k2", "fuse_combine"),
 }
-_SHARED_FIELDS = ("num_warps", "prefetch", "stages", "max_registers")
 
 
 def _differs_for(kernel: str, cfg: GemvConfig, base: GemvConfig) -> bool:
     """`cfg` launches `kernel` differently from `base` (the one-launch fields only matter to `layer`)."""
     if kernel not in _KERNEL_FIELDS:
         return cfg != base
-    return any(getattr(cfg, f) != getattr(base, f) for f in _KERNEL_FIELDS[kernel] + _SHARED_FIELDS)
+    down = kernel == "down"
+
+    def launch(c: GemvConfig) -> tuple:
+        tiles = tuple(getattr(c, f) for f in _KERNEL_FIELDS[kernel])
+        return (*tiles, c.num_warps, c.prefetch_code(down), c.registers(down))
+
+    return launch(cfg) != launch(base)
 
 
 def _row(shape, name, M, kernel, cfg: GemvConfig, us, pct, diff) -> str:
@@ -135,10 +141,17 @@ def _row(shape, name, M, kernel, cfg: GemvConfig, us, pct, diff) -> str:
     # the splits that run (`_k_split`: never more than the K tiles), not the ones asked for
     s1 = _k_split(H, cfg.block_k1, cfg.split_k1, "split_k1")[0]
     s2 = _k_split(I, cfg.block_k2, cfg.split_k2, "split_k2")[0]
-    split = {"gate_up": s1, "down": s2}.get(kernel, f"{s1}/{s2}")
+
+    def both(gate_up, down):  # the kernel's value; a layer's `gate_up/down` where they differ
+        return {"gate_up": gate_up, "down": down}.get(
+            kernel, gate_up if gate_up == down else f"{gate_up}/{down}"
+        )
+
+    split = both(s1, s2)
+    prefetch = both(cfg.prefetch_code(), cfg.prefetch_code(down=True))
+    regs = both(cfg.registers() or "-", cfg.registers(down=True) or "-")
     return (
-        f"| {shape} | {name} | {M} | {kernel} | {bn} | {bk} | {cfg.num_warps} | {cfg.prefetch_code()} | {split} "
-        f"| {cfg.max_registers or '-'} "
+        f"| {shape} | {name} | {M} | {kernel} | {bn} | {bk} | {cfg.num_warps} | {prefetch} | {split} | {regs} "
         f"| {us:.1f} | {pct:.0f}% | {diff:.2e} |"
     )
 

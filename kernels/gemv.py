@@ -269,14 +269,23 @@ def gemv_gate_up(
     return act
 
 
-def reg_limit(config: GemvConfig) -> dict[str, int]:
-    """Launch options: ptxas' register limit (`maxnreg`) where the config sets one (none on ROCm: its compiler
-    options have no such field)."""
-    if config.max_registers < 0 or config.max_registers > 255:
-        raise ValueError(f"GEMV path: max_registers={config.max_registers} must be 0 (no limit) or 1..255")
-    if not config.max_registers or torch.version.hip:
+def reg_limit(config: GemvConfig, down: bool = False) -> dict[str, int]:
+    """Launch options of gate_up (`down`: of down): ptxas' register limit (`maxnreg`) where the config sets one
+    (none on ROCm: its compiler options have no such field)."""
+    for name, value in (
+        ("max_registers", config.max_registers),
+        ("down_max_registers", config.down_max_registers),
+    ):
+        if value > 255 or value < (-1 if name.startswith("down") else 0):
+            raise ValueError(
+                f"GEMV path: {name}={value} must be 0 (no limit) or 1..255 (down: -1, gate_up's)"
+            )
+    if config.down_prefetch < -1:
+        raise ValueError(f"GEMV path: down_prefetch={config.down_prefetch} must be -1 (gate_up's) or >= 0")
+    regs = config.registers(down)
+    if not regs or torch.version.hip:
         return {}
-    return {"maxnreg": config.max_registers}
+    return {"maxnreg": regs}
 
 
 def _k_split(k: int, block_k: int, split: int, name: str) -> tuple[int, int]:
@@ -337,11 +346,11 @@ def gemv_down_combine(
         tiles_per_split,
         TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n2, BLOCK_K=config.block_k2,
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
-        COMPUTE=_TL_DTYPES[act.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(),
+        COMPUTE=_TL_DTYPES[act.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(down=True),
         FUSE_COMBINE=config.fuse_combine, EVEN_K=I % config.block_k2 == 0, PDL=use_pdl,
         OVERLAP=_overlap(after_plan, use_pdl), SPLIT=split,
         num_warps=config.num_warps, num_stages=1, **({"launch_pdl": True} if use_pdl else {}),
-        **reg_limit(config),
+        **reg_limit(config, down=True),
     )  # fmt: skip
     if not config.fuse_combine:
         assert y is not None

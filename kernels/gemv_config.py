@@ -33,10 +33,20 @@ class GemvConfig:
         1  # down programs per (pair, N block), each over a share of K (two launches, fused combine)
     )
     max_registers: int = 0  # > 0: registers per thread at most (ptxas `maxnreg`); 0: the compiler's choice
+    # down's own load mode (a PREFETCH code, see `prefetch_code`) and register cap, where they differ from
+    # gate_up's; -1: the same as gate_up's (two launches only)
+    down_prefetch: int = -1
+    down_max_registers: int = -1
 
-    def prefetch_code(self) -> int:
-        """The kernels' PREFETCH: 1 register prefetch, 0 none, >= 2 pipeline stages."""
+    def prefetch_code(self, down: bool = False) -> int:
+        """The kernels' PREFETCH: 1 register prefetch, 0 none, >= 2 pipeline stages (`down`: the down kernel's)."""
+        if down and self.down_prefetch >= 0:
+            return self.down_prefetch
         return self.stages if self.stages >= 2 else int(self.prefetch)
+
+    def registers(self, down: bool = False) -> int:
+        """The register cap of gate_up's launch (`down`: down's); 0: none."""
+        return self.down_max_registers if down and self.down_max_registers >= 0 else self.max_registers
 
 
 def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group: int = 128) -> GemvConfig:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from pooled_runner.kernels.gemv import GemvConfig
 
-from bench.gemv_sweep import _alt_fields, _differs_for, down_configs, gate_up_configs
+from bench.gemv_sweep import _alt_fields, _differs_for, _row, down_configs, gate_up_configs
 
 
 def test_alt_fields_parse_each_config():
@@ -37,3 +37,19 @@ def test_alt_configs_rerun_only_where_the_kernel_reads_the_change():
     capped = dataclasses.replace(base, max_registers=128)
     assert all(_differs_for(k, capped, base) for k in ("gate_up", "down", "layer"))
     assert not _differs_for("down", dataclasses.replace(base, one_launch=True), base)
+
+
+def test_rows_name_each_kernels_own_load_mode_and_cap():
+    base = GemvConfig(
+        32, 256, 64, 256, prefetch=True, max_registers=128, down_prefetch=0, down_max_registers=96
+    )
+    cells = {
+        k: _row("deepseek", "nvfp4", 1, k, base, 1.0, 50.0, 0.0).split(" | ")
+        for k in ("gate_up", "down", "layer")
+    }
+    # columns: shape, format, M, kernel, BN, BK, warps, prefetch, split K, max regs, ...
+    assert cells["gate_up"][7:10] == ["1", "1", "128"], cells
+    assert cells["down"][7:10] == ["0", "1", "96"], cells
+    assert cells["layer"][7:10] == ["1/0", "1", "128/96"], cells
+    assert not _differs_for("gate_up", dataclasses.replace(base, down_prefetch=1), base)
+    assert _differs_for("down", dataclasses.replace(base, down_prefetch=1), base)

@@ -116,3 +116,42 @@ def test_register_limit_reaches_the_launch(monkeypatch, one_launch):
     for bad in (-1, 256):
         with pytest.raises(ValueError, match=f"max_registers={bad} must be 0"):
             gemv.reg_limit(dataclasses.replace(base, max_registers=bad))
+    with pytest.raises(ValueError, match="down_max_registers=-2 must be 0"):
+        gemv.reg_limit(dataclasses.replace(base, down_max_registers=-2))
+
+
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_down_prefetch_and_cap_reach_the_down_launch_only(monkeypatch, one_launch):
+    """`down_prefetch` / `down_max_registers` set down's PREFETCH and `maxnreg` apart from gate_up's (which keeps
+    the shared fields'); the one launch compiles both tiles alike and refuses them; results equal (the
+    interpreter drops `maxnreg`; the prefetch changes only when loads are issued)."""
+    g, fmt, w13, w2, l2p = _layer("nvfp4", 64, 64, torch.bfloat16)
+    x = torch.randn(2, 64, generator=g).bfloat16()
+    ids = torch.randint(0, 7, (2, 3), generator=g)
+    tw = torch.rand(2, 3, generator=g)
+    seen: dict = {}
+    for name in ("_gate_up_kernel", "_down_kernel"):
+        kernel = getattr(gemv, name)
+
+        class Spy:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                def launch(*args, **kwargs):
+                    seen[name] = (kwargs["PREFETCH"], kwargs.get("maxnreg"))
+                    return kernel[grid](*args, **kwargs)
+
+                return launch
+
+        monkeypatch.setattr(gemv, name, Spy())
+    base = dataclasses.replace(CONFIGS[0], prefetch=False)
+    apart = dataclasses.replace(base, down_prefetch=1, down_max_registers=96)
+    if one_launch:
+        with pytest.raises(ValueError, match="down_prefetch=1, down_max_registers=96"):
+            pooled_fused_moe(x, ids, tw, l2p, 7, w13, w2, fmt, variant="gemv",
+                             gemv_config=dataclasses.replace(apart, one_launch=True))  # fmt: skip
+        return
+    out = pooled_fused_moe(x, ids, tw, l2p, 7, w13, w2, fmt, variant="gemv", gemv_config=apart)
+    assert seen == {"_gate_up_kernel": (0, None), "_down_kernel": (1, 96)}, seen
+    shared = dataclasses.replace(base, prefetch=True, max_registers=80)
+    ref = pooled_fused_moe(x, ids, tw, l2p, 7, w13, w2, fmt, variant="gemv", gemv_config=shared)
+    assert seen == {"_gate_up_kernel": (1, 80), "_down_kernel": (1, 80)}, seen
+    assert torch.equal(out, ref)
