@@ -29,9 +29,7 @@ class GemvConfig:
     one_launch: bool = False  # gate_up and down tiles in one grid (`_fused_kernel`); implies fuse_combine
     tickets: bool = True  # one_launch: tiles taken in arrival order from a counter (else by program id)
     split_k1: int = 1  # gate_up programs per (pair, N block), each over a share of K (two launches only)
-    split_k2: int = (
-        1  # down programs per (pair, N block), each over a share of K (two launches, fused combine)
-    )
+    split_k2: int = 1  # down programs per (pair, N block), each over a share of K (two launches, fused sum)
     max_registers: int = 0  # > 0: registers per thread at most (ptxas `maxnreg`); 0: the compiler's choice
     # down's own load mode (a PREFETCH code, see `prefetch_code`) and register cap, where they differ from
     # gate_up's; -1: the same as gate_up's (two launches only)
