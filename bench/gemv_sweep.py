@@ -139,8 +139,8 @@ def _row(shape, name, M, kernel, cfg: GemvConfig, us, pct, diff) -> str:
     H, I, _, _ = SHAPES[shape]
     bn, bk = (cfg.block_n1, cfg.block_k1) if kernel != "down" else (cfg.block_n2, cfg.block_k2)
     # the splits that run (`_k_split`: never more than the K tiles), not the ones asked for
-    s1 = _k_split(H, cfg.block_k1, cfg.split_k1, "split_k1")[0]
-    s2 = _k_split(I, cfg.block_k2, cfg.split_k2, "split_k2")[0]
+    s1 = _k_split(H, cfg.block_k1, cfg.split_k1)[0]
+    s2 = _k_split(I, cfg.block_k2, cfg.split_k2)[0]
 
     def both(gate_up, down):  # the kernel's value; a layer's `gate_up/down` where they differ
         return {"gate_up": gate_up, "down": down}.get(

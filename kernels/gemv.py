@@ -244,7 +244,7 @@ def gemv_gate_up(
         return act
     ptrs, strides, native, c0, c1 = _word_args(w13, fmt)
     num_nb = triton.cdiv(I, config.block_n1)
-    split, tiles_per_split = _k_split(H, config.block_k1, config.split_k1, "split_k1")
+    split, tiles_per_split = _k_split(H, config.block_k1, config.split_k1)
     if split > 1 and not counters_ready(act.device, num_pairs * num_nb):
         # the workspace's growth launches kernels: this one is no longer the plan's dependent
         after_plan = False
@@ -271,27 +271,15 @@ def gemv_gate_up(
 
 def reg_limit(config: GemvConfig, down: bool = False) -> dict[str, int]:
     """Launch options of gate_up (`down`: of down): ptxas' register limit (`maxnreg`) where the config sets one
-    (none on ROCm: its compiler options have no such field)."""
-    for name, value in (
-        ("max_registers", config.max_registers),
-        ("down_max_registers", config.down_max_registers),
-    ):
-        if value > 255 or value < (-1 if name.startswith("down") else 0):
-            raise ValueError(
-                f"GEMV path: {name}={value} must be 0 (no limit) or 1..255 (down: -1, gate_up's)"
-            )
-    if config.down_prefetch < -1:
-        raise ValueError(f"GEMV path: down_prefetch={config.down_prefetch} must be -1 (gate_up's) or >= 0")
+    (none on ROCm: its compiler options have no such field; `GemvConfig` checked the value)."""
     regs = config.registers(down)
     if not regs or torch.version.hip:
         return {}
     return {"maxnreg": regs}
 
 
-def _k_split(k: int, block_k: int, split: int, name: str) -> tuple[int, int]:
-    """(splits, K tiles per split) for `split` requested shares of K's tiles, none of them empty."""
-    if split < 1:
-        raise ValueError(f"GEMV path: {name}={split} must be >= 1")
+def _k_split(k: int, block_k: int, split: int) -> tuple[int, int]:
+    """(splits, K tiles per split) for `split` (>= 1, `GemvConfig`) requested shares of K's tiles, none empty."""
     tiles = max(triton.cdiv(k, block_k), 1)  # K = 0: one (empty) share
     per_split = triton.cdiv(tiles, split)
     return triton.cdiv(tiles, per_split), per_split
@@ -326,22 +314,22 @@ def gemv_down_combine(
             f"topk_weights {tuple(tw.shape)}, topk_ids {tuple(topk_ids.shape)}, act {tuple(act.shape)}"
         )
     num_pairs = T * K
-    split, tiles_per_split = _k_split(I, config.block_k2, config.split_k2, "split_k2")
-    if config.split_k2 > 1 and not config.fuse_combine:
-        raise ValueError(
-            f"GEMV path: split_k2={config.split_k2} needs fuse_combine=True (its parts are summed there)"
-        )
+    split, tiles_per_split = _k_split(I, config.block_k2, config.split_k2)
     if num_pairs == 0:  # top-k 0: every token's output is the empty sum
         return torch.zeros((T, H), dtype=act.dtype, device=act.device)
-    y = torch.empty((num_pairs, H), dtype=act.dtype, device=act.device) if split == 1 else None
-    part = torch.empty((num_pairs, split, H), dtype=torch.float32, device=act.device) if split > 1 else None
+    if split == 1:
+        y = torch.empty((num_pairs, H), dtype=act.dtype, device=act.device)
+        part = y  # not read
+    else:  # the fused combine sums the parts (`GemvConfig`): no y
+        part = torch.empty((num_pairs, split, H), dtype=torch.float32, device=act.device)
+        y = part  # not read
     out = torch.empty((T, H), dtype=act.dtype, device=act.device)
     num_nb = triton.cdiv(H, config.block_n2)
     cnt = _counters(act.device, T * num_nb)[SYNC_WORDS:]
     ptrs, strides, native, c0, c1 = _word_args(w2, fmt)
     use_pdl = pdl.gemv_pdl_enabled(act)
     _down_kernel[(num_pairs * num_nb * split,)](
-        act, y if y is not None else part, part if part is not None else y, out, cnt, topk_ids, l2p, tw,
+        act, y, part, out, cnt, topk_ids, l2p, tw,
         *ptrs, *strides, num_pairs, num_experts, w2.num_rows, H, I, act.stride(0), H, out.stride(0), c0, c1,
         tiles_per_split,
         TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n2, BLOCK_K=config.block_k2,
@@ -353,7 +341,6 @@ def gemv_down_combine(
         **reg_limit(config, down=True),
     )  # fmt: skip
     if not config.fuse_combine:
-        assert y is not None
         return combine(y, topk_ids, tw, l2p, num_experts)
     return out
 

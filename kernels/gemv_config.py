@@ -36,6 +36,33 @@ class GemvConfig:
     down_prefetch: int = -1
     down_max_registers: int = -1
 
+    def __post_init__(self) -> None:
+        """ValueError for a config no launch can take, at construction (not at every launch)."""
+        for name in ("split_k1", "split_k2"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GEMV path: {name}={getattr(self, name)} must be >= 1")
+        if self.split_k2 > 1 and not self.fuse_combine:
+            raise ValueError(
+                f"GEMV path: split_k2={self.split_k2} needs fuse_combine=True (its parts are summed there)"
+            )
+        if not 0 <= self.max_registers <= 255:
+            raise ValueError(f"GEMV path: max_registers={self.max_registers} must be 0 (no limit) or 1..255")
+        if not -1 <= self.down_max_registers <= 255 or self.down_prefetch < -1:
+            raise ValueError(
+                f"GEMV path: down_max_registers={self.down_max_registers} must be 0 (no limit) or 1..255, and "
+                f"down_prefetch={self.down_prefetch} >= 0 (-1 for either: gate_up's)"
+            )
+        if self.one_launch and (self.down_prefetch >= 0 or self.down_max_registers >= 0):
+            raise ValueError(
+                f"one launch: down_prefetch={self.down_prefetch}, down_max_registers={self.down_max_registers}: "
+                "one launch compiles both tiles alike (use -1)"
+            )
+        if self.one_launch and (self.split_k1 != 1 or self.split_k2 != 1):
+            raise ValueError(
+                f"one launch: split_k1={self.split_k1}, split_k2={self.split_k2} are for the two-launch path "
+                "(use 1)"
+            )
+
     def prefetch_code(self, down: bool = False) -> int:
         """The kernels' PREFETCH: 1 register prefetch, 0 none, >= 2 pipeline stages (`down`: the down kernel's)."""
         if down and self.down_prefetch >= 0:

@@ -106,16 +106,6 @@ def gemv_one_launch(
     config: GemvConfig,
 ) -> torch.Tensor:
     """`gemv_moe` in one launch (`_fused_kernel`): the same tiles and result as the two launches."""
-    if config.down_prefetch >= 0 or config.down_max_registers >= 0:
-        raise ValueError(
-            f"one launch: down_prefetch={config.down_prefetch}, down_max_registers={config.down_max_registers}: "
-            "one launch compiles both tiles alike (use -1)"
-        )
-    if config.split_k1 != 1 or config.split_k2 != 1:
-        raise ValueError(
-            f"one launch: split_k1={config.split_k1}, split_k2={config.split_k2} are for the two-launch path "
-            "(use 1)"
-        )
     T, K = topk_ids.shape
     H = hidden.shape[1]
     I = w2.weight.shape[2] * fmt.values_per_element()

@@ -54,7 +54,7 @@ def compile_gemv(
     consts = dict(TOP_K=8, P_POW2=64, BLOCK_N=block_n, BLOCK_K=block_k, FMT=fmt_code, GROUP=group,
                   HAS_ZERO=False, NATIVE_FP8=True, COMPUTE=tl.bfloat16, VPW=vpw, PREFETCH=prefetch,
                   EVEN_K=True, PDL=False, OVERLAP=False)  # fmt: skip
-    consts |= {"SPLIT": split} if kernel == "gate_up" else {"SPLIT": split, "FUSE_COMBINE": True}
+    consts |= {"SPLIT": split} | ({} if kernel == "gate_up" else {"FUSE_COMBINE": True})
     scale = "*fp8e4nv" if fmt == "nvfp4" else "*fp32"
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -83,11 +83,6 @@ def _cuobjdump(compiled, flag: str) -> str:
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
         return subprocess.run([tool, flag, path], capture_output=True, text=True, check=True).stdout
-
-
-def registers(compiled) -> int:
-    """Registers per thread (`cuobjdump -res-usage`)."""
-    return resources(compiled)[0]
 
 
 def resources(compiled) -> tuple[int, int]:

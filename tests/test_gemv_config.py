@@ -118,6 +118,8 @@ def test_register_limit_reaches_the_launch(monkeypatch, one_launch):
             gemv.reg_limit(dataclasses.replace(base, max_registers=bad))
     with pytest.raises(ValueError, match="down_max_registers=-2 must be 0"):
         gemv.reg_limit(dataclasses.replace(base, down_max_registers=-2))
+    with pytest.raises(ValueError, match="down_prefetch=-2 >= 0"):
+        dataclasses.replace(base, down_prefetch=-2)
 
 
 @pytest.mark.parametrize("one_launch", [False, True])
