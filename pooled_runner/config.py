@@ -40,7 +40,8 @@ class PoolConfig:
 
     Fields (all resolved; see `resolve`):
       pool_rows: number of device rows shared by all pooled MoE layers (`--moe-expert-pool-rows`).
-      weight_format: expert weight format; one of `pooled_runner.formats.FORMATS` ("bf16" for now).
+      weight_format: expert weight format of the bank and the rows; one of `pooled_runner.formats.FORMATS`
+        (bf16: the checkpoint's dense weights; int4/fp8/NVFP4: each expert quantized while it loads).
       device: "cuda", "cuda:N" or "cpu". "auto" is only accepted by `resolve`.
       prefill_staging: stream each layer's routed non-resident experts through a ring of chunk buffers in VRAM
         for large uncaptured steps (`staging.py`).
@@ -81,7 +82,9 @@ class PoolConfig:
     _HELP: ClassVar[dict[str, str]] = {
         "pool_rows": "GPU rows of the expert pool shared by all pooled MoE layers (required with --model; the "
         "embedded model has its own default).",
-        "weight_format": "Expert weight format (the launcher serves bf16 only; the others are for the Python API).",
+        "weight_format": "Expert weight format of the bank and the pool rows: bf16 keeps the checkpoint's weights; "
+        "int4-g*, fp8*, nvfp4 quantize each expert of an unquantized checkpoint while it loads (fewer bytes per "
+        "miss, approximate weights; needs a bf16/fp16 model).",
         "device": "Device of the pool rows: cuda, cuda:N or cpu (auto: cuda if available, else cpu).",
         "prefill_staging": "Stage a layer's non-resident experts into VRAM for prefill steps of at least "
         "--moe-expert-pool-staging-min-tokens tokens.",

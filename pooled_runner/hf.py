@@ -115,8 +115,9 @@ def _top_k(model: nn.Module) -> int:
 def pool_experts(model: nn.Module, config: PoolConfig) -> PooledMoE:
     """Replace every routed-experts module of `model` with pooled experts sharing one PooledMoE.
 
-    The experts are copied one at a time into the bank (or straight into rows when they all fit), then the
-    original modules are dropped. Raises ValueError when the model has no experts module the pool handles.
+    The experts are copied one at a time into the bank (or straight into rows when they all fit), in
+    `config.weight_format` (a quantized format quantizes each expert on the way: the model then computes with
+    the dequantized weights), then the original modules are dropped. Raises ValueError when the model has no experts module the pool handles.
     Returns the PooledMoE (for stats).
     """
     found = find_experts_modules(model)
@@ -136,10 +137,11 @@ def pool_experts(model: nn.Module, config: PoolConfig) -> PooledMoE:
 
     def load(layer: int, expert: int) -> dict[str, torch.Tensor]:
         gate_up, down = _weights(found[layer][1])
-        return {
-            "w13": gate_up[expert].detach().to("cpu", dtype).contiguous(),
-            "w2": down[expert].detach().to("cpu", dtype).contiguous(),
-        }
+        # the format's rows of the dense expert (bf16: the weights themselves; int4/fp8/NVFP4: quantized)
+        return moe.format.quantize(
+            gate_up[expert].detach().to("cpu", dtype).contiguous(),
+            down[expert].detach().to("cpu", dtype).contiguous(),
+        )
 
     with torch.no_grad():
         moe.install(load)

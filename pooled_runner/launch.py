@@ -38,6 +38,7 @@ from pooled_runner.launch_checks import (
     device_problems,
     find_model_facts,
     flag_value,
+    format_problems,
     graph_phases_maybe_on,
     has_flag,
     pool_problems,
@@ -157,10 +158,9 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
         problems += spec_governor_problems(ours.spec_governor, argv, tp_size)
         if ours.stats_interval <= 0:
             problems.append(f"--moe-expert-pool-stats-interval {ours.stats_interval}: must be positive")
-        if ours.weight_format != "bf16":
-            problems.append(
-                f"{flag_name('weight_format')} {ours.weight_format}: serving loads unquantized checkpoints into "
-                "bf16 rows only (the other formats are for the Python API and the benchmarks); use bf16"
+        if facts is not None:
+            problems += format_problems(
+                ours.weight_format, weight_dtype(argv, facts), facts, tp_size, cpu=not cuda_available
             )
         values = {f.name: getattr(ours, f.name) for f in cli_fields()}
         # a bad row count is reported above, with the model's numbers: check the other fields with a valid one

@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 from pooled_runner.config import flag_name
+from pooled_runner.formats import FORMATS, make_format
 from pooled_runner.sglang.model_facts import ModelFacts, read_model_facts
-from pooled_runner.tp import tp_problems
+from pooled_runner.tp import rank_intermediate, tp_problems
 
 logger = logging.getLogger("pooled_runner")
 
@@ -134,6 +135,37 @@ def pool_problems(
                 f"({facts.num_moe_layers} MoE layers x {facts.num_experts}); use <= {facts.num_total_experts}"
             )
     return out
+
+
+def format_problems(
+    weight_format: str, dtype: torch.dtype, facts: ModelFacts, tp_size: int = 1, cpu: bool = False
+) -> list[str]:
+    """Whether the model's experts (each rank's shard) fit `--moe-expert-pool-weight-format`: a quantized
+    format needs a bf16/fp16 model and K dimensions its groups divide; the refusal lists the formats that fit."""
+    if facts.hidden_size <= 0 or facts.moe_intermediate_size <= 0 or weight_format not in FORMATS:
+        return []  # unknown sizes: the layers check when they register; an unknown format: PoolConfig says so
+    try:
+        per_rank = rank_intermediate(facts.moe_intermediate_size, tp_size, cpu)
+    except ValueError:
+        return []  # reported by tp_problems
+
+    def why_not(name: str) -> str | None:
+        try:
+            make_format(name, dtype).operands(facts.hidden_size, per_rank)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    why = why_not(weight_format)
+    if why is None:
+        return []
+    fitting = [name for name in FORMATS if why_not(name) is None]
+    dtype_fix = "" if dtype in (torch.bfloat16, torch.float16) else "; or serve in bf16 (--dtype bfloat16)"
+    return [
+        f"{flag_name('weight_format')} {weight_format}: {why} (hidden {facts.hidden_size}, expert intermediate "
+        f"{per_rank} per rank, {str(dtype).removeprefix('torch.')}); formats that fit this model: "
+        f"{', '.join(fitting)}{dtype_fix}"
+    ]
 
 
 def spec_governor_problems(governor: str, argv: list[str], tp_size: int = 1) -> list[str]:

@@ -7,7 +7,9 @@ import transformers
 ARCHS = ("qwen3_moe", "deepseek_v3", "qwen3_next")
 
 
-def tiny_config(arch: str, hidden: int = 64, layers: int = 3) -> transformers.PretrainedConfig:
+def tiny_config(
+    arch: str, hidden: int = 64, layers: int = 3, moe_intermediate: int = 40
+) -> transformers.PretrainedConfig:
     """A few-layer config of `arch` with an odd number of experts per layer where the arch allows it."""
     common = dict(vocab_size=256, hidden_size=hidden, num_hidden_layers=layers, max_position_embeddings=256)
     if arch == "qwen3_moe":
@@ -17,7 +19,7 @@ def tiny_config(arch: str, hidden: int = 64, layers: int = 3) -> transformers.Pr
             num_key_value_heads=2,
             head_dim=16,
             intermediate_size=96,
-            moe_intermediate_size=40,
+            moe_intermediate_size=moe_intermediate,
             num_experts=13,
             num_experts_per_tok=3,
             decoder_sparse_step=1,
@@ -29,7 +31,7 @@ def tiny_config(arch: str, hidden: int = 64, layers: int = 3) -> transformers.Pr
             num_attention_heads=4,
             num_key_value_heads=4,
             intermediate_size=96,
-            moe_intermediate_size=40,
+            moe_intermediate_size=moe_intermediate,
             n_routed_experts=16,
             num_experts_per_tok=4,
             n_shared_experts=1,
@@ -49,7 +51,7 @@ def tiny_config(arch: str, hidden: int = 64, layers: int = 3) -> transformers.Pr
             num_key_value_heads=2,
             head_dim=16,
             intermediate_size=96,
-            moe_intermediate_size=40,
+            moe_intermediate_size=moe_intermediate,
             num_experts=11,
             num_experts_per_tok=3,
             shared_expert_intermediate_size=32,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -10,6 +11,7 @@ import transformers
 from torch import nn
 
 from pooled_runner import PoolConfig
+from pooled_runner.formats import make_format
 from pooled_runner.hf import PooledExperts, find_experts_modules, pool_experts
 from tests.hf_models import ARCHS, num_routed_experts, tiny_config
 
@@ -45,6 +47,49 @@ def test_greedy_tokens_equal_unpooled(arch, frac, staging):
     if staging:  # the 22-token prefill is staged, decode steps are not
         assert moe.stager is not None and moe.stager.stats.steps_staged == 1
         assert moe.stager.stats.layers_staged == num_layers
+
+
+@pytest.mark.parametrize(("arch", "fmt"), [("qwen3_moe", "int4-g32"), ("deepseek_v3", "nvfp4")])
+def test_quantized_pool_equals_the_model_on_dequantized_experts(arch: str, fmt: str) -> None:
+    """A quantized pool format quantizes each expert while pooling: each pooled layer equals the model's
+    experts module holding the dequantized weights (and is farther from the unquantized one than that), and
+    greedy generation gives the tokens of the model on dequantized experts (bf16)."""
+    torch.manual_seed(21)
+    cfg = tiny_config(arch, moe_intermediate=64)  # int4's group of 32 and NVFP4's 16 divide H and I
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    original, reference = copy.deepcopy(model), copy.deepcopy(model)
+    converter = make_format(fmt, torch.bfloat16)
+    with torch.no_grad():
+        for _, experts in find_experts_modules(reference):
+            gate_up, down = experts.gate_up_proj, experts.down_proj
+            for e in range(gate_up.shape[0]):
+                gate_up[e], down[e] = converter.expert_weights(converter.quantize(gate_up[e], down[e]))
+    num_layers = len(find_experts_modules(model))
+    rows = max(cfg.num_experts_per_tok, num_layers * num_routed_experts(cfg) // 3)
+    moe = pool_experts(model, PoolConfig(pool_rows=rows, device="cpu", weight_format=fmt))
+    assert moe.format.name == fmt and moe.bank is not None
+
+    g = torch.Generator().manual_seed(22)
+    E, K, H = num_routed_experts(cfg), cfg.num_experts_per_tok, cfg.hidden_size
+    pooled = [m for m in model.modules() if isinstance(m, PooledExperts)]
+    pairs = zip(pooled, find_experts_modules(reference), find_experts_modules(original), strict=True)
+    with torch.no_grad():
+        for layer, (mine, (_, dequantized), (_, unquantized)) in enumerate(pairs):
+            x = torch.randn(9, H, generator=g).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(9)])  # [T, K]
+            weights = torch.rand(9, K, generator=g).to(torch.bfloat16)  # [T, K]
+            got = mine(x, ids, weights).float()
+            near = (got - dequantized(x, ids, weights).float()).abs().max()
+            far = (got - unquantized(x, ids, weights).float()).abs().max()
+            assert near <= 0.02 * got.abs().max(), f"layer {layer}: {near:.3g} from the dequantized experts"
+            assert far > 4 * near, (
+                f"layer {layer}: {far:.3g} from unquantized experts, {near:.3g} from dequantized"
+            )
+    prompt = torch.randint(0, 256, (2, 13), generator=g)
+    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    out, ref = model.generate(prompt, **kwargs), reference.generate(prompt, **kwargs)
+    assert torch.equal(out, ref), f"pooled tokens {out.tolist()} != reference {ref.tolist()}"
+    assert moe.stats().misses > 0
 
 
 def test_model_without_experts_is_refused():

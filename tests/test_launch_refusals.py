@@ -1,6 +1,6 @@
 """What the launcher and `PoolConfig` refuse before anything starts, each with the fix: options the launcher
 cannot see through (SGLang's --config), misspelt pool flags, configurations serving cannot load (quantized
-checkpoints, non-bf16 pool formats), devices that do not match the machine or SGLang's --device, bad knob values,
+checkpoints, pool formats the experts do not fit), devices that do not match the machine or SGLang's --device, bad knob values,
 wrongly typed config values; and a hub model id read from the local Hugging Face cache."""
 
 from __future__ import annotations
@@ -82,20 +82,47 @@ def test_abbreviated_sglang_flags_the_launcher_reads_are_refused(model: str) -> 
     assert ok.tp_size == 1  # full names (and longer SGLang flags, and a bare --) pass
 
 
-def test_quantization_and_non_bf16_pool_formats_are_refused_for_serving(model: str) -> None:
+def test_quantized_checkpoints_are_refused_for_serving(model: str) -> None:
     message = refusal(["--model", model, "--moe-expert-pool-rows", "8", "--quantization", "fp8"])
     assert "--quantization: the pool handles unquantized" in message and "--no-moe-expert-pool" in message
     unpooled = plan(["--model", model, "--no-moe-expert-pool", "--quantization", "fp8"])
     assert unpooled.serve.pool is None
     # SGLang's "unquant" means no quantization: what the pool needs
     assert plan(["--model", model, "--moe-expert-pool-rows", "8", "--quantization", "unquant"]).serve.pool
-    message = refusal(
-        ["--model", model, "--moe-expert-pool-rows", "8", "--moe-expert-pool-weight-format", "int4-g128"]
-    )
+
+
+def test_pool_formats_are_checked_against_the_experts(tmp_path: Path) -> None:
+    """A quantized pool format quantizes an unquantized checkpoint while it loads: its groups must divide each
+    rank's K dimensions (H for w13, I for w2) and the model must compute in bf16/fp16; the refusal lists the
+    formats that fit."""
+    folder = tmp_path / "sized"
+    folder.mkdir()
+    config = {**QWEN3_MOE, "hidden_size": 256, "moe_intermediate_size": 96, "torch_dtype": "bfloat16"}
+    (folder / "config.json").write_text(json.dumps(config))
+    base = ["--model", str(folder), "--moe-expert-pool-rows", "8", "--moe-expert-pool-weight-format"]
+    for fmt in ("int4-g32", "int4-g32-zp", "fp8", "fp8-b128", "nvfp4"):
+        served = plan([*base, fmt])
+        assert served.serve.pool is not None and served.serve.pool.weight_format == fmt
+        assert served.rank_memory is not None
+    # rows shrink with the format: int4 with a group of 32 holds 4.5 bits per weight, bf16 16
+    bf16_row = plan([*base, "bf16"]).rank_memory.row_bytes
+    assert plan([*base, "int4-g32"]).rank_memory.row_bytes * 16 == bf16_row * 4.5
+    message = refusal([*base, "int4-g64"])
     assert (
-        "--moe-expert-pool-weight-format int4-g128: serving loads unquantized checkpoints into bf16 rows"
-        in message
+        "--moe-expert-pool-weight-format int4-g64: int4 format: w2 has K=96, not a multiple of group 64"
+        in (message)
     )
+    assert "expert intermediate 96 per rank, bfloat16" in message
+    assert "formats that fit this model: bf16, int4-g32, int4-g32-zp, fp8, fp8-b16, fp8-b32, fp8-b64, " in (
+        message
+    )
+    assert "int4-g128" not in message.split("fit this model:")[1]
+    message = refusal([*base, "nvfp4", "--dtype", "float32"])
+    assert "nvfp4 format: compute dtype torch.float32 is not bf16 or fp16" in message
+    assert "formats that fit this model: bf16; or serve in bf16 (--dtype bfloat16)" in message
+    # under TP each rank's shard is checked: 96 / 2 = 48 per rank on CUDA, which NVFP4's 16 divides
+    # and int4's group of 32 does not
+    assert "expert intermediate 48 per rank" in refusal([*base, "int4-g32", "--tp-size", "2"], cuda=True)
 
 
 def test_devices_must_match_the_machine_and_sglang(model: str) -> None:

@@ -3,9 +3,11 @@
 It wraps the layer's own quant method the way SGLang's paged experts does: the base method creates the
 layer's parameters (with ONE expert: a placeholder that gives the loader its layout and tags), every expert
 parameter's `weight_loader` is replaced by one that runs the layer's native per-expert loader
-(`FusedMoE._weight_loader_impl`: TP sharding, w1/w3 placement) on a one-row view of the expert's storage in
-the pool's bank, so bank rows have exactly the layout the device weights would have. `apply` runs the
-pooled forward (`PooledMoE.forward`). Only `pooled_runner.sglang` imports SGLang.
+(`FusedMoE._weight_loader_impl`: TP sharding, w1/w3 placement) on a one-row view of the expert's dense rows
+(`pooled_runner.dense_load`): its storage in the pool's bank for the bf16 format, so bank rows have exactly the
+layout the device weights would have, or a dense buffer that a quantized format (`--moe-expert-pool-weight-format`
+int4/fp8/NVFP4) quantizes into the bank when the expert's last shard is in. `apply` runs the pooled forward
+(`PooledMoE.forward`). Only `pooled_runner.sglang` imports SGLang.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from pooled_runner.sglang.runtime import PoolRuntime
 
 logger = logging.getLogger("pooled_runner")
 
-# Our operand name -> the FusedMoE parameter holding it, and the checkpoint shards that write it.
-PARAMS = {"w13": ("w13_weight", ("w1", "w3")), "w2": ("w2_weight", ("w2",))}
+# Our dense operand name -> the FusedMoE parameter holding it (its shards: dense_load.DENSE_SHARDS).
+PARAMS = {"w13": "w13_weight", "w2": "w2_weight"}
 
 
 def method_scales_routed_output(layer: Any) -> bool:
@@ -51,7 +53,6 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         self.num_experts = 0
         self.layer_name = ""
         self.routed_scaling_factor = 1.0
-        self._written: set[tuple[int, str]] = set()
 
     def create_weights(
         self,
@@ -85,7 +86,7 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         layer._derived_weight_cache_error = (
             "Online weight updates are not supported for pooled MoE layers: pool rows would keep old weights."
         )
-        for operand, (param_name, _shards) in PARAMS.items():
+        for operand, param_name in PARAMS.items():
             param = getattr(layer, param_name)
             param.weight_loader = self._make_bank_loader(layer, operand)
 
@@ -109,9 +110,9 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
                 raise ValueError(
                     f"{weight_name}: expert id {expert_id} out of range [0, {self.num_experts}) of {self.layer_name}"
                 )
-            moe = self.runtime.ensure_allocated()
-            storage = moe.expert_rows(self.index, expert_id)[operand]
-            # The native loader writes into expert 0 of a one-row view of the bank row, so the row gets the
+            loader = self.runtime.ensure_loader()
+            storage = loader.rows(self.index, expert_id)[operand]
+            # The native loader writes into expert 0 of a one-row view of the dense row, so the row gets the
             # layout (and the TP shard) the device weight would have. The view carries the parameter's tags.
             row = torch.nn.Parameter(storage.unsqueeze(0), requires_grad=False)
             row.__dict__.update(param.__dict__)
@@ -128,7 +129,7 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
                     f"{weight_name} (expert {expert_id}, shard {shard_id}, shape {tuple(loaded_weight.shape)}) "
                     f"does not fit {operand} rows of shape {tuple(storage.shape)}: {exc}"
                 ) from exc
-            self._written.add((expert_id, shard_id))
+            loader.written(self.index, expert_id, shard_id)
 
         return weight_loader
 
@@ -143,18 +144,12 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         return self.base_method.get_moe_runner_backend(layer)
 
     def process_weights_after_loading(self, layer: Any) -> None:
-        missing = [
-            f"expert {e} {shard}"
-            for e in range(self.num_experts)
-            for _op, (_p, shards) in PARAMS.items()
-            for shard in shards
-            if (e, shard) not in self._written
-        ]
+        missing = self.runtime.ensure_loader().missing(self.index)
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"{self.layer_name}: the checkpoint did not provide {shown}")
         # The placeholders are no longer needed: the experts live in the bank and the pool rows.
-        for param_name, _shards in PARAMS.values():
+        for param_name in PARAMS.values():
             param = getattr(layer, param_name)
             param.data = param.data.new_empty((0, *param.shape[1:]))
         self.runtime.layer_loaded(self.index)

@@ -27,6 +27,7 @@ import torch
 
 from pooled_runner import envs
 from pooled_runner.config import PoolConfig
+from pooled_runner.dense_load import DenseLoader
 from pooled_runner.guard import POOLED_TRITON, TORCH, KernelBackend
 from pooled_runner.moe import PooledMoE
 from pooled_runner.sglang.serve_config import ServeConfig
@@ -59,6 +60,7 @@ class PoolRuntime:
         self.serve = serve
         self.config = serve.pool
         self.moe: PooledMoE | None = None
+        self.loader: DenseLoader | None = None  # between the first expert weight and finalize
         self.layer_names: list[str] = []
         self.not_pooled: dict[str, list[str]] = {}  # reason -> layer names
         self._loaded: set[int] = set()
@@ -127,12 +129,15 @@ class PoolRuntime:
             raise RuntimeError("no pooled layer registered")
         return self.moe
 
-    def ensure_allocated(self) -> PooledMoE:
+    def ensure_loader(self) -> DenseLoader:
+        """The loader of the experts' dense shards; the first call allocates the bank (every layer is
+        registered by then)."""
         moe = self.require_moe()
-        if not moe.allocated:
+        if self.loader is None:
             self._load_start = time.perf_counter()
             moe.allocate()
-        return moe
+            self.loader = DenseLoader(moe)
+        return self.loader
 
     def layer_loaded(self, index: int) -> None:
         """Layer `index` has all its experts; the last one finalizes the pool and logs the summary."""
@@ -140,8 +145,14 @@ class PoolRuntime:
         moe = self.require_moe()
         if len(self._loaded) < len(moe.num_experts_per_layer):
             return
+        loader = self.loader
+        # every layer reported its missing shards before this: no expert can still be waiting for one
+        assert loader is not None and loader.num_pending == 0, (
+            f"{loader.num_pending if loader else 'no loader'}: experts still pending after every layer loaded"
+        )
         moe.finalize()
         self.log_summary()
+        self.loader = None  # the experts are the bank's and the pool's now
 
     def log_summary(self) -> None:
         moe = self.require_moe()
@@ -150,11 +161,12 @@ class PoolRuntime:
         bank = moe.bank
         elapsed = time.perf_counter() - self._load_start if self._load_start is not None else 0.0
         logger.info(
-            "pooled_runner: %s%d MoE layers pooled (%d experts), %d not pooled; bank %s; pool %d rows of "
+            "pooled_runner: %s%d MoE layers pooled (%d experts, %s), %d not pooled; bank %s; pool %d rows of "
             "%.1f KiB = %.3f GiB on %s; loaded in %.1f s",
             self.rank_prefix,
             len(moe.num_experts_per_layer),
             moe.num_total_experts,
+            moe.format.name,
             sum(len(v) for v in self.not_pooled.values()),
             (
                 f"{bank.nbytes / (1 << 30):.3f} GiB {'pinned' if bank.pinned else 'pageable (not pinned)'}"
@@ -179,6 +191,14 @@ class PoolRuntime:
                 pool.row_bytes / 1024,
                 pool.nbytes / (1 << 30),
                 bank.nbytes / (1 << 30) if bank is not None else 0.0,
+            )
+        if self.loader is not None and not self.loader.in_place:
+            logger.info(
+                "pooled_runner: %sexperts quantized to %s while loading (%d experts; at most %d held dense at once)",
+                self.rank_prefix,
+                moe.format.name,
+                self.loader.num_quantized,
+                self.loader.peak_pending,
             )
         for reason, names in self.not_pooled.items():
             logger.warning("not pooled (%s): %d layers: %s", reason, len(names), ", ".join(names))

@@ -132,6 +132,64 @@ def test_pooled_layer_matches_sglang_fused_moe(runtime, checkpoint, dtype: torch
     assert stats.misses > 0 and stats.evictions > 0  # 6 rows for 32 experts: the pool really moved rows
 
 
+@pytest.mark.parametrize("fmt", ["int4-g32-zp", "fp8-b16", "nvfp4"])
+def test_quantized_pool_matches_sglang_on_the_dequantized_weights(
+    sglang_context, checkpoint, fmt: str
+) -> None:  # type: ignore[no-untyped-def]
+    """`--moe-expert-pool-weight-format` int4/fp8/NVFP4 quantizes each expert while SGLang's loader writes its
+    shards: the bank rows equal the format's converter on the weights SGLang's own `FusedMoE` loaded, and the
+    pooled layer equals that `FusedMoE` once its weights are replaced by the dequantized ones."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.moe.topk import TopK
+
+    from pooled_runner.formats import make_format
+    from pooled_runner.sglang.layer import PooledFusedMoE
+    from pooled_runner.sglang.runtime import PoolRuntime, set_runtime
+    from pooled_runner.sglang.serve_config import ServeConfig
+
+    dtype = torch.bfloat16
+    converter = make_format(fmt, dtype)
+    sd = {k: v.to(dtype) for k, v in checkpoint.items()}
+    pool = PoolConfig.resolve(pool_rows=6, device="cpu", weight_format=fmt)
+    rt = PoolRuntime(ServeConfig(pool=pool, cpu=True))
+    set_runtime(rt)
+    try:
+        ref = [build(FusedMoE, i, dtype) for i in range(NUM_LAYERS)]
+        pooled = [build(PooledFusedMoE, i, dtype) for i in range(NUM_LAYERS)]
+        for i in range(NUM_LAYERS):
+            for layer in (ref[i], pooled[i]):
+                load(layer, i, sd)
+                layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+        moe = rt.require_moe()
+        assert moe.bank is not None and moe.format.name == fmt and rt.loader is None  # loading is over
+        for i in range(NUM_LAYERS):
+            for e in range(E):
+                expected = converter.quantize(ref[i].w13_weight[e], ref[i].w2_weight[e])
+                row = moe.bank.row(i, e)
+                for name, tensor in expected.items():
+                    assert torch.equal(row[name].view(torch.uint8), tensor.view(torch.uint8)), (
+                        f"{fmt} layer {i} expert {e} {name}"
+                    )
+                w13, w2 = converter.expert_weights(expected)  # the reference computes with these
+                ref[i].w13_weight.data[e] = w13
+                ref[i].w2_weight.data[e] = w2
+        topks = [TopK(top_k=K, renormalize=True, layer_id=i) for i in range(NUM_LAYERS)]
+        g = torch.Generator().manual_seed(11)
+        for T in (1, 7, 33):
+            for i in range(NUM_LAYERS):
+                x = torch.randn(T, H, generator=g).to(dtype)
+                routing = topks[i](x, x.float() @ sd[f"model.layers.{i}.mlp.gate.weight"].float().T)
+                got, expected_out = pooled[i](x, routing), ref[i](x, routing)
+                diff = (got.float() - expected_out.float()).abs()
+                assert diff.max() <= 6e-2, (
+                    f"{fmt} T={T} layer {i}: max diff {diff.max():.3g} at (token, col) "
+                    f"{divmod(int(diff.argmax()), H)}"
+                )
+        assert moe.stats().misses > 0 and moe.stats().evictions > 0
+    finally:
+        set_runtime(None)
+
+
 def test_routed_scaling_is_applied_where_sglang_applies_it(runtime, checkpoint) -> None:  # type: ignore[no-untyped-def]
     """DeepSeek/GLM layers carry a routed scaling factor. Without CUDA SGLang's own method leaves it to the model
     (which multiplies after the experts), so the pooled layer must not apply it too: equal to `FusedMoE` here."""

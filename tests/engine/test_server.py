@@ -120,7 +120,7 @@ def test_pool_misses_really_happen(pooled_server: Server, prompt_ids: list[list[
     ]
     assert len(rows) == 4 and sum(rows) == POOL_ROWS, rows
     log = pooled_server.log()
-    assert "4 MoE layers pooled (64 experts), 0 not pooled" in log
+    assert "4 MoE layers pooled (64 experts, bf16), 0 not pooled" in log
     assert f"pool {POOL_ROWS} rows" in log and "pageable (not pinned)" in log
     assert re.search(r"route telemetry window closed: hottest experts pinned, \d+ rows copied", log), (
         "no residency plan was applied at a stats boundary"

@@ -101,5 +101,5 @@ def test_tp2_startup_log_reports_each_rank(tp_run: TPRun) -> None:
     # SGLang pads I = 32 to 64 on the CPU for TP=2: 32 per rank, float32 rows of 3 x 64 x 32 x 4 B = 24 KiB.
     assert "expert memory per rank (TP=2, I/rank=32): 12 rows x 24.0 KiB" in log
     for rank in (0, 1):
-        assert f"TP rank {rank}/2: 4 MoE layers pooled (64 experts), 0 not pooled" in log
+        assert f"TP rank {rank}/2: 4 MoE layers pooled (64 experts, bf16), 0 not pooled" in log
         assert f"TP rank {rank}/2: holds its shard of every expert (intermediate 32 per rank, 64 over" in log

@@ -1,0 +1,91 @@
+"""A server whose pool quantizes the embedded model's experts while they load (`--moe-expert-pool-weight-format
+int4-g32`, bf16) serves exactly what a bf16 pool serves from a checkpoint whose experts already hold the
+dequantized weights: the same greedy tokens and the same log-probabilities, prompt and output.
+
+(Both servers run SGLang's attention and our torch path on the same bf16 values, so any difference is the
+quantized load itself. The bank rows' bytes are checked against the format's converter in test_layer.py; here
+the flag goes through the launcher, SGLang's loader and the served forward.)"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from tests.engine.conftest import POOL_ROWS
+from tests.engine.server import launched
+
+FORMAT = "int4-g32"
+NEW_TOKENS = 12
+EXPERT_TENSOR = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _dequantized_checkpoint(embedded_model: Path, folder: Path) -> Path:
+    """A copy of the embedded checkpoint whose expert tensors hold dequantize(quantize(w)) in bf16, quantized
+    as the pool does: w13 = [gate; up] as one projection, after the bf16 cast SGLang's loader makes."""
+    from safetensors.torch import load_file, save_file
+
+    from pooled_runner.formats import make_format
+
+    shutil.copytree(embedded_model, folder)
+    sd = load_file(str(embedded_model / "model.safetensors"))
+    converter = make_format(FORMAT, torch.bfloat16)
+    experts = sorted({m.group(1) for k in sd if (m := EXPERT_TENSOR.match(k))})
+    assert len(experts) == 64, f"{len(experts)} experts in the embedded checkpoint"
+    for prefix in experts:
+        gate, up, down = (sd[f"{prefix}.{p}_proj.weight"].to(torch.bfloat16) for p in ("gate", "up", "down"))
+        w13, w2 = converter.expert_weights(converter.quantize(torch.cat([gate, up]), down))
+        assert not torch.equal(w2, down)  # the format really rounds: the comparison is not trivial
+        inter = gate.shape[0]
+        for name, w in (("gate", w13[:inter]), ("up", w13[inter:]), ("down", w2)):
+            sd[f"{prefix}.{name}_proj.weight"] = w.float().contiguous()  # bf16 values, exactly
+    save_file(sd, str(folder / "model.safetensors"))
+    return folder
+
+
+def _served(url: str, ids: list[int]) -> tuple[list[int], list[float]]:
+    """(greedy output ids, log-probabilities of the prompt from its second token, then of the output)."""
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    r = requests.post(url + "/generate", json=body, timeout=120)
+    r.raise_for_status()
+    meta = r.json()["meta_info"]
+    logprobs = [float(v[0]) for v in meta["input_token_logprobs"][1:] + meta["output_token_logprobs"]]
+    return list(r.json()["output_ids"]), logprobs
+
+
+def _serve(args: list[str], log: Path, prompts: list[list[int]]) -> tuple[list, str]:
+    common = ["--moe-expert-pool-rows", str(POOL_ROWS), "--dtype", "bfloat16"]
+    with launched([*args, *common], log) as server:
+        return [_served(server.url, ids) for ids in prompts], server.log()
+
+
+def test_int4_pool_serves_what_bf16_serves_of_the_dequantized_experts(
+    embedded_model: Path, prompt_ids: list[list[int]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    tmp = tmp_path_factory.mktemp("quantized")
+    quantized, log = _serve(
+        ["--model-path", str(embedded_model), "--moe-expert-pool-weight-format", FORMAT],
+        tmp / "int4.log",
+        prompt_ids,
+    )
+    assert f"4 MoE layers pooled (64 experts, {FORMAT}), 0 not pooled" in log
+    assert re.search(
+        rf"experts quantized to {FORMAT} while loading \(64 experts; at most \d+ held dense", log
+    )
+
+    dequantized = _dequantized_checkpoint(embedded_model, tmp / "dequantized")
+    reference, log = _serve(["--model-path", str(dequantized)], tmp / "bf16.log", prompt_ids)
+    assert "4 MoE layers pooled (64 experts, bf16), 0 not pooled" in log
+    for ids, (got_ids, got_lp), (ref_ids, ref_lp) in zip(prompt_ids, quantized, reference, strict=True):
+        assert got_ids == ref_ids, f"prompt {ids[:4]}...: int4 pool {got_ids} != bf16 pool {ref_ids}"
+        assert len(got_lp) == len(ids) - 1 + NEW_TOKENS
+        assert got_lp == ref_lp, f"prompt {ids[:4]}...: log-probabilities {got_lp} != {ref_lp}"

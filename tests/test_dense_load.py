@@ -1,0 +1,149 @@
+"""`DenseLoader`: dense shards written piece by piece (as SGLang's per-expert loader does) into a pool of every
+weight format. The bank rows must equal the format's converter applied to the whole dense expert, whatever the
+order the shards arrive in, and the pooled forward must equal the dense reference on the dequantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pooled_runner import PoolConfig, PooledMoE
+from pooled_runner.dense_load import DenseLoader
+from pooled_runner.formats import make_format
+from tests.reference import dense_reference, random_expert_weights, random_routing
+
+H, I = 64, 32  # the smallest sizes every format's groups divide (int4 group 32, NVFP4 16)
+EXPERTS = (5, 3)  # odd, and different per layer
+K = 2
+
+FORMATS = ["bf16", "int4-g32", "int4-g32-zp", "fp8", "fp8-b16", "nvfp4"]
+
+
+def _moe(fmt: str, rows: int, dtype: torch.dtype) -> PooledMoE:
+    moe = PooledMoE(PoolConfig.resolve(pool_rows=rows, device="cpu", weight_format=fmt), H, I, K, dtype)
+    for num_experts in EXPERTS:
+        moe.register_layer(num_experts)
+    moe.allocate()
+    return moe
+
+
+def _shard(w: dict[str, torch.Tensor], shard: str) -> tuple[str, slice, torch.Tensor]:
+    """(operand, rows of the dense operand, the checkpoint tensor) of one shard: w1 the gate rows of w13, w3
+    the up rows (as SGLang's loader places them), w2 all of w2."""
+    if shard == "w2":
+        return "w2", slice(None), w["w2"]
+    part = slice(0, I) if shard == "w1" else slice(I, 2 * I)
+    return "w13", part, w["w13"][part]
+
+
+def _load_shuffled(loader: DenseLoader, weights: dict, seed: int) -> None:
+    """Every shard of every expert, in a random order across experts (so several are in flight at once)."""
+    order = [(layer, e, s) for layer, n in enumerate(EXPERTS) for e in range(n) for s in ("w1", "w3", "w2")]
+    g = torch.Generator().manual_seed(seed)
+    for i in torch.randperm(len(order), generator=g).tolist():
+        layer, e, shard = order[i]
+        operand, part, tensor = _shard(weights[(layer, e)], shard)
+        loader.rows(layer, e)[operand][part].copy_(tensor)
+        loader.written(layer, e, shard)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [K, sum(EXPERTS)])  # a bank and a pool of K rows; every expert resident
+def test_rows_equal_the_converter_and_forward_equals_reference(fmt: str, rows: int) -> None:
+    dtype = torch.float32 if fmt == "bf16" else torch.bfloat16
+    seed = FORMATS.index(fmt) * 10 + rows
+    weights = random_expert_weights(len(EXPERTS), max(EXPERTS), H, I, dtype, seed)
+    moe = _moe(fmt, rows, dtype)
+    loader = DenseLoader(moe)
+    assert loader.in_place == (fmt == "bf16")
+    _load_shuffled(loader, weights, seed)
+    assert loader.num_pending == 0
+    for layer in range(len(EXPERTS)):
+        assert loader.missing(layer) == []
+    if fmt == "bf16":
+        assert loader.peak_pending == 0 and loader.num_quantized == 0
+    else:
+        assert loader.peak_pending > 1 and loader.num_quantized == sum(EXPERTS)
+    # the rows, before finalize moves them, against the format's converter on the whole dense expert
+    converter = make_format(fmt, dtype)
+    for layer, n in enumerate(EXPERTS):
+        for e in range(n):
+            w = weights[(layer, e)]
+            expected = converter.quantize(w["w13"], w["w2"])
+            got = moe.expert_rows(layer, e)
+            assert set(got) == set(expected)
+            for name, tensor in expected.items():
+                assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), (
+                    f"{fmt} layer {layer} expert {e} {name}: first differing byte at "
+                    f"{(got[name].view(torch.uint8) != tensor.view(torch.uint8)).nonzero()[:1].tolist()}"
+                )
+    moe.finalize()
+    # the forward computes with the dequantized weights: bit-equal to the dense reference on them
+    g = torch.Generator().manual_seed(seed + 1)
+    for step in range(4):
+        layer = step % len(EXPERTS)
+        dense = {}
+        for e in range(EXPERTS[layer]):
+            w13, w2 = converter.expert_weights(converter.quantize(**weights[(layer, e)]))
+            dense[e] = {"w13": w13, "w2": w2}
+        T = (1, 7, 0, 3)[step]
+        hidden = torch.randn(T, H, generator=g).to(dtype)
+        ids, topk_w = random_routing(T, K, EXPERTS[layer], g)
+        out = moe.forward(layer, hidden, ids, topk_w)
+        ref = dense_reference(hidden, ids, topk_w, dense)
+        mismatch = (out != ref).nonzero()
+        assert mismatch.numel() == 0, f"{fmt} step {step}: first mismatches at {mismatch[:5].tolist()}"
+    if rows < sum(EXPERTS):
+        assert moe.stats().misses > 0
+
+
+def test_bf16_writes_land_in_the_bank_in_place() -> None:
+    moe = _moe("bf16", K, torch.float32)
+    loader = DenseLoader(moe)
+    rows, bank = loader.rows(1, 2), moe.expert_rows(1, 2)
+    assert all(rows[n].data_ptr() == bank[n].data_ptr() for n in ("w13", "w2"))
+    loader.written(1, 2, "w2")
+    assert loader.missing(1) == [
+        *(f"expert {e} {s}" for e in range(2) for s in ("w1", "w3", "w2")),
+        "expert 2 w1",
+        "expert 2 w3",
+    ]
+
+
+def test_quantized_experts_wait_for_their_last_shard() -> None:
+    dtype = torch.bfloat16
+    weights = random_expert_weights(1, 1, H, I, dtype, seed=3)[(0, 0)]
+    moe = _moe("int4-g32", K, dtype)
+    loader = DenseLoader(moe)
+    before = {n: t.clone() for n, t in moe.expert_rows(0, 0).items()}
+    for shard in ("w3", "w2"):
+        operand, part, tensor = _shard(weights, shard)
+        loader.rows(0, 0)[operand][part].copy_(tensor)
+        loader.written(0, 0, shard)
+    assert loader.num_pending == 1 and loader.missing(0)[:1] == ["expert 0 w1"]
+    # nothing quantized yet (bytes: the bank is allocated empty, and NaN != NaN)
+    assert all(
+        torch.equal(moe.expert_rows(0, 0)[n].view(torch.uint8), before[n].view(torch.uint8)) for n in before
+    )
+    operand, part, tensor = _shard(weights, "w1")
+    loader.rows(0, 0)[operand][part].copy_(tensor)
+    loader.written(0, 0, "w1")
+    assert loader.num_pending == 0 and loader.num_quantized == 1
+    expected = make_format("int4-g32", dtype).quantize(weights["w13"], weights["w2"])
+    assert all(torch.equal(moe.expert_rows(0, 0)[n], t) for n, t in expected.items())
+
+
+def test_bad_shards_are_refused_with_the_expert_named() -> None:
+    moe = _moe("nvfp4", K, torch.bfloat16)
+    loader = DenseLoader(moe)
+    with pytest.raises(ValueError, match=r"shard 'w4' is not one of \['w1', 'w2', 'w3'\]"):
+        loader.written(0, 0, "w4")
+    for shard in ("w1", "w3", "w2"):
+        loader.rows(0, 1)
+        loader.written(0, 1, shard)
+    with pytest.raises(ValueError, match="layer 0 expert 1: a shard arrived after the expert was complete"):
+        loader.rows(0, 1)
+    with pytest.raises(ValueError, match=r"expert 3 out of range \[0, 3\) for layer 1"):
+        loader.rows(1, 3)
+    with pytest.raises(RuntimeError, match="needs an allocated PooledMoE"):
+        DenseLoader(PooledMoE(PoolConfig.resolve(pool_rows=K, device="cpu"), H, I, K, torch.float32))
