@@ -94,10 +94,14 @@ def tp_size_of(argv: list[str]) -> int:
 
 
 def weight_dtype(argv: list[str], facts: ModelFacts) -> torch.dtype:
+    """The dtype SGLang will build the model in: `--dtype`, else (auto) config.json's, except that SGLang 0.5.23
+    serves a float32 checkpoint, or one whose config says no dtype, in float16 (bfloat16 for Gemma:
+    `model_config._get_and_verify_dtype`; the same bytes and the same formats fit, so not told apart here)."""
     requested = flag_value(argv, "--dtype")
-    if requested in DTYPES:
-        return DTYPES[requested]
-    return DTYPES.get(facts.dtype, torch.bfloat16)
+    if requested is not None and requested.lower() in DTYPES:
+        return DTYPES[requested.lower()]
+    config_dtype = DTYPES.get(facts.dtype, torch.float32)
+    return torch.float16 if config_dtype == torch.float32 else config_dtype
 
 
 def pool_problems(

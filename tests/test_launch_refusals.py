@@ -120,6 +120,16 @@ def test_pool_formats_are_checked_against_the_experts(tmp_path: Path) -> None:
     message = refusal([*base, "nvfp4", "--dtype", "float32"])
     assert "nvfp4 format: compute dtype torch.float32 is not bf16 or fp16" in message
     assert "formats that fit this model: bf16; or serve in bf16 (--dtype bfloat16)" in message
+    # SGLang serves a float32 checkpoint (or one with no dtype in config.json) in float16 unless --dtype says
+    # otherwise: a quantized format fits it, and the rows are sized for 16-bit weights
+    for dtype in ("float32", None):
+        folder32 = tmp_path / f"fp32-{dtype}"
+        folder32.mkdir()
+        (folder32 / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}))
+        base32 = [str(folder32) if a == str(folder) else a for a in base]
+        assert plan([*base32, "nvfp4"]).serve.pool is not None
+        assert plan([*base32, "bf16"]).rank_memory.row_bytes == bf16_row
+        assert plan([*base32, "bf16", "--dtype", "float32"]).rank_memory.row_bytes == 2 * bf16_row
     # under TP each rank's shard is checked: 96 / 2 = 48 per rank on CUDA, which NVFP4's 16 divides
     # and int4's group of 32 does not
     assert "expert intermediate 48 per rank" in refusal([*base, "int4-g32", "--tp-size", "2"], cuda=True)
