@@ -16,13 +16,17 @@ size 1 cannot measure tokens per step (one request accepts 0..d drafts) but meas
   when it lost by more than 10% (up to `max_probe_interval` steps), so a losing depth costs less and less while a change of conditions (acceptance,
   hit rate, traffic) is still noticed;
 - a probe lasts at least `probe_steps` steps (the first is not timed, see below) and ends as soon as it is
-  decided: it loses once its estimated rate is not above the current's by `margin`; a probe of a deeper depth
-  wins only when its advantage exceeds `margin` by `confidence` standard errors (step-time noise of both
-  depths, and the acceptance estimate's own uncertainty), so a lucky pair of steps or a young acceptance
-  estimate cannot make drafting look better than it is; a probe of a shallower depth needs half that, on the
-  step-time noise alone (doubt about the acceptance counts against drafting); an undecided probe ends after
-  `max_probe_steps` steps and loses. Drafting must prove that it pays, more than not drafting must: at batch
-  size 1, where step times are noisy, gains of a few percent are given up;
+  decided: it loses once its estimated rate falls short of the current's plus `margin` by `LOSS_PROOF`
+  standard errors of the step times (a clear loss in a step or two; a close race goes on, and costs little);
+  a probe of a deeper depth wins only when its advantage exceeds `margin` by `confidence` standard errors
+  (step-time noise of both depths, and the acceptance estimate's own uncertainty), so a lucky pair of steps
+  or a young acceptance estimate cannot make drafting look better than it is; a probe of a shallower depth
+  needs half that, on the step-time noise alone (doubt about the acceptance counts against drafting). A probe
+  still undecided after `max_probe_steps` steps ends: behind, it loses; ahead, its timed steps carry over to
+  the depth's next probe against the same running depth, which comes after the same interval (not a longer
+  one), and judges them with its own (after one fresh step at least), so a gain of a few percent is proven
+  over a few probes instead of being lost to each probe's few steps. Drafting must prove that it pays, more
+  than not drafting must: at batch size 1, where step times are noisy, gains of a few percent are given up;
 - a step at a deeper depth does all the work of a shallower one and more, so a judgement never takes a deeper
   probe's step as cheaper than the shallower current's: a deeper probe timed faster measured a change of
   conditions since the current was timed (the first decode steps after start-up are slow, a co-tenant left),
@@ -58,6 +62,12 @@ MIN_RELATIVE_VARIANCE = 0.02**2
 MAX_OUTLIERS_IN_A_ROW = 3
 # a probe below this share of the current rate loses clearly: its interval grows 4x, not 2x
 CLEAR_LOSS = 0.9
+# a probe loses once it is behind the running depth's rate (plus margin) by this many standard errors of the
+# step times: a quarter of the proof a deeper probe's win needs at the default confidence of 2. Zero (a loss as
+# soon as the estimate is behind) made a young, noisy estimate end close races, and the doubled intervals kept
+# a depth that wins by 6-12% from being reached for hundreds of steps; a full standard error let a depth that
+# loses by 3% run probes long enough to cost more than the races won (cost models: tests/test_spec_governor.py)
+LOSS_PROOF = 0.5
 
 
 def expected_chain_tokens(depth: int, accept: float) -> float:
@@ -81,13 +91,18 @@ class _Arm:
     outliers: int = 0  # consecutive running steps dropped as outliers
     interval: int = 0  # steps between probes of this depth while another depth runs
     due: int = 0  # step count at which the next probe starts
+    # an undecided probe's timed step times (the next probe of this depth against the same running depth
+    # starts from them), and that running depth
+    carried: list[float] = field(default_factory=list)
+    carried_against: int | None = None
 
 
 @dataclass
 class _Probe:
     depth: int
     reference: float | None  # the depth's stored step time: a step over outlier_factor x it is an outlier
-    timed: list[float] = field(default_factory=list)  # timed step times
+    timed: list[float] = field(default_factory=list)  # timed step times (carried ones first)
+    num_fresh: int = 0  # timed steps of this probe (not carried)
     seen: list[float] = field(default_factory=list)  # every step time at this depth during the probe
     outliers: list[float] = field(default_factory=list)  # the outliers in a row just before
     log_ratio: float = 0.0  # log(estimated rate / current rate) at the last judgement
@@ -175,7 +190,7 @@ class SpecGovernor:
             due = [d for d in self._probe_set(self.current) if self._arms[d].due <= self.num_steps]
             if due:
                 depth = min(due, key=lambda d: (self._arms[d].due, d))
-                self._probe = _Probe(depth, self._arms[depth].seconds)
+                self._probe = self._start_probe(depth)
         return self._probe.depth if self._probe is not None else self.current
 
     def observe(self, depth: int, accepted: Sequence[int], seconds: float, *, timed: bool = True) -> None:
@@ -241,6 +256,17 @@ class SpecGovernor:
         arm.seconds = (1.0 - self.ema_alpha) * arm.seconds + self.ema_alpha * seconds
         arm.num_timed += 1
 
+    def _start_probe(self, depth: int) -> _Probe:
+        """A probe of `depth`, holding the timed steps of its last probe if that one ended undecided against
+        the depth running now. (As they were: a ratio to the running depth's time then would carry an error
+        of that time, e.g. a young first measurement, into every later probe.)"""
+        arm = self._arms[depth]
+        probe = _Probe(depth, arm.seconds)
+        if arm.carried_against == self.current:
+            probe.timed = list(arm.carried)
+        arm.carried, arm.carried_against = [], None
+        return probe
+
     def _probe_step(self, probe: _Probe, seconds: float, timed: bool) -> None:
         probe.seen.append(seconds)
         if timed and probe.reference is not None and seconds > self.outlier_factor * probe.reference:
@@ -248,10 +274,14 @@ class SpecGovernor:
             # slow for several steps: the stored time is stale, these are the probe's steps
             if len(probe.outliers) >= MAX_OUTLIERS_IN_A_ROW:
                 probe.timed, probe.outliers, probe.reference = list(probe.outliers), [], None
+                probe.num_fresh = len(probe.timed)
         elif timed:
             probe.outliers.clear()
             probe.timed.append(seconds)
-        verdict = self._judge(probe) if len(probe.timed) >= self.probe_steps - 1 else None
+            probe.num_fresh += 1
+        # carried steps count toward a verdict, but a probe judges only after a fresh step of its own
+        judged = probe.num_fresh >= 1 and len(probe.timed) >= self.probe_steps - 1
+        verdict = self._judge(probe) if judged else None
         if verdict is None and len(probe.seen) < self.max_probe_steps:
             return
         self._probe = None
@@ -261,6 +291,12 @@ class SpecGovernor:
         elif verdict == "win":
             self._measure(arm, probe.timed)
             self._settle(probe.depth)
+        elif verdict is None and judged and probe.log_ratio > math.log1p(self.margin):
+            # ahead, but not by enough proof yet: the next probe, as soon as a lost one's would come, goes on
+            # from these steps (the latest 2 x `max_probe_steps`), so a small gain is proven in a few probes
+            self._measure(arm, probe.timed)
+            arm.carried, arm.carried_against = probe.timed[-2 * self.max_probe_steps :], self.current
+            arm.due = self.num_steps + arm.interval
         else:
             if probe.timed:
                 self._measure(arm, probe.timed)
@@ -291,18 +327,21 @@ class SpecGovernor:
             mean = max(mean, current.seconds)
         log_ratio = math.log(tokens_probe / mean) - math.log(tokens_current / current.seconds)
         probe.log_ratio = log_ratio
-        threshold = math.log1p(self.margin)
-        if log_ratio <= threshold:
-            return "lose"
+        advantage = log_ratio - math.log1p(self.margin)
         variance = max(_relative_variance(probe.timed), current.relative_variance) / len(probe.timed)
         current_samples = min(current.num_timed, (2.0 - self.ema_alpha) / self.ema_alpha)
         variance += current.relative_variance / max(current_samples, 1.0)
+        # a probe loses once it is behind by LOSS_PROOF standard errors, on step times alone (doubt about the
+        # acceptance must not keep a losing depth running): a close race goes on, and costs little while it
+        # does; a clear loss ends in a step or two
+        if advantage <= -LOSS_PROOF * math.sqrt(variance):
+            return "lose"
         if probe.depth < self.current:
             # drafting less (the safe direction) needs half the proof, on step times alone: doubt about the
             # acceptance counts against the deeper depth
-            return "win" if log_ratio - threshold >= self.confidence / 2.0 * math.sqrt(variance) else None
+            return "win" if advantage >= self.confidence / 2.0 * math.sqrt(variance) else None
         variance += self._acceptance_variance(probe.depth, self.current)
-        return "win" if log_ratio - threshold >= self.confidence * math.sqrt(variance) else None
+        return "win" if advantage >= self.confidence * math.sqrt(variance) else None
 
     def _acceptance_variance(self, depth: int, other: int) -> float:
         """Variance of log(tokens(depth) / tokens(other)) from the acceptance estimate's own uncertainty."""

@@ -1,0 +1,124 @@
+"""CPU experiment (issue #9): `SpecGovernor` replayed over cost models of the H200's verify steps.
+
+Each cost model gives a step's milliseconds at depths 0 / 1 / 3 (from `bench_spec_governed` on the H200, or
+made up where said); the replay adds the H200's noise: lognormal step times (coefficient of variation by
+batch size), 1% of steps 2.5x slow, and a change of depth slowing its first step by 1.5x and its second by
+1.05x (the pool follows the new working set). Drafts are accepted as a chain, each with probability 0.6.
+Reported: tokens/s per request over depth 0's under the same noise (the reference issue #9 names), and over
+the best fixed depth's (what a governor could get at most), mean and worst over seeds.
+
+`--governor FILE` replays another `spec_governor.py` (e.g. `git show 9aca555:pooled_runner/spec_governor.py
+> /tmp/old.py`) through the same steps, for a before/after.
+
+Usage: python -m bench.spec_governor_model [--seeds 40] [--steps 150,400,2000] [--governor FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import random
+import statistics
+import sys
+from types import ModuleType
+
+from pooled_runner import spec_governor
+
+ACCEPT = 0.6
+# lognormal step-time noise by batch size (misses vary most at bs 1)
+NOISE_CV = {1: 0.25, 4: 0.12, 16: 0.06}
+# name -> (batch size, step ms by depth)
+COST_MODELS: dict[str, tuple[int, dict[int, float]]] = {
+    # drafting loses: H200 step times (docs/BENCHMARKS.md, bench_spec_governed, 75c17ab)
+    "loses, bs 1": (1, {0: 1.94, 1: 3.89, 3: 6.42}),
+    "loses, bs 4": (4, {0: 9.91, 1: 20.8, 3: 30.9}),
+    "loses, bs 16": (16, {0: 14.2, 1: 24.8, 3: 38.2}),
+    # drafting wins by 6% (depth 1) and 12% (depth 3): H200 tokens/s per request 14.6 / 15.5 / 16.3, pool
+    # 25%, bs 16 (a8ed710), as step times
+    "wins 6-12%, bs 16": (16, {0: 1000 / 14.6, 1: 1600 / 15.5, 3: 2176 / 16.3}),
+    # made up: depth 1 loses 3%, depth 3 5%
+    "loses 3-5%, bs 4": (4, {0: 1.0, 1: 1.6 / 0.97, 3: 2.176 / 0.95}),
+    # made up: drafting wins by a lot (depth 3: 1.40x, depth 1: 1.27x)
+    "wins 27-40%, bs 4": (4, {0: 3.1, 1: 3.9, 3: 4.8}),
+}
+
+
+def tokens_at(depth: int) -> float:
+    """Expected tokens per request of a step at `depth` (chain drafts, ACCEPT each)."""
+    return sum(ACCEPT**i for i in range(depth + 1))
+
+
+def sample_accepted(depth: int, rng: random.Random) -> int:
+    n = 0
+    while n < depth and rng.random() < ACCEPT:
+        n += 1
+    return n
+
+
+def noisy_run(
+    costs_ms: dict[int, float], batch_size: int, num_steps: int, seed: int, module: ModuleType = spec_governor
+) -> tuple[float, float, int]:
+    """One replay: (tokens/s per request over depth 0's, over the best fixed depth's, the depth it ends at).
+    Both references run under the same noise draws as the governor."""
+    cv = NOISE_CV[batch_size]
+    rng = random.Random(seed)
+    governor = module.SpecGovernor(sorted(costs_ms))
+    tokens = seconds = 0.0
+    fixed_seconds = dict.fromkeys(costs_ms, 0.0)  # each fixed depth under the same noise (no switches)
+    last, since = None, 2
+    for _ in range(num_steps):
+        depth = governor.choose()
+        since = 0 if depth != last and last is not None else since + 1
+        last = depth
+        noise = math.exp(rng.gauss(0.0, cv) - cv * cv / 2) * (2.5 if rng.random() < 0.01 else 1.0)
+        step = costs_ms[depth] * 1e-3 * noise * (1.5 if since == 0 else 1.05 if since == 1 else 1.0)
+        accepted = [sample_accepted(depth, rng) for _ in range(batch_size)]
+        governor.observe(depth, accepted, step)
+        tokens += 1.0 + sum(accepted) / batch_size
+        seconds += step
+        for d, ms in costs_ms.items():
+            fixed_seconds[d] += ms * 1e-3 * noise
+    rate = tokens / seconds
+    fixed = {d: num_steps * tokens_at(d) / s for d, s in fixed_seconds.items()}
+    return rate / fixed[0], rate / max(fixed.values()), governor.current
+
+
+def load_governor(path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("spec_governor_alt", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=40)
+    ap.add_argument("--steps", default="150,400,2000", help="steps per replay, comma-separated")
+    ap.add_argument("--governor", default="", help="another spec_governor.py to replay beside this tree's")
+    args = ap.parse_args()
+    governors = {"this tree": spec_governor}
+    if args.governor:
+        governors[args.governor] = load_governor(args.governor)
+    print(f"acceptance {ACCEPT} (chain); seeds {args.seeds}; noise cv by bs {NOISE_CV}")
+    print(
+        "| cost model | steps | governor | vs depth 0, mean | worst | vs best fixed, mean | worst | ends at best |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (bs, costs) in COST_MODELS.items():
+        best = max(costs, key=lambda d: tokens_at(d) / costs[d])
+        for steps in (int(s) for s in args.steps.split(",")):
+            for label, module in governors.items():
+                runs = [noisy_run(costs, bs, steps, 1000 * bs + seed, module) for seed in range(args.seeds)]
+                vs0, vsbest = [r[0] for r in runs], [r[1] for r in runs]
+                at_best = sum(r[2] == best for r in runs)
+                print(
+                    f"| {name} | {steps} | {label} | {statistics.fmean(vs0):.3f} | {min(vs0):.3f} | "
+                    f"{statistics.fmean(vsbest):.3f} | {min(vsbest):.3f} | {at_best}/{len(runs)} |"
+                )
+
+
+if __name__ == "__main__":
+    main()
