@@ -117,8 +117,8 @@ def pool_experts(model: nn.Module, config: PoolConfig) -> PooledMoE:
 
     The experts are copied one at a time into the bank (or straight into rows when they all fit), in
     `config.weight_format` (a quantized format quantizes each expert on the way: the model then computes with
-    the dequantized weights), then the original modules are dropped. Raises ValueError when the model has no experts module the pool handles.
-    Returns the PooledMoE (for stats).
+    the dequantized weights), then the original modules are dropped. Raises ValueError when the model has no
+    experts module the pool handles. Returns the PooledMoE (for stats).
     """
     found = find_experts_modules(model)
     if not found:

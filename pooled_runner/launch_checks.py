@@ -153,22 +153,23 @@ def format_problems(
     except ValueError:
         return []  # reported by tp_problems
 
-    def why_not(name: str) -> str | None:
+    def why_not(name: str, served: torch.dtype) -> str | None:
         try:
-            make_format(name, dtype).operands(facts.hidden_size, per_rank)
+            make_format(name, served).operands(facts.hidden_size, per_rank)
         except ValueError as exc:
             return str(exc)
         return None
 
-    why = why_not(weight_format)
+    why = why_not(weight_format, dtype)
     if why is None:
         return []
-    fitting = [name for name in FORMATS if why_not(name) is None]
-    dtype_fix = "" if dtype in (torch.bfloat16, torch.float16) else "; or serve in bf16 (--dtype bfloat16)"
+    half = dtype in (torch.bfloat16, torch.float16)
+    # a float32 model fits bf16 rows only: list what would fit it served in bf16
+    fitting = [name for name in FORMATS if why_not(name, dtype if half else torch.bfloat16) is None]
+    fit = "formats that fit this model" + ("" if half else " served in bf16 (--dtype bfloat16)")
     return [
         f"{flag_name('weight_format')} {weight_format}: {why} (hidden {facts.hidden_size}, expert intermediate "
-        f"{per_rank} per rank, {str(dtype).removeprefix('torch.')}); formats that fit this model: "
-        f"{', '.join(fitting)}{dtype_fix}"
+        f"{per_rank} per rank, {str(dtype).removeprefix('torch.')}); {fit}: {', '.join(fitting)}"
     ]
 
 

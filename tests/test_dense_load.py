@@ -4,6 +4,10 @@ order the shards arrive in, and the pooled forward must equal the dense referenc
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -16,7 +20,7 @@ H, I = 64, 32  # the smallest sizes every format's groups divide (int4 group 32,
 EXPERTS = (5, 3)  # odd, and different per layer
 K = 2
 
-FORMATS = ["bf16", "int4-g32", "int4-g32-zp", "fp8", "fp8-b16", "nvfp4"]
+FORMATS = ["bf16", "int4-g32", "int4-g32-zp", "fp8", "fp8-b16", "fp8-b128", "nvfp4"]
 
 
 def _moe(fmt: str, rows: int, dtype: torch.dtype) -> PooledMoE:
@@ -36,15 +40,28 @@ def _shard(w: dict[str, torch.Tensor], shard: str) -> tuple[str, slice, torch.Te
     return "w13", part, w["w13"][part]
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """SGLang loads weights under the model's dtype as torch's default (`set_default_torch_dtype`)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def _load_shuffled(loader: DenseLoader, weights: dict, seed: int) -> None:
-    """Every shard of every expert, in a random order across experts (so several are in flight at once)."""
+    """Every shard of every expert, in a random order across experts (so several are in flight at once),
+    under the model's dtype as the default one, as SGLang loads."""
     order = [(layer, e, s) for layer, n in enumerate(EXPERTS) for e in range(n) for s in ("w1", "w3", "w2")]
     g = torch.Generator().manual_seed(seed)
-    for i in torch.randperm(len(order), generator=g).tolist():
-        layer, e, shard = order[i]
-        operand, part, tensor = _shard(weights[(layer, e)], shard)
-        loader.rows(layer, e)[operand][part].copy_(tensor)
-        loader.written(layer, e, shard)
+    with default_dtype(loader.moe.dtype):
+        for i in torch.randperm(len(order), generator=g).tolist():
+            layer, e, shard = order[i]
+            operand, part, tensor = _shard(weights[(layer, e)], shard)
+            loader.dense_views(layer, e)[operand][part].copy_(tensor)
+            loader.written(layer, e, shard)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -100,7 +117,7 @@ def test_rows_equal_the_converter_and_forward_equals_reference(fmt: str, rows: i
 def test_bf16_writes_land_in_the_bank_in_place() -> None:
     moe = _moe("bf16", K, torch.float32)
     loader = DenseLoader(moe)
-    rows, bank = loader.rows(1, 2), moe.expert_rows(1, 2)
+    rows, bank = loader.dense_views(1, 2), moe.expert_rows(1, 2)
     assert all(rows[n].data_ptr() == bank[n].data_ptr() for n in ("w13", "w2"))
     loader.written(1, 2, "w2")
     assert loader.missing(1) == [
@@ -118,7 +135,7 @@ def test_quantized_experts_wait_for_their_last_shard() -> None:
     before = {n: t.clone() for n, t in moe.expert_rows(0, 0).items()}
     for shard in ("w3", "w2"):
         operand, part, tensor = _shard(weights, shard)
-        loader.rows(0, 0)[operand][part].copy_(tensor)
+        loader.dense_views(0, 0)[operand][part].copy_(tensor)
         loader.written(0, 0, shard)
     assert loader.num_pending == 1 and loader.missing(0)[:1] == ["expert 0 w1"]
     # nothing quantized yet (bytes: the bank is allocated empty, and NaN != NaN)
@@ -126,7 +143,7 @@ def test_quantized_experts_wait_for_their_last_shard() -> None:
         torch.equal(moe.expert_rows(0, 0)[n].view(torch.uint8), before[n].view(torch.uint8)) for n in before
     )
     operand, part, tensor = _shard(weights, "w1")
-    loader.rows(0, 0)[operand][part].copy_(tensor)
+    loader.dense_views(0, 0)[operand][part].copy_(tensor)
     loader.written(0, 0, "w1")
     assert loader.num_pending == 0 and loader.num_quantized == 1
     expected = make_format("int4-g32", dtype).quantize(weights["w13"], weights["w2"])
@@ -139,11 +156,32 @@ def test_bad_shards_are_refused_with_the_expert_named() -> None:
     with pytest.raises(ValueError, match=r"shard 'w4' is not one of \['w1', 'w2', 'w3'\]"):
         loader.written(0, 0, "w4")
     for shard in ("w1", "w3", "w2"):
-        loader.rows(0, 1)
+        loader.dense_views(0, 1)
         loader.written(0, 1, shard)
     with pytest.raises(ValueError, match="layer 0 expert 1: a shard arrived after the expert was complete"):
-        loader.rows(0, 1)
+        loader.dense_views(0, 1)
     with pytest.raises(ValueError, match=r"expert 3 out of range \[0, 3\) for layer 1"):
-        loader.rows(1, 3)
+        loader.dense_views(1, 3)
+    with pytest.raises(RuntimeError, match=r"written\(layer=1, expert=0, 'w2'\) without dense_views\(\)"):
+        loader.written(1, 0, "w2")
     with pytest.raises(RuntimeError, match="needs an allocated PooledMoE"):
         DenseLoader(PooledMoE(PoolConfig.resolve(pool_rows=K, device="cpu"), H, I, K, torch.float32))
+
+
+def test_many_experts_in_flight_are_warned_about_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint that keeps an expert's tensors far apart holds many dense buffers: said once, in GiB."""
+    from pooled_runner import dense_load
+
+    moe = _moe("int4-g32", K, torch.bfloat16)
+    loader = DenseLoader(moe)
+    assert loader.dense_bytes == (2 * I * H + H * I) * 2
+    monkeypatch.setattr(dense_load, "PENDING_WARN_BYTES", 2 * loader.dense_bytes)
+    with caplog.at_level(logging.WARNING, logger="pooled_runner"):
+        for e in range(EXPERTS[0]):
+            loader.dense_views(0, e)
+            loader.written(0, e, "w1")
+    warnings = [r.getMessage() for r in caplog.records if "waiting for their last tensor" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("pooled_runner: 3 experts are waiting"), warnings
+    assert loader.num_pending == EXPERTS[0] and loader.peak_pending == EXPERTS[0]

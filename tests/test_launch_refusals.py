@@ -119,7 +119,10 @@ def test_pool_formats_are_checked_against_the_experts(tmp_path: Path) -> None:
     assert "int4-g128" not in message.split("fit this model:")[1]
     message = refusal([*base, "nvfp4", "--dtype", "float32"])
     assert "nvfp4 format: compute dtype torch.float32 is not bf16 or fp16" in message
-    assert "formats that fit this model: bf16; or serve in bf16 (--dtype bfloat16)" in message
+    assert (
+        "formats that fit this model served in bf16 (--dtype bfloat16): bf16, int4-g32, int4-g32-zp, fp8, "
+        in (message)
+    )
     # SGLang serves a float32 checkpoint (or one with no dtype in config.json) in float16 unless --dtype says
     # otherwise: a quantized format fits it, and the rows are sized for 16-bit weights
     for dtype in ("float32", None):

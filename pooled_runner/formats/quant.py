@@ -7,6 +7,8 @@ a quantized row has the same `[N, ...]` shape family as the dense one.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 E4M3_MAX = 448.0
@@ -90,7 +92,8 @@ def quantize_fp8(w: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torc
         q = (wf / s[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         return q, s
     nb, kb = -(-N // block), -(-K // block)
-    padded = torch.zeros(nb * block, kb * block, device=w.device)
+    # fp32 whatever the default dtype (SGLang loads weights under the model's): the scales are fp32
+    padded = torch.zeros(nb * block, kb * block, dtype=torch.float32, device=w.device)
     padded[:N, :K] = wf
     tiles = padded.reshape(nb, block, kb, block)
     s = (tiles.abs().amax((1, 3)) / E4M3_MAX).clamp(min=1e-12)
@@ -110,10 +113,16 @@ def dequantize_fp8(
 
 
 # ---- NVFP4: e2m1 values, one e4m3 scale per 16 values, one fp32 global scale --------------------------------
+# midpoints between neighbouring e2m1 magnitudes: a magnitude on one rounds down (to the first of the two, as
+# the nearest-value search by argmin this replaced did), one above the last clamps to 6
+_E2M1_MIDPOINTS = tuple((a + b) / 2 for a, b in itertools.pairwise(E2M1_VALUES))
+
+
 def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """Nearest e2m1 code (sign bit 3) of each value of x (already divided by its scales)."""
-    table = torch.tensor(E2M1_VALUES, device=x.device)
-    mag = (x.abs()[..., None] - table).abs().argmin(-1)
+    """Nearest e2m1 code (sign bit 3) of each value of x (already divided by its scales), ties to the smaller
+    magnitude. A search over the 7 midpoints: no `[..., 8]` temporary (1 GB for a DeepSeek-V3 w13)."""
+    midpoints = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=x.device)
+    mag = torch.bucketize(x.abs().float(), midpoints, right=False)
     return (mag | ((x < 0).to(torch.int64) << 3)).to(torch.uint8)
 
 
@@ -139,7 +148,7 @@ def dequantize_nvfp4(
 ) -> torch.Tensor:
     N = packed.shape[0]
     codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(N, -1).long()
-    table = torch.tensor(E2M1_VALUES, device=packed.device)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
     vals = table[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
     s = scales.float().repeat_interleave(16, 1)
     return (vals * s * global_scale.float()).to(dtype)

@@ -18,11 +18,12 @@ from typing import Any
 import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
+from pooled_runner.dense_load import DENSE_SHARDS
 from pooled_runner.sglang.runtime import PoolRuntime
 
 logger = logging.getLogger("pooled_runner")
 
-# Our dense operand name -> the FusedMoE parameter holding it (its shards: dense_load.DENSE_SHARDS).
+# Our dense operand name -> the FusedMoE parameter holding it (its shards: DENSE_SHARDS).
 PARAMS = {"w13": "w13_weight", "w2": "w2_weight"}
 
 
@@ -110,8 +111,13 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
                 raise ValueError(
                     f"{weight_name}: expert id {expert_id} out of range [0, {self.num_experts}) of {self.layer_name}"
                 )
+            if shard_id not in DENSE_SHARDS[operand]:
+                raise ValueError(
+                    f"{weight_name}: shard {shard_id!r} for the {PARAMS[operand]} parameter of {self.layer_name}, "
+                    f"which takes shards {list(DENSE_SHARDS[operand])}"
+                )
             loader = self.runtime.ensure_loader()
-            storage = loader.rows(self.index, expert_id)[operand]
+            storage = loader.dense_views(self.index, expert_id)[operand]
             # The native loader writes into expert 0 of a one-row view of the dense row, so the row gets the
             # layout (and the TP shard) the device weight would have. The view carries the parameter's tags.
             row = torch.nn.Parameter(storage.unsqueeze(0), requires_grad=False)

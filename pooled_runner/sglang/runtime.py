@@ -4,7 +4,8 @@ Lifecycle inside the scheduler process (the one that builds the model):
   1. model construction: each pooled `FusedMoE` registers its layer (`register_layer`); layers the pool does
      not handle are noted (`note_not_pooled`), with ONE warning for the whole model;
   2. weight loading: the first expert weight allocates the bank (every layer is registered by then) and each
-     expert is written into its host row in place (`PooledMoE.expert_rows`);
+     expert shard is written through `DenseLoader`: into its bank row in place (bf16), or into a dense buffer
+     that is quantized into the row when the expert's last shard is in (int4, fp8, NVFP4);
   3. after loading: when every pooled layer has finished loading, the pool is filled (`finalize`) and the
      startup summary is logged (bank size, pinned or not, rows, layers pooled and not pooled);
   4. serving: every forward of the first pooled layer counts one step; every `stats_interval` steps (a
@@ -133,6 +134,11 @@ class PoolRuntime:
         """The loader of the experts' dense shards; the first call allocates the bank (every layer is
         registered by then)."""
         moe = self.require_moe()
+        if moe.pool is not None:
+            raise RuntimeError(
+                "an expert weight arrived after every pooled layer had loaded and the pool was built: the "
+                "experts cannot change any more (online weight updates are not supported for pooled layers)"
+            )
         if self.loader is None:
             self._load_start = time.perf_counter()
             moe.allocate()
@@ -147,9 +153,12 @@ class PoolRuntime:
             return
         loader = self.loader
         # every layer reported its missing shards before this: no expert can still be waiting for one
-        assert loader is not None and loader.num_pending == 0, (
-            f"{loader.num_pending if loader else 'no loader'}: experts still pending after every layer loaded"
-        )
+        if loader is None:
+            raise RuntimeError("every pooled layer reported loaded, but no expert weight was ever loaded")
+        if loader.num_pending:
+            raise RuntimeError(
+                f"every pooled layer loaded, but {loader.num_pending} experts still wait for a shard"
+            )
         moe.finalize()
         self.log_summary()
         self.loader = None  # the experts are the bank's and the pool's now

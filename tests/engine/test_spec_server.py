@@ -93,9 +93,8 @@ def test_pooled_nextn_equals_plain_server_and_accepts_drafts(
     print(f"accepted drafts per request {accepted} of {NEW_TOKENS} tokens each")
 
     assert "decode lanes 4 (max_running_requests 1 x 4 tokens per request" in log
-    assert (
-        "4 MoE layers pooled (64 experts, bf16), 0 not pooled" in log
-    )  # target only: the draft's is not pooled
+    # target only: the draft's is not pooled
+    assert "4 MoE layers pooled (64 experts, bf16), 0 not pooled" in log
     assert "MoE layer model.layers.0.mlp.experts is not pooled (draft-model layer)" in log
     decode, prefill = _last_path_counts(log)
     assert decode.get(4, 0) > 0, (decode, prefill)  # verify steps ran, on the decode path
