@@ -1,14 +1,16 @@
-"""Dense expert weights delivered shard by shard, into a pool of any weight format.
+"""Expert weights delivered shard by shard by an engine's loader, into a pool of any weight format.
 
 An engine's loader (SGLang's per-expert `weight_loader`) writes each checkpoint shard of an expert (`w1`, `w3`
-into `w13 [2I, H]`, `w2` into `w2 [H, I]`) in its own call. In the bf16 format that dense layout IS the
-expert's row, so the shards land in place. A quantized format's row (int4, fp8, NVFP4) can only be computed
-from the whole projection (a global scale, or groups spanning gate and up): the shards go to a dense buffer of
-that expert, and the expert is quantized into its row (`WeightFormat.quantize`) when its last shard arrives,
-then the buffer is freed. Host memory beyond the bank: one dense expert per expert whose shards are in flight
-(checkpoints store an expert's shards together, so few at a time; `peak_pending` says how many there were, and
-a warning says when they pass `PENDING_WARN_BYTES`). With a CUDA pool the quantization runs there (the CPU's
-took 0.03-0.15 s per Qwen3-30B-sized expert, minutes for a whole model).
+into `w13 [2I, H]`, `w2` into `w2 [H, I]`) in its own call. Where the checkpoint's layout IS the expert's row
+(the bf16 format; an fp8 checkpoint in square blocks, whose weights and `weight_scale_inv` blocks are the
+fp8-b{block} format's `w13`, `w13_s`, `w2`, `w2_s`), the shards land in place. A quantized format's row of a
+dense checkpoint (int4, fp8, NVFP4) can only be computed from the whole projection (a global scale, or groups
+spanning gate and up): the shards go to a dense buffer of that expert, and the expert is quantized into its row
+(`WeightFormat.quantize`) when its last shard arrives, then the buffer is freed. Host memory beyond the bank:
+one dense expert per expert whose shards are in flight (checkpoints store an expert's shards together, so few
+at a time; `peak_pending` says how many there were, and a warning says when they pass `PENDING_WARN_BYTES`).
+With a CUDA pool the quantization runs there (the CPU's took 15-166 ms per Qwen3-30B-sized expert on one core,
+minutes for a whole model).
 
 Nothing here imports SGLang.
 """
@@ -20,7 +22,6 @@ import logging
 import torch
 
 from pooled_runner.bank import check_expert_weights
-from pooled_runner.formats import Bf16Format
 from pooled_runner.moe import PooledMoE
 
 # dense operand -> the checkpoint shards that write it (SGLang's shard ids)
@@ -32,38 +33,72 @@ PENDING_WARN_BYTES = 4 << 30
 logger = logging.getLogger("pooled_runner")
 
 
+def operand_shards(operand: str) -> tuple[str, ...]:
+    """The shards that write an operand: `w13*` (weights, scales) gate and up, `w2*` down."""
+    for prefix, shards in DENSE_SHARDS.items():
+        if operand == prefix or operand.startswith(prefix + "_"):
+            return shards
+    raise ValueError(f"operand {operand!r} is not one of w13, w2 or their scales (w13_*, w2_*)")
+
+
 class DenseLoader:
     """Shard-by-shard loading of one `PooledMoE` (between its `allocate()` and `finalize()`).
 
-    Use: `dense_views(layer, expert)[operand]` is where the engine writes a shard of `operand` ("w13" or
-    "w2"), then `written(layer, expert, shard)`; `missing(layer)` before finalizing names what never arrived.
+    Each layer's engine writes either the dense `("w13", "w2")` of an expert (quantized into its rows when the
+    format is not bf16), or exactly the format's operands (in place: an fp8-block checkpoint's weights and
+    scales into its fp8-b{block} format); `set_operands(layer, operands)` says which (default: dense). Use:
+    `expert_views(layer, expert)[operand]` is where the engine writes a shard of `operand`, then
+    `written(layer, expert, shard, operand)`; `missing(layer)` names what never arrived.
     """
 
     def __init__(self, moe: PooledMoE):
         if not moe.allocated:
             raise RuntimeError("DenseLoader needs an allocated PooledMoE (call allocate() first)")
         self.moe = moe
-        self.in_place = isinstance(moe.format, Bf16Format)
+        self.row_operands = tuple(spec.name for spec in moe.operands)
+        self._operands: dict[int, tuple[str, ...]] = {}  # layer -> what its engine writes (absent: dense)
         two_i, hidden = 2 * moe.intermediate_size, moe.hidden_size
         self.dense_shapes = {"w13": (two_i, hidden), "w2": (hidden, moe.intermediate_size)}
         itemsize = torch.empty((), dtype=moe.dtype).element_size()
         self.dense_bytes = sum(a * b for a, b in self.dense_shapes.values()) * itemsize  # one expert's
         device = moe.config.torch_device
         self.quantize_device = device if device.type == "cuda" else torch.device("cpu")
-        self._shards: dict[tuple[int, int], set[str]] = {}  # (layer, expert) -> shards written
+        self._shards: dict[tuple[int, int], set[tuple[str, str]]] = {}  # (layer, expert) -> (operand, shard)
         self._pending_host: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # dense buffers in flight
         self.peak_pending = 0
         self.num_quantized = 0
         self._warned = False
 
-    def dense_views(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """Writable dense `{"w13": [2I, H], "w2": [H, I]}` of one expert in the model's dtype: its bank rows
-        for the bf16 format (host, or the pool's device when every expert is resident), else host buffers
-        that `written` quantizes into them once every shard is in."""
-        if self.in_place:
+    def set_operands(self, layer: int, operands: tuple[str, ...]) -> None:
+        """What `layer`'s engine writes of each expert: the dense `("w13", "w2")` or the format's operands."""
+        if set(operands) != set(self.row_operands) and set(operands) != set(DENSE_SHARDS):
+            raise ValueError(
+                f"layer {layer} writes operands {sorted(operands)}: neither the {self.moe.format.name} "
+                f"format's {sorted(self.row_operands)} (in place) nor the dense {sorted(DENSE_SHARDS)} "
+                "(quantized on load)"
+            )
+        known = self._operands.setdefault(layer, tuple(operands))
+        if set(known) != set(operands):
+            raise ValueError(f"layer {layer} writes operands {sorted(operands)}, and before {sorted(known)}")
+
+    def operands(self, layer: int) -> tuple[str, ...]:
+        return self._operands.get(layer, tuple(DENSE_SHARDS))
+
+    def in_place(self, layer: int) -> bool:
+        """Whether `layer`'s shards land in its rows as they are (no quantization on load)."""
+        return set(self.operands(layer)) == set(self.row_operands)
+
+    def _all_shards(self, layer: int) -> frozenset[tuple[str, str]]:
+        return frozenset((op, s) for op in self.operands(layer) for s in operand_shards(op))
+
+    def expert_views(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """Writable `{operand: row}` of one expert: its bank rows in place (host, or the pool's device when
+        every expert is resident), else dense host buffers `{"w13": [2I, H], "w2": [H, I]}` in the model's
+        dtype that `written` quantizes into them once every shard is in."""
+        if self.in_place(layer):
             return self.moe.expert_rows(layer, expert)
         key = (layer, expert)
-        if self._shards.get(key) == ALL_SHARDS:
+        if self._shards.get(key) == self._all_shards(layer):
             raise ValueError(
                 f"layer {layer} expert {expert}: a shard arrived after the expert was complete and quantized "
                 f"into the {self.moe.format.name} format; the checkpoint provides one of its tensors twice"
@@ -80,20 +115,28 @@ class DenseLoader:
             self._warn_if_many_pending()
         return buffers
 
-    def written(self, layer: int, expert: int, shard: str) -> None:
-        """Shard `shard` (w1, w3 or w2) of an expert is in its `dense_views` (called first); the expert's last
-        shard quantizes it into its rows."""
+    def written(self, layer: int, expert: int, shard: str, operand: str | None = None) -> None:
+        """Shard `shard` (w1, w3 or w2) of `operand` (default: the dense one it writes) of an expert is in its
+        `expert_views` (called first); the expert's last shard quantizes it into its rows."""
         if shard not in ALL_SHARDS:
             raise ValueError(f"shard {shard!r} is not one of {sorted(ALL_SHARDS)}")
+        if operand is None:
+            operand = next(op for op, shards in DENSE_SHARDS.items() if shard in shards)
+        all_shards = self._all_shards(layer)
+        if (operand, shard) not in all_shards:
+            raise ValueError(
+                f"shard {shard!r} of operand {operand!r}: layer {layer} takes {sorted(all_shards)}"
+            )
         key = (layer, expert)
-        if not self.in_place and key not in self._pending_host:
+        in_place = self.in_place(layer)
+        if not in_place and key not in self._pending_host:
             raise RuntimeError(
-                f"written(layer={layer}, expert={expert}, {shard!r}) without dense_views() of that expert "
+                f"written(layer={layer}, expert={expert}, {shard!r}) without expert_views() of that expert "
                 "first"
             )
         done = self._shards.setdefault(key, set())
-        done.add(shard)
-        if self.in_place or done != ALL_SHARDS:
+        done.add((operand, shard))
+        if in_place or done != all_shards:
             return
         buffers = self._pending_host.pop(key)
         dev = self.quantize_device
@@ -104,13 +147,14 @@ class DenseLoader:
         self.num_quantized += 1
 
     def missing(self, layer: int) -> list[str]:
-        """`"expert e shard"` for every shard of the layer's experts not written yet, in expert order."""
+        """`"expert e shard"` (`"expert e shard operand"` for a scale) for every shard of the layer's experts
+        not written yet, in expert order."""
         return [
-            f"expert {e} {shard}"
+            f"expert {e} {shard}" + ("" if op in DENSE_SHARDS else f" {op}")
             for e in range(self.moe.num_experts_per_layer[layer])
-            for shards in DENSE_SHARDS.values()
-            for shard in shards
-            if shard not in self._shards.get((layer, e), ())
+            for op in self.operands(layer)
+            for shard in operand_shards(op)
+            if (op, shard) not in self._shards.get((layer, e), ())
         ]
 
     @property

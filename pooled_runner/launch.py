@@ -154,7 +154,9 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
         model_path = flag_value(argv, *MODEL_FLAGS)
         revision, download_dir = flag_value(argv, "--revision"), flag_value(argv, "--download-dir")
         facts = find_model_facts(model_path, revision, download_dir) if model_path else None
-        problems += pool_problems(rows, facts, tp_size, cpu=not cuda_available)
+        problems += pool_problems(
+            rows, facts, tp_size, cpu=not cuda_available, weight_format=ours.weight_format
+        )
         problems += spec_governor_problems(ours.spec_governor, argv, tp_size)
         if ours.stats_interval <= 0:
             problems.append(f"--moe-expert-pool-stats-interval {ours.stats_interval}: must be positive")

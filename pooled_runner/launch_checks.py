@@ -105,9 +105,14 @@ def weight_dtype(argv: list[str], facts: ModelFacts) -> torch.dtype:
 
 
 def pool_problems(
-    rows: int | None, facts: ModelFacts | None, tp_size: int = 1, cpu: bool = False
+    rows: int | None,
+    facts: ModelFacts | None,
+    tp_size: int = 1,
+    cpu: bool = False,
+    weight_format: str = "bf16",
 ) -> list[str]:
-    """Every problem with `--moe-expert-pool-rows` (per rank) and `--tp-size` against the model, with fixes."""
+    """Every problem with `--moe-expert-pool-rows` (per rank), `--tp-size` and a quantized checkpoint against
+    the model and the pool's `weight_format`, with fixes."""
     flag = flag_name("pool_rows")
     out: list[str] = []
     if rows is None:
@@ -121,10 +126,17 @@ def pool_problems(
             "the model has no MoE layer (no routed experts in config.json): serve it with SGLang directly"
         )
         return out
-    if facts.quantization is not None:
+    if facts.quantization is not None and not facts.native_format:
         out.append(
-            f"quantization {facts.quantization!r}: the pool handles unquantized (bf16/fp16/fp32) experts only; "
-            "use an unquantized checkpoint or pass --no-moe-expert-pool"
+            f"quantization {facts.quantization!r}: the pool takes unquantized (bf16/fp16/fp32) experts, and fp8 "
+            "ones in square blocks (DeepSeek-style weight_block_size); use such a checkpoint or pass "
+            "--no-moe-expert-pool"
+        )
+    elif facts.native_format and weight_format != facts.native_format:
+        out.append(
+            f"{flag_name('weight_format')} {weight_format}: the checkpoint's experts are {facts.native_format} "
+            f"already (quantization {facts.quantization!r}); the pool serves them as they are with "
+            f"{flag_name('weight_format')} {facts.native_format}"
         )
     if tp_size != 1:
         out += tp_problems(rows or 0, facts.top_k, facts.moe_intermediate_size, tp_size, cpu)
@@ -161,6 +173,10 @@ def format_problems(
         return None
 
     why = why_not(weight_format, dtype)
+    if why is None and weight_format == facts.native_format:
+        block = int(weight_format.removeprefix("fp8-b"))
+        if per_rank % block:  # the checkpoint's blocks must not straddle gate and up, nor two ranks
+            why = f"the checkpoint's {block}x{block} blocks do not divide the expert intermediate size"
     if why is None:
         return []
     half = dtype in (torch.bfloat16, torch.float16)
@@ -218,8 +234,8 @@ def argv_problems(argv: list[str], pooled: bool, our_flags: list[str]) -> list[s
             )
     if pooled and flag_value(argv, "--quantization") not in (None, "unquant"):
         out.append(
-            "--quantization: the pool handles unquantized (bf16/fp16/fp32) experts only; drop --quantization "
-            "or pass --no-moe-expert-pool"
+            "--quantization: the pool quantizes experts itself (--moe-expert-pool-weight-format) and reads a "
+            "checkpoint's own fp8 blocks from its config.json; drop --quantization or pass --no-moe-expert-pool"
         )
     return out
 

@@ -60,7 +60,7 @@ def _load_shuffled(loader: DenseLoader, weights: dict, seed: int) -> None:
         for i in torch.randperm(len(order), generator=g).tolist():
             layer, e, shard = order[i]
             operand, part, tensor = _shard(weights[(layer, e)], shard)
-            loader.dense_views(layer, e)[operand][part].copy_(tensor)
+            loader.expert_views(layer, e)[operand][part].copy_(tensor)
             loader.written(layer, e, shard)
 
 
@@ -72,7 +72,7 @@ def test_rows_equal_the_converter_and_forward_equals_reference(fmt: str, rows: i
     weights = random_expert_weights(len(EXPERTS), max(EXPERTS), H, I, dtype, seed)
     moe = _moe(fmt, rows, dtype)
     loader = DenseLoader(moe)
-    assert loader.in_place == (fmt == "bf16")
+    assert loader.in_place(0) == loader.in_place(1) == (fmt == "bf16")
     _load_shuffled(loader, weights, seed)
     assert loader.num_pending == 0
     for layer in range(len(EXPERTS)):
@@ -117,7 +117,7 @@ def test_rows_equal_the_converter_and_forward_equals_reference(fmt: str, rows: i
 def test_bf16_writes_land_in_the_bank_in_place() -> None:
     moe = _moe("bf16", K, torch.float32)
     loader = DenseLoader(moe)
-    rows, bank = loader.dense_views(1, 2), moe.expert_rows(1, 2)
+    rows, bank = loader.expert_views(1, 2), moe.expert_rows(1, 2)
     assert all(rows[n].data_ptr() == bank[n].data_ptr() for n in ("w13", "w2"))
     loader.written(1, 2, "w2")
     assert loader.missing(1) == [
@@ -135,7 +135,7 @@ def test_quantized_experts_wait_for_their_last_shard() -> None:
     before = {n: t.clone() for n, t in moe.expert_rows(0, 0).items()}
     for shard in ("w3", "w2"):
         operand, part, tensor = _shard(weights, shard)
-        loader.dense_views(0, 0)[operand][part].copy_(tensor)
+        loader.expert_views(0, 0)[operand][part].copy_(tensor)
         loader.written(0, 0, shard)
     assert loader.num_pending == 1 and loader.missing(0)[:1] == ["expert 0 w1"]
     # nothing quantized yet (bytes: the bank is allocated empty, and NaN != NaN)
@@ -143,7 +143,7 @@ def test_quantized_experts_wait_for_their_last_shard() -> None:
         torch.equal(moe.expert_rows(0, 0)[n].view(torch.uint8), before[n].view(torch.uint8)) for n in before
     )
     operand, part, tensor = _shard(weights, "w1")
-    loader.dense_views(0, 0)[operand][part].copy_(tensor)
+    loader.expert_views(0, 0)[operand][part].copy_(tensor)
     loader.written(0, 0, "w1")
     assert loader.num_pending == 0 and loader.num_quantized == 1
     expected = make_format("int4-g32", dtype).quantize(weights["w13"], weights["w2"])
@@ -156,16 +156,67 @@ def test_bad_shards_are_refused_with_the_expert_named() -> None:
     with pytest.raises(ValueError, match=r"shard 'w4' is not one of \['w1', 'w2', 'w3'\]"):
         loader.written(0, 0, "w4")
     for shard in ("w1", "w3", "w2"):
-        loader.dense_views(0, 1)
+        loader.expert_views(0, 1)
         loader.written(0, 1, shard)
     with pytest.raises(ValueError, match="layer 0 expert 1: a shard arrived after the expert was complete"):
-        loader.dense_views(0, 1)
+        loader.expert_views(0, 1)
     with pytest.raises(ValueError, match=r"expert 3 out of range \[0, 3\) for layer 1"):
-        loader.dense_views(1, 3)
-    with pytest.raises(RuntimeError, match=r"written\(layer=1, expert=0, 'w2'\) without dense_views\(\)"):
+        loader.expert_views(1, 3)
+    with pytest.raises(RuntimeError, match=r"written\(layer=1, expert=0, 'w2'\) without expert_views\(\)"):
         loader.written(1, 0, "w2")
     with pytest.raises(RuntimeError, match="needs an allocated PooledMoE"):
         DenseLoader(PooledMoE(PoolConfig.resolve(pool_rows=K, device="cpu"), H, I, K, torch.float32))
+
+
+def test_an_fp8_block_checkpoint_lands_in_place_beside_a_dense_layer() -> None:
+    """Layer 0 from an fp8 checkpoint in 16x16 blocks: its weights and `weight_scale_inv` blocks are the
+    fp8-b16 format's rows, written as they are. Layer 1 (a layer the checkpoint left unquantized) writes dense
+    shards, quantized into the same format on load. Both end as the converter's bytes."""
+    from pooled_runner.formats.quant import quantize_fp8
+
+    dtype = torch.bfloat16
+    weights = random_expert_weights(len(EXPERTS), max(EXPERTS), H, I, dtype, seed=41)
+    moe = _moe("fp8-b16", K, dtype)
+    loader = DenseLoader(moe)
+    native = ("w13", "w13_s", "w2", "w2_s")
+    loader.set_operands(0, native)
+    assert loader.in_place(0) and not loader.in_place(1)
+    with pytest.raises(ValueError, match=r"layer 0 writes operands \['w13', 'w2'\], and before"):
+        loader.set_operands(0, ("w13", "w2"))
+    with pytest.raises(ValueError, match="neither the fp8-b16 format's"):
+        loader.set_operands(1, ("w13", "w13_s"))
+    for e in range(EXPERTS[0]):
+        w = weights[(0, e)]
+        gate, up, down = (quantize_fp8(t, 16) for t in (w["w13"][:I], w["w13"][I:], w["w2"]))
+        views = loader.expert_views(0, e)
+        for shard, (q, scale), part in (("w1", gate, slice(0, I)), ("w3", up, slice(I, 2 * I))):
+            views["w13"][part].copy_(q)
+            loader.written(0, e, shard, "w13")
+            views["w13_s"][part.start // 16 : part.stop // 16].copy_(scale)
+            if e != 2:  # expert 2's up scales never arrive
+                loader.written(0, e, shard, "w13_s")
+        views["w2"].copy_(down[0])
+        views["w2_s"].copy_(down[1])
+        loader.written(0, e, "w2", "w2")
+        loader.written(0, e, "w2", "w2_s")
+    assert loader.missing(0) == ["expert 2 w1 w13_s", "expert 2 w3 w13_s"]
+    loader.written(0, 2, "w1", "w13_s")
+    loader.written(0, 2, "w3", "w13_s")
+    assert loader.missing(0) == [] and loader.num_quantized == 0 and loader.num_pending == 0
+    for e in range(EXPERTS[1]):
+        views = loader.expert_views(1, e)
+        views["w13"].copy_(weights[(1, e)]["w13"])
+        views["w2"].copy_(weights[(1, e)]["w2"])
+        for shard in ("w1", "w3", "w2"):
+            loader.written(1, e, shard)
+    assert loader.missing(1) == [] and loader.num_quantized == EXPERTS[1]
+    converter = make_format("fp8-b16", dtype)
+    for layer, n in enumerate(EXPERTS):
+        for e in range(n):
+            expected = converter.quantize(weights[(layer, e)]["w13"], weights[(layer, e)]["w2"])
+            for name, tensor in expected.items():
+                got = moe.expert_rows(layer, e)[name]
+                assert torch.equal(got.view(torch.uint8), tensor.view(torch.uint8)), (layer, e, name)
 
 
 def test_many_experts_in_flight_are_warned_about_once(
@@ -180,7 +231,7 @@ def test_many_experts_in_flight_are_warned_about_once(
     monkeypatch.setattr(dense_load, "PENDING_WARN_BYTES", 2 * loader.dense_bytes)
     with caplog.at_level(logging.WARNING, logger="pooled_runner"):
         for e in range(EXPERTS[0]):
-            loader.dense_views(0, e)
+            loader.expert_views(0, e)
             loader.written(0, e, "w1")
     warnings = [r.getMessage() for r in caplog.records if "waiting for their last tensor" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].startswith("pooled_runner: 3 experts are waiting"), warnings
@@ -208,7 +259,7 @@ def test_a_cuda_pool_quantizes_on_the_gpu_to_the_same_bytes(fmt: str) -> None:
     for e in range(3):
         w13 = (torch.randn(2 * inter, hidden, generator=g) / hidden**0.5).to(torch.bfloat16)
         w2 = (torch.randn(hidden, inter, generator=g) / inter**0.5).to(torch.bfloat16)
-        views = loader.dense_views(0, e)
+        views = loader.expert_views(0, e)
         views["w13"].copy_(w13)
         views["w2"].copy_(w2)
         for shard in ("w1", "w3", "w2"):

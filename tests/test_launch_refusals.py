@@ -84,11 +84,56 @@ def test_abbreviated_sglang_flags_the_launcher_reads_are_refused(model: str) -> 
 
 def test_quantized_checkpoints_are_refused_for_serving(model: str) -> None:
     message = refusal(["--model", model, "--moe-expert-pool-rows", "8", "--quantization", "fp8"])
-    assert "--quantization: the pool handles unquantized" in message and "--no-moe-expert-pool" in message
+    assert (
+        "--quantization: the pool quantizes experts itself" in message and "--no-moe-expert-pool" in message
+    )
     unpooled = plan(["--model", model, "--no-moe-expert-pool", "--quantization", "fp8"])
     assert unpooled.serve.pool is None
     # SGLang's "unquant" means no quantization: what the pool needs
     assert plan(["--model", model, "--moe-expert-pool-rows", "8", "--quantization", "unquant"]).serve.pool
+
+
+def test_fp8_block_checkpoints_are_served_in_their_own_format(tmp_path: Path) -> None:
+    """A DeepSeek-style fp8 checkpoint (e4m3, weight_block_size [128, 128]) is served as it is with
+    --moe-expert-pool-weight-format fp8-b128; any other pool format, other block shapes and other quantization
+    methods are refused, naming what works."""
+
+    def folder(name: str, quant: dict, inter: int = 768) -> list[str]:
+        path = tmp_path / name
+        path.mkdir()
+        config = {**QWEN3_MOE, "hidden_size": 2048, "moe_intermediate_size": inter, "torch_dtype": "bfloat16"}
+        (path / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+        return ["--model", str(path), "--moe-expert-pool-rows", "8"]
+
+    deepseek = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+    }
+    base = folder("fp8", deepseek)
+    served = plan([*base, "--moe-expert-pool-weight-format", "fp8-b128"])
+    assert served.serve.pool is not None and served.serve.pool.weight_format == "fp8-b128"
+    assert served.facts is not None and served.facts.native_format == "fp8-b128"
+    message = refusal(base)  # the default bf16 pool
+    assert (
+        "--moe-expert-pool-weight-format bf16: the checkpoint's experts are fp8-b128 already (quantization 'fp8'); "
+        "the pool serves them as they are with --moe-expert-pool-weight-format fp8-b128"
+    ) in message
+    assert "fp8-b128 already" in refusal([*base, "--moe-expert-pool-weight-format", "int4-g128"])
+    # 768 / 4 = 192 per rank on CUDA: not whole 128-blocks
+    message = refusal([*base, "--moe-expert-pool-weight-format", "fp8-b128", "--tp-size", "4"], cuda=True)
+    assert "the checkpoint's 128x128 blocks do not divide the expert intermediate size" in message
+    assert "expert intermediate 192 per rank" in message
+    for name, quant in (
+        ("rect", {**deepseek, "weight_block_size": [128, 64]}),
+        ("per-tensor", {"quant_method": "fp8", "activation_scheme": "static"}),
+        ("awq", {"quant_method": "awq", "bits": 4}),
+    ):
+        message = refusal([*folder(name, quant), "--moe-expert-pool-weight-format", "fp8-b128"])
+        assert (
+            "the pool takes unquantized (bf16/fp16/fp32) experts, and fp8 ones in square blocks" in message
+        ), name
 
 
 def test_pool_formats_are_checked_against_the_experts(tmp_path: Path) -> None:

@@ -28,15 +28,37 @@ TARGET = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE"
 _SIGNATURE = inspect.signature(_FusedMoE.__init__)
 
 
-def not_pooled_reason(args: dict[str, Any]) -> str | None:
-    """Why the pool cannot handle a layer built with these `FusedMoE.__init__` arguments (None: it can)."""
+def native_quant_format(quant_config: Any) -> str:
+    """The pool format a layer's quantized experts already are, or "": SGLang's `Fp8Config` of a checkpoint
+    serialized in fp8 e4m3 with square blocks of a size the pool's fp8 format has (DeepSeek-V3, Qwen3-*-FP8)."""
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    from pooled_runner.formats import FP8_BLOCKS
+
+    if not isinstance(quant_config, Fp8Config) or not quant_config.is_checkpoint_fp8_serialized:
+        return ""
+    if getattr(quant_config, "use_mxfp8", False) or getattr(quant_config, "is_fp4_experts", False):
+        return ""
+    block = quant_config.weight_block_size
+    if block is None or len(block) != 2 or block[0] != block[1] or block[0] not in FP8_BLOCKS:
+        return ""
+    return f"fp8-b{block[0]}"
+
+
+def not_pooled_reason(args: dict[str, Any], weight_format: str = "bf16") -> str | None:
+    """Why the pool cannot handle a layer built with these `FusedMoE.__init__` arguments (None: it can), its
+    rows being in `weight_format`."""
     if get_flags().moe.in_speculative_scope:
         return "draft-model layer"
     if args.get("quant_method") is not None:
         return f"explicit quant method {type(args['quant_method']).__name__}"
-    quant_config = args.get("quant_config")
+    quant_config = _quant_config_of(args)
     if quant_config is not None:
-        return f"quantization {quant_config.get_name()} (the pool handles unquantized experts)"
+        native = native_quant_format(quant_config)
+        if not native:
+            return f"quantization {quant_config.get_name()} (the pool takes unquantized or fp8-block experts)"
+        if native != weight_format:
+            return f"quantization {native} (serve it with --moe-expert-pool-weight-format {native})"
     if args.get("with_bias"):
         return "expert biases"
     if args.get("apply_router_weight_on_input"):
@@ -63,6 +85,36 @@ def not_pooled_reason(args: dict[str, Any]) -> str | None:
     return None
 
 
+def _quant_config_of(args: dict[str, Any]) -> Any:
+    """The layer's quant config, None for a layer its checkpoint leaves unquantized (`ignored_layers` /
+    `modules_to_not_convert`: SGLang's `Fp8Config.get_quant_method` gives those the unquantized method)."""
+    quant_config = args.get("quant_config")
+    if quant_config is None or not hasattr(quant_config, "ignored_layers"):
+        return quant_config
+    from sglang.srt.layers.quantization.utils import is_layer_skipped
+
+    mapping = getattr(quant_config, "packed_modules_mapping", None) or {}
+    if is_layer_skipped(args.get("prefix", ""), quant_config.ignored_layers, fused_mapping=mapping):
+        return None
+    return quant_config
+
+
+def _base_method(quant_config: Any) -> Any:
+    """The method that creates a pooled layer's one-expert placeholders (the loader's layout and tags):
+    SGLang's fp8 method for an fp8-block checkpoint (weights and `weight_scale_inv` blocks), else the
+    unquantized one."""
+    if quant_config is not None:
+        from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod
+
+        return Fp8MoEMethod(quant_config)
+    backend = get_moe_runner_backend()
+    return UnquantizedFusedMoEMethod(
+        backend.is_triton_kernels(),
+        backend.is_flashinfer_trtllm() or backend.is_flashinfer_trtllm_routed(),
+        backend.is_deep_gemm() or backend.is_lora(),
+    )
+
+
 class PooledFusedMoE(_FusedMoE):
     """`FusedMoE` whose routed experts live in the shared pool when the pool handles the layer."""
 
@@ -73,15 +125,9 @@ class PooledFusedMoE(_FusedMoE):
         values.pop("self")
         runtime = get_runtime()
         if runtime is not None:
-            reason = not_pooled_reason(values)
+            reason = not_pooled_reason(values, runtime.config.weight_format)
             if reason is None:
-                backend = get_moe_runner_backend()
-                base = UnquantizedFusedMoEMethod(
-                    backend.is_triton_kernels(),
-                    backend.is_flashinfer_trtllm() or backend.is_flashinfer_trtllm_routed(),
-                    backend.is_deep_gemm() or backend.is_lora(),
-                )
-                values["quant_method"] = PooledMoEMethod(base, runtime)
+                values["quant_method"] = PooledMoEMethod(_base_method(_quant_config_of(values)), runtime)
             else:
                 runtime.note_not_pooled(values.get("prefix", "") or f"layer {values['layer_id']}", reason)
         super().__init__(**values)

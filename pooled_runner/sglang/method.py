@@ -4,7 +4,8 @@ It wraps the layer's own quant method the way SGLang's paged experts does: the b
 layer's parameters (with ONE expert: a placeholder that gives the loader its layout and tags), every expert
 parameter's `weight_loader` is replaced by one that runs the layer's native per-expert loader
 (`FusedMoE._weight_loader_impl`: TP sharding, w1/w3 placement) on a one-row view of the expert's dense rows
-(`pooled_runner.dense_load`): its storage in the pool's bank for the bf16 format, so bank rows have exactly the
+(`pooled_runner.dense_load`): its storage in the pool's bank where the checkpoint's layout is the format's (bf16;
+an fp8-block checkpoint's weights and `weight_scale_inv` blocks into fp8-b{block}), so bank rows have exactly the
 layout the device weights would have, or a dense buffer that a quantized format (`--moe-expert-pool-weight-format`
 int4/fp8/NVFP4) quantizes into the bank when the expert's last shard is in. `apply` runs the pooled forward
 (`PooledMoE.forward`). Only `pooled_runner.sglang` imports SGLang.
@@ -18,13 +19,19 @@ from typing import Any
 import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
-from pooled_runner.dense_load import DENSE_SHARDS
+from pooled_runner.dense_load import operand_shards
 from pooled_runner.sglang.runtime import PoolRuntime
 
 logger = logging.getLogger("pooled_runner")
 
-# Our dense operand name -> the FusedMoE parameter holding it (its shards: DENSE_SHARDS).
-PARAMS = {"w13": "w13_weight", "w2": "w2_weight"}
+# Our operand name -> the FusedMoE parameter holding it (its shards: dense_load.operand_shards): the weights,
+# and an fp8-block checkpoint's `weight_scale_inv` blocks (the fp8-b{block} format's scales: w = q * s)
+PARAMS = {
+    "w13": "w13_weight",
+    "w13_s": "w13_weight_scale_inv",
+    "w2": "w2_weight",
+    "w2_s": "w2_weight_scale_inv",
+}
 
 
 def method_scales_routed_output(layer: Any) -> bool:
@@ -41,8 +48,8 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
     """Experts of one `FusedMoE` layer served from the pool (an `nn.Module`, like the methods it wraps).
 
     Args:
-      base_method: the layer's own (unquantized) method; it creates the placeholder parameters and the
-        runner, and decides the loader's layout.
+      base_method: the layer's own method (SGLang's unquantized one, or its fp8 one for an fp8-block
+        checkpoint); it creates the placeholder parameters and the runner, and decides the loader's layout.
       runtime: the process's pool runtime (`pooled_runner.sglang.runtime`).
     """
 
@@ -54,6 +61,7 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         self.num_experts = 0
         self.layer_name = ""
         self.routed_scaling_factor = 1.0
+        self.operands: tuple[str, ...] = ()  # the PARAMS operands the layer's placeholders have
 
     def create_weights(
         self,
@@ -87,8 +95,9 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         layer._derived_weight_cache_error = (
             "Online weight updates are not supported for pooled MoE layers: pool rows would keep old weights."
         )
-        for operand, param_name in PARAMS.items():
-            param = getattr(layer, param_name)
+        self.operands = tuple(op for op, name in PARAMS.items() if hasattr(layer, name))
+        for operand in self.operands:
+            param = getattr(layer, PARAMS[operand])
             param.weight_loader = self._make_bank_loader(layer, operand)
 
     def _make_bank_loader(self, layer: Any, operand: str) -> Any:
@@ -111,13 +120,14 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
                 raise ValueError(
                     f"{weight_name}: expert id {expert_id} out of range [0, {self.num_experts}) of {self.layer_name}"
                 )
-            if shard_id not in DENSE_SHARDS[operand]:
+            if shard_id not in operand_shards(operand):
                 raise ValueError(
                     f"{weight_name}: shard {shard_id!r} for the {PARAMS[operand]} parameter of {self.layer_name}, "
-                    f"which takes shards {list(DENSE_SHARDS[operand])}"
+                    f"which takes shards {list(operand_shards(operand))}"
                 )
             loader = self.runtime.ensure_loader()
-            storage = loader.dense_views(self.index, expert_id)[operand]
+            loader.set_operands(self.index, self.operands)
+            storage = loader.expert_views(self.index, expert_id)[operand]
             # The native loader writes into expert 0 of a one-row view of the dense row, so the row gets the
             # layout (and the TP shard) the device weight would have. The view carries the parameter's tags.
             row = torch.nn.Parameter(storage.unsqueeze(0), requires_grad=False)
@@ -135,7 +145,7 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
                     f"{weight_name} (expert {expert_id}, shard {shard_id}, shape {tuple(loaded_weight.shape)}) "
                     f"does not fit {operand} rows of shape {tuple(storage.shape)}: {exc}"
                 ) from exc
-            loader.written(self.index, expert_id, shard_id)
+            loader.written(self.index, expert_id, shard_id, operand)
 
         return weight_loader
 
@@ -150,13 +160,15 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         return self.base_method.get_moe_runner_backend(layer)
 
     def process_weights_after_loading(self, layer: Any) -> None:
-        missing = self.runtime.ensure_loader().missing(self.index)
+        loader = self.runtime.ensure_loader()
+        loader.set_operands(self.index, self.operands)
+        missing = loader.missing(self.index)
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"{self.layer_name}: the checkpoint did not provide {shown}")
         # The placeholders are no longer needed: the experts live in the bank and the pool rows.
-        for param_name in PARAMS.values():
-            param = getattr(layer, param_name)
+        for operand in self.operands:
+            param = getattr(layer, PARAMS[operand])
             param.data = param.data.new_empty((0, *param.shape[1:]))
         self.runtime.layer_loaded(self.index)
 

@@ -30,6 +30,9 @@ class ModelFacts:
     dtype: str = ""  # torch_dtype / dtype of config.json, "" when absent
     # why the router's logits are not the scores its top-k selects on ("" when they are: softmax routing)
     router_logits_differ: str = ""
+    # the pool format a quantized checkpoint's experts already are ("fp8-b128" for DeepSeek-style fp8 blocks),
+    # "" when the pool cannot take them as they are
+    native_format: str = ""
 
     @property
     def num_total_experts(self) -> int:
@@ -78,6 +81,24 @@ def _router_logits_differ(text: dict[str, Any]) -> str:
     return "; ".join(reasons)
 
 
+def _native_format(quant: dict[str, Any]) -> str:
+    """The pool format of a quantization_config's experts, or "": fp8 e4m3 in square blocks the pool's fp8
+    format has (DeepSeek-V3, Qwen3-*-FP8: `weight_block_size` [128, 128], scales `weight_scale_inv` per block)."""
+    from pooled_runner.formats import FP8_BLOCKS
+
+    block = quant.get("weight_block_size")
+    if (
+        quant.get("quant_method") == "fp8"
+        and quant.get("fmt", "e4m3") == "e4m3"
+        and isinstance(block, list)
+        and len(block) == 2
+        and block[0] == block[1]
+        and block[0] in FP8_BLOCKS
+    ):
+        return f"fp8-b{block[0]}"
+    return ""
+
+
 def facts_from_config(config: dict[str, Any]) -> ModelFacts:
     """MoE facts from a config.json dict (a `text_config` inside it wins for multimodal checkpoints)."""
     quant = config.get("quantization_config")
@@ -98,6 +119,7 @@ def facts_from_config(config: dict[str, Any]) -> ModelFacts:
         moe_intermediate_size=_first(text, _EXPERT_INTERMEDIATE_KEYS),
         dtype=str(dtype),
         router_logits_differ=_router_logits_differ(text),
+        native_format=_native_format(quant) if isinstance(quant, dict) else "",
     )
 
 

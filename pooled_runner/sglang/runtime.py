@@ -131,8 +131,8 @@ class PoolRuntime:
         return self.moe
 
     def ensure_loader(self) -> DenseLoader:
-        """The loader of the experts' dense shards; the first call allocates the bank (every layer is
-        registered by then)."""
+        """The loader of the experts' shards; the first call allocates the bank (every layer is registered by
+        then)."""
         moe = self.require_moe()
         if moe.pool is not None:
             raise RuntimeError(
@@ -201,7 +201,7 @@ class PoolRuntime:
                 pool.nbytes / (1 << 30),
                 bank.nbytes / (1 << 30) if bank is not None else 0.0,
             )
-        if self.loader is not None and not self.loader.in_place:
+        if self.loader is not None and self.loader.num_quantized:
             logger.info(
                 "pooled_runner: %sexperts quantized to %s while loading (%d experts; at most %d held dense at once)",
                 self.rank_prefix,

@@ -195,6 +195,115 @@ def test_quantized_pool_matches_sglang_on_the_dequantized_weights(
         set_runtime(None)
 
 
+def fp8_block_checkpoint(sd: dict[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
+    """The experts of `sd` as a DeepSeek-style fp8 checkpoint: each projection e4m3 with an fp32
+    `weight_scale_inv` per [block, block] tile (w = q * scale_inv); everything else as it was."""
+    from pooled_runner.formats.quant import quantize_fp8
+
+    out = {}
+    for name, w in sd.items():
+        if ".mlp.experts." in name and name.endswith("_proj.weight"):
+            out[name], out[name + "_scale_inv"] = quantize_fp8(w, block)
+        else:
+            out[name] = w
+    return out
+
+
+def test_fp8_block_checkpoint_is_pooled_as_it_is(sglang_context, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """An fp8 checkpoint in 16x16 blocks, served with --moe-expert-pool-weight-format fp8-b16: SGLang's fp8
+    method lays out the placeholders and its loader writes weights and block scales straight into the bank rows
+    (no dequantize, no requantize); the pooled layer equals SGLang's unquantized `FusedMoE` on the dequantized
+    weights."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.moe.topk import TopK
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    from pooled_runner.formats.quant import dequantize_fp8
+    from pooled_runner.sglang.layer import PooledFusedMoE
+    from pooled_runner.sglang.runtime import PoolRuntime, set_runtime
+    from pooled_runner.sglang.serve_config import ServeConfig
+
+    dtype, block = torch.bfloat16, 16
+    fp8 = fp8_block_checkpoint(checkpoint, block)
+    dequantized = {
+        name: dequantize_fp8(w, fp8[name + "_scale_inv"], block, dtype)
+        if name + "_scale_inv" in fp8
+        else w.to(dtype)
+        for name, w in fp8.items()
+        if not name.endswith("_scale_inv")
+    }
+    quant_config = Fp8Config(
+        is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=[block, block]
+    )
+    rt = PoolRuntime(
+        ServeConfig(
+            pool=PoolConfig.resolve(pool_rows=6, device="cpu", weight_format=f"fp8-b{block}"), cpu=True
+        )
+    )
+    set_runtime(rt)
+    try:
+        ref = [build(FusedMoE, i, dtype) for i in range(NUM_LAYERS)]
+        pooled = [build(PooledFusedMoE, i, dtype, quant_config=quant_config) for i in range(NUM_LAYERS)]
+        assert all(p.is_pooled for p in pooled)
+        with set_default_torch_dtype(dtype):
+            for i in range(NUM_LAYERS):
+                load(ref[i], i, dequantized)
+                load(pooled[i], i, fp8)
+                for layer in (ref[i], pooled[i]):
+                    layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+        moe = rt.require_moe()
+        assert moe.bank is not None and moe.format.name == f"fp8-b{block}" and rt.loader is None
+        for i in range(NUM_LAYERS):
+            for e in range(E):
+                prefix = f"model.layers.{i}.mlp.experts.{e}."
+                expected = {
+                    "w13": torch.cat([fp8[prefix + "gate_proj.weight"], fp8[prefix + "up_proj.weight"]]),
+                    "w13_s": torch.cat(
+                        [fp8[prefix + "gate_proj.weight_scale_inv"], fp8[prefix + "up_proj.weight_scale_inv"]]
+                    ),
+                    "w2": fp8[prefix + "down_proj.weight"],
+                    "w2_s": fp8[prefix + "down_proj.weight_scale_inv"],
+                }
+                row = moe.bank.row(i, e)
+                for name, tensor in expected.items():
+                    assert torch.equal(row[name].view(torch.uint8), tensor.view(torch.uint8)), (
+                        f"layer {i} expert {e} {name}"
+                    )
+        topks = [TopK(top_k=K, renormalize=True, layer_id=i) for i in range(NUM_LAYERS)]
+        g = torch.Generator().manual_seed(13)
+        for T in (1, 7, 33):
+            for i in range(NUM_LAYERS):
+                x = torch.randn(T, H, generator=g).to(dtype)
+                routing = topks[i](x, x.float() @ checkpoint[f"model.layers.{i}.mlp.gate.weight"].float().T)
+                got, expected_out = pooled[i](x, routing), ref[i](x, routing)
+                diff = (got.float() - expected_out.float()).abs()
+                assert diff.max() <= 2e-2, (
+                    f"T={T} layer {i}: max diff {diff.max():.3g} at {divmod(int(diff.argmax()), H)}"
+                )
+        assert moe.stats().misses > 0
+    finally:
+        set_runtime(None)
+
+
+def test_fp8_block_checkpoint_needs_its_own_pool_format(runtime) -> None:  # type: ignore[no-untyped-def]
+    """The default bf16 pool cannot take fp8 experts as they are: the layer stays on the device, saying the flag."""
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    from pooled_runner.sglang.layer import PooledFusedMoE
+
+    quant_config = Fp8Config(
+        is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=[16, 16]
+    )
+    layer = build(PooledFusedMoE, 0, torch.bfloat16, quant_config=quant_config)
+    assert not layer.is_pooled
+    assert runtime.not_pooled == {
+        "quantization fp8-b16 (serve it with --moe-expert-pool-weight-format fp8-b16)": [
+            "model.layers.0.mlp.experts"
+        ]
+    }
+
+
 def test_routed_scaling_is_applied_where_sglang_applies_it(runtime, checkpoint) -> None:  # type: ignore[no-untyped-def]
     """DeepSeek/GLM layers carry a routed scaling factor. Without CUDA SGLang's own method leaves it to the model
     (which multiplies after the experts), so the pooled layer must not apply it too: equal to `FusedMoE` here."""
