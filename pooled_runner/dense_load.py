@@ -18,6 +18,7 @@ Nothing here imports SGLang.
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -68,6 +69,9 @@ class DenseLoader:
         self.peak_pending = 0
         self.num_quantized = 0
         self._warned = False
+        # engines may load from several threads (DeepSeek's loader submits each expert tensor to a thread pool):
+        # the bookkeeping is under this lock, the copies into the views and the quantization are not
+        self._lock = threading.Lock()
 
     def set_operands(self, layer: int, operands: tuple[str, ...]) -> None:
         """What `layer`'s engine writes of each expert: the dense `("w13", "w2")` or the format's operands."""
@@ -77,7 +81,8 @@ class DenseLoader:
                 f"format's {sorted(self.row_operands)} (in place) nor the dense {sorted(DENSE_SHARDS)} "
                 "(quantized on load)"
             )
-        known = self._operands.setdefault(layer, tuple(operands))
+        with self._lock:
+            known = self._operands.setdefault(layer, tuple(operands))
         if set(known) != set(operands):
             raise ValueError(f"layer {layer} writes operands {sorted(operands)}, and before {sorted(known)}")
 
@@ -98,21 +103,20 @@ class DenseLoader:
         if self.in_place(layer):
             return self.moe.expert_rows(layer, expert)
         key = (layer, expert)
-        if self._shards.get(key) == self._all_shards(layer):
-            raise ValueError(
-                f"layer {layer} expert {expert}: a shard arrived after the expert was complete and quantized "
-                f"into the {self.moe.format.name} format; the checkpoint provides one of its tensors twice"
-            )
         self.moe.expert_rows(layer, expert)  # range checks, with the layer's numbers
-        buffers = self._pending_host.get(key)
-        if buffers is None:
-            # zeros, not empty: a shard the checkpoint lacks must not quantize garbage (it is reported anyway)
-            buffers = {
-                op: torch.zeros(shape, dtype=self.moe.dtype) for op, shape in self.dense_shapes.items()
-            }
-            self._pending_host[key] = buffers
-            self.peak_pending = max(self.peak_pending, len(self._pending_host))
-            self._warn_if_many_pending()
+        with self._lock:
+            if self._shards.get(key) == self._all_shards(layer):
+                raise ValueError(
+                    f"layer {layer} expert {expert}: a shard arrived after the expert was complete and "
+                    f"quantized into the {self.moe.format.name} format; the checkpoint provides one of its "
+                    "tensors twice"
+                )
+            buffers = self._pending_host.get(key)
+            if buffers is None:
+                buffers = self._new_buffers()
+                self._pending_host[key] = buffers
+                self.peak_pending = max(self.peak_pending, len(self._pending_host))
+                self._warn_if_many_pending()
         return buffers
 
     def written(self, layer: int, expert: int, shard: str, operand: str | None = None) -> None:
@@ -129,22 +133,24 @@ class DenseLoader:
             )
         key = (layer, expert)
         in_place = self.in_place(layer)
-        if not in_place and key not in self._pending_host:
-            raise RuntimeError(
-                f"written(layer={layer}, expert={expert}, {shard!r}) without expert_views() of that expert "
-                "first"
-            )
-        done = self._shards.setdefault(key, set())
-        done.add((operand, shard))
-        if in_place or done != all_shards:
-            return
-        buffers = self._pending_host.pop(key)
+        with self._lock:
+            if not in_place and key not in self._pending_host:
+                raise RuntimeError(
+                    f"written(layer={layer}, expert={expert}, {shard!r}) without expert_views() of that "
+                    "expert first"
+                )
+            done = self._shards.setdefault(key, set())
+            done.add((operand, shard))
+            if in_place or done != all_shards:
+                return
+            buffers = self._pending_host.pop(key)  # this thread quantizes it: every shard's copy is in
         dev = self.quantize_device
         quantized = self.moe.format.quantize(buffers["w13"].to(dev), buffers["w2"].to(dev))
         check_expert_weights(self.moe.operands, quantized, f"layer {layer} expert {expert} quantized")
         for name, dst in self.moe.expert_rows(layer, expert).items():
             dst.copy_(quantized[name])
-        self.num_quantized += 1
+        with self._lock:
+            self.num_quantized += 1
 
     def missing(self, layer: int) -> list[str]:
         """`"expert e shard"` (`"expert e shard operand"` for a scale) for every shard of the layer's experts
@@ -161,6 +167,10 @@ class DenseLoader:
     def num_pending(self) -> int:
         """Experts with some shards written but not all (their dense buffers are held)."""
         return len(self._pending_host)
+
+    def _new_buffers(self) -> dict[str, torch.Tensor]:
+        # zeros, not empty: a shard the checkpoint lacks must not quantize garbage (it is reported anyway)
+        return {op: torch.zeros(shape, dtype=self.moe.dtype) for op, shape in self.dense_shapes.items()}
 
     def _warn_if_many_pending(self) -> None:
         pending_bytes = len(self._pending_host) * self.dense_bytes

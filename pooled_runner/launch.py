@@ -33,6 +33,7 @@ from pooled_runner.launch_checks import (
     GRAPH_FLAGS,
     GRAPHS_OFF,
     MODEL_FLAGS,
+    POOL_MOE_FLAGS,
     PROG,
     argv_problems,
     device_problems,
@@ -192,6 +193,10 @@ def resolve_launch(ours: argparse.Namespace, rest: list[str], cuda_available: bo
         # but SGLang's graph runner over pooled layers has not run on a GPU yet. Said in the log by main().
         # The per-phase backends, not the deprecated --disable-cuda-graph, which any other graph flag overrides.
         argv += list(GRAPHS_OFF)
+    if pool is not None and not cpu:
+        for flags in POOL_MOE_FLAGS:
+            if not has_flag(argv, flags[0]):
+                argv += list(flags)
     if cpu:
         if not has_flag(argv, "--device"):
             argv += ["--device", "cpu"]

@@ -37,11 +37,18 @@ GRAPH_FLAGS = (
 )
 GRAPHS_OFF = ("--cuda-graph-backend-decode=disabled", "--cuda-graph-backend-prefill=disabled")
 GRAPH_PHASES = ("decode", "prefill")
+# SGLang 0.5.23 settings the pooled layers need on CUDA, added unless the user sets them: DeepSeek-V3/R1 fuse
+# their shared expert into the routed experts by default on capability >= 8.0 (`deepseek_v2.py`
+# `_shared_experts_fusion_disabled_reason`), which would keep every expert on the device; Blackwell picks the
+# flashinfer_trtllm runner for DeepSeek fp8 when the backend is auto (`arg_groups/overrides.py`), whose layout
+# the pool does not read
+POOL_MOE_FLAGS = (("--disable-shared-experts-fusion",), ("--moe-runner-backend", "triton"))
 # SGLang flags the launcher reads from argv itself (so an abbreviation of one, which SGLang would take, is refused)
 READ_FLAGS = frozenset(
     {*MODEL_FLAGS, *TP_FLAGS, "--device", "--dtype", "--enable-metrics", "--speculative-algorithm"}
     | {"--speculative-adaptive", "--disable-cuda-graph", "--max-total-tokens", "--quantization", "--config"}
     | {"--enable-paged-experts", "--revision", "--download-dir", *GRAPH_FLAGS}
+    | {flags[0] for flags in POOL_MOE_FLAGS}
 )
 
 
@@ -129,8 +136,8 @@ def pool_problems(
     if facts.quantization is not None and not facts.native_format:
         out.append(
             f"quantization {facts.quantization!r}: the pool takes unquantized (bf16/fp16/fp32) experts, and fp8 "
-            "ones in square blocks (DeepSeek-style weight_block_size); use such a checkpoint or pass "
-            "--no-moe-expert-pool"
+            "e4m3 ones in square blocks of 16, 32, 64 or 128 (DeepSeek-style weight_block_size); use such a "
+            "checkpoint or pass --no-moe-expert-pool"
         )
     elif facts.native_format and weight_format != facts.native_format:
         out.append(
@@ -180,13 +187,21 @@ def format_problems(
     if why is None:
         return []
     half = dtype in (torch.bfloat16, torch.float16)
+    where = (
+        f"{flag_name('weight_format')} {weight_format}: {why} (hidden {facts.hidden_size}, expert intermediate "
+        f"{per_rank} per rank, {str(dtype).removeprefix('torch.')})"
+    )
+    if weight_format == facts.native_format:  # the checkpoint's own format: the fix is elsewhere
+        fix = (
+            "serve in bf16 (--dtype bfloat16)"
+            if not half
+            else "use a --tp-size whose shard of it is whole blocks"
+        )
+        return [f"{where}; {fix}"]
     # a float32 model fits bf16 rows only: list what would fit it served in bf16
     fitting = [name for name in FORMATS if why_not(name, dtype if half else torch.bfloat16) is None]
     fit = "formats that fit this model" + ("" if half else " served in bf16 (--dtype bfloat16)")
-    return [
-        f"{flag_name('weight_format')} {weight_format}: {why} (hidden {facts.hidden_size}, expert intermediate "
-        f"{per_rank} per rank, {str(dtype).removeprefix('torch.')}); {fit}: {', '.join(fitting)}"
-    ]
+    return [f"{where}; {fit}: {', '.join(fitting)}"]
 
 
 def spec_governor_problems(governor: str, argv: list[str], tp_size: int = 1) -> list[str]:

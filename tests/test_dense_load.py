@@ -4,8 +4,12 @@ order the shards arrive in, and the pooled forward must equal the dense referenc
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
+import random
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -212,6 +216,52 @@ def test_an_fp8_block_checkpoint_lands_in_place_beside_a_dense_layer() -> None:
     assert loader.missing(1) == [] and loader.num_quantized == EXPERTS[1]
     converter = make_format("fp8-b16", dtype)
     for layer, n in enumerate(EXPERTS):
+        for e in range(n):
+            expected = converter.quantize(weights[(layer, e)]["w13"], weights[(layer, e)]["w2"])
+            for name, tensor in expected.items():
+                got = moe.expert_rows(layer, e)[name]
+                assert torch.equal(got.view(torch.uint8), tensor.view(torch.uint8)), (layer, e, name)
+
+
+@pytest.mark.parametrize("fmt", ["int4-g32", "nvfp4"])
+def test_shards_from_several_threads(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek's SGLang loader hands each expert tensor to a thread pool: the shards of one expert arrive on
+    different threads at once. Every expert must still be quantized once, from all three shards. (A dense
+    buffer made slowly widens the window in which two threads could each make one for the same expert.)"""
+    dtype = torch.bfloat16
+    weights = random_expert_weights(len(EXPERTS), max(EXPERTS), H, I, dtype, seed=51)
+    moe = _moe(fmt, K, dtype)
+    loader = DenseLoader(moe)
+    make = loader._new_buffers
+
+    def slowly() -> dict[str, torch.Tensor]:
+        time.sleep(0.005)
+        return make()
+
+    monkeypatch.setattr(loader, "_new_buffers", slowly)
+    jobs = [(layer, e, s) for layer, n in enumerate(EXPERTS) for e in range(n) for s in ("w1", "w3", "w2")]
+    random.Random(52).shuffle(jobs)
+    start = threading.Barrier(6)
+
+    def load(job: tuple[int, int, str]) -> None:
+        layer, e, shard = job
+        operand, part, tensor = _shard(weights[(layer, e)], shard)
+        view = loader.expert_views(layer, e)[operand]
+        view[part].copy_(tensor)
+        loader.written(layer, e, shard)
+
+    def worker(index: int) -> None:
+        start.wait()
+        for job in jobs[index::6]:
+            load(job)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        for future in [pool.submit(worker, i) for i in range(6)]:
+            future.result()
+    assert loader.num_quantized == sum(EXPERTS) and loader.num_pending == 0
+    converter = make_format(fmt, dtype)
+    for layer, n in enumerate(EXPERTS):
+        assert loader.missing(layer) == []
         for e in range(n):
             expected = converter.quantize(weights[(layer, e)]["w13"], weights[(layer, e)]["w2"])
             for name, tensor in expected.items():

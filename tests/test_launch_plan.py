@@ -27,6 +27,10 @@ QWEN3_MOE = {
 }
 
 
+# what the launcher adds for the pooled layers on CUDA (DeepSeek's shared-expert fusion off, the triton runner)
+MOE_ADDED = ["--disable-shared-experts-fusion", "--moe-runner-backend", "triton"]
+
+
 def write_model(tmp_path: Path, config: dict) -> Path:
     model = tmp_path / "model"
     model.mkdir()
@@ -84,7 +88,10 @@ def test_user_cpu_flags_are_kept_and_cuda_adds_nothing(tmp_path: Path) -> None:
     ]
     assert plan(argv).sglang_argv == argv[:1] + argv[3:]
     cuda = plan(["--model-path", str(model), "--moe-expert-pool-rows", "4"], cuda=True)
-    assert cuda.sglang_argv == ["--model-path", str(model), *GRAPHS_OFF] and not cuda.serve.cpu
+    assert cuda.sglang_argv == ["--model-path", str(model), *GRAPHS_OFF, *MOE_ADDED] and not cuda.serve.cpu
+    # the user's own MoE settings are kept (and the pooled layers' checks judge them)
+    mine = ["--model-path", str(model), "--moe-runner-backend", "auto", "--disable-shared-experts-fusion"]
+    assert plan([*mine, "--moe-expert-pool-rows", "4"], cuda=True).sglang_argv == [*mine, *GRAPHS_OFF]
     unpooled = plan(["--model-path", str(model), "--no-moe-expert-pool"], cuda=True)
     assert unpooled.sglang_argv == ["--model-path", str(model)]
 
@@ -118,7 +125,7 @@ def test_cuda_graphs_off_unless_the_user_sets_them_and_the_log_says_which(
     model = write_model(tmp_path, QWEN3_MOE)
     argv = ["--model-path", str(model), "--moe-expert-pool-rows", "4", *graph_flags]
     p = plan(argv, cuda=True)
-    expected = ["--model-path", str(model), *graph_flags] + (list(GRAPHS_OFF) if added else [])
+    expected = ["--model-path", str(model), *graph_flags] + (list(GRAPHS_OFF) if added else []) + MOE_ADDED
     assert p.sglang_argv == expected
     warning = cuda_graph_warning(p, argv)
     if warned is None:
@@ -173,9 +180,21 @@ def test_unknown_flags_are_left_to_sglang(tmp_path: Path) -> None:
     model = write_model(tmp_path, QWEN3_MOE)
     # No abbreviation matching: an SGLang flag sharing a prefix with ours is not swallowed.
     p = plan(
-        ["--model", str(model), "--moe-expert-pool-rows", "8", "--moe-runner-backend", "triton", "--moe"]
+        [
+            "--model",
+            str(model),
+            "--moe-expert-pool-rows",
+            "8",
+            "--moe-runner-backend",
+            "triton",
+            "--moe-a2a-backend",
+            "none",
+        ]
     )
-    assert "--moe-runner-backend" in p.sglang_argv and "--moe" in p.sglang_argv
+    assert "--moe-runner-backend" in p.sglang_argv and "--moe-a2a-backend" in p.sglang_argv
+    # the launcher reads --moe-runner-backend (it adds triton on CUDA unless set): an abbreviation is refused
+    with pytest.raises(ValueError, match="--moe-runner abbreviates --moe-runner-backend"):
+        plan(["--model", str(model), "--moe-expert-pool-rows", "8", "--moe-runner", "triton"])
 
 
 def test_serve_config_round_trips_through_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -125,6 +125,8 @@ def test_fp8_block_checkpoints_are_served_in_their_own_format(tmp_path: Path) ->
     message = refusal([*base, "--moe-expert-pool-weight-format", "fp8-b128", "--tp-size", "4"], cuda=True)
     assert "the checkpoint's 128x128 blocks do not divide the expert intermediate size" in message
     assert "expert intermediate 192 per rank" in message
+    assert message.rstrip().endswith("use a --tp-size whose shard of it is whole blocks"), message
+    assert "formats that fit" not in message  # no other format takes this checkpoint
     for name, quant in (
         ("rect", {**deepseek, "weight_block_size": [128, 64]}),
         ("per-tensor", {"quant_method": "fp8", "activation_scheme": "static"}),
@@ -132,7 +134,8 @@ def test_fp8_block_checkpoints_are_served_in_their_own_format(tmp_path: Path) ->
     ):
         message = refusal([*folder(name, quant), "--moe-expert-pool-weight-format", "fp8-b128"])
         assert (
-            "the pool takes unquantized (bf16/fp16/fp32) experts, and fp8 ones in square blocks" in message
+            "the pool takes unquantized (bf16/fp16/fp32) experts, and fp8 e4m3 ones in square blocks"
+            in message
         ), name
 
 

@@ -96,9 +96,28 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             "Online weight updates are not supported for pooled MoE layers: pool rows would keep old weights."
         )
         self.operands = tuple(op for op, name in PARAMS.items() if hasattr(layer, name))
+        self._check_placeholders(layer, hidden_size, intermediate_size_per_partition, params_dtype)
         for operand in self.operands:
             param = getattr(layer, PARAMS[operand])
             param.weight_loader = self._make_bank_loader(layer, operand)
+
+    def _check_placeholders(self, layer: Any, hidden: int, inter: int, dtype: torch.dtype) -> None:
+        """The base method's one-expert placeholders must have the layout the bank rows are written in: the
+        pool format's rows (an fp8-block checkpoint in place), or the dense `w13 [2I, H]`, `w2 [H, I]` in the
+        model's dtype (quantized on load). A layout the pool does not know is refused here, with both."""
+        moe = self.runtime.require_moe()
+        row_specs = {spec.name: (spec.row_shape, spec.dtype) for spec in moe.operands}
+        dense_specs = {"w13": ((2 * inter, hidden), dtype), "w2": ((hidden, inter), dtype)}
+        got = {
+            op: (tuple(getattr(layer, PARAMS[op]).shape[1:]), getattr(layer, PARAMS[op]).dtype)
+            for op in self.operands
+        }
+        if got != row_specs and got != dense_specs:
+            raise ValueError(
+                f"{self.layer_name}: the {type(self.base_method).__name__} placeholders {got} are neither the "
+                f"{moe.format.name} rows {row_specs} nor dense experts {dense_specs}; serve this model with "
+                "--no-moe-expert-pool"
+            )
 
     def _make_bank_loader(self, layer: Any, operand: str) -> Any:
         def weight_loader(

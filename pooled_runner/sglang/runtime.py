@@ -4,8 +4,9 @@ Lifecycle inside the scheduler process (the one that builds the model):
   1. model construction: each pooled `FusedMoE` registers its layer (`register_layer`); layers the pool does
      not handle are noted (`note_not_pooled`), with ONE warning for the whole model;
   2. weight loading: the first expert weight allocates the bank (every layer is registered by then) and each
-     expert shard is written through `DenseLoader`: into its bank row in place (bf16), or into a dense buffer
-     that is quantized into the row when the expert's last shard is in (int4, fp8, NVFP4);
+     expert shard is written through `DenseLoader`: into its bank row in place (bf16; an fp8-block checkpoint's
+     weights and scales into fp8-b{block}), or into a dense buffer that is quantized into the row when the
+     expert's last shard is in (int4, fp8, NVFP4 from an unquantized checkpoint);
   3. after loading: when every pooled layer has finished loading, the pool is filled (`finalize`) and the
      startup summary is logged (bank size, pinned or not, rows, layers pooled and not pooled);
   4. serving: every forward of the first pooled layer counts one step; every `stats_interval` steps (a
@@ -21,6 +22,7 @@ Nothing here imports SGLang at module level.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -62,6 +64,7 @@ class PoolRuntime:
         self.config = serve.pool
         self.moe: PooledMoE | None = None
         self.loader: DenseLoader | None = None  # between the first expert weight and finalize
+        self._loader_lock = threading.Lock()  # the first weights may arrive on several loader threads
         self.layer_names: list[str] = []
         self.not_pooled: dict[str, list[str]] = {}  # reason -> layer names
         self._loaded: set[int] = set()
@@ -139,11 +142,12 @@ class PoolRuntime:
                 "an expert weight arrived after every pooled layer had loaded and the pool was built: the "
                 "experts cannot change any more (online weight updates are not supported for pooled layers)"
             )
-        if self.loader is None:
-            self._load_start = time.perf_counter()
-            moe.allocate()
-            self.loader = DenseLoader(moe)
-        return self.loader
+        with self._loader_lock:  # one allocation of the bank, whichever thread's weight comes first
+            if self.loader is None:
+                self._load_start = time.perf_counter()
+                moe.allocate()
+                self.loader = DenseLoader(moe)
+            return self.loader
 
     def layer_loaded(self, index: int) -> None:
         """Layer `index` has all its experts; the last one finalizes the pool and logs the summary."""

@@ -217,17 +217,17 @@ def test_fp8_block_checkpoint_is_pooled_as_it_is(sglang_context, checkpoint) -> 
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from sglang.srt.layers.moe.topk import TopK
     from sglang.srt.layers.quantization.fp8 import Fp8Config
+    from sglang.srt.layers.quantization.fp8_utils import block_quant_dequant
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-    from pooled_runner.formats.quant import dequantize_fp8
     from pooled_runner.sglang.layer import PooledFusedMoE
     from pooled_runner.sglang.runtime import PoolRuntime, set_runtime
     from pooled_runner.sglang.serve_config import ServeConfig
 
     dtype, block = torch.bfloat16, 16
     fp8 = fp8_block_checkpoint(checkpoint, block)
-    dequantized = {
-        name: dequantize_fp8(w, fp8[name + "_scale_inv"], block, dtype)
+    dequantized = {  # SGLang's own block dequantization: the reference does not share ours
+        name: block_quant_dequant(w, fp8[name + "_scale_inv"], [block, block], dtype)
         if name + "_scale_inv" in fp8
         else w.to(dtype)
         for name, w in fp8.items()
@@ -304,6 +304,34 @@ def test_fp8_block_checkpoint_needs_its_own_pool_format(runtime) -> None:  # typ
     }
 
 
+def test_placeholders_the_rows_cannot_take_are_refused(sglang_context) -> None:  # type: ignore[no-untyped-def]
+    """A base method whose placeholders are neither the pool format's rows nor dense experts (fp8 scales in
+    32x32 blocks for fp8-b16 rows) is refused when the layer is built, naming both layouts."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8MoEMethod
+
+    from pooled_runner.sglang.method import PooledMoEMethod
+    from pooled_runner.sglang.runtime import PoolRuntime, set_runtime
+    from pooled_runner.sglang.serve_config import ServeConfig
+
+    rt = PoolRuntime(
+        ServeConfig(pool=PoolConfig.resolve(pool_rows=6, device="cpu", weight_format="fp8-b16"), cpu=True)
+    )
+    set_runtime(rt)
+    try:
+        config = Fp8Config(
+            is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=[32, 32]
+        )
+        method = PooledMoEMethod(Fp8MoEMethod(config), rt)
+        with pytest.raises(
+            ValueError,
+            match=r"the Fp8MoEMethod placeholders .*'w13_s': \(\(2, 2\), torch.float32\).* are neither the fp8-b16 rows",
+        ):
+            build(FusedMoE, 0, torch.bfloat16, quant_method=method)
+    finally:
+        set_runtime(None)
+
+
 def test_routed_scaling_is_applied_where_sglang_applies_it(runtime, checkpoint) -> None:  # type: ignore[no-untyped-def]
     """DeepSeek/GLM layers carry a routed scaling factor. Without CUDA SGLang's own method leaves it to the model
     (which multiplies after the experts), so the pooled layer must not apply it too: equal to `FusedMoE` here."""
@@ -360,6 +388,38 @@ def test_missing_expert_is_reported_after_loading(runtime, checkpoint) -> None: 
     load(layer, 0, checkpoint, skip="model.layers.0.mlp.experts.5.up_proj.weight")
     with pytest.raises(ValueError, match="did not provide expert 5 w3"):
         layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+
+
+def test_first_weights_on_several_threads_allocate_the_bank_once(runtime) -> None:  # type: ignore[no-untyped-def]
+    """DeepSeek's loader submits expert tensors to a thread pool, so the first weights can arrive on several
+    threads while the bank (hundreds of GiB, pinned) is still being allocated: it must be allocated once."""
+    import threading
+    import time
+
+    from pooled_runner.sglang.layer import PooledFusedMoE
+
+    build(PooledFusedMoE, 0, torch.float32)
+    moe = runtime.require_moe()
+    allocate, calls = moe.allocate, []
+
+    def slow_allocate() -> None:
+        calls.append(1)
+        time.sleep(0.05)
+        allocate()
+
+    moe.allocate = slow_allocate
+    loaders, start = [], threading.Barrier(4)
+
+    def first_weight() -> None:
+        start.wait()
+        loaders.append(runtime.ensure_loader())
+
+    threads = [threading.Thread(target=first_weight) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len({id(loader) for loader in loaders}) == 1 and len(loaders) == 4
 
 
 def test_a_weight_after_the_pool_is_built_is_refused(runtime, checkpoint) -> None:  # type: ignore[no-untyped-def]
