@@ -286,6 +286,70 @@ def test_fp8_block_checkpoint_is_pooled_as_it_is(sglang_context, checkpoint) -> 
         set_runtime(None)
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fp8_block_checkpoint_under_tensor_parallelism_takes_each_ranks_blocks(
+    sglang_context, checkpoint, rank: int
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank r of TP=2 (the layer's moe_tp_rank/size, which SGLang's loader narrows by): its bank rows are the
+    checkpoint's gate/up rows [r*I/2, (r+1)*I/2), the same columns of down, and the matching block rows and
+    columns of the `weight_scale_inv` tiles, byte for byte."""
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    from pooled_runner.sglang.layer import PooledFusedMoE
+    from pooled_runner.sglang.runtime import PoolRuntime, set_runtime
+    from pooled_runner.sglang.serve_config import ServeConfig
+
+    block, half = 16, I // 2
+    fp8 = fp8_block_checkpoint(checkpoint, block)
+    config = Fp8Config(
+        is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=[block, block]
+    )
+    rt = PoolRuntime(
+        ServeConfig(pool=PoolConfig.resolve(pool_rows=6, device="cpu", weight_format="fp8-b16"), cpu=True)
+    )
+    set_runtime(rt)
+    try:
+        layer = PooledFusedMoE(
+            num_experts=E,
+            hidden_size=H,
+            intermediate_size=half,  # this rank's share, as SGLang sizes the layer under TP=2
+            layer_id=0,
+            top_k=K,
+            params_dtype=torch.bfloat16,
+            prefix="model.layers.0.mlp.experts",
+            quant_config=config,
+        )
+        layer.moe_tp_size, layer.moe_tp_rank = 2, rank
+        load(layer, 0, fp8)
+        layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+        bank = rt.require_moe().bank
+        assert bank is not None
+        rows, blocks = (
+            slice(rank * half, (rank + 1) * half),
+            slice(rank * half // block, (rank + 1) * half // block),
+        )
+        for e in range(E):
+            prefix = f"model.layers.0.mlp.experts.{e}."
+            gate, up, down = (fp8[prefix + p + "_proj.weight"] for p in ("gate", "up", "down"))
+            gate_s, up_s, down_s = (
+                fp8[prefix + p + "_proj.weight_scale_inv"] for p in ("gate", "up", "down")
+            )
+            expected = {
+                "w13": torch.cat([gate[rows], up[rows]]),
+                "w13_s": torch.cat([gate_s[blocks], up_s[blocks]]),
+                "w2": down[:, rows],
+                "w2_s": down_s[:, blocks],
+            }
+            row = bank.row(0, e)
+            for name, tensor in expected.items():
+                assert torch.equal(row[name].view(torch.uint8), tensor.contiguous().view(torch.uint8)), (
+                    e,
+                    name,
+                )
+    finally:
+        set_runtime(None)
+
+
 def test_fp8_block_checkpoint_needs_its_own_pool_format(runtime) -> None:  # type: ignore[no-untyped-def]
     """The default bf16 pool cannot take fp8 experts as they are: the layer stays on the device, saying the flag."""
     from sglang.srt.layers.quantization.fp8 import Fp8Config
