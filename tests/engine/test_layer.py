@@ -132,6 +132,31 @@ def test_pooled_layer_matches_sglang_fused_moe(runtime, checkpoint, dtype: torch
     assert stats.misses > 0 and stats.evictions > 0  # 6 rows for 32 experts: the pool really moved rows
 
 
+def assert_layers_agree(
+    pooled: list[torch.nn.Module],
+    ref: list[torch.nn.Module],
+    sd: dict,
+    dtype: torch.dtype,
+    seed: int,
+    what: str,
+) -> None:
+    """Each pooled layer against its reference layer on fresh random tokens (T = 1, 7, 33), routed by the
+    checkpoint's gate. bf16 rounding of two implementations stays <= 0.0156 here (|out| up to 4.4); a reference
+    left on unquantized weights was 0.057-0.17 away at T=1."""
+    from sglang.srt.layers.moe.topk import TopK
+
+    topks = [TopK(top_k=K, renormalize=True, layer_id=i) for i in range(len(pooled))]
+    g = torch.Generator().manual_seed(seed)
+    for T in (1, 7, 33):
+        for i, (mine, theirs) in enumerate(zip(pooled, ref, strict=True)):
+            x = torch.randn(T, H, generator=g).to(dtype)
+            routing = topks[i](x, x.float() @ sd[f"model.layers.{i}.mlp.gate.weight"].float().T)
+            diff = (mine(x, routing).float() - theirs(x, routing).float()).abs()
+            assert diff.max() <= 2e-2, (
+                f"{what} T={T} layer {i}: max diff {diff.max():.3g} at (token, col) {divmod(int(diff.argmax()), H)}"
+            )
+
+
 @pytest.mark.parametrize("fmt", ["int4-g32-zp", "fp8-b16", "nvfp4"])
 def test_quantized_pool_matches_sglang_on_the_dequantized_weights(
     sglang_context, checkpoint, fmt: str
@@ -140,7 +165,6 @@ def test_quantized_pool_matches_sglang_on_the_dequantized_weights(
     shards: the bank rows equal the format's converter on the weights SGLang's own `FusedMoE` loaded, and the
     pooled layer equals that `FusedMoE` once its weights are replaced by the dequantized ones."""
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
-    from sglang.srt.layers.moe.topk import TopK
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
     from pooled_runner.formats import make_format
@@ -176,20 +200,7 @@ def test_quantized_pool_matches_sglang_on_the_dequantized_weights(
                 w13, w2 = converter.expert_weights(expected)  # the reference computes with these
                 ref[i].w13_weight.data[e] = w13
                 ref[i].w2_weight.data[e] = w2
-        topks = [TopK(top_k=K, renormalize=True, layer_id=i) for i in range(NUM_LAYERS)]
-        g = torch.Generator().manual_seed(11)
-        for T in (1, 7, 33):
-            for i in range(NUM_LAYERS):
-                x = torch.randn(T, H, generator=g).to(dtype)
-                routing = topks[i](x, x.float() @ sd[f"model.layers.{i}.mlp.gate.weight"].float().T)
-                got, expected_out = pooled[i](x, routing), ref[i](x, routing)
-                diff = (got.float() - expected_out.float()).abs()
-                # bf16 rounding of two implementations: <= 0.0156 seen (|out| up to 4.4); the reference left
-                # on the unquantized weights is 0.057-0.17 away at T=1
-                assert diff.max() <= 2e-2, (
-                    f"{fmt} T={T} layer {i}: max diff {diff.max():.3g} at (token, col) "
-                    f"{divmod(int(diff.argmax()), H)}"
-                )
+        assert_layers_agree(pooled, ref, sd, dtype, seed=11, what=fmt)
         assert moe.stats().misses > 0 and moe.stats().evictions > 0
     finally:
         set_runtime(None)
@@ -215,7 +226,6 @@ def test_fp8_block_checkpoint_is_pooled_as_it_is(sglang_context, checkpoint) -> 
     (no dequantize, no requantize); the pooled layer equals SGLang's unquantized `FusedMoE` on the dequantized
     weights."""
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
-    from sglang.srt.layers.moe.topk import TopK
     from sglang.srt.layers.quantization.fp8 import Fp8Config
     from sglang.srt.layers.quantization.fp8_utils import block_quant_dequant
     from sglang.srt.model_loader.utils import set_default_torch_dtype
@@ -270,17 +280,7 @@ def test_fp8_block_checkpoint_is_pooled_as_it_is(sglang_context, checkpoint) -> 
                     assert torch.equal(row[name].view(torch.uint8), tensor.view(torch.uint8)), (
                         f"layer {i} expert {e} {name}"
                     )
-        topks = [TopK(top_k=K, renormalize=True, layer_id=i) for i in range(NUM_LAYERS)]
-        g = torch.Generator().manual_seed(13)
-        for T in (1, 7, 33):
-            for i in range(NUM_LAYERS):
-                x = torch.randn(T, H, generator=g).to(dtype)
-                routing = topks[i](x, x.float() @ checkpoint[f"model.layers.{i}.mlp.gate.weight"].float().T)
-                got, expected_out = pooled[i](x, routing), ref[i](x, routing)
-                diff = (got.float() - expected_out.float()).abs()
-                assert diff.max() <= 2e-2, (
-                    f"T={T} layer {i}: max diff {diff.max():.3g} at {divmod(int(diff.argmax()), H)}"
-                )
+        assert_layers_agree(pooled, ref, checkpoint, dtype, seed=13, what="fp8 checkpoint")
         assert moe.stats().misses > 0
     finally:
         set_runtime(None)
