@@ -87,6 +87,9 @@ else
   step bench_decode_mtp "${BENCH_DECODE_MTP_CAP:-240}" "$PY" -m bench.decode --quick --mtp per-layer --families per-layer --ours-only --draft-budgets 0,8 --out "$OUT/bench_decode_mtp.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # MTP with the cost-aware depth: ours at fixed depths 0/1/3 and governed, on one pool per fraction
   step bench_spec_governed "${BENCH_SPEC_GOVERNED_CAP:-300}" "$PY" -m bench.spec_governed --quick --out "$OUT/bench_spec_governed.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  # the cell where drafting wins by 6-12% (pool 25%, bs 16) over enough steps for the governor to prove it: 150
+  # are too few (bench.spec_governor_model: depth 3 reached in 6 of 40 replays at 150 steps, 28 at 2000)
+  step bench_spec_governed_long "${BENCH_SPEC_GOVERNED_LONG_CAP:-420}" "$PY" -m bench.spec_governed --quick --pools 0.25 --batches 16 --steps 1000 --fixed 0,3 --out "$OUT/bench_spec_governed_long.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # PNGs from the decode JSON and the prefill table (needs matplotlib; the step fails alone without it; a
   # plot whose input a skipped or failed step did not write is left out with a note)
   step bench_plot "${BENCH_PLOT_CAP:-60}" "$PY" -m bench.plot --decode "$OUT/bench_decode.json" --prefill "$OUT/bench_prefill.md" --out-dir "$OUT"
