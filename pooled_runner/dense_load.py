@@ -9,8 +9,9 @@ spanning gate and up): the shards go to a dense buffer of that expert, and the e
 (`WeightFormat.quantize`) when its last shard arrives, then the buffer is freed. Host memory beyond the bank:
 one dense expert per expert whose shards are in flight (checkpoints store an expert's shards together, so few
 at a time; `peak_pending` says how many there were, and a warning says when they pass `PENDING_WARN_BYTES`).
-With a CUDA pool the quantization runs there (the CPU's took 15-166 ms per Qwen3-30B-sized expert on one core,
-minutes for a whole model).
+The quantization runs on the host's CPU (15-166 ms per Qwen3-30B-sized expert on one core, fp8 to NVFP4;
+torch spreads it over the host's cores): on the H200 (2026-12-05) the same ops on the GPU rounded a few fp8
+and NVFP4 values the other way, and the rows must be the format's converter's, whichever machine loads them.
 
 Nothing here imports SGLang.
 """
@@ -62,8 +63,6 @@ class DenseLoader:
         self.dense_shapes = {"w13": (two_i, hidden), "w2": (hidden, moe.intermediate_size)}
         itemsize = torch.empty((), dtype=moe.dtype).element_size()
         self.dense_bytes = sum(a * b for a, b in self.dense_shapes.values()) * itemsize  # one expert's
-        device = moe.config.torch_device
-        self.quantize_device = device if device.type == "cuda" else torch.device("cpu")
         self._shards: dict[tuple[int, int], set[tuple[str, str]]] = {}  # (layer, expert) -> (operand, shard)
         self._pending_host: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # dense buffers in flight
         self.peak_pending = 0
@@ -144,8 +143,7 @@ class DenseLoader:
             if in_place or done != all_shards:
                 return
             buffers = self._pending_host.pop(key)  # this thread quantizes it: every shard's copy is in
-        dev = self.quantize_device
-        quantized = self.moe.format.quantize(buffers["w13"].to(dev), buffers["w2"].to(dev))
+        quantized = self.moe.format.quantize(buffers["w13"], buffers["w2"])
         check_expert_weights(self.moe.operands, quantized, f"layer {layer} expert {expert} quantized")
         for name, dst in self.moe.expert_rows(layer, expert).items():
             dst.copy_(quantized[name])

@@ -293,9 +293,10 @@ def test_many_experts_in_flight_are_warned_about_once(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (run scripts/gpu_check.sh on one)"
 )
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "bf16"])
-def test_a_cuda_pool_quantizes_on_the_gpu_to_the_same_bytes(fmt: str) -> None:
-    """With a CUDA pool the loader quantizes on the GPU (0.1-0.4 s per Qwen3-30B-sized expert on a CPU core):
-    the rows must hold the bytes the CPU converter gives, at a Qwen3-30B-like size (H=2048, I=768)."""
+def test_a_cuda_pool_holds_the_converters_bytes(fmt: str) -> None:
+    """A CUDA pool (pinned bank) loaded shard by shard holds the bytes of the format's converter, at a
+    Qwen3-30B-like size (H=2048, I=768). (Quantizing on the GPU instead rounded a few fp8 and NVFP4 values the
+    other way on the H200, 2026-12-05: the loader quantizes on the host.)"""
     hidden, inter = 2048, 768
     moe = PooledMoE(
         PoolConfig.resolve(pool_rows=K, device="cuda", weight_format=fmt), hidden, inter, K, torch.bfloat16
@@ -303,7 +304,7 @@ def test_a_cuda_pool_quantizes_on_the_gpu_to_the_same_bytes(fmt: str) -> None:
     moe.register_layer(3)
     moe.allocate()
     loader = DenseLoader(moe)
-    assert loader.quantize_device.type == "cuda"
+    assert moe.bank is not None and moe.bank.pinned
     g = torch.Generator().manual_seed(FORMATS.index(fmt))
     converter = make_format(fmt, torch.bfloat16)
     for e in range(3):
