@@ -17,6 +17,19 @@ PROJECTIONS = ("w13", "w2")
 FP8_BLOCKS = (16, 32, 64, 128)
 
 
+def block_format(block: object) -> str:
+    """The fp8 format whose rows an fp8 e4m3 checkpoint with `weight_block_size` `block` already is
+    ("fp8-b128" for DeepSeek-V3's [128, 128]), or "" when the pool has no such format (not square, another size)."""
+    if (
+        isinstance(block, (list, tuple))
+        and len(block) == 2
+        and block[0] == block[1]
+        and block[0] in FP8_BLOCKS
+    ):
+        return f"fp8-b{block[0]}"
+    return ""
+
+
 @dataclass(frozen=True)
 class Fp8Format:
     dtype: torch.dtype = torch.bfloat16

@@ -33,16 +33,13 @@ def native_quant_format(quant_config: Any) -> str:
     serialized in fp8 e4m3 with square blocks of a size the pool's fp8 format has (DeepSeek-V3, Qwen3-*-FP8)."""
     from sglang.srt.layers.quantization.fp8 import Fp8Config
 
-    from pooled_runner.formats import FP8_BLOCKS
+    from pooled_runner.formats.fp8 import block_format
 
     if not isinstance(quant_config, Fp8Config) or not quant_config.is_checkpoint_fp8_serialized:
         return ""
     if getattr(quant_config, "use_mxfp8", False) or getattr(quant_config, "is_fp4_experts", False):
         return ""
-    block = quant_config.weight_block_size
-    if block is None or len(block) != 2 or block[0] != block[1] or block[0] not in FP8_BLOCKS:
-        return ""
-    return f"fp8-b{block[0]}"
+    return block_format(quant_config.weight_block_size)
 
 
 def not_pooled_reason(args: dict[str, Any], weight_format: str = "bf16") -> str | None:

@@ -84,19 +84,11 @@ def _router_logits_differ(text: dict[str, Any]) -> str:
 def _native_format(quant: dict[str, Any]) -> str:
     """The pool format of a quantization_config's experts, or "": fp8 e4m3 in square blocks the pool's fp8
     format has (DeepSeek-V3, Qwen3-*-FP8: `weight_block_size` [128, 128], scales `weight_scale_inv` per block)."""
-    from pooled_runner.formats import FP8_BLOCKS
+    from pooled_runner.formats.fp8 import block_format
 
-    block = quant.get("weight_block_size")
-    if (
-        quant.get("quant_method") == "fp8"
-        and quant.get("fmt", "e4m3") == "e4m3"
-        and isinstance(block, list)
-        and len(block) == 2
-        and block[0] == block[1]
-        and block[0] in FP8_BLOCKS
-    ):
-        return f"fp8-b{block[0]}"
-    return ""
+    if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
+        return ""
+    return block_format(quant.get("weight_block_size"))
 
 
 def facts_from_config(config: dict[str, Any]) -> ModelFacts:
