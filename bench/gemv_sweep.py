@@ -117,8 +117,8 @@ def focus_configs(base: GemvConfig, kernel: str) -> list[GemvConfig]:
 # the tile fields each kernel reads (`layer` reads all): an --alt config equal to the default in these and in
 # the kernel's warps, load mode and register cap is not rerun
 _KERNEL_FIELDS = {
-    "gate_up": ("block_n1", "block_k1", "split_k1"),
-    "down": ("block_n2", "block_k2", "split_k2", "fuse_combine"),
+    "gate_up": ("block_n1", "block_k1", "split_k1", "half_dot"),
+    "down": ("block_n2", "block_k2", "split_k2", "fuse_combine", "half_dot"),
 }
 
 

@@ -62,6 +62,7 @@ from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _check
 from .gemv_config import _VALUES_PER_WORD as _VALUES_PER_WORD  # re-exported: gemv_one
 from .gemv_config import GemvConfig, gemv_configs
 from .gemv_config import _int4_block_k as _int4_block_k  # re-exported: the tests call it
+from .gemv_half import X_SCALE_CHUNK
 from .gemv_tiles import _down_tile, _gate_up_tile, _slot_pair_by_id
 from .gemv_tiles import _slot_pair as _slot_pair  # re-exported: the tests call it
 from .operands import KernelFormat, Projection
@@ -90,7 +91,7 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT: tl.constexpr, PDL: tl.constexpr, OVERLAP: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr, OVERLAP: tl.constexpr, HALF_X: tl.constexpr,
 ):  # fmt: skip
     if not OVERLAP:
         # the kernel before it; then down (reads l2p before its wait) may launch: kernels/pdl.py
@@ -110,6 +111,7 @@ def _gate_up_kernel(
         cnt_ptr, ids_ptr, l2p_ptr, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
         num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1,
         TOP_K, P_POW2, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, EVEN_K, SPLIT,
+        HALF_X,
     )  # fmt: skip
     if OVERLAP:
         # so that this kernel's completion implies the plan's (down and the next layer rely on it)
@@ -125,7 +127,7 @@ def _down_kernel(
     TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, FUSE_COMBINE: tl.constexpr,
-    EVEN_K: tl.constexpr, PDL: tl.constexpr, OVERLAP: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr, OVERLAP: tl.constexpr, SPLIT: tl.constexpr, HALF_X: tl.constexpr,
 ):  # fmt: skip
     num_nb = tl.cdiv(H, BLOCK_N)
     item = tl.program_id(0) // SPLIT
@@ -142,7 +144,7 @@ def _down_kernel(
         cnt_ptr, ids_ptr, l2p_ptr, tw_ptr, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
         num_experts, num_rows, H, I, stride_act, stride_y, stride_out, c0, c1,
         TOP_K, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, FUSE_COMBINE,
-        EVEN_K, False, SPLIT,
+        EVEN_K, False, SPLIT, HALF_X,
     )  # fmt: skip
 
 
@@ -263,10 +265,22 @@ def gemv_gate_up(
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
         COMPUTE=_TL_DTYPES[hidden.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(),
         EVEN_K=H % config.block_k1 == 0, SPLIT=split, PDL=use_pdl, OVERLAP=_overlap(after_plan, use_pdl),
-        num_warps=config.num_warps, num_stages=1,
+        HALF_X=_half_x(config, fmt, H), num_warps=config.num_warps, num_stages=1,
         **({"launch_pdl": True} if use_pdl else {}), **reg_limit(config),
     )  # fmt: skip
     return act
+
+
+def _half_x(config: GemvConfig, fmt: KernelFormat, k: int) -> int:
+    """The kernels' HALF_X for a projection over K = `k`: 0 for the fp32 word dot; with `config.half_dot`, the
+    x values its row scale loads at once (`gemv_half`). ValueError for a format other than NVFP4."""
+    if not config.half_dot:
+        return 0
+    if fmt.fmt != FMT_NVFP4:
+        raise ValueError(
+            f"GEMV path: half_dot is NVFP4's word dot; format {fmt.fmt} has none (use half_dot=False)"
+        )
+    return min(triton.next_power_of_2(max(k, 1)), X_SCALE_CHUNK)
 
 
 def reg_limit(config: GemvConfig, down: bool = False) -> dict[str, int]:
@@ -336,7 +350,7 @@ def gemv_down_combine(
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
         COMPUTE=_TL_DTYPES[act.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(down=True),
         FUSE_COMBINE=config.fuse_combine, EVEN_K=I % config.block_k2 == 0, PDL=use_pdl,
-        OVERLAP=_overlap(after_plan, use_pdl), SPLIT=split,
+        OVERLAP=_overlap(after_plan, use_pdl), SPLIT=split, HALF_X=_half_x(config, fmt, I),
         num_warps=config.num_warps, num_stages=1, **({"launch_pdl": True} if use_pdl else {}),
         **reg_limit(config, down=True),
     )  # fmt: skip

@@ -77,7 +77,7 @@ def _fused_kernel(
             wp1, sp1, zp1, gp1, wb1, sb1, zb1, gb1, w_se1, s_se1, z_se1, g_se1, w_sn1, s_sn1, z_sn1,
             num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1,
             TOP_K, P_POW2, BLOCK_N1, BLOCK_K1, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, EVEN_K1,
-            1,
+            1, 0,
         )  # fmt: skip
         tl.debug_barrier()  # every thread's act stores before the (release) count
         tl.atomic_add(ready_ptr + pair, 1, sem="release", scope="gpu")
@@ -90,7 +90,7 @@ def _fused_kernel(
             wp2, sp2, zp2, gp2, wb2, sb2, zb2, gb2, w_se2, s_se2, z_se2, g_se2, w_sn2, s_sn2, z_sn2,
             num_experts, num_rows, H, I, stride_act, stride_y, stride_out, c0, c1,
             TOP_K, BLOCK_N2, BLOCK_K2, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, True,
-            EVEN_K2, True, 1,
+            EVEN_K2, True, 1, 0,
         )  # fmt: skip
 
 

@@ -9,6 +9,7 @@ import triton.language as tl
 
 from .dequant import e4m3_to_f32
 from .gemm_parts import _row_bases
+from .gemv_half import nvfp4_half_dot, x_half_scale
 from .gemv_words import _halves, _word_dot
 from .pdl import load_acquire, settle_code
 
@@ -142,9 +143,11 @@ def _row_scale(total, s_base, g_base, offs_n, n_ok, FMT: tl.constexpr):
 def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_hi, w_sn, s_sn, z_sn, c0, c1,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
               HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, VPW: tl.constexpr,
-              PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, X_CG: tl.constexpr):  # fmt: skip
+              PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, X_CG: tl.constexpr, HALF_X: tl.constexpr):  # fmt: skip
     """`[BLOCK_N]` fp32: rows `offs_n` of one projection row (weights at `w_base`) dotted with x over the word
-    columns `[kw_lo, kw_hi)` of K (`kw_lo` a multiple of the tile's words; 0 and K / VPW for all of K)."""
+    columns `[kw_lo, kw_hi)` of K (`kw_lo` a multiple of the tile's words; 0 and K / VPW for all of K).
+    HALF_X > 0 (NVFP4 only): the word dot in packed half math (`gemv_half`), x's row scale found HALF_X values
+    at a time."""
     KW: tl.constexpr = BLOCK_K // VPW
     K_WORDS = K // VPW
     zero2 = (offs_n * 0)[:, None]
@@ -155,6 +158,11 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
     # NVFP4 and int4: one accumulator per pair of words (a scale / a group), the others one per word
     ACC_W: tl.constexpr = KW // 2 if (FMT == 4 or FMT == 1) else KW
     acc = tl.zeros((BLOCK_N, ACC_W), dtype=tl.float32)
+    tl.static_assert(HALF_X == 0 or FMT == 4, "the packed half word dot is NVFP4's")
+    if HALF_X > 0:
+        xscale, xinv = x_half_scale(x_row, K, X_CG, HALF_X)
+    else:
+        xscale, xinv = 1.0, 1.0
     # PREFETCH 1: the next tile in registers; 0: none; >= 2: Triton's software pipeline with that many stages
     if PREFETCH == 1:
         words, s, z = _load_words(w_base, s_base, z_base, n2, kw + kw_lo, kw_lo, K_WORDS, w_sn, s_sn,
@@ -169,8 +177,8 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
             nw, ns, nz = _load_words(w_base, s_base, z_base, n2, kw + nk0, nk0, K_WORDS, w_sn, s_sn, z_sn,
                                      FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
             # NATIVE_FP8 (compiled for CUDA, not the interpreter) is also what allows NVFP4's PTX word decode
-            acc = _word_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K,
-                          X_CG, NATIVE_FP8)  # fmt: skip
+            acc = _tile_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, xscale, FMT, HAS_ZERO, COMPUTE, VPW,
+                            EVEN_K, X_CG, NATIVE_FP8, HALF_X > 0)  # fmt: skip
             words, s, z = nw, ns, nz
     else:
         STAGES: tl.constexpr = PREFETCH if PREFETCH >= 2 else 1
@@ -179,9 +187,21 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
             words, s, z = _load_words(w_base, s_base, z_base, n2, kcol, k0, K_WORDS, w_sn, s_sn, z_sn,
                                       FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
             # NATIVE_FP8 (compiled for CUDA, not the interpreter) is also what allows NVFP4's PTX word decode
-            acc = _word_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K,
-                          X_CG, NATIVE_FP8)  # fmt: skip
-    return _row_scale(tl.sum(acc, axis=1), s_base, g_base, offs_n, n_ok, FMT)
+            acc = _tile_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, xscale, FMT, HAS_ZERO, COMPUTE, VPW,
+                            EVEN_K, X_CG, NATIVE_FP8, HALF_X > 0)  # fmt: skip
+    return _row_scale(tl.sum(acc, axis=1) * xinv, s_base, g_base, offs_n, n_ok, FMT)
+
+
+@triton.jit
+def _tile_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, xscale, FMT: tl.constexpr, HAS_ZERO: tl.constexpr,
+              COMPUTE: tl.constexpr, VPW: tl.constexpr, EVEN_K: tl.constexpr, X_CG: tl.constexpr,
+              ASM: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """One tile's word dot: `gemv_half.nvfp4_half_dot` where HALF, else `gemv_words._word_dot`."""
+    if HALF:
+        return nvfp4_half_dot(acc, words, s, x_row, k0, K_WORDS, xscale, EVEN_K, X_CG, ASM)
+    else:
+        return _word_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K,
+                         X_CG, ASM)  # fmt: skip
 
 
 @triton.jit
@@ -204,7 +224,7 @@ def _gate_up_tile(
     TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, HALF_X: tl.constexpr,
 ):  # fmt: skip
     """`act[pair, nb block]` of a pair located at `code` (nothing for -1: not routed here).
 
@@ -223,7 +243,7 @@ def _gate_up_tile(
         kw_lo, kw_hi = _split_words(split, tiles_per_split, H // VPW, BLOCK_K // VPW, SPLIT)
         gu = _rows_dot(w_base, s_base, z_base, g_base, x_row, n_local + (r % 2) * I, n_local < I, H, kw_lo, kw_hi,
                        w_sn, s_sn, z_sn, c0, c1, 2 * BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE,
-                       VPW, PREFETCH, EVEN_K, False)  # fmt: skip
+                       VPW, PREFETCH, EVEN_K, False, HALF_X)  # fmt: skip
         act_row = act_ptr + pair.to(tl.int64) * stride_act
         if SPLIT == 1:
             _store_act(gu, act_row, nb, I, BLOCK_N, COMPUTE)
@@ -263,7 +283,7 @@ def _down_tile(
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, FUSE_COMBINE: tl.constexpr,
-    EVEN_K: tl.constexpr, X_CG: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, X_CG: tl.constexpr, SPLIT: tl.constexpr, HALF_X: tl.constexpr,
 ):  # fmt: skip
     """`y[pair, nb block]` (a pair routed here) and, with FUSE_COMBINE, the arrival of this (pair, block): the
     last of the token's K arrivals sums `out[t, nb block]`.
@@ -284,7 +304,7 @@ def _down_tile(
         kw_lo, kw_hi = _split_words(split, tiles_per_split, I // VPW, BLOCK_K // VPW, SPLIT)
         y = _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, I, kw_lo, kw_hi, w_sn, s_sn, z_sn,
                       c0, c1, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH,
-                      EVEN_K, X_CG)  # fmt: skip
+                      EVEN_K, X_CG, HALF_X)  # fmt: skip
         if SPLIT == 1:
             tl.store(y_ptr + pair.to(tl.int64) * stride_y + offs_n, y.to(COMPUTE), mask=n_ok)
         else:

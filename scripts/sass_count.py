@@ -45,16 +45,18 @@ def compile_gemv(
     prefetch: int = 0,
     max_registers: int = 0,
     split: int = 1,
+    half_x: int = 0,
 ):
     """The compiled `_gate_up_kernel` / `_down_kernel` for sm_90 at the given tile (top-8, 64-pair schedule,
     bf16 activations, K a multiple of the tile, symmetric int4); `max_registers` > 0: ptxas' `maxnreg`, as
-    `GemvConfig.max_registers` launches it; `split`: K split over programs (`split_k1` / `split_k2`)."""
+    `GemvConfig.max_registers` launches it; `split`: K split over programs (`split_k1` / `split_k2`); `half_x` > 0: NVFP4's packed half word dot
+    (`GemvConfig.half_dot`), x's row scale loaded that many values at a time."""
     fmt_code, vpw, group = FORMATS[fmt]
     fn = gemv._gate_up_kernel if kernel == "gate_up" else gemv._down_kernel
     consts = dict(TOP_K=8, P_POW2=64, BLOCK_N=block_n, BLOCK_K=block_k, FMT=fmt_code, GROUP=group,
                   HAS_ZERO=False, NATIVE_FP8=True, COMPUTE=tl.bfloat16, VPW=vpw, PREFETCH=prefetch,
                   EVEN_K=True, PDL=False, OVERLAP=False)  # fmt: skip
-    consts |= {"SPLIT": split} | ({} if kernel == "gate_up" else {"FUSE_COMBINE": True})
+    consts |= {"SPLIT": split, "HALF_X": half_x} | ({} if kernel == "gate_up" else {"FUSE_COMBINE": True})
     scale = "*fp8e4nv" if fmt == "nvfp4" else "*fp32"
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -126,6 +128,7 @@ def main() -> None:
     )
     ap.add_argument("--max-registers", type=int, default=0, help="ptxas maxnreg (0: none), as GemvConfig's")
     ap.add_argument("--split", type=int, default=1, help="K split over programs (split_k1 / split_k2)")
+    ap.add_argument("--half-x", type=int, default=0, help="NVFP4 half dot: x values of the row scale at once")
     ap.add_argument("--dump", default=None, help="write the whole SASS here")
     args = ap.parse_args()
     compiled = compile_gemv(
@@ -137,6 +140,7 @@ def main() -> None:
         args.prefetch,
         args.max_registers,
         args.split,
+        args.half_x,
     )
     sass = _cuobjdump(compiled, "-sass")
     if args.dump:

@@ -1,0 +1,141 @@
+"""GEMV decode path, NVFP4's word dot in packed half math (`GemvConfig.half_dot`, `@triton.jit` parts).
+
+Why: at one token the NVFP4 GEMV spends, per 8-value word, 11 integer operations on the decode, 8 fp16 -> fp32
+converts and 8 FFMA (570 loop instructions per 16 words per thread, Triton 3.6, sm_90), about as long to issue as
+the word takes to stream at the HBM rate. The decode already yields each word's values as four fp16x2 pairs
+(`gemv_words._e2m1_pairs`: codes (j, j + 4) as the halves, `value / 2^14`), so one `fma.rn.f16x2` multiplies a
+pair by an fp16x2 pair of x values and adds it to a packed accumulator: 4 HFMA2 per word instead of 8 converts and
+8 FFMA. The two words of a scale (16 values, 8 per half) are one chain; its two halves are widened and added in
+fp32 and times the scale, as the fp32 form does.
+
+x in fp16: each program scales its token's x row by one power of two, `2^(140 - e)` with `e` the fp32 exponent
+field of `max |x|` (at least 14), so that `max |x'|` lies in [2^13, 2^14): a product `value / 2^14 * x'` is at most
+6 and a half's chain of 8 at most 48 (fp16's largest is 65504); x values down to `max |x| * 2^-37` stay nonzero
+(fp16 subnormals; `fma.rn.f16x2` keeps them). The row's sum is multiplied back by `2^(e - 140)` at the end (exact:
+powers of two). Rounding: x' is exact (a bf16 value has 8 significant bits, fp16 11) unless below fp16's normal
+range; each HFMA2 rounds its half's running sum to 11 bits (fp32 form: 24), so a scale's sum carries a relative
+error of about 2^-11 sqrt(8) of its largest partial sums; the output is rounded to bf16 (2^-9) after.
+
+The interpreter cannot run PTX: there (ASM false) the same sums run in fp32 with each step rounded to fp16, the
+HFMA2's single rounding emulated by an exact fp32 product (3 x 11 significant bits) and an fp32 add before it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .gemv_words import _e2m1_pairs, _halves, _ldx, _x_split8
+
+# largest x row loaded at once for the row's scale (values; the loop takes more in chunks of this many)
+X_SCALE_CHUNK = 8192
+
+# one word's 8 e2m1 codes decoded as `gemv_words._E2M1_ASM` does (codes (0, 4), (1, 5), (2, 6), (3, 7) as fp16x2
+# `value / 2^14`), each pair times x' pair `$2..$5` and added to the packed accumulator `$6` -> `$0`
+_E2M1_HFMA_ASM = tl.constexpr(
+    """{
+.reg .b32 r, ev, od, t;
+shf.l.wrap.b32 r, $1, $1, 3;
+lop3.b32 ev, $1, r, 0x0F0F0F0F, 0xE4;
+lop3.b32 od, r, $1, 0x0F0F0F0F, 0xE4;
+shl.b32 t, ev, 9;
+and.b32 t, t, 0x8E008E00;
+fma.rn.f16x2 $0, t, $2, $6;
+shl.b32 t, od, 5;
+and.b32 t, t, 0x8E008E00;
+fma.rn.f16x2 $0, t, $3, $0;
+shl.b32 t, ev, 1;
+and.b32 t, t, 0x8E008E00;
+fma.rn.f16x2 $0, t, $4, $0;
+shf.r.wrap.b32 t, od, od, 3;
+and.b32 t, t, 0x8E008E00;
+fma.rn.f16x2 $0, t, $5, $0;
+}"""
+)
+
+
+@triton.jit
+def x_half_scale(x_row, K, X_CG: tl.constexpr, CHUNK: tl.constexpr):
+    """(`2^(140 - e)`, `2^(e - 140)`) fp32 for `e` the biased exponent field of `max |x_row[0:K]|`, at least 14
+    (so both are normal floats: x of zeros or fp32 subnormals takes 2^126); an inf or NaN maximum gives
+    2^-115 (its products stay inf / NaN). CHUNK: values loaded at once (a power of two)."""
+    offs = tl.arange(0, CHUNK)
+    m = tl.zeros((CHUNK,), dtype=tl.float32)
+    for k0 in range(0, K, CHUNK):
+        m = tl.maximum(m, tl.abs(_ldx(x_row + k0 + offs, offs + k0 < K, False, X_CG)))
+    e = (tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 255
+    e = tl.maximum(e, 14)
+    return ((267 - e) << 23).to(tl.float32, bitcast=True), ((e - 13) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pack_half2(lo, hi):
+    """int32 fp16x2 of fp32 `lo` (low half) and `hi` (high half), each rounded to nearest."""
+    return tl.inline_asm_elementwise(
+        "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.int32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _rnd16(v):
+    """fp32 `v` rounded to fp16 (to nearest), back in fp32."""
+    return v.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _hfma_emulated(lo, hi, words, xa, xb, xc, xd, xe, xf, xg, xh):
+    """The interpreter's `_E2M1_HFMA_ASM`: the fp32 sums of the halves `(lo, hi)` (fp16 values) plus each of the
+    word's pairs times its x' pair (`xa..xh`: x' of values 0..7, fp16 values), rounded to fp16 each step."""
+    b04, b15, b26, b37 = _e2m1_pairs(words)
+    lo = _rnd16((b04.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)) * xa + lo)
+    hi = _rnd16(((b04 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)) * xe + hi)
+    lo = _rnd16((b15.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)) * xb + lo)
+    hi = _rnd16(((b15 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)) * xf + hi)
+    lo = _rnd16((b26.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)) * xc + lo)
+    hi = _rnd16(((b26 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)) * xg + hi)
+    lo = _rnd16((b37.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)) * xd + lo)
+    hi = _rnd16(((b37 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)) * xh + hi)
+    return lo, hi
+
+
+@triton.jit
+def nvfp4_half_dot(acc, words, s, x_row, k0, K_WORDS, xscale, EVEN_K: tl.constexpr, X_CG: tl.constexpr,
+                   ASM: tl.constexpr):  # fmt: skip
+    """`gemv_words._word_dot` of NVFP4 in packed half math: `acc [BN, KW / 2]` plus, per pair of words (2c,
+    2c + 1: one scale `s [BN, KW / 2]`), `s * sum (value / 2^14) * x * xscale` over its 16 values, the sum of
+    each half (8 products) in fp16. `xscale`: `x_half_scale`'s first value for this x row."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_split8(x_row, k0, K_WORDS, words.shape[1], EVEN_K, X_CG)
+    wa, wb = _halves(words)
+    # x' of value j of the pair's first (a) and second (b) word, `[KW / 2]`
+    a0, b0 = _halves(x0 * xscale)
+    a1, b1 = _halves(x1 * xscale)
+    a2, b2 = _halves(x2 * xscale)
+    a3, b3 = _halves(x3 * xscale)
+    a4, b4 = _halves(x4 * xscale)
+    a5, b5 = _halves(x5 * xscale)
+    a6, b6 = _halves(x6 * xscale)
+    a7, b7 = _halves(x7 * xscale)
+    if ASM:
+        zero = tl.zeros(wa.shape, dtype=tl.int32)
+        p = tl.inline_asm_elementwise(
+            _E2M1_HFMA_ASM, "=r,r,r,r,r,r,r", [wa, _pack_half2(a0, a4)[None, :], _pack_half2(a1, a5)[None, :],
+            _pack_half2(a2, a6)[None, :], _pack_half2(a3, a7)[None, :], zero], dtype=tl.int32, is_pure=True,
+            pack=1,
+        )  # fmt: skip
+        p = tl.inline_asm_elementwise(
+            _E2M1_HFMA_ASM, "=r,r,r,r,r,r,r", [wb, _pack_half2(b0, b4)[None, :], _pack_half2(b1, b5)[None, :],
+            _pack_half2(b2, b6)[None, :], _pack_half2(b3, b7)[None, :], p], dtype=tl.int32, is_pure=True,
+            pack=1,
+        )  # fmt: skip
+        lo = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        lo = tl.zeros(wa.shape, dtype=tl.float32)
+        hi = tl.zeros(wa.shape, dtype=tl.float32)
+        lo, hi = _hfma_emulated(lo, hi, wa, _rnd16(a0)[None, :], _rnd16(a1)[None, :], _rnd16(a2)[None, :],
+                                _rnd16(a3)[None, :], _rnd16(a4)[None, :], _rnd16(a5)[None, :], _rnd16(a6)[None, :],
+                                _rnd16(a7)[None, :])  # fmt: skip
+        lo, hi = _hfma_emulated(lo, hi, wb, _rnd16(b0)[None, :], _rnd16(b1)[None, :], _rnd16(b2)[None, :],
+                                _rnd16(b3)[None, :], _rnd16(b4)[None, :], _rnd16(b5)[None, :], _rnd16(b6)[None, :],
+                                _rnd16(b7)[None, :])  # fmt: skip
+    return acc + s * (lo + hi)
