@@ -273,12 +273,12 @@ def gemv_gate_up(
 
 def _half_x(config: GemvConfig, fmt: KernelFormat, k: int) -> int:
     """The kernels' HALF_X for a projection over K = `k`: 0 for the fp32 word dot; with `config.half_dot`, the
-    x values its row scale loads at once (`gemv_half`). ValueError for a format other than NVFP4."""
+    x values its row scale loads at once (`gemv_half`). ValueError for a format other than NVFP4 and int4."""
     if not config.half_dot:
         return 0
-    if fmt.fmt != FMT_NVFP4:
+    if fmt.fmt not in (FMT_NVFP4, FMT_INT4):
         raise ValueError(
-            f"GEMV path: half_dot is NVFP4's word dot; format {fmt.fmt} has none (use half_dot=False)"
+            f"GEMV path: half_dot is NVFP4's and int4's word dot; format {fmt.fmt} has none (use half_dot=False)"
         )
     return min(triton.next_power_of_2(max(k, 1)), X_SCALE_CHUNK)
 

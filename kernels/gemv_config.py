@@ -35,7 +35,7 @@ class GemvConfig:
     # gate_up's; -1: the same as gate_up's (two launches only)
     down_prefetch: int = -1
     down_max_registers: int = -1
-    # NVFP4: the word dot in packed half math (fp16x2 FMA on x scaled into fp16's range per row; `gemv_half.py`),
+    # NVFP4 and int4: the word dot in packed half math (fp16x2 FMA on x scaled into fp16's range per row; `gemv_half.py`),
     # two launches only
     half_dot: bool = False
 

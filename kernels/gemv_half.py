@@ -25,10 +25,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gemv_words import _e2m1_pairs, _halves, _ldx, _x_split8
+from .gemv_words import _e2m1_pairs, _halves, _ldx, _pair_first, _x_split8
 
 # largest x row loaded at once for the row's scale (values; the loop takes more in chunks of this many)
 X_SCALE_CHUNK = 8192
+# x' = x times the row scale has its largest value in [2^TOP, 2^(TOP + 1)): NVFP4 (products value / 2^14 * x',
+# |value| <= 6: at most 6, a half's 8 at most 48) and int4 (|q - z| <= 15: 8 products below 61440 < 65504)
+NVFP4_TOP = tl.constexpr(13)
+INT4_TOP = tl.constexpr(8)
 
 # one word's 8 e2m1 codes decoded as `gemv_words._E2M1_ASM` does (codes (0, 4), (1, 5), (2, 6), (3, 7) as fp16x2
 # `value / 2^14`), each pair times x' pair `$2..$5` and added to the packed accumulator `$6` -> `$0`
@@ -55,17 +59,20 @@ fma.rn.f16x2 $0, t, $5, $0;
 
 
 @triton.jit
-def x_half_scale(x_row, K, X_CG: tl.constexpr, CHUNK: tl.constexpr):
-    """(`2^(140 - e)`, `2^(e - 140)`) fp32 for `e` the biased exponent field of `max |x_row[0:K]|`, at least 14
-    (so both are normal floats: x of zeros or fp32 subnormals takes 2^126); an inf or NaN maximum gives
-    2^-115 (its products stay inf / NaN). CHUNK: values loaded at once (a power of two)."""
+def x_half_scale(x_row, K, X_CG: tl.constexpr, CHUNK: tl.constexpr, TOP: tl.constexpr):
+    """(`2^(TOP + 127 - e)`, `2^(e - TOP - 127)`) fp32 for `e` the biased exponent field of `max |x_row[0:K]|`,
+    at least TOP + 1 (so both are normal floats: x of zeros or fp32 subnormals takes 2^126), i.e. x times the
+    first has its largest value in [2^TOP, 2^(TOP + 1)); an inf or NaN maximum gives a tiny scale (its
+    products stay inf / NaN). CHUNK: values loaded at once (a power of two)."""
     offs = tl.arange(0, CHUNK)
     m = tl.zeros((CHUNK,), dtype=tl.float32)
     for k0 in range(0, K, CHUNK):
         m = tl.maximum(m, tl.abs(_ldx(x_row + k0 + offs, offs + k0 < K, False, X_CG)))
     e = (tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 255
-    e = tl.maximum(e, 14)
-    return ((267 - e) << 23).to(tl.float32, bitcast=True), ((e - 13) << 23).to(tl.float32, bitcast=True)
+    e = tl.maximum(e, TOP + 1)
+    return ((TOP + 254 - e) << 23).to(tl.float32, bitcast=True), ((e - TOP) << 23).to(
+        tl.float32, bitcast=True
+    )
 
 
 @triton.jit
@@ -139,3 +146,91 @@ def nvfp4_half_dot(acc, words, s, x_row, k0, K_WORDS, xscale, EVEN_K: tl.constex
                                 _rnd16(b3)[None, :], _rnd16(b4)[None, :], _rnd16(b5)[None, :], _rnd16(b6)[None, :],
                                 _rnd16(b7)[None, :])  # fmt: skip
     return acc + s * (lo + hi)
+
+
+# int4 (value j of a word at bits 4j..4j+3): pairs (0, 4), (1, 5), (2, 6), (3, 7) as fp16x2 `1024 + q` (one LOP3:
+# the nibbles under fp16's 1024.0, whose unit is 1), plus the pair `$6` = -(1024 + z) (exact: q - z), times the
+# x' pair `$2..$5`, added to the packed accumulator `$7` -> `$0`
+_INT4_HFMA_ASM = tl.constexpr(
+    """{
+.reg .b32 t, v;
+lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA;
+add.rn.f16x2 v, t, $6;
+fma.rn.f16x2 $0, v, $2, $7;
+shr.u32 t, $1, 4;
+lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+add.rn.f16x2 v, t, $6;
+fma.rn.f16x2 $0, v, $3, $0;
+shr.u32 t, $1, 8;
+lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+add.rn.f16x2 v, t, $6;
+fma.rn.f16x2 $0, v, $4, $0;
+shr.u32 t, $1, 12;
+lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+add.rn.f16x2 v, t, $6;
+fma.rn.f16x2 $0, v, $5, $0;
+}"""
+)
+
+
+@triton.jit
+def _int4_hfma_emulated(lo, hi, words, z, xa, xb, xc, xd, xe, xf, xg, xh):
+    """The interpreter's `_INT4_HFMA_ASM`: `(lo, hi)` plus each of the word's values `q - z` (exact) times its x'
+    (`xa..xh`: x' of values 0..7, fp16 values), each step rounded to fp16."""
+    lo = _rnd16(((words & 15) - z) * xa + lo)
+    hi = _rnd16((((words >> 16) & 15) - z) * xe + hi)
+    lo = _rnd16((((words >> 4) & 15) - z) * xb + lo)
+    hi = _rnd16((((words >> 20) & 15) - z) * xf + hi)
+    lo = _rnd16((((words >> 8) & 15) - z) * xc + lo)
+    hi = _rnd16((((words >> 24) & 15) - z) * xg + hi)
+    lo = _rnd16((((words >> 12) & 15) - z) * xd + lo)
+    hi = _rnd16((((words >> 28) & 15) - z) * xh + hi)
+    return lo, hi
+
+
+@triton.jit
+def int4_half_dot(acc, words, s, z, x_row, k0, K_WORDS, xscale, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
+                  X_CG: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """`gemv_words._int4_word_dot` in packed half math: `acc [BN, KW / 2]` plus, per pair of words (2c, 2c + 1:
+    one group), `s * sum (q - z) * x * xscale` over its 16 values (z = 8 without zero points), each half's 8
+    products summed in fp16. `s`, `z`: per word `[BN, KW]` or per row `[BN, 1]`. `xscale`: `x_half_scale`'s
+    first value at TOP = INT4_TOP (|q - z| <= 15: a half's 8 products stay below 2^16)."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_split8(x_row, k0, K_WORDS, words.shape[1], EVEN_K, X_CG)
+    wa, wb = _halves(words)
+    a0, b0 = _halves(x0 * xscale)
+    a1, b1 = _halves(x1 * xscale)
+    a2, b2 = _halves(x2 * xscale)
+    a3, b3 = _halves(x3 * xscale)
+    a4, b4 = _halves(x4 * xscale)
+    a5, b5 = _halves(x5 * xscale)
+    a6, b6 = _halves(x6 * xscale)
+    a7, b7 = _halves(x7 * xscale)
+    if HAS_ZERO:  # noqa: SIM108 (constexpr branch)
+        zp = _pair_first(z)
+    else:
+        zp = tl.full((1, 1), 8.0, dtype=tl.float32)
+    if ASM:
+        off = _pack_half2(-1024.0 - zp, -1024.0 - zp)
+        zero = tl.zeros(wa.shape, dtype=tl.int32)
+        p = tl.inline_asm_elementwise(
+            _INT4_HFMA_ASM, "=r,r,r,r,r,r,r,r", [wa, _pack_half2(a0, a4)[None, :], _pack_half2(a1, a5)[None, :],
+            _pack_half2(a2, a6)[None, :], _pack_half2(a3, a7)[None, :], off, zero], dtype=tl.int32, is_pure=True,
+            pack=1,
+        )  # fmt: skip
+        p = tl.inline_asm_elementwise(
+            _INT4_HFMA_ASM, "=r,r,r,r,r,r,r,r", [wb, _pack_half2(b0, b4)[None, :], _pack_half2(b1, b5)[None, :],
+            _pack_half2(b2, b6)[None, :], _pack_half2(b3, b7)[None, :], off, p], dtype=tl.int32, is_pure=True,
+            pack=1,
+        )  # fmt: skip
+        lo = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        lo = tl.zeros(wa.shape, dtype=tl.float32)
+        hi = tl.zeros(wa.shape, dtype=tl.float32)
+        lo, hi = _int4_hfma_emulated(lo, hi, wa, zp, _rnd16(a0)[None, :], _rnd16(a1)[None, :],
+                                     _rnd16(a2)[None, :], _rnd16(a3)[None, :], _rnd16(a4)[None, :],
+                                     _rnd16(a5)[None, :], _rnd16(a6)[None, :], _rnd16(a7)[None, :])  # fmt: skip
+        lo, hi = _int4_hfma_emulated(lo, hi, wb, zp, _rnd16(b0)[None, :], _rnd16(b1)[None, :],
+                                     _rnd16(b2)[None, :], _rnd16(b3)[None, :], _rnd16(b4)[None, :],
+                                     _rnd16(b5)[None, :], _rnd16(b6)[None, :], _rnd16(b7)[None, :])  # fmt: skip
+    return acc + _pair_first(s) * (lo + hi)

@@ -9,7 +9,7 @@ import triton.language as tl
 
 from .dequant import e4m3_to_f32
 from .gemm_parts import _row_bases
-from .gemv_half import nvfp4_half_dot, x_half_scale
+from .gemv_half import INT4_TOP, NVFP4_TOP, int4_half_dot, nvfp4_half_dot, x_half_scale
 from .gemv_words import _halves, _word_dot
 from .pdl import load_acquire, settle_code
 
@@ -146,7 +146,7 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
               PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, X_CG: tl.constexpr, HALF_X: tl.constexpr):  # fmt: skip
     """`[BLOCK_N]` fp32: rows `offs_n` of one projection row (weights at `w_base`) dotted with x over the word
     columns `[kw_lo, kw_hi)` of K (`kw_lo` a multiple of the tile's words; 0 and K / VPW for all of K).
-    HALF_X > 0 (NVFP4 only): the word dot in packed half math (`gemv_half`), x's row scale found HALF_X values
+    HALF_X > 0 (NVFP4 and int4): the word dot in packed half math (`gemv_half`), x's row scale found HALF_X values
     at a time."""
     KW: tl.constexpr = BLOCK_K // VPW
     K_WORDS = K // VPW
@@ -158,9 +158,9 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
     # NVFP4 and int4: one accumulator per pair of words (a scale / a group), the others one per word
     ACC_W: tl.constexpr = KW // 2 if (FMT == 4 or FMT == 1) else KW
     acc = tl.zeros((BLOCK_N, ACC_W), dtype=tl.float32)
-    tl.static_assert(HALF_X == 0 or FMT == 4, "the packed half word dot is NVFP4's")
+    tl.static_assert(HALF_X == 0 or FMT == 4 or FMT == 1, "the packed half word dot is NVFP4's and int4's")
     if HALF_X > 0:
-        xscale, xinv = x_half_scale(x_row, K, X_CG, HALF_X)
+        xscale, xinv = x_half_scale(x_row, K, X_CG, HALF_X, NVFP4_TOP if FMT == 4 else INT4_TOP)
     else:
         xscale, xinv = 1.0, 1.0
     # PREFETCH 1: the next tile in registers; 0: none; >= 2: Triton's software pipeline with that many stages
@@ -196,9 +196,11 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
 def _tile_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, xscale, FMT: tl.constexpr, HAS_ZERO: tl.constexpr,
               COMPUTE: tl.constexpr, VPW: tl.constexpr, EVEN_K: tl.constexpr, X_CG: tl.constexpr,
               ASM: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
-    """One tile's word dot: `gemv_half.nvfp4_half_dot` where HALF, else `gemv_words._word_dot`."""
-    if HALF:
+    """One tile's word dot: `gemv_half`'s where HALF (NVFP4, int4), else `gemv_words._word_dot`."""
+    if HALF and FMT == 4:
         return nvfp4_half_dot(acc, words, s, x_row, k0, K_WORDS, xscale, EVEN_K, X_CG, ASM)
+    elif HALF:
+        return int4_half_dot(acc, words, s, z, x_row, k0, K_WORDS, xscale, HAS_ZERO, EVEN_K, X_CG, ASM)
     else:
         return _word_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K,
                          X_CG, ASM)  # fmt: skip

@@ -1,5 +1,5 @@
-"""NVFP4's packed half word dot (`GemvConfig.half_dot`, kernels/gemv_half.py) under the Triton interpreter (its
-fp32 emulation of `fma.rn.f16x2`; the PTX form: tests/test_gemv_half_gpu.py): the references' output at awkward
+"""NVFP4's and int4's packed half word dot (`GemvConfig.half_dot`, kernels/gemv_half.py) under the Triton
+interpreter (its fp32 emulation of `fma.rn.f16x2`; the PTX form: tests/test_gemv_half_gpu.py): the references' output at awkward
 sizes, x rows over many decades, the row scale's chunked loop, bad configs refused."""
 
 from __future__ import annotations
@@ -32,27 +32,24 @@ def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("H", "I", "T", "cfg", "chunk"),
+    ("name", "H", "I", "T", "cfg", "chunk"),
     [
-        (48, 96, 3, GemvConfig(16, 32, 16, 32), 8192),  # gate_up K = 1.5 tiles (masked), register prefetch
-        (
-            80,
-            48,
-            1,
-            GemvConfig(16, 32, 8, 64, prefetch=False),
-            16,
-        ),  # down K < one tile; x scale in 5 / 3 chunks
-        (64, 32, 2, GemvConfig(32, 64, 16, 32, stages=3), 32),  # rows past N in gate_up; a pipeline
+        ("nvfp4", 48, 96, 3, GemvConfig(16, 32, 16, 32), 8192),  # gate_up K = 1.5 tiles (masked), prefetch
+        ("nvfp4", 80, 48, 1, GemvConfig(16, 32, 8, 64, prefetch=False), 16),  # down K < a tile; scale chunks
+        ("nvfp4", 64, 32, 2, GemvConfig(32, 64, 16, 32, stages=3), 32),  # rows past N in gate_up; a pipeline
+        ("int4-g32", 96, 64, 3, GemvConfig(16, 64, 16, 32), 32),  # scale per word (two groups a tile)
+        ("int4-g32-zp", 64, 96, 1, GemvConfig(32, 32, 16, 64, prefetch=False), 8192),  # zero points
+        ("int4-g64-zp", 128, 64, 2, GemvConfig(16, 64, 8, 64, stages=3), 64),  # one group a tile: per row
     ],
 )
-def test_half_dot_matches_references(H, I, T, cfg, chunk, monkeypatch):
+def test_half_dot_matches_references(name, H, I, T, cfg, chunk, monkeypatch):
     """E = 7 experts on 3 pool rows and host rows, top-3 with one pair not routed (-1), x with an outlier of 300
-    (in the row scale's last chunk) and a value of 1e-3: the half dot gives the path's fp32 reference and the align path's dense reference
-    within bf16 rounding, and the fp32 word dot's output within 1e-2 (it is not bitwise that output: the half
+    (in the row scale's last chunk) and a value of 1e-3: the half dot gives the path's fp32
+    reference and the align path's dense reference within bf16 rounding, and the fp32 word dot's output within 1e-2 (it is not bitwise that output: the half
     path ran); act rows of routed pairs likewise."""
     monkeypatch.setattr(gemv, "X_SCALE_CHUNK", chunk)
     E, K = 7, 3
-    g, fmt, w13, w2, l2p = _layer("nvfp4", H, I, torch.bfloat16, E, seed=9)
+    g, fmt, w13, w2, l2p = _layer(name, H, I, torch.bfloat16, E, seed=9)
     x = torch.randn(T, H, generator=g)
     x[0, H - 5], x[-1, 1] = 300.0, 1e-3  # the outlier in the row scale's last chunk
     x = x.bfloat16()
@@ -62,22 +59,25 @@ def test_half_dot_matches_references(H, I, T, cfg, chunk, monkeypatch):
     half = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, half_cfg)
     fp32 = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, cfg)
     assert not torch.equal(half, fp32), "half_dot did not reach the kernels"
-    assert_close(half, fp32, f"H={H} I={I} T={T}: half vs fp32 word dot", rel=1e-2)
+    assert_close(half, fp32, f"{name} H={H} I={I} T={T}: half vs fp32 word dot", rel=1e-2)
     assert_close(
-        half, gemv_moe_ref(x, ids, w, l2p, E, w13, w2, fmt, cfg), f"H={H} I={I} T={T}: gemv reference"
+        half, gemv_moe_ref(x, ids, w, l2p, E, w13, w2, fmt, cfg), f"{name} H={H} I={I} T={T}: gemv reference"
     )
-    assert_close(half, pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt), f"H={H} I={I}: align reference")
+    assert_close(
+        half, pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt), f"{name} H={H} I={I}: align reference"
+    )
     routed = (ids.flatten() >= 0) & (l2p[ids.flatten().clamp(min=0)] >= 0)
     act_half = gemv_gate_up(x, ids, l2p, E, w13, fmt, half_cfg)[: T * K][routed]
     act_fp32 = gemv_gate_up(x, ids, l2p, E, w13, fmt, cfg)[: T * K][routed]
-    assert_close(act_half, act_fp32, f"H={H} I={I} T={T}: act", rel=1e-2)
+    assert_close(act_half, act_fp32, f"{name} H={H} I={I} T={T}: act", rel=1e-2)
 
 
-def test_half_dot_row_scale_over_decades():
+@pytest.mark.parametrize("name", ["nvfp4", "int4-g32-zp"])
+def test_half_dot_row_scale_over_decades(name):
     """x rows of 1e-12 and 1e15 (the row scale moves with them; products stay in fp16's range) and a row of zeros:
     the fp32 word dot's output within 1e-2, zeros exactly for the zero row."""
-    E, K, H, I = 5, 2, 48, 32
-    g, fmt, w13, w2, l2p = _layer("nvfp4", H, I, torch.bfloat16, E, R=5, seed=4)
+    E, K, H, I = 5, 2, 64, 32
+    g, fmt, w13, w2, l2p = _layer(name, H, I, torch.bfloat16, E, R=5, seed=4)
     cfg = GemvConfig(16, 32, 16, 32)
     ids, w = random_routing(3, K, E, g, pad_prob=0.0)
     x = torch.randn(3, H, generator=g)
@@ -88,16 +88,16 @@ def test_half_dot_row_scale_over_decades():
         half = gemv_moe(xs, ids, w, l2p, E, w13, w2, fmt, dataclasses.replace(cfg, half_dot=True))
         fp32 = gemv_moe(xs, ids, w, l2p, E, w13, w2, fmt, cfg)
         assert fp32[:2].float().abs().max() > 0, f"scale {s}: the reference output vanished"
-        assert_close(half[:2], fp32[:2], f"x scaled by {s}", rel=1e-2)
-        assert torch.equal(half[2], torch.zeros_like(half[2])), f"zero row at scale {s}"
+        assert_close(half[:2], fp32[:2], f"{name}: x scaled by {s}", rel=1e-2)
+        assert torch.equal(half[2], torch.zeros_like(half[2])), f"{name}: zero row at scale {s}"
 
 
 def test_half_dot_refused_where_it_has_no_kernel():
-    """half_dot with int4 (no half word dot) and in one launch: ValueError naming the fix."""
-    g, fmt, w13, w2, l2p = _layer("int4-g32", 64, 32, torch.bfloat16, seed=2)
+    """half_dot with fp8 (no half word dot) and in one launch: ValueError naming the fix."""
+    g, fmt, w13, w2, l2p = _layer("fp8", 64, 32, torch.bfloat16, seed=2)
     x = torch.randn(1, 64, generator=g).bfloat16()
     ids, w = random_routing(1, 2, 7, g, pad_prob=0.0)
-    with pytest.raises(ValueError, match="half_dot is NVFP4's word dot"):
+    with pytest.raises(ValueError, match="half_dot is NVFP4's and int4's word dot"):
         gemv_moe(x, ids, w, l2p, 7, w13, w2, fmt, GemvConfig(16, 32, 16, 32, half_dot=True))
     with pytest.raises(ValueError, match="one launch: half_dot"):
         GemvConfig(one_launch=True, half_dot=True)
