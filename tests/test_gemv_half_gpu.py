@@ -1,4 +1,4 @@
-"""GPU tests of NVFP4's packed half word dot (`GemvConfig.half_dot`, kernels/gemv_half.py) as compiled for CUDA
+"""GPU tests of NVFP4's and int4's packed half word dot (`GemvConfig.half_dot`, kernels/gemv_half.py) as compiled for CUDA
 (PTX `fma.rn.f16x2`; the interpreter runs its fp32 emulation: tests/test_gemv_half.py). Run by
 scripts/gpu_check.sh."""
 
@@ -15,7 +15,7 @@ from tests.test_kernels_gpu import SHAPES, gpu_reference, poison_allocator, rout
 pytestmark = pytest.mark.gpu
 
 
-def _nvfp4_layer(shape: str, E: int, R: int, seed: int):
+def _layer(name: str, shape: str, E: int, R: int, seed: int):
     from pooled_runner.kernels import fused_moe, operands
 
     H, I, _, _ = SHAPES[shape]
@@ -27,9 +27,13 @@ def _nvfp4_layer(shape: str, E: int, R: int, seed: int):
     return fmt, *fused_moe.make_projections(fmt, pool, bank, H, I), l2p
 
 
-@pytest.mark.parametrize(("shape", "M"), [("deepseek", 1), ("deepseek", 8), ("qwen3", 1), ("qwen3", 16)])
-def test_half_dot_against_fp32_dot_and_dense_reference(shape, M):
-    """The DeepSeek-like and Qwen3-like NVFP4 layer at M = 1, 8, 16 (the 128-pair schedule) with pool rows,
+@pytest.mark.parametrize(
+    ("name", "shape", "M"),
+    [("nvfp4", "deepseek", 1), ("nvfp4", "deepseek", 8), ("nvfp4", "qwen3", 1), ("nvfp4", "qwen3", 16)]
+    + [("int4-g128", "deepseek", 1), ("int4-g128-zp", "deepseek", 8), ("int4-g32", "qwen3", 16)],
+)
+def test_half_dot_against_fp32_dot_and_dense_reference(name, shape, M):
+    """The DeepSeek-like and Qwen3-like NVFP4 and int4 layers at M = 1, 8, 16 (the 128-pair schedule) with pool rows,
     pinned host rows and an expert not here; x with outliers of 300 and values down to 1e-3: the half dot is
     within bf16 rounding of the fp32 word dot (the same config otherwise) and of the dense torch reference,
     and every output is written (poisoned allocator)."""
@@ -39,7 +43,7 @@ def test_half_dot_against_fp32_dot_and_dense_reference(shape, M):
 
     H, I, _, K = SHAPES[shape]
     E, R = 13, 9
-    fmt, p13, p2, l2p = _nvfp4_layer(shape, E, R, seed=M)
+    fmt, p13, p2, l2p = _layer(name, shape, E, R, seed=M)
     g = torch.Generator(device="cuda").manual_seed(M)
     x = torch.randn(M, H, generator=g, device="cuda")
     x[0, 5], x[-1, H - 3] = 300.0, -1e-3
@@ -51,7 +55,7 @@ def test_half_dot_against_fp32_dot_and_dense_reference(shape, M):
         x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=dataclasses.replace(base, half_dot=True)
     )
     fp32 = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=base)
-    assert_close(half, fp32, f"half vs fp32 dot {shape} M={M}", rel=1e-2)
+    assert_close(half, fp32, f"{name}: half vs fp32 dot {shape} M={M}", rel=1e-2)
     codes = l2p.cpu()
     ref = gpu_reference(
         x,
@@ -61,10 +65,11 @@ def test_half_dot_against_fp32_dot_and_dense_reference(shape, M):
         lambda e: dense_row(p2, fmt, int(codes[e]), torch.bfloat16).cuda(),
         routed_here=l2p[:E] >= 0,
     )
-    assert_close(half, ref, f"half dot vs dense reference {shape} M={M}")
+    assert_close(half, ref, f"{name}: half dot vs dense reference {shape} M={M}")
 
 
-def test_half_dot_row_scale_extremes():
+@pytest.mark.parametrize("name", ["nvfp4", "int4-g128-zp"])
+def test_half_dot_row_scale_extremes(name):
     """x rows scaled by 1e-12 and 1e15 (the row scale's power of two moves with them) and an all-zero row: the
     outputs follow the fp32 word dot's (zeros exactly for the zero row)."""
     from pooled_runner.kernels import fused_moe
@@ -72,7 +77,7 @@ def test_half_dot_row_scale_extremes():
 
     H, I, _, K = SHAPES["qwen3"]
     E, R = 9, 9
-    fmt, p13, p2, l2p = _nvfp4_layer("qwen3", E, R, seed=3)
+    fmt, p13, p2, l2p = _layer(name, "qwen3", E, R, seed=3)
     g = torch.Generator(device="cuda").manual_seed(3)
     ids, w = routing(3, K, E, g)
     base = gemv_configs(H, I, fmt.fmt, 3 * K, fmt.group)
@@ -86,7 +91,7 @@ def test_half_dot_row_scale_extremes():
             xs, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=half_cfg
         )
         fp32 = fused_moe.pooled_fused_moe(xs, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=base)
-        assert_close(half[:2], fp32[:2], f"x scaled by {s}", rel=1e-2)
+        assert_close(half[:2], fp32[:2], f"{name}: x scaled by {s}", rel=1e-2)
         assert torch.equal(half[2], torch.zeros_like(half[2])), (
             f"zero row at scale {s}: {half[2].abs().max()}"
         )
