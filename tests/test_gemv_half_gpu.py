@@ -29,8 +29,15 @@ def _layer(name: str, shape: str, E: int, R: int, seed: int):
 
 @pytest.mark.parametrize(
     ("name", "shape", "M"),
-    [("nvfp4", "deepseek", 1), ("nvfp4", "deepseek", 8), ("nvfp4", "qwen3", 1), ("nvfp4", "qwen3", 16)]
-    + [("int4-g128", "deepseek", 1), ("int4-g128-zp", "deepseek", 8), ("int4-g32", "qwen3", 16)],
+    [
+        ("nvfp4", "deepseek", 1),
+        ("nvfp4", "deepseek", 8),
+        ("nvfp4", "qwen3", 1),
+        ("nvfp4", "qwen3", 16),
+        ("int4-g128", "deepseek", 1),
+        ("int4-g128-zp", "deepseek", 8),
+        ("int4-g32", "qwen3", 16),
+    ],
 )
 def test_half_dot_against_fp32_dot_and_dense_reference(name, shape, M):
     """The DeepSeek-like and Qwen3-like NVFP4 and int4 layers at M = 1, 8, 16 (the 128-pair schedule) with pool rows,
