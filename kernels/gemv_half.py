@@ -148,29 +148,29 @@ def nvfp4_half_dot(acc, words, s, x_row, k0, K_WORDS, xscale, EVEN_K: tl.constex
     return acc + s * (lo + hi)
 
 
-# int4 (value j of a word at bits 4j..4j+3): pairs (0, 4), (1, 5), (2, 6), (3, 7) as fp16x2 `1024 + q` (one LOP3:
-# the nibbles under fp16's 1024.0, whose unit is 1), plus the pair `$6` = -(1024 + z) (exact: q - z), times the
-# x' pair `$2..$5`, added to the packed accumulator `$7` -> `$0`
+# int4 (value j of a word at bits 4j..4j+3): pairs (0, 4) and (2, 6) as fp16x2 `1024 + q` (one LOP3: the nibbles
+# under fp16's 1024.0, whose unit is 1) plus `$6` = -(1024 + z); pairs (1, 5) and (3, 7) masked in place as
+# `1024 + 16 q` and taken to `q - z` by one FMA with `$9` = 1/16 and `$7` = -(64 + z) (both exact: no shift for
+# them); each pair times its x' pair `$2..$5`, added to the packed accumulator `$8` -> `$0`. 13 operations a word.
 _INT4_HFMA_ASM = tl.constexpr(
     """{
-.reg .b32 t, v;
+.reg .b32 t, v, u;
 lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA;
 add.rn.f16x2 v, t, $6;
-fma.rn.f16x2 $0, v, $2, $7;
-shr.u32 t, $1, 4;
-lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
-add.rn.f16x2 v, t, $6;
+fma.rn.f16x2 $0, v, $2, $8;
+lop3.b32 t, $1, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 v, t, $9, $7;
 fma.rn.f16x2 $0, v, $3, $0;
-shr.u32 t, $1, 8;
-lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+shr.u32 u, $1, 8;
+lop3.b32 t, u, 0x000F000F, 0x64006400, 0xEA;
 add.rn.f16x2 v, t, $6;
 fma.rn.f16x2 $0, v, $4, $0;
-shr.u32 t, $1, 12;
-lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
-add.rn.f16x2 v, t, $6;
+lop3.b32 t, u, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 v, t, $9, $7;
 fma.rn.f16x2 $0, v, $5, $0;
 }"""
 )
+_SIXTEENTH_X2 = tl.constexpr(0x2C002C00)  # fp16x2 (1/16, 1/16)
 
 
 @triton.jit
@@ -211,16 +211,18 @@ def int4_half_dot(acc, words, s, z, x_row, k0, K_WORDS, xscale, HAS_ZERO: tl.con
         zp = tl.full((1, 1), 8.0, dtype=tl.float32)
     if ASM:
         off = _pack_half2(-1024.0 - zp, -1024.0 - zp)
+        off16 = _pack_half2(-64.0 - zp, -64.0 - zp)
         zero = tl.zeros(wa.shape, dtype=tl.int32)
+        sixteenth = tl.full(wa.shape, _SIXTEENTH_X2, dtype=tl.int32)
         p = tl.inline_asm_elementwise(
-            _INT4_HFMA_ASM, "=r,r,r,r,r,r,r,r", [wa, _pack_half2(a0, a4)[None, :], _pack_half2(a1, a5)[None, :],
-            _pack_half2(a2, a6)[None, :], _pack_half2(a3, a7)[None, :], off, zero], dtype=tl.int32, is_pure=True,
-            pack=1,
+            _INT4_HFMA_ASM, "=r,r,r,r,r,r,r,r,r,r", [wa, _pack_half2(a0, a4)[None, :], _pack_half2(a1, a5)[None, :],
+            _pack_half2(a2, a6)[None, :], _pack_half2(a3, a7)[None, :], off, off16, zero, sixteenth],
+            dtype=tl.int32, is_pure=True, pack=1,
         )  # fmt: skip
         p = tl.inline_asm_elementwise(
-            _INT4_HFMA_ASM, "=r,r,r,r,r,r,r,r", [wb, _pack_half2(b0, b4)[None, :], _pack_half2(b1, b5)[None, :],
-            _pack_half2(b2, b6)[None, :], _pack_half2(b3, b7)[None, :], off, p], dtype=tl.int32, is_pure=True,
-            pack=1,
+            _INT4_HFMA_ASM, "=r,r,r,r,r,r,r,r,r,r", [wb, _pack_half2(b0, b4)[None, :], _pack_half2(b1, b5)[None, :],
+            _pack_half2(b2, b6)[None, :], _pack_half2(b3, b7)[None, :], off, off16, p, sixteenth],
+            dtype=tl.int32, is_pure=True, pack=1,
         )  # fmt: skip
         lo = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
