@@ -152,7 +152,7 @@ def _row(shape, name, M, kernel, cfg: GemvConfig, us, pct, diff) -> str:
     regs = both(cfg.registers() or "-", cfg.registers(down=True) or "-")
     return (
         f"| {shape} | {name} | {M} | {kernel} | {bn} | {bk} | {cfg.num_warps} | {prefetch} | {split} | {regs} "
-        f"| {us:.1f} | {pct:.0f}% | {diff:.2e} |"
+        f"| {'half' if cfg.half_dot else 'fp32'} | {us:.1f} | {pct:.0f}% | {diff:.2e} |"
     )
 
 
@@ -254,8 +254,9 @@ def main() -> None:
     lines += [
         "GEMV kernels apart (µs per call, graph replay; % HBM of that kernel's bytes; max |diff| to the default):",
         "",
-        "| shape | format | M | kernel | BN | BK | warps | prefetch | split K | max regs | µs | % HBM | max diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | format | M | kernel | BN | BK | warps | prefetch | split K | max regs | word dot | µs | % HBM "
+        "| max diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -266,8 +267,32 @@ def main() -> None:
                 shape, name, M, hbm, g, deadline, args.set, args.kernels.split(","), alts, args.rounds
             )
             torch.cuda.empty_cache()
+    lines += ["", *compiled_resources()]
+    print("\n".join(lines[-4:]), flush=True)
     write(args.out, lines)
 
 
-if __name__ == "__main__":
-    main()
+def compiled_resources() -> list[str]:
+    """Registers and spills of every GEMV kernel compiled in this process (with its tile constexprs), as lines
+    (Triton's `CompiledKernel`; constexprs keyed by argument index, as Triton 3.6-3.8 keep them)."""
+    from pooled_runner.kernels import gemv
+
+    keep = ("BLOCK_N", "FMT", "PREFETCH", "HALF_X", "SPLIT")
+    out = ["Compiled GEMV kernels (registers per thread, spilled registers; constexprs):", ""]
+    for kernel in (gemv._gate_up_kernel, gemv._down_kernel):
+        for caches in kernel.device_caches.values():
+            for compiled in caches[0].values():
+                compiled._init_handles()  # fills n_regs / n_spills (done already if it ran)
+                consts = {}
+                for key, value in compiled.src.constants.items():
+                    name = (
+                        kernel.arg_names[key[0] if isinstance(key, tuple) else key]
+                        if not isinstance(key, str)
+                        else key
+                    )
+                    if name in keep:
+                        consts[name] = value
+                out.append(
+                    f"- {compiled.name}: {compiled.n_regs} registers, {compiled.n_spills} spills {consts}"
+                )
+    return out

@@ -47,9 +47,12 @@ def test_rows_name_each_kernels_own_load_mode_and_cap():
         k: _row("deepseek", "nvfp4", 1, k, base, 1.0, 50.0, 0.0).split(" | ")
         for k in ("gate_up", "down", "layer")
     }
-    # columns: shape, format, M, kernel, BN, BK, warps, prefetch, split K, max regs, ...
-    assert cells["gate_up"][7:10] == ["1", "1", "128"], cells
+    # columns: shape, format, M, kernel, BN, BK, warps, prefetch, split K, max regs, word dot, ...
+    assert cells["gate_up"][7:11] == ["1", "1", "128", "fp32"], cells
     assert cells["down"][7:10] == ["0", "1", "96"], cells
     assert cells["layer"][7:10] == ["1/0", "1", "128/96"], cells
+    half = _row("deepseek", "nvfp4", 1, "layer", dataclasses.replace(base, half_dot=True), 1.0, 50.0, 0.0)
+    assert half.split(" | ")[10] == "half", half
+    assert _differs_for("down", dataclasses.replace(base, half_dot=True), base)
     assert not _differs_for("gate_up", dataclasses.replace(base, down_prefetch=1), base)
     assert _differs_for("down", dataclasses.replace(base, down_prefetch=1), base)
