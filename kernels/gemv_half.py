@@ -69,10 +69,10 @@ def x_half_scale(x_row, K, X_CG: tl.constexpr, CHUNK: tl.constexpr, TOP: tl.cons
     for k0 in range(0, K, CHUNK):
         m = tl.maximum(m, tl.abs(_ldx(x_row + k0 + offs, offs + k0 < K, False, X_CG)))
     e = (tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 255
-    e = tl.maximum(e, TOP + 1)
-    return ((TOP + 254 - e) << 23).to(tl.float32, bitcast=True), ((e - TOP) << 23).to(
-        tl.float32, bitcast=True
-    )
+    d = (
+        tl.maximum(e, TOP + 1) - TOP
+    )  # a tensor first: `constexpr - tensor` stays a constexpr in the interpreter
+    return ((254 - d) << 23).to(tl.float32, bitcast=True), (d << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
