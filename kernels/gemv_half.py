@@ -90,18 +90,60 @@ def _rnd16(v):
 
 
 @triton.jit
-def _hfma_emulated(lo, hi, words, xa, xb, xc, xd, xe, xf, xg, xh):
+def _f16_lo(p):
+    """fp32 of the fp16 in the low half of each int32 of `p`."""
+    return p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _f16_hi(p):
+    """fp32 of the fp16 in the high half of each int32 of `p`."""
+    return (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _scaled_x(x_row, k0, K_WORDS, KW: tl.constexpr, xscale, EVEN_K: tl.constexpr, X_CG: tl.constexpr):
+    """x' = x * xscale of a tile of KW words as two 8-tuples of `[KW / 2]` fp32: value j of each pair's first
+    word (columns 2c) and of its second (2c + 1)."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_split8(x_row, k0, K_WORDS, KW, EVEN_K, X_CG)
+    a0, b0 = _halves(x0 * xscale)
+    a1, b1 = _halves(x1 * xscale)
+    a2, b2 = _halves(x2 * xscale)
+    a3, b3 = _halves(x3 * xscale)
+    a4, b4 = _halves(x4 * xscale)
+    a5, b5 = _halves(x5 * xscale)
+    a6, b6 = _halves(x6 * xscale)
+    a7, b7 = _halves(x7 * xscale)
+    return (a0, a1, a2, a3, a4, a5, a6, a7), (b0, b1, b2, b3, b4, b5, b6, b7)
+
+
+@triton.jit
+def _x_pairs(x):
+    """A word's x' (8-tuple of `[KW / 2]`) as its four fp16x2 pairs (0, 4), (1, 5), (2, 6), (3, 7), `[1, KW / 2]`."""
+    return (_pack_half2(x[0], x[4])[None, :], _pack_half2(x[1], x[5])[None, :], _pack_half2(x[2], x[6])[None, :],
+            _pack_half2(x[3], x[7])[None, :])  # fmt: skip
+
+
+@triton.jit
+def _x_rounded(x):
+    """A word's x' (8-tuple of `[KW / 2]`) rounded to fp16, `[1, KW / 2]` each (the interpreter's pairs)."""
+    return (_rnd16(x[0])[None, :], _rnd16(x[1])[None, :], _rnd16(x[2])[None, :], _rnd16(x[3])[None, :],
+            _rnd16(x[4])[None, :], _rnd16(x[5])[None, :], _rnd16(x[6])[None, :], _rnd16(x[7])[None, :])  # fmt: skip
+
+
+@triton.jit
+def _hfma_emulated(lo, hi, words, x):
     """The interpreter's `_E2M1_HFMA_ASM`: the fp32 sums of the halves `(lo, hi)` (fp16 values) plus each of the
-    word's pairs times its x' pair (`xa..xh`: x' of values 0..7, fp16 values), rounded to fp16 each step."""
+    word's pairs times its x' pair (`x`: `_x_rounded`), rounded to fp16 each step."""
     b04, b15, b26, b37 = _e2m1_pairs(words)
-    lo = _rnd16((b04.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)) * xa + lo)
-    hi = _rnd16(((b04 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)) * xe + hi)
-    lo = _rnd16((b15.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)) * xb + lo)
-    hi = _rnd16(((b15 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)) * xf + hi)
-    lo = _rnd16((b26.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)) * xc + lo)
-    hi = _rnd16(((b26 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)) * xg + hi)
-    lo = _rnd16((b37.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)) * xd + lo)
-    hi = _rnd16(((b37 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)) * xh + hi)
+    lo = _rnd16(_f16_lo(b04) * x[0] + lo)
+    hi = _rnd16(_f16_hi(b04) * x[4] + hi)
+    lo = _rnd16(_f16_lo(b15) * x[1] + lo)
+    hi = _rnd16(_f16_hi(b15) * x[5] + hi)
+    lo = _rnd16(_f16_lo(b26) * x[2] + lo)
+    hi = _rnd16(_f16_hi(b26) * x[6] + hi)
+    lo = _rnd16(_f16_lo(b37) * x[3] + lo)
+    hi = _rnd16(_f16_hi(b37) * x[7] + hi)
     return lo, hi
 
 
@@ -111,40 +153,23 @@ def nvfp4_half_dot(acc, words, s, x_row, k0, K_WORDS, xscale, EVEN_K: tl.constex
     """`gemv_words._word_dot` of NVFP4 in packed half math: `acc [BN, KW / 2]` plus, per pair of words (2c,
     2c + 1: one scale `s [BN, KW / 2]`), `s * sum (value / 2^14) * x * xscale` over its 16 values, the sum of
     each half (8 products) in fp16. `xscale`: `x_half_scale`'s first value for this x row."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x_split8(x_row, k0, K_WORDS, words.shape[1], EVEN_K, X_CG)
+    xa, xb = _scaled_x(x_row, k0, K_WORDS, words.shape[1], xscale, EVEN_K, X_CG)
     wa, wb = _halves(words)
-    # x' of value j of the pair's first (a) and second (b) word, `[KW / 2]`
-    a0, b0 = _halves(x0 * xscale)
-    a1, b1 = _halves(x1 * xscale)
-    a2, b2 = _halves(x2 * xscale)
-    a3, b3 = _halves(x3 * xscale)
-    a4, b4 = _halves(x4 * xscale)
-    a5, b5 = _halves(x5 * xscale)
-    a6, b6 = _halves(x6 * xscale)
-    a7, b7 = _halves(x7 * xscale)
     if ASM:
-        zero = tl.zeros(wa.shape, dtype=tl.int32)
+        pa, pb = _x_pairs(xa), _x_pairs(xb)
         p = tl.inline_asm_elementwise(
-            _E2M1_HFMA_ASM, "=r,r,r,r,r,r,r", [wa, _pack_half2(a0, a4)[None, :], _pack_half2(a1, a5)[None, :],
-            _pack_half2(a2, a6)[None, :], _pack_half2(a3, a7)[None, :], zero], dtype=tl.int32, is_pure=True,
-            pack=1,
+            _E2M1_HFMA_ASM, "=r,r,r,r,r,r,r", [wa, pa[0], pa[1], pa[2], pa[3], tl.zeros(wa.shape, dtype=tl.int32)],
+            dtype=tl.int32, is_pure=True, pack=1,
         )  # fmt: skip
         p = tl.inline_asm_elementwise(
-            _E2M1_HFMA_ASM, "=r,r,r,r,r,r,r", [wb, _pack_half2(b0, b4)[None, :], _pack_half2(b1, b5)[None, :],
-            _pack_half2(b2, b6)[None, :], _pack_half2(b3, b7)[None, :], p], dtype=tl.int32, is_pure=True,
+            _E2M1_HFMA_ASM, "=r,r,r,r,r,r,r", [wb, pb[0], pb[1], pb[2], pb[3], p], dtype=tl.int32, is_pure=True,
             pack=1,
         )  # fmt: skip
-        lo = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        lo, hi = _f16_lo(p), _f16_hi(p)
     else:
         lo = tl.zeros(wa.shape, dtype=tl.float32)
-        hi = tl.zeros(wa.shape, dtype=tl.float32)
-        lo, hi = _hfma_emulated(lo, hi, wa, _rnd16(a0)[None, :], _rnd16(a1)[None, :], _rnd16(a2)[None, :],
-                                _rnd16(a3)[None, :], _rnd16(a4)[None, :], _rnd16(a5)[None, :], _rnd16(a6)[None, :],
-                                _rnd16(a7)[None, :])  # fmt: skip
-        lo, hi = _hfma_emulated(lo, hi, wb, _rnd16(b0)[None, :], _rnd16(b1)[None, :], _rnd16(b2)[None, :],
-                                _rnd16(b3)[None, :], _rnd16(b4)[None, :], _rnd16(b5)[None, :], _rnd16(b6)[None, :],
-                                _rnd16(b7)[None, :])  # fmt: skip
+        lo, hi = _hfma_emulated(lo, lo, wa, _x_rounded(xa))
+        lo, hi = _hfma_emulated(lo, hi, wb, _x_rounded(xb))
     return acc + s * (lo + hi)
 
 
@@ -174,17 +199,17 @@ _SIXTEENTH_X2 = tl.constexpr(0x2C002C00)  # fp16x2 (1/16, 1/16)
 
 
 @triton.jit
-def _int4_hfma_emulated(lo, hi, words, z, xa, xb, xc, xd, xe, xf, xg, xh):
+def _int4_hfma_emulated(lo, hi, words, z, x):
     """The interpreter's `_INT4_HFMA_ASM`: `(lo, hi)` plus each of the word's values `q - z` (exact) times its x'
-    (`xa..xh`: x' of values 0..7, fp16 values), each step rounded to fp16."""
-    lo = _rnd16(((words & 15) - z) * xa + lo)
-    hi = _rnd16((((words >> 16) & 15) - z) * xe + hi)
-    lo = _rnd16((((words >> 4) & 15) - z) * xb + lo)
-    hi = _rnd16((((words >> 20) & 15) - z) * xf + hi)
-    lo = _rnd16((((words >> 8) & 15) - z) * xc + lo)
-    hi = _rnd16((((words >> 24) & 15) - z) * xg + hi)
-    lo = _rnd16((((words >> 12) & 15) - z) * xd + lo)
-    hi = _rnd16((((words >> 28) & 15) - z) * xh + hi)
+    (`x`: `_x_rounded`), each step rounded to fp16."""
+    lo = _rnd16(((words & 15) - z) * x[0] + lo)
+    hi = _rnd16((((words >> 16) & 15) - z) * x[4] + hi)
+    lo = _rnd16((((words >> 4) & 15) - z) * x[1] + lo)
+    hi = _rnd16((((words >> 20) & 15) - z) * x[5] + hi)
+    lo = _rnd16((((words >> 8) & 15) - z) * x[2] + lo)
+    hi = _rnd16((((words >> 24) & 15) - z) * x[6] + hi)
+    lo = _rnd16((((words >> 12) & 15) - z) * x[3] + lo)
+    hi = _rnd16((((words >> 28) & 15) - z) * x[7] + hi)
     return lo, hi
 
 
@@ -195,16 +220,8 @@ def int4_half_dot(acc, words, s, z, x_row, k0, K_WORDS, xscale, HAS_ZERO: tl.con
     one group), `s * sum (q - z) * x * xscale` over its 16 values (z = 8 without zero points), each half's 8
     products summed in fp16. `s`, `z`: per word `[BN, KW]` or per row `[BN, 1]`. `xscale`: `x_half_scale`'s
     first value at TOP = INT4_TOP (|q - z| <= 15: a half's 8 products stay below 2^16)."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x_split8(x_row, k0, K_WORDS, words.shape[1], EVEN_K, X_CG)
+    xa, xb = _scaled_x(x_row, k0, K_WORDS, words.shape[1], xscale, EVEN_K, X_CG)
     wa, wb = _halves(words)
-    a0, b0 = _halves(x0 * xscale)
-    a1, b1 = _halves(x1 * xscale)
-    a2, b2 = _halves(x2 * xscale)
-    a3, b3 = _halves(x3 * xscale)
-    a4, b4 = _halves(x4 * xscale)
-    a5, b5 = _halves(x5 * xscale)
-    a6, b6 = _halves(x6 * xscale)
-    a7, b7 = _halves(x7 * xscale)
     if HAS_ZERO:  # noqa: SIM108 (constexpr branch)
         zp = _pair_first(z)
     else:
@@ -212,27 +229,19 @@ def int4_half_dot(acc, words, s, z, x_row, k0, K_WORDS, xscale, HAS_ZERO: tl.con
     if ASM:
         off = _pack_half2(-1024.0 - zp, -1024.0 - zp)
         off16 = _pack_half2(-64.0 - zp, -64.0 - zp)
-        zero = tl.zeros(wa.shape, dtype=tl.int32)
         sixteenth = tl.full(wa.shape, _SIXTEENTH_X2, dtype=tl.int32)
+        pa, pb = _x_pairs(xa), _x_pairs(xb)
         p = tl.inline_asm_elementwise(
-            _INT4_HFMA_ASM, "=r,r,r,r,r,r,r,r,r,r", [wa, _pack_half2(a0, a4)[None, :], _pack_half2(a1, a5)[None, :],
-            _pack_half2(a2, a6)[None, :], _pack_half2(a3, a7)[None, :], off, off16, zero, sixteenth],
-            dtype=tl.int32, is_pure=True, pack=1,
+            _INT4_HFMA_ASM, "=r,r,r,r,r,r,r,r,r,r", [wa, pa[0], pa[1], pa[2], pa[3], off, off16,
+            tl.zeros(wa.shape, dtype=tl.int32), sixteenth], dtype=tl.int32, is_pure=True, pack=1,
         )  # fmt: skip
         p = tl.inline_asm_elementwise(
-            _INT4_HFMA_ASM, "=r,r,r,r,r,r,r,r,r,r", [wb, _pack_half2(b0, b4)[None, :], _pack_half2(b1, b5)[None, :],
-            _pack_half2(b2, b6)[None, :], _pack_half2(b3, b7)[None, :], off, off16, p, sixteenth],
+            _INT4_HFMA_ASM, "=r,r,r,r,r,r,r,r,r,r", [wb, pb[0], pb[1], pb[2], pb[3], off, off16, p, sixteenth],
             dtype=tl.int32, is_pure=True, pack=1,
         )  # fmt: skip
-        lo = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        lo, hi = _f16_lo(p), _f16_hi(p)
     else:
         lo = tl.zeros(wa.shape, dtype=tl.float32)
-        hi = tl.zeros(wa.shape, dtype=tl.float32)
-        lo, hi = _int4_hfma_emulated(lo, hi, wa, zp, _rnd16(a0)[None, :], _rnd16(a1)[None, :],
-                                     _rnd16(a2)[None, :], _rnd16(a3)[None, :], _rnd16(a4)[None, :],
-                                     _rnd16(a5)[None, :], _rnd16(a6)[None, :], _rnd16(a7)[None, :])  # fmt: skip
-        lo, hi = _int4_hfma_emulated(lo, hi, wb, zp, _rnd16(b0)[None, :], _rnd16(b1)[None, :],
-                                     _rnd16(b2)[None, :], _rnd16(b3)[None, :], _rnd16(b4)[None, :],
-                                     _rnd16(b5)[None, :], _rnd16(b6)[None, :], _rnd16(b7)[None, :])  # fmt: skip
+        lo, hi = _int4_hfma_emulated(lo, lo, wa, zp, _x_rounded(xa))
+        lo, hi = _int4_hfma_emulated(lo, hi, wb, zp, _x_rounded(xb))
     return acc + _pair_first(s) * (lo + hi)
