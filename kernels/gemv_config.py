@@ -35,8 +35,8 @@ class GemvConfig:
     # gate_up's; -1: the same as gate_up's (two launches only)
     down_prefetch: int = -1
     down_max_registers: int = -1
-    # NVFP4 and int4: the word dot in packed half math (fp16x2 FMA on x scaled into fp16's range per row; `gemv_half.py`),
-    # two launches only
+    # NVFP4 and int4: the word dot in packed half math (fp16x2 FMA on x scaled into fp16's range per row;
+    # `gemv_half.py`)
     half_dot: bool = False
 
     def __post_init__(self) -> None:
@@ -60,8 +60,6 @@ class GemvConfig:
                 f"one launch: down_prefetch={self.down_prefetch}, down_max_registers={self.down_max_registers}: "
                 "one launch compiles both tiles alike (use -1)"
             )
-        if self.one_launch and self.half_dot:
-            raise ValueError("one launch: half_dot is for the two-launch path (use half_dot=False)")
         if self.one_launch and (self.split_k1 != 1 or self.split_k2 != 1):
             raise ValueError(
                 f"one launch: split_k1={self.split_k1}, split_k2={self.split_k2} are for the two-launch path "

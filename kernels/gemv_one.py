@@ -9,7 +9,16 @@ import triton
 import triton.language as tl
 
 from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _check_proj_shape
-from .gemv import _VALUES_PER_WORD, SPIN_LIMIT, GemvConfig, _check_gemv, _pairs_pow2, _word_args, reg_limit
+from .gemv import (
+    _VALUES_PER_WORD,
+    SPIN_LIMIT,
+    GemvConfig,
+    _check_gemv,
+    _half_x,
+    _pairs_pow2,
+    _word_args,
+    reg_limit,
+)
 from .gemv_tiles import _down_tile, _gate_up_tile, _slot_pair
 from .operands import KernelFormat, Projection
 from .workspace import SYNC_WORDS, _counters
@@ -48,7 +57,7 @@ def _fused_kernel(
     BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, VPW: tl.constexpr,
     PREFETCH: tl.constexpr, EVEN_K1: tl.constexpr, EVEN_K2: tl.constexpr, TICKETS: tl.constexpr,
-    SYNC: tl.constexpr,
+    SYNC: tl.constexpr, HALF_X1: tl.constexpr, HALF_X2: tl.constexpr,
 ):  # fmt: skip
     """gate_up tiles (work items [0, G1)) then down tiles (G1 on) in one launch. A down tile waits until its
     pair's act is complete (a per-pair count of finished gate_up tiles); gate_up items never wait, and every
@@ -77,7 +86,7 @@ def _fused_kernel(
             wp1, sp1, zp1, gp1, wb1, sb1, zb1, gb1, w_se1, s_se1, z_se1, g_se1, w_sn1, s_sn1, z_sn1,
             num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1,
             TOP_K, P_POW2, BLOCK_N1, BLOCK_K1, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, EVEN_K1,
-            1, 0,
+            1, HALF_X1,
         )  # fmt: skip
         tl.debug_barrier()  # every thread's act stores before the (release) count
         tl.atomic_add(ready_ptr + pair, 1, sem="release", scope="gpu")
@@ -90,7 +99,7 @@ def _fused_kernel(
             wp2, sp2, zp2, gp2, wb2, sb2, zb2, gb2, w_se2, s_se2, z_se2, g_se2, w_sn2, s_sn2, z_sn2,
             num_experts, num_rows, H, I, stride_act, stride_y, stride_out, c0, c1,
             TOP_K, BLOCK_N2, BLOCK_K2, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, True,
-            EVEN_K2, True, 1, 0,
+            EVEN_K2, True, 1, HALF_X2,
         )  # fmt: skip
 
 
@@ -141,7 +150,8 @@ def gemv_one_launch(
         BLOCK_N2=config.block_n2, BLOCK_K2=config.block_k2, FMT=fmt.fmt, GROUP=fmt.group,
         HAS_ZERO=fmt.has_zero, NATIVE_FP8=native, COMPUTE=_TL_DTYPES[hidden.dtype],
         VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(), EVEN_K1=H % config.block_k1 == 0,
-        EVEN_K2=I % config.block_k2 == 0, TICKETS=config.tickets, SYNC=SYNC_WORDS, num_warps=config.num_warps, num_stages=1,
+        EVEN_K2=I % config.block_k2 == 0, TICKETS=config.tickets, SYNC=SYNC_WORDS,
+        HALF_X1=_half_x(config, fmt, H), HALF_X2=_half_x(config, fmt, I), num_warps=config.num_warps, num_stages=1,
         **reg_limit(config),
     )  # fmt: skip
     return out

@@ -93,11 +93,24 @@ def test_half_dot_row_scale_over_decades(name):
 
 
 def test_half_dot_refused_where_it_has_no_kernel():
-    """half_dot with fp8 (no half word dot) and in one launch: ValueError naming the fix."""
+    """half_dot with fp8 (no half word dot): ValueError naming the fix, in two launches and in one."""
     g, fmt, w13, w2, l2p = _layer("fp8", 64, 32, torch.bfloat16, seed=2)
     x = torch.randn(1, 64, generator=g).bfloat16()
     ids, w = random_routing(1, 2, 7, g, pad_prob=0.0)
     with pytest.raises(ValueError, match="half_dot is NVFP4's and int4's word dot"):
         gemv_moe(x, ids, w, l2p, 7, w13, w2, fmt, GemvConfig(16, 32, 16, 32, half_dot=True))
-    with pytest.raises(ValueError, match="one launch: half_dot"):
-        GemvConfig(one_launch=True, half_dot=True)
+    with pytest.raises(ValueError, match="half_dot is NVFP4's and int4's word dot"):
+        gemv_moe(x, ids, w, l2p, 7, w13, w2, fmt, GemvConfig(16, 32, 16, 32, half_dot=True, one_launch=True))
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "int4-g32-zp"])
+def test_half_dot_one_launch_equals_two(name):
+    """half_dot in one launch (`gemv_one`): bitwise the two launches' output (the same tiles and sums)."""
+    E, K, H, I = 7, 3, 64, 32
+    g, fmt, w13, w2, l2p = _layer(name, H, I, torch.bfloat16, E, seed=6)
+    x = torch.randn(2, H, generator=g).bfloat16()
+    ids, w = random_routing(2, K, E, g)
+    cfg = GemvConfig(16, 32, 16, 32, half_dot=True)
+    two = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, cfg)
+    one = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, dataclasses.replace(cfg, one_launch=True))
+    assert torch.equal(one, two), (one.float() - two.float()).abs().max()
