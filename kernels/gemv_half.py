@@ -1,4 +1,5 @@
-"""GEMV decode path, NVFP4's word dot in packed half math (`GemvConfig.half_dot`, `@triton.jit` parts).
+"""GEMV decode path, NVFP4's and int4's word dots in packed half math (`GemvConfig.half_dot`, `@triton.jit` parts;
+int4's operations are described at `_INT4_HFMA_ASM`).
 
 Why: at one token the NVFP4 GEMV spends, per 8-value word, 11 integer operations on the decode, 8 fp16 -> fp32
 converts and 8 FFMA (570 loop instructions per 16 words per thread, Triton 3.6, sm_90), about as long to issue as
@@ -25,6 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .dequant import _fp16_hi, _fp16_lo
 from .gemv_words import _e2m1_pairs, _halves, _ldx, _pair_first, _x_split8
 
 # largest x row loaded at once for the row's scale (values; the loop takes more in chunks of this many)
@@ -59,19 +61,18 @@ fma.rn.f16x2 $0, t, $5, $0;
 
 
 @triton.jit
-def x_half_scale(x_row, K, X_CG: tl.constexpr, CHUNK: tl.constexpr, TOP: tl.constexpr):
-    """(`2^(TOP + 127 - e)`, `2^(e - TOP - 127)`) fp32 for `e` the biased exponent field of `max |x_row[0:K]|`,
-    at least TOP + 1 (so both are normal floats: x of zeros or fp32 subnormals takes 2^126), i.e. x times the
-    first has its largest value in [2^TOP, 2^(TOP + 1)); an inf or NaN maximum gives a tiny scale (its
-    products stay inf / NaN). CHUNK: values loaded at once (a power of two)."""
+def x_half_scale(x_row, lo, hi, X_CG: tl.constexpr, CHUNK: tl.constexpr, TOP: tl.constexpr):
+    """(`2^(TOP + 127 - e)`, `2^(e - TOP - 127)`) fp32 for `e` the biased exponent field of `max |x_row[lo:hi]|`
+    (the values this program's K share reads), at least TOP + 1 (so both are normal floats: x of zeros or fp32
+    subnormals takes 2^126), i.e. x times the first has its largest value in [2^TOP, 2^(TOP + 1)); an inf or NaN
+    maximum gives a tiny scale (its products stay inf / NaN). CHUNK: values loaded at once (a power of two)."""
     offs = tl.arange(0, CHUNK)
     m = tl.zeros((CHUNK,), dtype=tl.float32)
-    for k0 in range(0, K, CHUNK):
-        m = tl.maximum(m, tl.abs(_ldx(x_row + k0 + offs, offs + k0 < K, False, X_CG)))
+    for k0 in range(lo, hi, CHUNK):
+        m = tl.maximum(m, tl.abs(_ldx(x_row + k0 + offs, offs + k0 < hi, False, X_CG)))
     e = (tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 255
-    d = (
-        tl.maximum(e, TOP + 1) - TOP
-    )  # a tensor first: `constexpr - tensor` stays a constexpr in the interpreter
+    # a tensor first: `constexpr - tensor` stays a constexpr in the interpreter
+    d = tl.maximum(e, TOP + 1) - TOP
     return ((254 - d) << 23).to(tl.float32, bitcast=True), (d << 23).to(tl.float32, bitcast=True)
 
 
@@ -87,18 +88,6 @@ def _pack_half2(lo, hi):
 def _rnd16(v):
     """fp32 `v` rounded to fp16 (to nearest), back in fp32."""
     return v.to(tl.float16).to(tl.float32)
-
-
-@triton.jit
-def _f16_lo(p):
-    """fp32 of the fp16 in the low half of each int32 of `p`."""
-    return p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _f16_hi(p):
-    """fp32 of the fp16 in the high half of each int32 of `p`."""
-    return (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -136,14 +125,14 @@ def _hfma_emulated(lo, hi, words, x):
     """The interpreter's `_E2M1_HFMA_ASM`: the fp32 sums of the halves `(lo, hi)` (fp16 values) plus each of the
     word's pairs times its x' pair (`x`: `_x_rounded`), rounded to fp16 each step."""
     b04, b15, b26, b37 = _e2m1_pairs(words)
-    lo = _rnd16(_f16_lo(b04) * x[0] + lo)
-    hi = _rnd16(_f16_hi(b04) * x[4] + hi)
-    lo = _rnd16(_f16_lo(b15) * x[1] + lo)
-    hi = _rnd16(_f16_hi(b15) * x[5] + hi)
-    lo = _rnd16(_f16_lo(b26) * x[2] + lo)
-    hi = _rnd16(_f16_hi(b26) * x[6] + hi)
-    lo = _rnd16(_f16_lo(b37) * x[3] + lo)
-    hi = _rnd16(_f16_hi(b37) * x[7] + hi)
+    lo = _rnd16(_fp16_lo(b04) * x[0] + lo)
+    hi = _rnd16(_fp16_hi(b04) * x[4] + hi)
+    lo = _rnd16(_fp16_lo(b15) * x[1] + lo)
+    hi = _rnd16(_fp16_hi(b15) * x[5] + hi)
+    lo = _rnd16(_fp16_lo(b26) * x[2] + lo)
+    hi = _rnd16(_fp16_hi(b26) * x[6] + hi)
+    lo = _rnd16(_fp16_lo(b37) * x[3] + lo)
+    hi = _rnd16(_fp16_hi(b37) * x[7] + hi)
     return lo, hi
 
 
@@ -165,7 +154,7 @@ def nvfp4_half_dot(acc, words, s, x_row, k0, K_WORDS, xscale, EVEN_K: tl.constex
             _E2M1_HFMA_ASM, "=r,r,r,r,r,r,r", [wb, pb[0], pb[1], pb[2], pb[3], p], dtype=tl.int32, is_pure=True,
             pack=1,
         )  # fmt: skip
-        lo, hi = _f16_lo(p), _f16_hi(p)
+        lo, hi = _fp16_lo(p), _fp16_hi(p)
     else:
         lo = tl.zeros(wa.shape, dtype=tl.float32)
         lo, hi = _hfma_emulated(lo, lo, wa, _x_rounded(xa))
@@ -239,7 +228,7 @@ def int4_half_dot(acc, words, s, z, x_row, k0, K_WORDS, xscale, HAS_ZERO: tl.con
             _INT4_HFMA_ASM, "=r,r,r,r,r,r,r,r,r,r", [wb, pb[0], pb[1], pb[2], pb[3], off, off16, p, sixteenth],
             dtype=tl.int32, is_pure=True, pack=1,
         )  # fmt: skip
-        lo, hi = _f16_lo(p), _f16_hi(p)
+        lo, hi = _fp16_lo(p), _fp16_hi(p)
     else:
         lo = tl.zeros(wa.shape, dtype=tl.float32)
         lo, hi = _int4_hfma_emulated(lo, lo, wa, zp, _x_rounded(xa))

@@ -160,9 +160,12 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
     acc = tl.zeros((BLOCK_N, ACC_W), dtype=tl.float32)
     tl.static_assert(HALF_X == 0 or FMT == 4 or FMT == 1, "the packed half word dot is NVFP4's and int4's")
     if HALF_X > 0:
-        xscale, xinv = x_half_scale(x_row, K, X_CG, HALF_X, NVFP4_TOP if FMT == 4 else INT4_TOP)
+        # the scale of the x values this program reads (its K share with split K)
+        xscale, xinv = x_half_scale(
+            x_row, kw_lo * VPW, kw_hi * VPW, X_CG, HALF_X, NVFP4_TOP if FMT == 4 else INT4_TOP
+        )
     else:
-        xscale, xinv = 1.0, 1.0
+        xscale = 1.0
     # PREFETCH 1: the next tile in registers; 0: none; >= 2: Triton's software pipeline with that many stages
     if PREFETCH == 1:
         words, s, z = _load_words(w_base, s_base, z_base, n2, kw + kw_lo, kw_lo, K_WORDS, w_sn, s_sn,
@@ -189,7 +192,10 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
             # NATIVE_FP8 (compiled for CUDA, not the interpreter) is also what allows NVFP4's PTX word decode
             acc = _tile_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, xscale, FMT, HAS_ZERO, COMPUTE, VPW,
                             EVEN_K, X_CG, NATIVE_FP8, HALF_X > 0)  # fmt: skip
-    return _row_scale(tl.sum(acc, axis=1) * xinv, s_base, g_base, offs_n, n_ok, FMT)
+    total = tl.sum(acc, axis=1)
+    if HALF_X > 0:
+        total = total * xinv  # the row scale back (a power of two: exact)
+    return _row_scale(total, s_base, g_base, offs_n, n_ok, FMT)
 
 
 @triton.jit

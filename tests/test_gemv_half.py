@@ -38,6 +38,7 @@ def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
         ("nvfp4", 80, 48, 1, GemvConfig(16, 32, 8, 64, prefetch=False), 16),  # down K < a tile; scale chunks
         ("nvfp4", 64, 32, 2, GemvConfig(32, 64, 16, 32, stages=3), 32),  # rows past N in gate_up; a pipeline
         ("int4-g32", 96, 64, 3, GemvConfig(16, 64, 16, 32), 32),  # scale per word (two groups a tile)
+        ("nvfp4", 64, 96, 2, GemvConfig(16, 32, 16, 32, split_k1=2, split_k2=3), 16),  # a scale per K share
         ("int4-g32-zp", 64, 96, 1, GemvConfig(32, 32, 16, 64, prefetch=False), 8192),  # zero points
         ("int4-g64-zp", 128, 64, 2, GemvConfig(16, 64, 8, 64, stages=3), 64),  # one group a tile: per row
     ],
