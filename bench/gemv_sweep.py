@@ -267,14 +267,18 @@ def main() -> None:
                 shape, name, M, hbm, g, deadline, args.set, args.kernels.split(","), alts, args.rounds
             )
             torch.cuda.empty_cache()
-    lines += ["", *compiled_resources()]
-    print("\n".join(lines[-4:]), flush=True)
+    try:  # Triton internals: the sweep's rows must not be lost to a change there
+        resources = ["", *compiled_resources()]
+    except Exception as exc:
+        resources = ["", f"(compiled kernels' registers not read: {exc!r})"]
+    print("\n".join(resources), flush=True)
+    lines += resources
     write(args.out, lines)
 
 
 def compiled_resources() -> list[str]:
     """Registers and spills of every GEMV kernel compiled in this process (with its tile constexprs), as lines
-    (Triton's `CompiledKernel`; constexprs keyed by argument index, as Triton 3.6-3.8 keep them)."""
+    (Triton's `CompiledKernel`)."""
     from pooled_runner.kernels import gemv
 
     keep = ("BLOCK_N", "FMT", "PREFETCH", "HALF_X", "SPLIT")
@@ -283,15 +287,12 @@ def compiled_resources() -> list[str]:
         for caches in kernel.device_caches.values():
             for compiled in caches[0].values():
                 compiled._init_handles()  # fills n_regs / n_spills (done already if it ran)
-                consts = {}
-                for key, value in compiled.src.constants.items():
-                    name = (
-                        kernel.arg_names[key[0] if isinstance(key, tuple) else key]
-                        if not isinstance(key, str)
-                        else key
-                    )
-                    if name in keep:
-                        consts[name] = value
+                # constexprs keyed by argument index (a 1-tuple in Triton 3.6-3.8)
+                consts = {
+                    kernel.arg_names[key[0] if isinstance(key, tuple) else key]: value
+                    for key, value in compiled.src.constants.items()
+                }
+                consts = {k: v for k, v in consts.items() if k in keep}
                 out.append(
                     f"- {compiled.name}: {compiled.n_regs} registers, {compiled.n_spills} spills {consts}"
                 )
