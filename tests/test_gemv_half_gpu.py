@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.kernel_helpers import assert_close, build_layer
-from tests.test_kernels_gpu import SHAPES, gpu_reference, poison_allocator, routing
+from tests.test_kernels_gpu import SHAPES, poison_allocator, pooled_reference, routing
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +45,6 @@ def test_half_dot_against_fp32_dot_and_dense_reference(name, shape, M):
     within bf16 rounding of the fp32 word dot (the same config otherwise) and of the dense torch reference,
     and every output is written (poisoned allocator)."""
     from pooled_runner.kernels import fused_moe
-    from pooled_runner.kernels.fused_moe import dense_row
     from pooled_runner.kernels.gemv import gemv_configs
 
     H, I, _, K = SHAPES[shape]
@@ -63,15 +62,7 @@ def test_half_dot_against_fp32_dot_and_dense_reference(name, shape, M):
     )
     fp32 = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=base)
     assert_close(half, fp32, f"{name}: half vs fp32 dot {shape} M={M}", rel=1e-2)
-    codes = l2p.cpu()
-    ref = gpu_reference(
-        x,
-        ids,
-        w,
-        lambda e: dense_row(p13, fmt, int(codes[e]), torch.bfloat16).cuda(),
-        lambda e: dense_row(p2, fmt, int(codes[e]), torch.bfloat16).cuda(),
-        routed_here=l2p[:E] >= 0,
-    )
+    ref = pooled_reference(x, ids, w, l2p, E, p13, p2, fmt)
     assert_close(half, ref, f"{name}: half dot vs dense reference {shape} M={M}")
 
 

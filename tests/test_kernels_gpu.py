@@ -43,6 +43,22 @@ def gpu_reference(x, ids, weights, dense_w13, dense_w2, routed_here=None):
     return (y.float() * torch.where(ok, weights.float(), 0.0)[..., None]).sum(1).to(x.dtype)
 
 
+def pooled_reference(x, ids, weights, l2p, E, p13, p2, fmt, routed_only=True):
+    """`gpu_reference` of a pooled layer: each expert's dense weights read back from its row (pool or host view,
+    `fused_moe.dense_row`); `routed_only`: experts without a location (code -1) contribute nothing."""
+    from pooled_runner.kernels.fused_moe import dense_row
+
+    codes = l2p.cpu()
+    return gpu_reference(
+        x,
+        ids,
+        weights,
+        lambda e: dense_row(p13, fmt, int(codes[e]), torch.bfloat16).cuda(),
+        lambda e: dense_row(p2, fmt, int(codes[e]), torch.bfloat16).cuda(),
+        routed_here=l2p[:E] >= 0 if routed_only else None,
+    )
+
+
 def routing(T, K, E, g, device="cuda"):
     logits = torch.randn(T, E, generator=g, device=device)
     w, ids = torch.softmax(logits, -1).topk(K, -1)
@@ -272,7 +288,6 @@ def test_decode_variants_formats_mixed_rows(name, M, variant):
     over 3 (3 K tiles of 256: one each)."""
     import dataclasses
 
-    from pooled_runner.kernels.fused_moe import dense_row
     from pooled_runner.kernels.gemv import gemv_configs
 
     from tests.kernel_helpers import build_layer
@@ -294,16 +309,7 @@ def test_decode_variants_formats_mixed_rows(name, M, variant):
         out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=cfg)
     else:
         out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant=variant)
-    here = l2p[:E] >= 0
-    codes = l2p.cpu()
-    ref = gpu_reference(
-        x,
-        ids,
-        w,
-        lambda e: dense_row(p13, fmt, int(codes[e]), torch.bfloat16).cuda(),
-        lambda e: dense_row(p2, fmt, int(codes[e]), torch.bfloat16).cuda(),
-        routed_here=here,
-    )
+    ref = pooled_reference(x, ids, w, l2p, E, p13, p2, fmt)
     assert_close(out, ref, f"{variant} {name} M={M}")
     align = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="align")
     assert_close(out, align, f"{variant} vs align {name} M={M}")

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from tests.kernel_helpers import assert_close, build_layer
-from tests.test_kernels_gpu import SHAPES, _kernels, gpu_reference, poison_allocator, routing
+from tests.test_kernels_gpu import (
+    SHAPES,
+    _kernels,
+    poison_allocator,
+    pooled_reference,
+    routing,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -28,7 +34,7 @@ SWAP_CASES = [
 def test_swapped_operand_gemms_real_shapes(name, shape, M, variant):
     """`GemmConfig.swap_ab` decode tiles at the real shapes, every expert resident: the independent fp32
     reference's output, and the unswapped tiles' within rounding."""
-    from pooled_runner.kernels.fused_moe import dense_row, pick_configs
+    from pooled_runner.kernels.fused_moe import pick_configs
 
     fused_moe, operands = _kernels()
     H, I, E, K = SHAPES[shape]
@@ -45,14 +51,7 @@ def test_swapped_operand_gemms_real_shapes(name, shape, M, variant):
     swapped = tuple(dataclasses.replace(c, swap_ab=True) for c in tiles)
     poison_allocator()
     out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, swapped, variant=variant)
-    codes = l2p.cpu()
-    ref = gpu_reference(
-        x,
-        ids,
-        w,
-        lambda e: dense_row(p13, fmt, int(codes[e]), torch.bfloat16).cuda(),
-        lambda e: dense_row(p2, fmt, int(codes[e]), torch.bfloat16).cuda(),
-    )
+    ref = pooled_reference(x, ids, w, l2p, E, p13, p2, fmt, routed_only=False)
     assert_close(out, ref, f"swap_ab {variant} {name} {shape} M={M}")
     base = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, plain, variant=variant)
     assert_close(out, base, f"swap_ab vs plain {variant} {name} {shape} M={M}", rel=1e-2)

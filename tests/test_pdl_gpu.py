@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from tests.kernel_helpers import assert_close, build_layer
-from tests.test_kernels_gpu import SHAPES, _kernels, gpu_reference, poison_allocator, routing
+from tests.test_kernels_gpu import (
+    SHAPES,
+    _kernels,
+    poison_allocator,
+    pooled_reference,
+    routing,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +52,6 @@ def test_pdl_gemm2_equals_plain_launches(monkeypatch, name, M, variant):
     """PDL on: eager and graph replay (routing, weights and tokens changed before every replay, one padded
     route) give bitwise the output of the launches without PDL, which match the fp32 reference."""
     from pooled_runner.kernels import pdl
-    from pooled_runner.kernels.fused_moe import dense_row
 
     fused_moe, _ = _kernels()
     fmt, p13, p2, l2p, H, E, K = _layer(name)
@@ -92,15 +97,7 @@ def test_pdl_gemm2_equals_plain_launches(monkeypatch, name, M, variant):
         assert (paths, gemv_calls) == ([], ["gemv"]), (variant, paths, gemv_calls)
     else:
         assert paths == [expected[variant]], (variant, paths)
-    codes = l2p.cpu()
-    ref = gpu_reference(
-        x,
-        ids,
-        w,
-        lambda e: dense_row(p13, fmt, int(codes[e]), torch.bfloat16).cuda(),
-        lambda e: dense_row(p2, fmt, int(codes[e]), torch.bfloat16).cuda(),
-        routed_here=l2p >= 0,
-    )
+    ref = pooled_reference(x, ids, w, l2p, E, p13, p2, fmt)
     assert_close(plain, ref, f"no PDL {name} M={M} {variant}")
     # other tokens first, so that the blocks the PDL run gets back from the caching allocator (its `act`) do not
     # already hold this step's values: a gemm2 reading act before gemm1 wrote it would show

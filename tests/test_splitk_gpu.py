@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.kernel_helpers import assert_close
-from tests.test_kernels_gpu import SHAPES, gpu_reference, poison_allocator, routing
+from tests.test_kernels_gpu import SHAPES, gpu_reference, poison_allocator, pooled_reference, routing
 
 pytestmark = pytest.mark.gpu
 
@@ -102,7 +102,7 @@ def _mixed_layer(M: int):
 
 @pytest.mark.parametrize("M", [1, 4])
 def test_splitk_mixed_rows(M):
-    from pooled_runner.kernels.fused_moe import dense_row, pooled_fused_moe
+    from pooled_runner.kernels.fused_moe import pooled_fused_moe
 
     H, E, K, l2p, fmt, p13, p2 = _mixed_layer(M)
     g = torch.Generator(device="cuda").manual_seed(M)
@@ -110,15 +110,7 @@ def test_splitk_mixed_rows(M):
     ids, w = routing(M, K, E, g)
     poison_allocator()
     out = pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="splitk")
-    codes = l2p.cpu()
-    ref = gpu_reference(
-        x,
-        ids,
-        w,
-        lambda e: dense_row(p13, fmt, int(codes[e]), torch.bfloat16).cuda(),
-        lambda e: dense_row(p2, fmt, int(codes[e]), torch.bfloat16).cuda(),
-        routed_here=l2p[:E] >= 0,
-    )
+    ref = pooled_reference(x, ids, w, l2p, E, p13, p2, fmt)
     assert_close(out, ref, f"splitk mixed rows M={M}")
     # the same experts read through the host view only (build_layer's pool rows are copies of bank rows):
     # bitwise the same output, though the programs now finish in another order
@@ -137,7 +129,7 @@ def test_splitk_graph_replay_with_new_routing(tail_max, monkeypatch):
     reference, and the workspace is back at zero after every replay. With a tail of 512 sums per block, the
     last program rounds in 8 blocks."""
     from pooled_runner.kernels import splitk, workspace
-    from pooled_runner.kernels.fused_moe import dense_row, pooled_fused_moe
+    from pooled_runner.kernels.fused_moe import pooled_fused_moe
 
     monkeypatch.setattr(splitk, "SPLITK_TAIL_MAX", tail_max)
 
@@ -151,7 +143,6 @@ def test_splitk_graph_replay_with_new_routing(tail_max, monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="splitk")
-    codes = l2p.cpu()
     side = torch.cuda.Stream()
     for step in range(4):
         new_ids, new_w = routing(M, K, E, g)
@@ -169,14 +160,7 @@ def test_splitk_graph_replay_with_new_routing(tail_max, monkeypatch):
         eager = pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="splitk")
         bad = (out != eager).nonzero()
         assert not bad.numel(), f"step {step}: replay differs from eager at {bad[:5].tolist()} (fp64 sums)"
-        ref = gpu_reference(
-            x,
-            ids,
-            w,
-            lambda e: dense_row(p13, fmt, int(codes[e]), torch.bfloat16).cuda(),
-            lambda e: dense_row(p2, fmt, int(codes[e]), torch.bfloat16).cuda(),
-            routed_here=l2p[:E] >= 0,
-        )
+        ref = pooled_reference(x, ids, w, l2p, E, p13, p2, fmt)
         assert_close(out, ref, f"step {step}: replay vs reference")
         del busy
 
