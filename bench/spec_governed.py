@@ -17,9 +17,15 @@ Timing: one CUDA graph per depth (all on the same pool and device planner), repl
 copied into its static ids; CUDA events around each replay, read one step late (the governor is fed as an
 overlapped server feeds it: the next step is chosen and launched before the last one's time is known), so the
 GPU queue never drains; summed over the counted steps. tok/s/req = accepted tokens per request over the counted
-steps / their time. The governed row counts its climb and its probes.
+steps / their time. The governed row counts its climb and its probes. misses/step: the pool's misses (distinct
+expert reads over PCIe, the planner's counters) over the counted steps, read at the run's two ends (a boundary
+read: syncs, outside the timed steps).
 
-Usage: python -m bench.spec_governed [--quick] [--accept 0.6] [--out results.md]
+`--rounds N` runs every policy of a cell N times, in the listed order and then reversed (ABBA: a drift of the
+machine over the cell, e.g. the host link's speed, weighs on every policy alike); a row sums its rounds, and
+"vs depth 0 by round" gives each round's ratio, so a ratio's spread from run to run shows beside the mean.
+
+Usage: python -m bench.spec_governed [--quick] [--accept 0.6] [--rounds 1] [--out results.md]
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ class DepthGraphs:
     """One captured verify step per depth, all on one `Ours` (pool and device planner shared between them)."""
 
     def __init__(self, system: Ours, shape: Shape, bs: int, depths: tuple[int, ...], lanes: torch.Tensor, device: torch.device, g):  # type: ignore[no-untyped-def]  # fmt: skip
-        self.system, self.L, self.device = system, shape.L, device
+        self.system, self.L, self.device, self.bs = system, shape.L, device, bs
         self.cuda = device.type == "cuda"
         self.static: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -119,7 +125,18 @@ class PolicyRun:
     steps: int = 0
     tokens: float = 0.0  # accepted tokens per request, summed over counted steps
     ms: float = 0.0
+    misses: int = 0  # pool misses over the counted steps
     at_depth: dict[int, int] = field(default_factory=dict)
+
+    def add(self, other: PolicyRun) -> None:
+        """Sum `other` (another round of the same policy) into this one."""
+        assert other.policy == self.policy, (other.policy, self.policy)
+        self.steps += other.steps
+        self.tokens += other.tokens
+        self.ms += other.ms
+        self.misses += other.misses
+        for d, n in other.at_depth.items():
+            self.at_depth[d] = self.at_depth.get(d, 0) + n
 
     @property
     def tok_s_req(self) -> float:
@@ -145,6 +162,7 @@ def run_policy(graphs: DepthGraphs, lanes: torch.Tensor, policy: str, num_steps:
     positions = [0] * bs
     out = PolicyRun(policy)
     pending: tuple[int, int, list[int], Callable[[], float]] | None = None
+    misses_before = graphs.system.traffic().misses  # warm steps, if any, are taken off below
 
     def finish(step: int, d: int, accepted: list[int], elapsed: Callable[[], float]) -> None:
         ms = elapsed()
@@ -158,6 +176,11 @@ def run_policy(graphs: DepthGraphs, lanes: torch.Tensor, policy: str, num_steps:
         out.at_depth[d] = out.at_depth.get(d, 0) + 1
 
     for step in range(num_steps):
+        if step == warm and warm > 0:
+            if pending is not None:  # the last warm step's time (not counted) before the boundary read
+                finish(*pending)
+                pending = None
+            misses_before = graphs.system.traffic().misses
         # warm-up steps run where the policy starts: its fixed depth, or the governor's first (smallest) depth
         d = fixed if governor is None else depths[0] if step < warm else governor.choose()
         assert d is not None
@@ -173,7 +196,24 @@ def run_policy(graphs: DepthGraphs, lanes: torch.Tensor, policy: str, num_steps:
         pending = (step, d, accepted, elapsed)
     if pending is not None:
         finish(*pending)
+    out.misses = graphs.system.traffic().misses - misses_before
     return out
+
+
+def run_cell(graphs: DepthGraphs, lanes: torch.Tensor, policies: list[str], num_steps: int, warm: int, accept: float, rounds: int, label: str) -> tuple[dict[str, PolicyRun], dict[str, list[float]]]:  # fmt: skip
+    """Every policy of one (pool, bs) cell `rounds` times, in order and then reversed (ABBA): each policy's
+    runs summed, and each round's tok/s/req over that round's depth 0."""
+    runs = {p: PolicyRun(p) for p in policies}
+    by_round: dict[str, list[float]] = {p: [] for p in policies}
+    for r in range(rounds):
+        this = {}
+        for p in policies if r % 2 == 0 else policies[::-1]:
+            this[p] = run_policy(graphs, lanes, p, num_steps, warm, accept, seed=graphs.bs)
+            print(f"{label}, round {r}, {p}: {this[p].tok_s_req:.1f} tok/s/req", flush=True)
+            runs[p].add(this[p])
+        for p in policies:
+            by_round[p].append(this[p].tok_s_req / this["depth 0"].tok_s_req)
+    return runs, by_round
 
 
 def run(
@@ -186,17 +226,21 @@ def run(
     batches: tuple[int, ...] = BATCHES,
     commit: str = "",
     fixed_depths: tuple[int, ...] = DEPTHS,
+    rounds: int = 1,
 ) -> tuple[list[str], list[list]]:
     """Every (pool, bs, policy): header lines and table rows. `fixed_depths`: the fixed-depth rows (0 always;
-    the governor chooses among all of `DEPTHS`)."""
+    the governor chooses among all of `DEPTHS`). `rounds`: runs of each policy per cell, in order then
+    reversed (module docstring)."""
     assert 0 in fixed_depths and set(fixed_depths) <= set(DEPTHS), fixed_depths
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: need at least one run of each policy per cell (--rounds)")
     g = torch.Generator(device=device).manual_seed(0)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     header = [
         f"date {datetime.date.today()}, GPU {where}, torch {torch.__version__}, commit {commit_id(commit)}",
         f"shape: H {shape.H}, I {shape.I}, E {shape.E}, top-{shape.K}, bf16, {shape.L} MoE layers; trace "
         f"'{PER_LAYER}'; acceptance {accept} per draft (chain, sampled); verify steps per policy "
-        f"{steps} (by bs), first {warm} not counted; depths {list(DEPTHS)}",
+        f"{steps} (by bs), first {warm} not counted; depths {list(DEPTHS)}; rounds {rounds} (ABBA order)",
     ]
     print("\n".join(header), flush=True)
     bank = make_bank(shape, device, g)
@@ -209,17 +253,15 @@ def run(
         )
         for bs in batches:
             graphs = DepthGraphs(ours, shape, bs, DEPTHS, lanes[bs], device, g)
-            runs = {}
-            for p in policies:
-                runs[p] = run_policy(graphs, lanes[bs], p, steps[bs], warm, accept, seed=bs)
-                print(f"pool {frac:.0%}, bs {bs}, {p}: {runs[p].tok_s_req:.1f} tok/s/req", flush=True)
+            runs, by_round = run_cell(graphs, lanes[bs], policies, steps[bs], warm, accept, rounds, f"pool {frac:.0%}, bs {bs}")  # fmt: skip
             base = runs["depth 0"].tok_s_req
             best_fixed = max(runs[f"depth {d}"].tok_s_req for d in fixed_depths)
-            for p, r in runs.items():
-                mix = ", ".join(f"{d}: {r.at_depth.get(d, 0)}" for d in DEPTHS)
+            for p, run_ in runs.items():
+                mix = ", ".join(f"{d}: {run_.at_depth.get(d, 0)}" for d in DEPTHS)
                 rows.append(
-                    [bs, f"{frac:.0%}", p, r.steps, r.tokens / max(r.steps, 1), r.ms / max(r.steps, 1),
-                     r.tok_s_req, r.tok_s_req / base, r.tok_s_req / best_fixed, mix]
+                    [bs, f"{frac:.0%}", p, run_.steps, run_.tokens / max(run_.steps, 1), run_.ms / max(run_.steps, 1),
+                     run_.tok_s_req, run_.tok_s_req / base, run_.tok_s_req / best_fixed, mix,
+                     run_.misses / max(run_.steps, 1), ", ".join(f"{v:.3f}" for v in by_round[p])]
                 )  # fmt: skip
             print(f"done: pool {frac:.0%}, bs {bs}", flush=True)
             del graphs
@@ -233,7 +275,7 @@ def run(
 
 COLUMNS = [
     "bs", "pool", "policy", "steps", "tok/req/step", "ms/step", "tok/s/req", "vs depth 0", "vs best fixed",
-    "steps at depth (0, 1, 3)",
+    "steps at depth (0, 1, 3)", "misses/step", "vs depth 0 by round",
 ]  # fmt: skip
 
 
@@ -266,6 +308,9 @@ def main() -> None:
         "--steps", type=int, default=0, help="verify steps per policy at every bs (0: 400/300/150)"
     )
     ap.add_argument("--fixed", default="0,1,3", help="fixed-depth rows (0 always), comma-separated")
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="runs of every policy per cell, order reversed each round"
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
@@ -277,7 +322,16 @@ def main() -> None:
     steps = {bs: args.steps or {1: 400, 4: 300}.get(bs, 150) for bs in batches}
     fixed = tuple(int(d) for d in args.fixed.split(","))
     header, rows = run(
-        shape, torch.device("cuda"), steps, args.warm, args.accept, pools, batches, args.commit, fixed
+        shape,
+        torch.device("cuda"),
+        steps,
+        args.warm,
+        args.accept,
+        pools,
+        batches,
+        args.commit,
+        fixed,
+        args.rounds,
     )
     text = print_table("Cost-aware speculation: fixed depths and the governor (ours)", COLUMNS, rows)
     line = summary(rows)

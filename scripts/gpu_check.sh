@@ -90,6 +90,10 @@ else
   # the cell where drafting wins by 6-12% (pool 25%, bs 16) over enough steps for the governor to prove it: 150
   # are too few (bench.spec_governor_model: depth 3 reached in 6 of 40 replays at 150 steps, 28 at 2000)
   step bench_spec_governed_long "${BENCH_SPEC_GOVERNED_LONG_CAP:-420}" "$PY" -m bench.spec_governed --quick --pools 0.25 --batches 16 --steps 1000 --fixed 0,3 --out "$OUT/bench_spec_governed_long.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  # the cell where the governor gave 0.923x depth 0 once and 0.984-0.988x in three earlier runs (pool 50%, bs 16):
+  # four rounds in ABBA order, each round's ratio printed, so run-to-run drift shows apart from the governor's
+  # cost; the misses/step column tells the pool's part (bench.spec_pool_misses: no re-warm after a probe)
+  step bench_spec_governed_rounds "${BENCH_SPEC_GOVERNED_ROUNDS_CAP:-300}" "$PY" -m bench.spec_governed --quick --pools 0.5 --batches 16 --fixed 0,1 --rounds 4 --out "$OUT/bench_spec_governed_rounds.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # PNGs from the decode JSON and the prefill table (needs matplotlib; the step fails alone without it; a
   # plot whose input a skipped or failed step did not write is left out with a note)
   step bench_plot "${BENCH_PLOT_CAP:-60}" "$PY" -m bench.plot --decode "$OUT/bench_decode.json" --prefill "$OUT/bench_prefill.md" --out-dir "$OUT"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from bench import spec_governed
@@ -83,3 +84,35 @@ def test_only_depth_0_fixed_still_compares_the_governor() -> None:
     assert [r[2] for r in rows] == ["depth 0", "governed"]
     assert rows[1][7] == rows[1][8] == rows[1][6] / rows[0][6]
     assert "depth 3 /" not in spec_governed.summary(rows)
+
+
+def test_rounds_sum_each_policy_and_report_every_rounds_ratio() -> None:
+    _, rows = spec_governed.run(
+        SHAPE,
+        torch.device("cpu"),
+        {3: 20},
+        warm=2,
+        accept=0.6,
+        pools=(0.5,),
+        batches=(3,),
+        fixed_depths=(0, 3),
+        rounds=3,
+    )
+    by = {r[2]: r for r in rows}
+    assert list(by) == ["depth 0", "depth 3", "governed"]
+    for r in rows:
+        assert r[3] == 3 * (20 - 2), r  # three rounds of the counted steps
+        ratios = [float(v) for v in r[11].split(", ")]
+        assert len(ratios) == 3 and all(v > 0 for v in ratios), r
+    assert by["depth 0"][11] == "1.000, 1.000, 1.000"
+    # every round runs the same trace and acceptance: a fixed depth's tokens per step are the same each round
+    assert by["depth 3"][4] > 1.0
+    # 12 rows for 24 experts: steps miss, and depth 3's 4 tokens per request read more distinct experts per layer
+    # than depth 0's one; a step misses at most its distinct routes (L x bs x K at depth 0: the count is the
+    # counted steps' own, not the pool's total since it was built)
+    misses0, misses3 = by["depth 0"][10], by["depth 3"][10]
+    assert 0 < misses0 <= SHAPE.L * 3 * SHAPE.K and misses0 < misses3 <= SHAPE.L * SHAPE.E, (misses0, misses3)
+    with pytest.raises(ValueError, match="rounds=0"):
+        spec_governed.run(
+            SHAPE, torch.device("cpu"), {1: 5}, warm=1, accept=0.6, pools=(0.5,), batches=(1,), rounds=0
+        )
