@@ -8,14 +8,18 @@ Reported: tokens/s per request over depth 0's under the same noise (the referenc
 the best fixed depth's (what a governor could get at most), mean and worst over seeds.
 
 `--governor FILE` replays another `spec_governor.py` (e.g. `git show 9aca555:pooled_runner/spec_governor.py
-> /tmp/old.py`) through the same steps, for a before/after.
+> /tmp/old.py`) through the same steps, for a before/after. `--floor` adds this tree's governor with probes
+that never come back (each depth probed once, when first in reach): where drafting loses, what any governor
+that must measure a depth before it rules it out pays at least over the run, the probes' share of issue #9's
+"never below depth 0".
 
-Usage: python -m bench.spec_governor_model [--seeds 40] [--steps 150,400,2000] [--governor FILE]
+Usage: python -m bench.spec_governor_model [--seeds 40] [--steps 150,400,2000] [--governor FILE] [--floor]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import math
 import random
@@ -93,15 +97,29 @@ def load_governor(path: str) -> ModuleType:
     return module
 
 
+def probing_once() -> ModuleType:
+    """This tree's governor, each depth probed once (when first in reach) and never again: a floor of what
+    measuring a depth before ruling it out costs."""
+    module = ModuleType("spec_governor_once")
+    never = 1 << 40
+    module.SpecGovernor = functools.partial(  # type: ignore[attr-defined]
+        spec_governor.SpecGovernor, min_probe_interval=never, max_probe_interval=never
+    )
+    return module
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=40)
     ap.add_argument("--steps", default="150,400,2000", help="steps per replay, comma-separated")
     ap.add_argument("--governor", default="", help="another spec_governor.py to replay beside this tree's")
+    ap.add_argument("--floor", action="store_true", help="also this tree's governor probing each depth once")
     args = ap.parse_args()
     governors = {"this tree": spec_governor}
     if args.governor:
         governors[args.governor] = load_governor(args.governor)
+    if args.floor:
+        governors["probes once"] = probing_once()
     print(f"acceptance {ACCEPT} (chain); seeds {args.seeds}; noise cv by bs {NOISE_CV}")
     print(
         "| cost model | steps | governor | vs depth 0, mean | worst | vs best fixed, mean | worst | ends at best |"

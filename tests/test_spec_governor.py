@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from bench.spec_governor_model import noisy_run
+from bench.spec_governor_model import noisy_run, probing_once
 from pooled_runner.spec_governor import SpecGovernor
 
 ACCEPT = 0.6  # per-draft acceptance (chain), as the decode bench
@@ -448,3 +448,26 @@ def test_walks_to_the_best_depth_and_probes_only_its_neighbours_and_the_smallest
 def test_starts_without_drafting_by_default() -> None:
     assert SpecGovernor((3, 1, 0)).choose() == 0
     assert SpecGovernor((5, 3)).choose() == 3  # no 0 among the candidates: the smallest there is
+
+
+def test_the_floor_governor_probes_each_depth_once() -> None:
+    """`bench.spec_governor_model --floor`: this governor with probes that never come back. Over 600 steps where
+    depth 1 loses clearly (2 tokens of 1.6 expected per 21 ms against 1 per 10 ms), it spends only its first
+    probe at depth 1, and depth 3 (no neighbour of depth 0) never runs; the shipped governor probes depth 1
+    again after 32, 128, ... steps."""
+    costs = {0: 0.010, 1: 0.021, 3: 0.031}
+    steps_after_100 = {}
+    for label, make in (("once", probing_once().SpecGovernor), ("shipped", SpecGovernor)):
+        governor = make([0, 1, 3])
+        rng = random.Random(11)
+        depths = []
+        for _ in range(600):
+            depth = governor.choose()
+            depths.append(depth)
+            accepted = [sample_accepted(depth, rng) for _ in range(4)]
+            governor.observe(depth, accepted, costs[depth] * math.exp(rng.gauss(0.0, 0.05)))
+        assert governor.current == 0 and 3 not in depths, (label, depths.count(3))
+        steps_after_100[label] = sum(d != 0 for d in depths[100:])
+        if label == "once":
+            assert 2 <= depths.count(1) <= governor.max_probe_steps and depths.index(1) < 8, depths[:40]
+    assert steps_after_100["once"] == 0 < steps_after_100["shipped"], steps_after_100
