@@ -16,9 +16,28 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
+    """Without CUDA, `gpu` tests skip; where the kernels are compiled (not interpreted), `interpreter` tests skip
+    and name the GPU file that covers them (`pytest.mark.interpreter(gpu="tests/..._gpu.py")`)."""
+    if not torch.cuda.is_available():
+        skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on one)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
+    # imported here, after the interpreter choice above: importing the kernels fixes it
+    from pooled_runner.kernels.gemm_args import interpreting
+
+    if interpreting():
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on one)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+        marker = item.get_closest_marker("interpreter")
+        if marker is not None:
+            where = marker.kwargs.get("gpu", "the *_gpu.py tests")
+            item.add_marker(pytest.mark.skip(reason=f"interpreter tests; the GPU runs {where}"))
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton also reads TRITON_INTERPRET at launch time: set it while each `interpreter` test runs (another
+    test, or `tests/interpreter.py`'s imports, may have taken it out of the environment)."""
+    if request.node.get_closest_marker("interpreter") is not None:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")

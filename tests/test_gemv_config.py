@@ -9,19 +9,12 @@ import pytest
 import torch
 
 from tests.interpreter import interpreter_imports
-from tests.test_kernels_gemv import CONFIGS, GemvConfig, _layer, gemv, interpreting, pooled_fused_moe
+from tests.test_kernels_gemv import CONFIGS, GemvConfig, _layer, gemv, pooled_fused_moe
 
 with interpreter_imports():
     from pooled_runner.kernels import gemv_one
 
-pytestmark = pytest.mark.skipif(
-    not interpreting(), reason="interpreter tests; the GPU runs test_kernels_gpu.py"
-)
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+pytestmark = pytest.mark.interpreter(gpu="tests/test_kernels_gpu.py")
 
 
 def test_int4_k_tiles_hold_whole_groups():

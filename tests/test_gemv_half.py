@@ -17,18 +17,10 @@ from tests.test_kernels_gemv import (
     gemv_gate_up,
     gemv_moe,
     gemv_moe_ref,
-    interpreting,
     pooled_fused_moe_ref,
 )
 
-pytestmark = pytest.mark.skipif(
-    not interpreting(), reason="interpreter tests; the GPU runs test_gemv_half_gpu.py"
-)
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+pytestmark = pytest.mark.interpreter(gpu="tests/test_gemv_half_gpu.py")
 
 
 @pytest.mark.parametrize(

@@ -17,19 +17,11 @@ from tests.test_kernels_gemv import (
     gemv_gate_up,
     gemv_moe,
     gemv_moe_ref,
-    interpreting,
     pooled_fused_moe_ref,
 )
 
-pytestmark = pytest.mark.skipif(
-    not interpreting(), reason="interpreter tests; the GPU runs test_kernels_gpu.py"
-)
+pytestmark = pytest.mark.interpreter(gpu="tests/test_kernels_gpu.py")
 SEED = 3
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 # (format, H, I, dtype): down's K is I; with K tiles of 32 values: 3 tiles (the last partial for bf16's 72),

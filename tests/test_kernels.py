@@ -21,7 +21,7 @@ with interpreter_imports():
         pooled_fused_moe_ref,
     )
     from pooled_runner.kernels.locate import locate, locate_ref
-    from pooled_runner.kernels.moe_gemm import GemmConfig, gemm1, gemm2, interpreting
+    from pooled_runner.kernels.moe_gemm import GemmConfig, gemm1, gemm2
     from pooled_runner.kernels.operands import kernel_format
 
     @triton.jit
@@ -39,15 +39,7 @@ from pooled_runner.formats import Int4Format, make_format
 from pooled_runner.formats.quant import E2M1_VALUES, pack_int4, unpack_int4
 from tests.kernel_helpers import assert_close, build_layer, random_routing
 
-pytestmark = pytest.mark.skipif(
-    not interpreting(), reason="interpreter tests; the GPU runs test_kernels_gpu.py"
-)
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton also reads TRITON_INTERPRET at launch time: set it while each test of this module runs."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+pytestmark = pytest.mark.interpreter(gpu="tests/test_kernels_gpu.py")
 
 
 ALIGN_FIELDS = ("sorted_pairs", "block_experts", "block_codes", "block_order", "num_post_padded")

@@ -15,21 +15,13 @@ with interpreter_imports():
         pooled_fused_moe,
         pooled_fused_moe_ref,
     )
-    from pooled_runner.kernels.moe_gemm import GemmConfig, gemm1, gemm2, interpreting
+    from pooled_runner.kernels.moe_gemm import GemmConfig, gemm1, gemm2
     from pooled_runner.kernels.operands import kernel_format
 
 
 from tests.kernel_helpers import build_layer, random_routing
 
-pytestmark = pytest.mark.skipif(
-    not interpreting(), reason="interpreter tests; the GPU runs test_kernels_gpu.py"
-)
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton also reads TRITON_INTERPRET at launch time: set it while each test of this module runs."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+pytestmark = pytest.mark.interpreter(gpu="tests/test_kernels_gpu.py")
 
 
 def test_operand_bad_input():

@@ -23,7 +23,6 @@ with interpreter_imports():
         gemv_moe,
         gemv_moe_ref,
     )
-    from pooled_runner.kernels.moe_gemm import interpreting
     from pooled_runner.kernels.operands import kernel_format
 
     @triton.jit
@@ -42,14 +41,7 @@ from tests.kernel_helpers import (
     random_routing,
 )
 
-pytestmark = pytest.mark.skipif(
-    not interpreting(), reason="interpreter tests; the GPU runs test_kernels_gpu.py"
-)
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+pytestmark = pytest.mark.interpreter(gpu="tests/test_kernels_gpu.py")
 
 
 # (format, H, I, dtype): H and I both multiples of the 32-value test tiles (EVEN_K) or not

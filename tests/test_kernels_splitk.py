@@ -10,20 +10,12 @@ from tests.interpreter import interpreter_imports
 with interpreter_imports():
     from pooled_runner.kernels import workspace
     from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe, pooled_fused_moe_ref
-    from pooled_runner.kernels.moe_gemm import interpreting
     from pooled_runner.kernels.operands import kernel_format
     from pooled_runner.kernels.splitk import SplitConfig, splitk_moe, splitk_moe_ref
 
 from tests.kernel_helpers import assert_close, build_layer, random_routing
 
-pytestmark = pytest.mark.skipif(
-    not interpreting(), reason="interpreter tests; the GPU runs test_kernels_gpu.py"
-)
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+pytestmark = pytest.mark.interpreter(gpu="tests/test_kernels_gpu.py")
 
 
 def _layer(name: str, H: int, I: int, dtype: torch.dtype, E: int = 7, R: int = 3, seed: int = 0):

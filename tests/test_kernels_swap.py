@@ -12,21 +12,13 @@ from tests.interpreter import interpreter_imports
 
 with interpreter_imports():
     from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe, pooled_fused_moe_ref
-    from pooled_runner.kernels.moe_gemm import GemmConfig, interpreting
+    from pooled_runner.kernels.moe_gemm import GemmConfig
     from pooled_runner.kernels.operands import kernel_format
 
 from tests.kernel_helpers import assert_close, build_layer, random_routing, small_layer_args
 from tests.test_kernels import FORMATS
 
-pytestmark = pytest.mark.skipif(
-    not interpreting(), reason="interpreter tests; the GPU runs test_kernels_swap_gpu.py"
-)
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton also reads TRITON_INTERPRET at launch time: set it while each test of this module runs."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+pytestmark = pytest.mark.interpreter(gpu="tests/test_kernels_swap_gpu.py")
 
 
 @pytest.mark.parametrize(("name", "H", "I", "dtype"), FORMATS)
