@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .dequant import _fp16_hi, _fp16_lo
-from .gemv_words import _e2m1_pairs, _halves, _ldx, _pair_first, _x_split8
+from .gemv_words import _e2m1_pairs, _halves, _ldx, _pair_first, _x_split8, e2m1_ptx
 
 # largest x row loaded at once for the row's scale (values; the loop takes more in chunks of this many)
 X_SCALE_CHUNK = 8192
@@ -39,24 +39,9 @@ INT4_TOP = tl.constexpr(8)
 # one word's 8 e2m1 codes decoded as `gemv_words._E2M1_ASM` does (codes (0, 4), (1, 5), (2, 6), (3, 7) as fp16x2
 # `value / 2^14`), each pair times x' pair `$2..$5` and added to the packed accumulator `$6` -> `$0`
 _E2M1_HFMA_ASM = tl.constexpr(
-    """{
-.reg .b32 r, ev, od, t;
-shf.l.wrap.b32 r, $1, $1, 3;
-lop3.b32 ev, $1, r, 0x0F0F0F0F, 0xE4;
-lop3.b32 od, r, $1, 0x0F0F0F0F, 0xE4;
-shl.b32 t, ev, 9;
-and.b32 t, t, 0x8E008E00;
-fma.rn.f16x2 $0, t, $2, $6;
-shl.b32 t, od, 5;
-and.b32 t, t, 0x8E008E00;
-fma.rn.f16x2 $0, t, $3, $0;
-shl.b32 t, ev, 1;
-and.b32 t, t, 0x8E008E00;
-fma.rn.f16x2 $0, t, $4, $0;
-shf.r.wrap.b32 t, od, od, 3;
-and.b32 t, t, 0x8E008E00;
-fma.rn.f16x2 $0, t, $5, $0;
-}"""
+    "{\n.reg .b32 r, ev, od, t;\n"
+    + e2m1_ptx("$1", lambda j: [f"fma.rn.f16x2 $0, t, ${2 + j}, {'$6' if j == 0 else '$0'};"])
+    + "\n}"
 )
 
 

@@ -4,6 +4,8 @@ words and their scales and sums the rows."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -115,38 +117,30 @@ def _e2m1_pairs(words):
             b37.to(tl.int32, bitcast=True))  # fmt: skip
 
 
-# `_e2m1_pairs` in PTX, each pair's halves converted: the selects as one `lop3` each (from Triton's ops the
-# compiler made two of each), the conversions one `cvt` each (from Triton's casts it first repacked halves of
-# different registers: 64 PRMT per 16 words in the NVFP4 GEMV's loop; Triton 3.6, sm_90).
-_E2M1_ASM = tl.constexpr(
-    """{
-.reg .b32 r, ev, od, t;
-.reg .b16 l, h;
-shf.l.wrap.b32 r, $8, $8, 3;
-lop3.b32 ev, $8, r, 0x0F0F0F0F, 0xE4;
-lop3.b32 od, r, $8, 0x0F0F0F0F, 0xE4;
-shl.b32 t, ev, 9;
-and.b32 t, t, 0x8E008E00;
-mov.b32 {l, h}, t;
-cvt.f32.f16 $0, l;
-cvt.f32.f16 $4, h;
-shl.b32 t, od, 5;
-and.b32 t, t, 0x8E008E00;
-mov.b32 {l, h}, t;
-cvt.f32.f16 $1, l;
-cvt.f32.f16 $5, h;
-shl.b32 t, ev, 1;
-and.b32 t, t, 0x8E008E00;
-mov.b32 {l, h}, t;
-cvt.f32.f16 $2, l;
-cvt.f32.f16 $6, h;
-shf.r.wrap.b32 t, od, od, 3;
-and.b32 t, t, 0x8E008E00;
-mov.b32 {l, h}, t;
-cvt.f32.f16 $3, l;
-cvt.f32.f16 $7, h;
-}"""
-)
+def e2m1_ptx(word: str, use_pair: Callable[[int], list[str]]) -> str:
+    """`_e2m1_pairs` of the 32-bit register `word` as PTX lines: the pair of codes (j, j + 4) of j = 0..3 lands
+    in register `t` as fp16x2 `value / 2^14`, and `use_pair(j)` gives the lines that consume it (they must not
+    write `ev`, `od` or `t`). The selects are one `lop3` each (from Triton's ops the compiler made two of each).
+    Shared by the fp32 word dot's decode (`_E2M1_ASM`) and the half dot's (`gemv_half._E2M1_HFMA_ASM`)."""
+    pairs = ("shl.b32 t, ev, 9;", "shl.b32 t, od, 5;", "shl.b32 t, ev, 1;", "shf.r.wrap.b32 t, od, od, 3;")
+    lines = [
+        f"shf.l.wrap.b32 r, {word}, {word}, 3;",
+        f"lop3.b32 ev, {word}, r, 0x0F0F0F0F, 0xE4;",
+        f"lop3.b32 od, r, {word}, 0x0F0F0F0F, 0xE4;",
+    ]
+    for j, shift in enumerate(pairs):
+        lines += [shift, "and.b32 t, t, 0x8E008E00;", *use_pair(j)]
+    return "\n".join(lines)
+
+
+def _cvt_pair(j: int) -> list[str]:
+    """Pair j's halves converted to fp32 outputs `$j` (code j) and `$(j + 4)` (code j + 4)."""
+    return ["mov.b32 {l, h}, t;", f"cvt.f32.f16 ${j}, l;", f"cvt.f32.f16 ${j + 4}, h;"]
+
+
+# `_e2m1_pairs` in PTX, each pair's halves converted one `cvt` each (from Triton's casts the compiler first
+# repacked halves of different registers: 64 PRMT per 16 words in the NVFP4 GEMV's loop; Triton 3.6, sm_90).
+_E2M1_ASM = tl.constexpr("{\n.reg .b32 r, ev, od, t;\n.reg .b16 l, h;\n" + e2m1_ptx("$8", _cvt_pair) + "\n}")
 
 
 @triton.jit
