@@ -117,8 +117,8 @@ def focus_configs(base: GemvConfig, kernel: str) -> list[GemvConfig]:
 # the tile fields each kernel reads (`layer` reads all): an --alt config equal to the default in these and in
 # the kernel's warps, load mode and register cap is not rerun
 _KERNEL_FIELDS = {
-    "gate_up": ("block_n1", "block_k1", "split_k1", "half_dot"),
-    "down": ("block_n2", "block_k2", "split_k2", "fuse_combine", "half_dot"),
+    "gate_up": ("block_n1", "block_k1", "split_k1", "half_dot", "half_x_pack"),
+    "down": ("block_n2", "block_k2", "split_k2", "fuse_combine", "half_dot", "half_x_pack"),
 }
 
 
@@ -152,8 +152,13 @@ def _row(shape, name, M, kernel, cfg: GemvConfig, us, pct, diff) -> str:
     regs = both(cfg.registers() or "-", cfg.registers(down=True) or "-")
     return (
         f"| {shape} | {name} | {M} | {kernel} | {bn} | {bk} | {cfg.num_warps} | {prefetch} | {split} | {regs} "
-        f"| {'half' if cfg.half_dot else 'fp32'} | {us:.1f} | {pct:.0f}% | {diff:.2e} |"
+        f"| {_word_dot(cfg)} | {us:.1f} | {pct:.0f}% | {diff:.2e} |"
     )
+
+
+def _word_dot(cfg: GemvConfig) -> str:
+    """The word-dot column: fp32, half, or half with x' packed once per program (`half_x_pack`)."""
+    return "fp32" if not cfg.half_dot else "half, packed x" if cfg.half_x_pack else "half"
 
 
 def sweep_case(

@@ -84,14 +84,14 @@ _FP8_BITS = (0x3F803F80, 0x80008000)  # e4m3 e/m bits -> fp16 bits 7..13; sign -
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, act_ptr, part_ptr, cnt_ptr, ids_ptr, l2p_ptr,
+    x_ptr, act_ptr, part_ptr, cnt_ptr, ids_ptr, l2p_ptr, xp_ptr,
     wp, sp, zp, gp, wb, sb, zb, gb,
     w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
-    num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1, tiles_per_split,
+    num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, stride_xp, c0, c1, tiles_per_split,
     TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT: tl.constexpr, PDL: tl.constexpr, OVERLAP: tl.constexpr, HALF_X: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr, OVERLAP: tl.constexpr, HALF_X: tl.constexpr, X_PACK: tl.constexpr,
 ):  # fmt: skip
     if not OVERLAP:
         # the kernel before it; then down (reads l2p before its wait) may launch: kernels/pdl.py
@@ -108,10 +108,10 @@ def _gate_up_kernel(
         pair, code = _slot_pair(ids_ptr, l2p_ptr, item // num_nb, num_pairs, num_experts, num_rows, P_POW2)
     _gate_up_tile(
         pair, code, item % num_nb, tl.program_id(0) % SPLIT, tiles_per_split, x_ptr, act_ptr, part_ptr,
-        cnt_ptr, ids_ptr, l2p_ptr, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
-        num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1,
+        cnt_ptr, ids_ptr, l2p_ptr, xp_ptr, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se, w_sn, s_sn,
+        z_sn, num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, stride_xp, c0, c1,
         TOP_K, P_POW2, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, EVEN_K, SPLIT,
-        HALF_X,
+        HALF_X, X_PACK,
     )  # fmt: skip
     if OVERLAP:
         # so that this kernel's completion implies the plan's (down and the next layer rely on it)
@@ -120,14 +120,15 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, y_ptr, part_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
+    act_ptr, y_ptr, part_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr, xp_ptr,
     wp, sp, zp, gp, wb, sb, zb, gb,
     w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
-    num_pairs, num_experts, num_rows, H, I, stride_act, stride_y, stride_out, c0, c1, tiles_per_split,
+    num_pairs, num_experts, num_rows, H, I, stride_act, stride_y, stride_out, stride_xp, c0, c1, tiles_per_split,
     TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, FUSE_COMBINE: tl.constexpr,
     EVEN_K: tl.constexpr, PDL: tl.constexpr, OVERLAP: tl.constexpr, SPLIT: tl.constexpr, HALF_X: tl.constexpr,
+    X_PACK: tl.constexpr,
 ):  # fmt: skip
     num_nb = tl.cdiv(H, BLOCK_N)
     item = tl.program_id(0) // SPLIT
@@ -141,10 +142,10 @@ def _down_kernel(
     pdl.wait(PDL)
     _down_tile(
         pair, code, item % num_nb, tl.program_id(0) % SPLIT, tiles_per_split, act_ptr, y_ptr, part_ptr, out_ptr,
-        cnt_ptr, ids_ptr, l2p_ptr, tw_ptr, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
-        num_experts, num_rows, H, I, stride_act, stride_y, stride_out, c0, c1,
+        cnt_ptr, ids_ptr, l2p_ptr, tw_ptr, xp_ptr, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se, w_sn,
+        s_sn, z_sn, num_experts, num_rows, H, I, stride_act, stride_y, stride_out, stride_xp, c0, c1,
         TOP_K, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, FUSE_COMBINE,
-        EVEN_K, False, SPLIT, HALF_X,
+        EVEN_K, False, SPLIT, HALF_X, X_PACK,
     )  # fmt: skip
 
 
@@ -258,17 +259,27 @@ def gemv_gate_up(
     else:
         part, cnt = act, act  # not read
     use_pdl = pdl.gemv_pdl_enabled(hidden)
+    xp = _x_pairs_workspace(config, T, H, hidden.device)
     _gate_up_kernel[(num_pairs * num_nb * split,)](
-        hidden, act, part, cnt, topk_ids, l2p, *ptrs, *strides,
-        num_pairs, num_experts, w13.num_rows, I, H, hidden.stride(0), act.stride(0), c0, c1, tiles_per_split,
+        hidden, act, part, cnt, topk_ids, l2p, xp, *ptrs, *strides,
+        num_pairs, num_experts, w13.num_rows, I, H, hidden.stride(0), act.stride(0), xp.stride(0), c0, c1,
+        tiles_per_split,
         TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n1, BLOCK_K=config.block_k1,
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
         COMPUTE=_TL_DTYPES[hidden.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(),
         EVEN_K=H % config.block_k1 == 0, SPLIT=split, PDL=use_pdl, OVERLAP=_overlap(after_plan, use_pdl),
-        HALF_X=_half_x(config, fmt, H), num_warps=config.num_warps, num_stages=1,
+        HALF_X=_half_x(config, fmt, H), X_PACK=config.half_x_pack, num_warps=config.num_warps, num_stages=1,
         **({"launch_pdl": True} if use_pdl else {}), **reg_limit(config),
     )  # fmt: skip
     return act
+
+
+def _x_pairs_workspace(config: GemvConfig, rows: int, k: int, device: torch.device) -> torch.Tensor:
+    """`[rows, K / 2]` int32 for the x' pairs of `GemvConfig.half_x_pack` (4 per 8-value word: as many bytes as a
+    bf16 row), written and read by the kernels of one launch; `[1, 1]` (not read) without it."""
+    if not config.half_x_pack:
+        return torch.empty((1, 1), dtype=torch.int32, device=device)
+    return torch.empty((max(rows, 1), k // 2), dtype=torch.int32, device=device)
 
 
 def _half_x(config: GemvConfig, fmt: KernelFormat, k: int) -> int:
@@ -342,16 +353,17 @@ def gemv_down_combine(
     cnt = _counters(act.device, T * num_nb)[SYNC_WORDS:]
     ptrs, strides, native, c0, c1 = _word_args(w2, fmt)
     use_pdl = pdl.gemv_pdl_enabled(act)
+    xp = _x_pairs_workspace(config, num_pairs, I, act.device)
     _down_kernel[(num_pairs * num_nb * split,)](
-        act, y, part, out, cnt, topk_ids, l2p, tw,
-        *ptrs, *strides, num_pairs, num_experts, w2.num_rows, H, I, act.stride(0), H, out.stride(0), c0, c1,
-        tiles_per_split,
+        act, y, part, out, cnt, topk_ids, l2p, tw, xp,
+        *ptrs, *strides, num_pairs, num_experts, w2.num_rows, H, I, act.stride(0), H, out.stride(0), xp.stride(0),
+        c0, c1, tiles_per_split,
         TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n2, BLOCK_K=config.block_k2,
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
         COMPUTE=_TL_DTYPES[act.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(down=True),
         FUSE_COMBINE=config.fuse_combine, EVEN_K=I % config.block_k2 == 0, PDL=use_pdl,
         OVERLAP=_overlap(after_plan, use_pdl), SPLIT=split, HALF_X=_half_x(config, fmt, I),
-        num_warps=config.num_warps, num_stages=1, **({"launch_pdl": True} if use_pdl else {}),
+        X_PACK=config.half_x_pack, num_warps=config.num_warps, num_stages=1, **({"launch_pdl": True} if use_pdl else {}),
         **reg_limit(config, down=True),
     )  # fmt: skip
     if not config.fuse_combine:

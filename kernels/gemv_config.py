@@ -38,6 +38,9 @@ class GemvConfig:
     # NVFP4 and int4: the word dot in packed half math (fp16x2 FMA on x scaled into fp16's range per row;
     # `gemv_half.py`)
     half_dot: bool = False
+    # half_dot: each program writes its x' row (scaled, as fp16x2 pairs) once to a workspace and the K loop loads
+    # the pairs, instead of converting, scaling and packing x per tile and thread (two launches only)
+    half_x_pack: bool = False
 
     def __post_init__(self) -> None:
         """ValueError for a config no launch can take, at construction (not at every launch)."""
@@ -59,6 +62,11 @@ class GemvConfig:
             raise ValueError(
                 f"one launch: down_prefetch={self.down_prefetch}, down_max_registers={self.down_max_registers}: "
                 "one launch compiles both tiles alike (use -1)"
+            )
+        if self.half_x_pack and (not self.half_dot or self.one_launch):
+            raise ValueError(
+                f"GEMV path: half_x_pack packs the half dot's x (half_dot={self.half_dot}) for the two-launch "
+                f"path (one_launch={self.one_launch}): set half_dot=True and one_launch=False, or half_x_pack=False"
             )
         if self.one_launch and (self.split_k1 != 1 or self.split_k2 != 1):
             raise ValueError(

@@ -31,6 +31,8 @@ from .gemv_words import _e2m1_pairs, _halves, _ldx, _pair_first, _x_split8, e2m1
 
 # largest x row loaded at once for the row's scale (values; the loop takes more in chunks of this many)
 X_SCALE_CHUNK = 8192
+# words of x (8 values each) `x_half_pack` scales and packs at once: 8 values per thread of 4 warps
+X_PACK_CHUNK_WORDS = tl.constexpr(128)
 # x' = x times the row scale has its largest value in [2^TOP, 2^(TOP + 1)): NVFP4 (products value / 2^14 * x',
 # |value| <= 6: at most 6, a half's 8 at most 48) and int4 (|q - z| <= 15: 8 products below 61440 < 65504)
 NVFP4_TOP = tl.constexpr(13)
@@ -106,6 +108,102 @@ def _x_rounded(x):
 
 
 @triton.jit
+def _pack_half2_rounded(lo, hi):
+    """The interpreter's `_pack_half2`: int32 fp16x2 of fp32 `lo` (low half) and `hi`, each rounded to nearest."""
+    lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return (hi16 << 16) | lo16
+
+
+@triton.jit
+def x_half_pack(x_row, xp_row, lo_w, hi_w, xscale, X_CG: tl.constexpr, CHUNK_W: tl.constexpr,
+                ASM: tl.constexpr):  # fmt: skip
+    """Writes x' = x * xscale of the words `[lo_w, hi_w)` (8 values each) to `xp_row` as each word's four fp16x2
+    pairs (0, 4), (1, 5), (2, 6), (3, 7) (int32 `xp_row[4 w + j]`, pair j), `CHUNK_W` words at a time; then a
+    barrier, so that every thread of the program reads the pairs any thread wrote (`GemvConfig.half_x_pack`:
+    the K loop loads them instead of preparing x' per tile and thread). Every program with the same x row and
+    K share writes the same values (a race of equal bytes)."""
+    offs = tl.arange(0, CHUNK_W)
+    for w0 in range(lo_w, hi_w, CHUNK_W):
+        w = w0 + offs
+        ok = w < hi_w
+        xv = _ldx(x_row + w[:, None] * 8 + tl.arange(0, 8)[None, :], ok[:, None], False, X_CG) * xscale
+        # value 4a + 2b + d of word c at [c, a, b, d]; each split takes the last axis apart
+        xa0, xa1 = tl.split(tl.reshape(xv, (CHUNK_W, 2, 2, 2)))  # d = 0, 1
+        x0, x4 = tl.split(tl.split(xa0)[0])  # (b, d) = (0, 0): a = 0, 1 -> values 0, 4
+        x2, x6 = tl.split(tl.split(xa0)[1])
+        x1, x5 = tl.split(tl.split(xa1)[0])
+        x3, x7 = tl.split(tl.split(xa1)[1])
+        if ASM:
+            p0, p1, p2, p3 = (
+                _pack_half2(x0, x4),
+                _pack_half2(x1, x5),
+                _pack_half2(x2, x6),
+                _pack_half2(x3, x7),
+            )
+        else:
+            p0, p1 = _pack_half2_rounded(x0, x4), _pack_half2_rounded(x1, x5)
+            p2, p3 = _pack_half2_rounded(x2, x6), _pack_half2_rounded(x3, x7)
+        pairs = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [c, b, d]: pair 2b + d (join adds the last axis)
+        dst = (
+            xp_row
+            + w[:, None, None] * 4
+            + tl.arange(0, 2)[None, :, None] * 2
+            + tl.arange(0, 2)[None, None, :]
+        )
+        tl.store(dst, pairs, mask=ok[:, None, None])
+    tl.debug_barrier()
+
+
+@triton.jit
+def _loaded_pairs(xp_row, k0, K_WORDS, KW: tl.constexpr, EVEN_K: tl.constexpr):
+    """The x' pairs `x_half_pack` wrote for the tile of KW words at word k0: for the pair's first words (2c)
+    and its second (2c + 1), the four fp16x2 pairs j (values j, j + 4) as int32 `[1, KW / 2]` (0 past K)."""
+    offs = k0 * 4 + tl.arange(0, KW * 4)
+    if EVEN_K:  # noqa: SIM108 (constexpr branch)
+        t = tl.load(xp_row + offs)
+    else:
+        t = tl.load(xp_row + offs, mask=offs < K_WORDS * 4, other=0)
+    # pair j = 2b + d of word 2c + h at [c, h, b, d]
+    t0, t1 = tl.split(tl.reshape(t, (KW // 2, 2, 2, 2)))  # d = 0, 1
+    j0, j2 = tl.split(t0)  # b = 0, 1
+    j1, j3 = tl.split(t1)
+    a0, b0 = tl.split(j0)  # h = 0, 1
+    a1, b1 = tl.split(j1)
+    a2, b2 = tl.split(j2)
+    a3, b3 = tl.split(j3)
+    return ((a0[None, :], a1[None, :], a2[None, :], a3[None, :]),
+            (b0[None, :], b1[None, :], b2[None, :], b3[None, :]))  # fmt: skip
+
+
+@triton.jit
+def _pairs_as_x(p):
+    """Four fp16x2 pairs (0, 4) .. (3, 7) as a word's eight x' values in fp32 (the interpreter's `_x_rounded`)."""
+    return (_fp16_lo(p[0]), _fp16_lo(p[1]), _fp16_lo(p[2]), _fp16_lo(p[3]), _fp16_hi(p[0]), _fp16_hi(p[1]),
+            _fp16_hi(p[2]), _fp16_hi(p[3]))  # fmt: skip
+
+
+@triton.jit
+def _half_x_inputs(x_row, xp_row, k0, K_WORDS, KW: tl.constexpr, xscale, EVEN_K: tl.constexpr,
+                   X_CG: tl.constexpr, X_PACK: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """The x' of a tile's first words (2c) and second words (2c + 1) as the word dots take them: fp16x2 pairs
+    (ASM) or fp16-rounded fp32 8-tuples (the interpreter); loaded from `x_half_pack`'s pairs (X_PACK) or
+    prepared from x here."""
+    if X_PACK:
+        pa, pb = _loaded_pairs(xp_row, k0, K_WORDS, KW, EVEN_K)
+        if ASM:
+            return pa, pb
+        else:
+            return _pairs_as_x(pa), _pairs_as_x(pb)
+    else:
+        xa, xb = _scaled_x(x_row, k0, K_WORDS, KW, xscale, EVEN_K, X_CG)
+        if ASM:
+            return _x_pairs(xa), _x_pairs(xb)
+        else:
+            return _x_rounded(xa), _x_rounded(xb)
+
+
+@triton.jit
 def _hfma_emulated(lo, hi, words, x):
     """The interpreter's `_E2M1_HFMA_ASM`: the fp32 sums of the halves `(lo, hi)` (fp16 values) plus each of the
     word's pairs times its x' pair (`x`: `_x_rounded`), rounded to fp16 each step."""
@@ -122,28 +220,28 @@ def _hfma_emulated(lo, hi, words, x):
 
 
 @triton.jit
-def nvfp4_half_dot(acc, words, s, x_row, k0, K_WORDS, xscale, EVEN_K: tl.constexpr, X_CG: tl.constexpr,
-                   ASM: tl.constexpr):  # fmt: skip
+def nvfp4_half_dot(acc, words, s, x_row, xp_row, k0, K_WORDS, xscale, EVEN_K: tl.constexpr, X_CG: tl.constexpr,
+                   X_PACK: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
     """`gemv_words._word_dot` of NVFP4 in packed half math: `acc [BN, KW / 2]` plus, per pair of words (2c,
     2c + 1: one scale `s [BN, KW / 2]`), `s * sum (value / 2^14) * x * xscale` over its 16 values, the sum of
-    each half (8 products) in fp16. `xscale`: `x_half_scale`'s first value for this x row."""
-    xa, xb = _scaled_x(x_row, k0, K_WORDS, words.shape[1], xscale, EVEN_K, X_CG)
+    each half (8 products) in fp16. `xscale`: `x_half_scale`'s first value for this x row. X_PACK: x' from
+    `x_half_pack`'s pairs at `xp_row` (the same values)."""
+    xa, xb = _half_x_inputs(x_row, xp_row, k0, K_WORDS, words.shape[1], xscale, EVEN_K, X_CG, X_PACK, ASM)
     wa, wb = _halves(words)
     if ASM:
-        pa, pb = _x_pairs(xa), _x_pairs(xb)
         p = tl.inline_asm_elementwise(
-            _E2M1_HFMA_ASM, "=r,r,r,r,r,r,r", [wa, pa[0], pa[1], pa[2], pa[3], tl.zeros(wa.shape, dtype=tl.int32)],
+            _E2M1_HFMA_ASM, "=r,r,r,r,r,r,r", [wa, xa[0], xa[1], xa[2], xa[3], tl.zeros(wa.shape, dtype=tl.int32)],
             dtype=tl.int32, is_pure=True, pack=1,
         )  # fmt: skip
         p = tl.inline_asm_elementwise(
-            _E2M1_HFMA_ASM, "=r,r,r,r,r,r,r", [wb, pb[0], pb[1], pb[2], pb[3], p], dtype=tl.int32, is_pure=True,
+            _E2M1_HFMA_ASM, "=r,r,r,r,r,r,r", [wb, xb[0], xb[1], xb[2], xb[3], p], dtype=tl.int32, is_pure=True,
             pack=1,
         )  # fmt: skip
         lo, hi = _fp16_lo(p), _fp16_hi(p)
     else:
         lo = tl.zeros(wa.shape, dtype=tl.float32)
-        lo, hi = _hfma_emulated(lo, lo, wa, _x_rounded(xa))
-        lo, hi = _hfma_emulated(lo, hi, wb, _x_rounded(xb))
+        lo, hi = _hfma_emulated(lo, lo, wa, xa)
+        lo, hi = _hfma_emulated(lo, hi, wb, xb)
     return acc + s * (lo + hi)
 
 
@@ -188,13 +286,14 @@ def _int4_hfma_emulated(lo, hi, words, z, x):
 
 
 @triton.jit
-def int4_half_dot(acc, words, s, z, x_row, k0, K_WORDS, xscale, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
-                  X_CG: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+def int4_half_dot(acc, words, s, z, x_row, xp_row, k0, K_WORDS, xscale, HAS_ZERO: tl.constexpr,
+                  EVEN_K: tl.constexpr, X_CG: tl.constexpr, X_PACK: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
     """`gemv_words._int4_word_dot` in packed half math: `acc [BN, KW / 2]` plus, per pair of words (2c, 2c + 1:
     one group), `s * sum (q - z) * x * xscale` over its 16 values (z = 8 without zero points), each half's 8
     products summed in fp16. `s`, `z`: per word `[BN, KW]` or per row `[BN, 1]`. `xscale`: `x_half_scale`'s
-    first value at TOP = INT4_TOP (|q - z| <= 15: a half's 8 products stay below 2^16)."""
-    xa, xb = _scaled_x(x_row, k0, K_WORDS, words.shape[1], xscale, EVEN_K, X_CG)
+    first value at TOP = INT4_TOP (|q - z| <= 15: a half's 8 products stay below 2^16). X_PACK: x' from
+    `x_half_pack`'s pairs at `xp_row` (the same values)."""
+    xa, xb = _half_x_inputs(x_row, xp_row, k0, K_WORDS, words.shape[1], xscale, EVEN_K, X_CG, X_PACK, ASM)
     wa, wb = _halves(words)
     if HAS_ZERO:  # noqa: SIM108 (constexpr branch)
         zp = _pair_first(z)
@@ -204,18 +303,17 @@ def int4_half_dot(acc, words, s, z, x_row, k0, K_WORDS, xscale, HAS_ZERO: tl.con
         off = _pack_half2(-1024.0 - zp, -1024.0 - zp)
         off16 = _pack_half2(-64.0 - zp, -64.0 - zp)
         sixteenth = tl.full(wa.shape, _SIXTEENTH_X2, dtype=tl.int32)
-        pa, pb = _x_pairs(xa), _x_pairs(xb)
         p = tl.inline_asm_elementwise(
-            _INT4_HFMA_ASM, "=r,r,r,r,r,r,r,r,r,r", [wa, pa[0], pa[1], pa[2], pa[3], off, off16,
+            _INT4_HFMA_ASM, "=r,r,r,r,r,r,r,r,r,r", [wa, xa[0], xa[1], xa[2], xa[3], off, off16,
             tl.zeros(wa.shape, dtype=tl.int32), sixteenth], dtype=tl.int32, is_pure=True, pack=1,
         )  # fmt: skip
         p = tl.inline_asm_elementwise(
-            _INT4_HFMA_ASM, "=r,r,r,r,r,r,r,r,r,r", [wb, pb[0], pb[1], pb[2], pb[3], off, off16, p, sixteenth],
+            _INT4_HFMA_ASM, "=r,r,r,r,r,r,r,r,r,r", [wb, xb[0], xb[1], xb[2], xb[3], off, off16, p, sixteenth],
             dtype=tl.int32, is_pure=True, pack=1,
         )  # fmt: skip
         lo, hi = _fp16_lo(p), _fp16_hi(p)
     else:
         lo = tl.zeros(wa.shape, dtype=tl.float32)
-        lo, hi = _int4_hfma_emulated(lo, lo, wa, zp, _x_rounded(xa))
-        lo, hi = _int4_hfma_emulated(lo, hi, wb, zp, _x_rounded(xb))
+        lo, hi = _int4_hfma_emulated(lo, lo, wa, zp, xa)
+        lo, hi = _int4_hfma_emulated(lo, hi, wb, zp, xb)
     return acc + _pair_first(s) * (lo + hi)

@@ -82,11 +82,11 @@ def _fused_kernel(
     if item < g1:
         pair, code = _slot_pair(ids_ptr, l2p_ptr, item // nb1, num_pairs, num_experts, num_rows, P_POW2)
         _gate_up_tile(
-            pair, code, item % nb1, 0, 0, x_ptr, act_ptr, act_ptr, cnt_ptr, ids_ptr, l2p_ptr,
+            pair, code, item % nb1, 0, 0, x_ptr, act_ptr, act_ptr, cnt_ptr, ids_ptr, l2p_ptr, act_ptr,
             wp1, sp1, zp1, gp1, wb1, sb1, zb1, gb1, w_se1, s_se1, z_se1, g_se1, w_sn1, s_sn1, z_sn1,
-            num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1,
+            num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, 0, c0, c1,
             TOP_K, P_POW2, BLOCK_N1, BLOCK_K1, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, EVEN_K1,
-            1, HALF_X1,
+            1, HALF_X1, False,
         )  # fmt: skip
         tl.debug_barrier()  # every thread's act stores before the (release) count
         tl.atomic_add(ready_ptr + pair, 1, sem="release", scope="gpu")
@@ -96,10 +96,10 @@ def _fused_kernel(
         _wait_for_act(sync_ptr, ready_ptr, passed_ptr, pair, nb1, nb2, spin_limit)
         _down_tile(
             pair, code, item2 % nb2, 0, 0, act_ptr, y_ptr, y_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
-            wp2, sp2, zp2, gp2, wb2, sb2, zb2, gb2, w_se2, s_se2, z_se2, g_se2, w_sn2, s_sn2, z_sn2,
-            num_experts, num_rows, H, I, stride_act, stride_y, stride_out, c0, c1,
+            act_ptr, wp2, sp2, zp2, gp2, wb2, sb2, zb2, gb2, w_se2, s_se2, z_se2, g_se2, w_sn2, s_sn2, z_sn2,
+            num_experts, num_rows, H, I, stride_act, stride_y, stride_out, 0, c0, c1,
             TOP_K, BLOCK_N2, BLOCK_K2, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, True,
-            EVEN_K2, True, 1, HALF_X2,
+            EVEN_K2, True, 1, HALF_X2, False,
         )  # fmt: skip
 
 

@@ -9,7 +9,15 @@ import triton.language as tl
 
 from .dequant import e4m3_to_f32
 from .gemm_parts import _row_bases
-from .gemv_half import INT4_TOP, NVFP4_TOP, int4_half_dot, nvfp4_half_dot, x_half_scale
+from .gemv_half import (
+    INT4_TOP,
+    NVFP4_TOP,
+    X_PACK_CHUNK_WORDS,
+    int4_half_dot,
+    nvfp4_half_dot,
+    x_half_pack,
+    x_half_scale,
+)
 from .gemv_words import _halves, _word_dot
 from .pdl import load_acquire, settle_code
 
@@ -140,14 +148,15 @@ def _row_scale(total, s_base, g_base, offs_n, n_ok, FMT: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_hi, w_sn, s_sn, z_sn, c0, c1,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
+def _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, offs_n, n_ok, K, kw_lo, kw_hi, w_sn, s_sn, z_sn,
+              c0, c1, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
               HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, VPW: tl.constexpr,
-              PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, X_CG: tl.constexpr, HALF_X: tl.constexpr):  # fmt: skip
+              PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, X_CG: tl.constexpr, HALF_X: tl.constexpr,
+              X_PACK: tl.constexpr):  # fmt: skip
     """`[BLOCK_N]` fp32: rows `offs_n` of one projection row (weights at `w_base`) dotted with x over the word
     columns `[kw_lo, kw_hi)` of K (`kw_lo` a multiple of the tile's words; 0 and K / VPW for all of K).
     HALF_X > 0 (NVFP4 and int4): the word dot in packed half math (`gemv_half`), x's row scale found HALF_X values
-    at a time."""
+    at a time; X_PACK: x' written once as fp16x2 pairs to `xp_row` (int32, 4 per word) and loaded by the K loop."""
     KW: tl.constexpr = BLOCK_K // VPW
     K_WORDS = K // VPW
     zero2 = (offs_n * 0)[:, None]
@@ -164,6 +173,8 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
         xscale, xinv = x_half_scale(
             x_row, kw_lo * VPW, kw_hi * VPW, X_CG, HALF_X, NVFP4_TOP if FMT == 4 else INT4_TOP
         )
+        if X_PACK:
+            x_half_pack(x_row, xp_row, kw_lo, kw_hi, xscale, X_CG, X_PACK_CHUNK_WORDS, NATIVE_FP8)
     else:
         xscale = 1.0
     # PREFETCH 1: the next tile in registers; 0: none; >= 2: Triton's software pipeline with that many stages
@@ -180,8 +191,8 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
             nw, ns, nz = _load_words(w_base, s_base, z_base, n2, kw + nk0, nk0, K_WORDS, w_sn, s_sn, z_sn,
                                      FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
             # NATIVE_FP8 (compiled for CUDA, not the interpreter) is also what allows NVFP4's PTX word decode
-            acc = _tile_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, xscale, FMT, HAS_ZERO, COMPUTE, VPW,
-                            EVEN_K, X_CG, NATIVE_FP8, HALF_X > 0)  # fmt: skip
+            acc = _tile_dot(acc, words, s, z, x_row, xp_row, kcol, k0, K_WORDS, c0, c1, xscale, FMT, HAS_ZERO,
+                            COMPUTE, VPW, EVEN_K, X_CG, NATIVE_FP8, HALF_X > 0, X_PACK)  # fmt: skip
             words, s, z = nw, ns, nz
     else:
         STAGES: tl.constexpr = PREFETCH if PREFETCH >= 2 else 1
@@ -190,8 +201,8 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
             words, s, z = _load_words(w_base, s_base, z_base, n2, kcol, k0, K_WORDS, w_sn, s_sn, z_sn,
                                       FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
             # NATIVE_FP8 (compiled for CUDA, not the interpreter) is also what allows NVFP4's PTX word decode
-            acc = _tile_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, xscale, FMT, HAS_ZERO, COMPUTE, VPW,
-                            EVEN_K, X_CG, NATIVE_FP8, HALF_X > 0)  # fmt: skip
+            acc = _tile_dot(acc, words, s, z, x_row, xp_row, kcol, k0, K_WORDS, c0, c1, xscale, FMT, HAS_ZERO,
+                            COMPUTE, VPW, EVEN_K, X_CG, NATIVE_FP8, HALF_X > 0, X_PACK)  # fmt: skip
     total = tl.sum(acc, axis=1)
     if HALF_X > 0:
         total = total * xinv  # the row scale back (a power of two: exact)
@@ -199,14 +210,15 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, K, kw_lo, kw_
 
 
 @triton.jit
-def _tile_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, xscale, FMT: tl.constexpr, HAS_ZERO: tl.constexpr,
-              COMPUTE: tl.constexpr, VPW: tl.constexpr, EVEN_K: tl.constexpr, X_CG: tl.constexpr,
-              ASM: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+def _tile_dot(acc, words, s, z, x_row, xp_row, kcol, k0, K_WORDS, c0, c1, xscale, FMT: tl.constexpr,
+              HAS_ZERO: tl.constexpr, COMPUTE: tl.constexpr, VPW: tl.constexpr, EVEN_K: tl.constexpr,
+              X_CG: tl.constexpr, ASM: tl.constexpr, HALF: tl.constexpr, X_PACK: tl.constexpr):  # fmt: skip
     """One tile's word dot: `gemv_half`'s where HALF (NVFP4, int4), else `gemv_words._word_dot`."""
     if HALF and FMT == 4:
-        return nvfp4_half_dot(acc, words, s, x_row, k0, K_WORDS, xscale, EVEN_K, X_CG, ASM)
+        return nvfp4_half_dot(acc, words, s, x_row, xp_row, k0, K_WORDS, xscale, EVEN_K, X_CG, X_PACK, ASM)
     elif HALF:
-        return int4_half_dot(acc, words, s, z, x_row, k0, K_WORDS, xscale, HAS_ZERO, EVEN_K, X_CG, ASM)
+        return int4_half_dot(acc, words, s, z, x_row, xp_row, k0, K_WORDS, xscale, HAS_ZERO, EVEN_K, X_CG, X_PACK,
+                             ASM)  # fmt: skip
     else:
         return _word_dot(acc, words, s, z, x_row, kcol, k0, K_WORDS, c0, c1, FMT, HAS_ZERO, COMPUTE, VPW, EVEN_K,
                          X_CG, ASM)  # fmt: skip
@@ -225,14 +237,14 @@ def _split_words(split, tiles_per_split, K_WORDS, KW: tl.constexpr, SPLIT: tl.co
 
 @triton.jit
 def _gate_up_tile(
-    pair, code, nb, split, tiles_per_split, x_ptr, act_ptr, part_ptr, cnt_ptr, ids_ptr, l2p_ptr,
+    pair, code, nb, split, tiles_per_split, x_ptr, act_ptr, part_ptr, cnt_ptr, ids_ptr, l2p_ptr, xp_ptr,
     wp, sp, zp, gp, wb, sb, zb, gb,
     w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
-    num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, c0, c1,
+    num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, stride_xp, c0, c1,
     TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT: tl.constexpr, HALF_X: tl.constexpr,
+    SPLIT: tl.constexpr, HALF_X: tl.constexpr, X_PACK: tl.constexpr,
 ):  # fmt: skip
     """`act[pair, nb block]` of a pair located at `code` (nothing for -1: not routed here).
 
@@ -245,13 +257,14 @@ def _gate_up_tile(
             code, num_rows, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se
         )
         x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
+        xp_row = xp_ptr + (pair // TOP_K).to(tl.int64) * stride_xp  # X_PACK: the token's x' pairs
         # gate row i and up row i interleaved: one loop over K for both, each x value serving twice the rows
         r = tl.arange(0, 2 * BLOCK_N)
         n_local = nb * BLOCK_N + r // 2
         kw_lo, kw_hi = _split_words(split, tiles_per_split, H // VPW, BLOCK_K // VPW, SPLIT)
-        gu = _rows_dot(w_base, s_base, z_base, g_base, x_row, n_local + (r % 2) * I, n_local < I, H, kw_lo, kw_hi,
-                       w_sn, s_sn, z_sn, c0, c1, 2 * BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE,
-                       VPW, PREFETCH, EVEN_K, False, HALF_X)  # fmt: skip
+        gu = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, n_local + (r % 2) * I, n_local < I, H, kw_lo,
+                       kw_hi, w_sn, s_sn, z_sn, c0, c1, 2 * BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8,
+                       COMPUTE, VPW, PREFETCH, EVEN_K, False, HALF_X, X_PACK)  # fmt: skip
         act_row = act_ptr + pair.to(tl.int64) * stride_act
         if SPLIT == 1:
             _store_act(gu, act_row, nb, I, BLOCK_N, COMPUTE)
@@ -285,13 +298,13 @@ def _store_act(gu, act_row, nb, I, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr)
 @triton.jit
 def _down_tile(
     pair, code, nb, split, tiles_per_split, act_ptr, y_ptr, part_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
-    wp, sp, zp, gp, wb, sb, zb, gb,
+    xp_ptr, wp, sp, zp, gp, wb, sb, zb, gb,
     w_se, s_se, z_se, g_se, w_sn, s_sn, z_sn,
-    num_experts, num_rows, H, I, stride_act, stride_y, stride_out, c0, c1,
+    num_experts, num_rows, H, I, stride_act, stride_y, stride_out, stride_xp, c0, c1,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, FUSE_COMBINE: tl.constexpr,
-    EVEN_K: tl.constexpr, X_CG: tl.constexpr, SPLIT: tl.constexpr, HALF_X: tl.constexpr,
+    EVEN_K: tl.constexpr, X_CG: tl.constexpr, SPLIT: tl.constexpr, HALF_X: tl.constexpr, X_PACK: tl.constexpr,
 ):  # fmt: skip
     """`y[pair, nb block]` (a pair routed here) and, with FUSE_COMBINE, the arrival of this (pair, block): the
     last of the token's K arrivals sums `out[t, nb block]`.
@@ -309,10 +322,11 @@ def _down_tile(
             code, num_rows, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se
         )
         x_row = act_ptr + pair.to(tl.int64) * stride_act
+        xp_row = xp_ptr + pair.to(tl.int64) * stride_xp  # X_PACK: the pair's act' pairs
         kw_lo, kw_hi = _split_words(split, tiles_per_split, I // VPW, BLOCK_K // VPW, SPLIT)
-        y = _rows_dot(w_base, s_base, z_base, g_base, x_row, offs_n, n_ok, I, kw_lo, kw_hi, w_sn, s_sn, z_sn,
-                      c0, c1, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH,
-                      EVEN_K, X_CG, HALF_X)  # fmt: skip
+        y = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, offs_n, n_ok, I, kw_lo, kw_hi, w_sn, s_sn,
+                      z_sn, c0, c1, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH,
+                      EVEN_K, X_CG, HALF_X, X_PACK)  # fmt: skip
         if SPLIT == 1:
             tl.store(y_ptr + pair.to(tl.int64) * stride_y + offs_n, y.to(COMPUTE), mask=n_ok)
         else:

@@ -29,10 +29,21 @@ FORMATS = {
     "nvfp4": (4, 8, 16),
 }  # name: (FMT, values per word, group)
 _PTR_TYPES = {"x_ptr": "*bf16", "act_ptr": "*bf16", "y_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
-              "cnt_ptr": "*i32", "ids_ptr": "*i64", "l2p_ptr": "*i32", "tw_ptr": "*fp32", "wp": "*i32",
+              "cnt_ptr": "*i32", "xp_ptr": "*i32", "ids_ptr": "*i64", "l2p_ptr": "*i32", "tw_ptr": "*fp32", "wp": "*i32",
               "wb": "*i32", "zp": "*fp32", "zb": "*fp32", "gp": "*fp32", "gb": "*fp32"}  # fmt: skip
 # arguments the launchers pass as multiples of 16 (pointers too): Triton specializes on it, so must this
-_DIVISIBLE = {"w_se", "s_se", "w_sn", "stride_x", "stride_act", "stride_y", "stride_out", "H", "I"}
+_DIVISIBLE = {
+    "w_se",
+    "s_se",
+    "w_sn",
+    "stride_x",
+    "stride_act",
+    "stride_y",
+    "stride_out",
+    "stride_xp",
+    "H",
+    "I",
+}
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 
 
@@ -46,17 +57,20 @@ def compile_gemv(
     max_registers: int = 0,
     split: int = 1,
     half_x: int = 0,
+    x_pack: bool = False,
 ):
     """The compiled `_gate_up_kernel` / `_down_kernel` for sm_90 at the given tile (top-8, 64-pair schedule,
     bf16 activations, K a multiple of the tile, symmetric int4); `max_registers` > 0: ptxas' `maxnreg`, as
     `GemvConfig.max_registers` launches it; `split`: K split over programs (`split_k1` / `split_k2`); `half_x` > 0: NVFP4's packed half word dot
-    (`GemvConfig.half_dot`), x's row scale loaded that many values at a time."""
+    (`GemvConfig.half_dot`), x's row scale loaded that many values at a time; `x_pack`: x' packed once per
+    program, loaded by the K loop (`GemvConfig.half_x_pack`)."""
     fmt_code, vpw, group = FORMATS[fmt]
     fn = gemv._gate_up_kernel if kernel == "gate_up" else gemv._down_kernel
     consts = dict(TOP_K=8, P_POW2=64, BLOCK_N=block_n, BLOCK_K=block_k, FMT=fmt_code, GROUP=group,
                   HAS_ZERO=False, NATIVE_FP8=True, COMPUTE=tl.bfloat16, VPW=vpw, PREFETCH=prefetch,
                   EVEN_K=True, PDL=False, OVERLAP=False)  # fmt: skip
-    consts |= {"SPLIT": split, "HALF_X": half_x} | ({} if kernel == "gate_up" else {"FUSE_COMBINE": True})
+    consts |= {"SPLIT": split, "HALF_X": half_x, "X_PACK": x_pack}
+    consts |= {} if kernel == "gate_up" else {"FUSE_COMBINE": True}
     scale = "*fp8e4nv" if fmt == "nvfp4" else "*fp32"
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -128,7 +142,12 @@ def main() -> None:
     )
     ap.add_argument("--max-registers", type=int, default=0, help="ptxas maxnreg (0: none), as GemvConfig's")
     ap.add_argument("--split", type=int, default=1, help="K split over programs (split_k1 / split_k2)")
-    ap.add_argument("--half-x", type=int, default=0, help="NVFP4 half dot: x values of the row scale at once")
+    ap.add_argument(
+        "--half-x", type=int, default=0, help="half dot (NVFP4, int4): x values of the row scale at once"
+    )
+    ap.add_argument(
+        "--x-pack", action="store_true", help="with --half-x: x' packed once, loaded by the K loop"
+    )
     ap.add_argument("--dump", default=None, help="write the whole SASS here")
     args = ap.parse_args()
     compiled = compile_gemv(
@@ -141,6 +160,7 @@ def main() -> None:
         args.max_registers,
         args.split,
         args.half_x,
+        args.x_pack,
     )
     sass = _cuobjdump(compiled, "-sass")
     if args.dump:
@@ -151,7 +171,7 @@ def main() -> None:
     words = rows * args.block_k // FORMATS[args.fmt][1] // (32 * args.warps)
     regs, stack = resources(compiled)
     print(f"triton {triton.__version__}, {args.kernel} {args.fmt} BN {args.block_n} BK {args.block_k} warps "
-          f"{args.warps} prefetch {args.prefetch} split {args.split}: {regs} registers, {stack} stack bytes, K loop {count} instructions "
+          f"{args.warps} prefetch {args.prefetch} split {args.split}{' x-pack' if args.x_pack else ''}: {regs} registers, {stack} stack bytes, K loop {count} instructions "
           f"for {words} words per thread")  # fmt: skip
     print(" ".join(f"{op} {n}" for op, n in ops.most_common()))
 

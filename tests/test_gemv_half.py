@@ -107,3 +107,64 @@ def test_half_dot_one_launch_equals_two(name):
     two = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, cfg)
     one = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, dataclasses.replace(cfg, one_launch=True))
     assert torch.equal(one, two), (one.float() - two.float()).abs().max()
+
+
+def _packed_pairs(x: torch.Tensor, top: int) -> torch.Tensor:
+    """`x [H]` scaled as `x_half_scale` does (2^(top + 127 - e), e the exponent field of max |x|, at least
+    top + 1) and packed as `x_half_pack` writes it: `[H / 8, 4]` int32, pair j = fp16 of values j (low half) and
+    j + 4 (high half) of each word."""
+    e = max(int(x.float().abs().max().view(torch.int32)) >> 23 & 255, top + 1)
+    bits = (x.float() * 2.0 ** (top + 127 - e)).half().view(torch.int16).int() & 0xFFFF
+    words = bits.view(-1, 8)
+    return (words[:, :4] | (words[:, 4:] << 16)).int()
+
+
+@pytest.mark.parametrize(
+    ("name", "H", "I", "T", "cfg"),
+    [
+        ("nvfp4", 48, 96, 3, GemvConfig(16, 32, 16, 32)),  # gate_up K = 1.5 tiles (masked), prefetch
+        ("nvfp4", 64, 96, 2, GemvConfig(16, 32, 16, 32, split_k1=2, split_k2=3, prefetch=False)),  # K shares
+        ("int4-g32-zp", 64, 96, 1, GemvConfig(32, 32, 16, 64, prefetch=False)),  # zero points
+        ("int4-g64", 128, 64, 3, GemvConfig(16, 64, 8, 64, stages=3)),  # a pipeline; down K < a tile
+    ],
+)
+def test_packed_x_gives_the_half_dots_output(name, H, I, T, cfg, monkeypatch):
+    """`half_x_pack` (x' packed once per program, loaded by the K loop): bitwise the half dot's output (the same
+    x' values and sums), and, without split K, each routed token's row of gate_up's workspace holds its x'
+    pairs as a torch packing of the scaled x gives them (E = 7 on 3 pool rows, one pair not routed)."""
+    E, K = 7, 3
+    g, fmt, w13, w2, l2p = _layer(name, H, I, torch.bfloat16, E, seed=11)
+    x = torch.randn(T, H, generator=g)
+    x[0, 5] = 40.0
+    x = x.bfloat16()
+    ids, w = random_routing(T, K, E, g)
+    ids[-1, 0] = -1
+    workspaces = []
+    allocate = gemv._x_pairs_workspace
+
+    def recorded(*args):
+        workspaces.append(allocate(*args))
+        return workspaces[-1]
+
+    monkeypatch.setattr(gemv, "_x_pairs_workspace", recorded)
+    half = dataclasses.replace(cfg, half_dot=True)
+    want = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, half)
+    assert [ws.shape for ws in workspaces] == [(1, 1), (1, 1)], "the half dot alone has no workspace"
+    workspaces.clear()
+    got = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, dataclasses.replace(half, half_x_pack=True))
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    assert [ws.shape for ws in workspaces] == [(T, H // 2), (T * K, I // 2)]
+    if cfg.split_k1 == 1:
+        top = 13 if name == "nvfp4" else 8  # gemv_half.NVFP4_TOP, INT4_TOP
+        routed = ((ids >= 0) & (l2p[ids.clamp(min=0)] >= 0)).any(dim=1)
+        for t in range(T):
+            if routed[t]:
+                assert torch.equal(workspaces[0][t].view(-1, 4), _packed_pairs(x[t], top)), f"token {t}"
+
+
+def test_packed_x_refused_without_the_half_dot_or_in_one_launch():
+    with pytest.raises(ValueError, match="half_x_pack packs the half dot's x"):
+        GemvConfig(half_x_pack=True)
+    with pytest.raises(ValueError, match="one_launch=True"):
+        GemvConfig(half_dot=True, half_x_pack=True, one_launch=True)
+    assert GemvConfig(half_dot=True, half_x_pack=True).half_x_pack

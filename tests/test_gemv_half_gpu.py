@@ -20,7 +20,7 @@ def _layer(name: str, shape: str, E: int, R: int, seed: int):
 
     H, I, _, _ = SHAPES[shape]
     fmt_obj, pool, bank, l2p = build_layer(
-        "nvfp4", H, I, E, R, torch.Generator().manual_seed(seed), device="cuda"
+        name, H, I, E, R, torch.Generator().manual_seed(seed), device="cuda"
     )
     bank = {k: v.pin_memory() for k, v in bank.items()}
     fmt = operands.kernel_format(fmt_obj)
@@ -56,14 +56,22 @@ def test_half_dot_against_fp32_dot_and_dense_reference(name, shape, M):
     x = x.bfloat16()
     ids, w = routing(M, K, E, g)
     base = gemv_configs(H, I, fmt.fmt, M * K, fmt.group)
+    assert fmt.fmt == {"nvfp4": 4, "int4": 1}[name.split("-")[0]], (name, fmt.fmt)
     poison_allocator()
-    half = fused_moe.pooled_fused_moe(
-        x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=dataclasses.replace(base, half_dot=True)
-    )
+    half_cfg = dataclasses.replace(base, half_dot=True)
+    half = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=half_cfg)
     fp32 = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=base)
     assert_close(half, fp32, f"{name}: half vs fp32 dot {shape} M={M}", rel=1e-2)
     ref = pooled_reference(x, ids, w, l2p, E, p13, p2, fmt)
     assert_close(half, ref, f"{name}: half dot vs dense reference {shape} M={M}")
+    # x' packed once per program (`half_x_pack`): the same x' values and sums, so bitwise the half dot's output;
+    # also with K tiles of 512 (one of gpu_check.sh's alternatives) against the dense reference
+    for cfg in (dataclasses.replace(half_cfg, half_x_pack=True),
+                dataclasses.replace(half_cfg, half_x_pack=True, block_k1=512, max_registers=128)):  # fmt: skip
+        packed = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=cfg)
+        if cfg.block_k1 == half_cfg.block_k1:
+            assert torch.equal(packed, half), (packed.float() - half.float()).abs().max()
+        assert_close(packed, ref, f"{name}: packed x vs dense reference {shape} M={M} ({cfg})")
 
 
 @pytest.mark.parametrize("name", ["nvfp4", "int4-g128-zp"])
