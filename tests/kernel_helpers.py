@@ -109,3 +109,14 @@ def assert_exact_values(out: torch.Tensor, want: torch.Tensor, what: str) -> Non
         bad = (out != want).nonzero()
     first = [(c, out[tuple(c)].item(), want[tuple(c)].item()) for c in bad[:4].tolist()]
     assert bad.numel() == 0, f"{what}: {len(bad)} values differ; first (coordinates, got, want): {first}"
+
+
+def packed_x_pairs(x: torch.Tensor, top: int) -> torch.Tensor:
+    """`x [K]` scaled as `gemv_half.x_half_scale` scales it (by 2^(top + 127 - e), e the fp32 exponent field of
+    max |x|, at least top + 1) and packed as `x_half_pack` writes it: `[K / 8, 4]` int32, pair j of a word holds
+    the fp16 of its values j (low half) and j + 4 (high half). A plain torch reference of the workspace row."""
+    xf = x.float()
+    e = max(int(xf.abs().max().view(torch.int32)) >> 23 & 255, top + 1)
+    bits = (xf * 2.0 ** (top + 127 - e)).half().view(torch.int16).int() & 0xFFFF
+    words = bits.view(-1, 8)
+    return (words[:, :4] | (words[:, 4:] << 16)).int()

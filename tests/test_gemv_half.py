@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.kernel_helpers import assert_close, random_routing
+from tests.kernel_helpers import assert_close, packed_x_pairs, random_routing
 from tests.test_kernels_gemv import (
     GemvConfig,
     _layer,
@@ -109,14 +109,13 @@ def test_half_dot_one_launch_equals_two(name):
     assert torch.equal(one, two), (one.float() - two.float()).abs().max()
 
 
-def _packed_pairs(x: torch.Tensor, top: int) -> torch.Tensor:
-    """`x [H]` scaled as `x_half_scale` does (2^(top + 127 - e), e the exponent field of max |x|, at least
-    top + 1) and packed as `x_half_pack` writes it: `[H / 8, 4]` int32, pair j = fp16 of values j (low half) and
-    j + 4 (high half) of each word."""
-    e = max(int(x.float().abs().max().view(torch.int32)) >> 23 & 255, top + 1)
-    bits = (x.float() * 2.0 ** (top + 127 - e)).half().view(torch.int16).int() & 0xFFFF
-    words = bits.view(-1, 8)
-    return (words[:, :4] | (words[:, 4:] << 16)).int()
+def _packed_shares(x: torch.Tensor, block_k: int, split: int, top: int) -> torch.Tensor:
+    """`packed_x_pairs` of each K share of `x [K]` with its own scale, as a program of a split K packs its share
+    (`split` shares of whole K tiles, as `gemv._k_split` cuts them), concatenated: `[K / 8, 4]`."""
+    K = x.numel()
+    per_split = -(-max(-(-K // block_k), 1) // split)
+    share = per_split * block_k
+    return torch.cat([packed_x_pairs(x[lo : lo + share], top) for lo in range(0, K, share)])
 
 
 @pytest.mark.parametrize(
@@ -124,14 +123,16 @@ def _packed_pairs(x: torch.Tensor, top: int) -> torch.Tensor:
     [
         ("nvfp4", 48, 96, 3, GemvConfig(16, 32, 16, 32)),  # gate_up K = 1.5 tiles (masked), prefetch
         ("nvfp4", 64, 96, 2, GemvConfig(16, 32, 16, 32, split_k1=2, split_k2=3, prefetch=False)),  # K shares
-        ("int4-g32-zp", 64, 96, 1, GemvConfig(32, 32, 16, 64, prefetch=False)),  # zero points
-        ("int4-g64", 128, 64, 3, GemvConfig(16, 64, 8, 64, stages=3)),  # a pipeline; down K < a tile
+        ("int4-g32-zp", 64, 96, 1, GemvConfig(32, 32, 16, 64, prefetch=False)),  # zero points; down 1.5 tiles
+        ("int4-g32-zp", 96, 32, 2, GemvConfig(16, 64, 16, 64)),  # gate_up 1.5 tiles; down K < a tile
+        ("int4-g64", 128, 64, 3, GemvConfig(16, 64, 8, 64, stages=3)),  # a pipeline
     ],
 )
 def test_packed_x_gives_the_half_dots_output(name, H, I, T, cfg, monkeypatch):
     """`half_x_pack` (x' packed once per program, loaded by the K loop): bitwise the half dot's output (the same
-    x' values and sums), and, without split K, each routed token's row of gate_up's workspace holds its x'
-    pairs as a torch packing of the scaled x gives them (E = 7 on 3 pool rows, one pair not routed)."""
+    x' values and sums); each routed token's row of gate_up's workspace and each routed pair's row of down's
+    hold the x' (act') pairs a torch packing of the scaled row gives, each K share with its own scale (E = 7
+    on 3 pool rows, one pair not routed)."""
     E, K = 7, 3
     g, fmt, w13, w2, l2p = _layer(name, H, I, torch.bfloat16, E, seed=11)
     x = torch.randn(T, H, generator=g)
@@ -139,6 +140,8 @@ def test_packed_x_gives_the_half_dots_output(name, H, I, T, cfg, monkeypatch):
     x = x.bfloat16()
     ids, w = random_routing(T, K, E, g)
     ids[-1, 0] = -1
+    half = dataclasses.replace(cfg, half_dot=True)
+    act = gemv_gate_up(x, ids, l2p, E, w13, fmt, half)
     workspaces = []
     allocate = gemv._x_pairs_workspace
 
@@ -147,19 +150,22 @@ def test_packed_x_gives_the_half_dots_output(name, H, I, T, cfg, monkeypatch):
         return workspaces[-1]
 
     monkeypatch.setattr(gemv, "_x_pairs_workspace", recorded)
-    half = dataclasses.replace(cfg, half_dot=True)
     want = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, half)
     assert [ws.shape for ws in workspaces] == [(1, 1), (1, 1)], "the half dot alone has no workspace"
     workspaces.clear()
     got = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, dataclasses.replace(half, half_x_pack=True))
     assert torch.equal(got, want), (got.float() - want.float()).abs().max()
     assert [ws.shape for ws in workspaces] == [(T, H // 2), (T * K, I // 2)]
-    if cfg.split_k1 == 1:
-        top = 13 if name == "nvfp4" else 8  # gemv_half.NVFP4_TOP, INT4_TOP
-        routed = ((ids >= 0) & (l2p[ids.clamp(min=0)] >= 0)).any(dim=1)
-        for t in range(T):
-            if routed[t]:
-                assert torch.equal(workspaces[0][t].view(-1, 4), _packed_pairs(x[t], top)), f"token {t}"
+    top = 13 if name == "nvfp4" else 8  # gemv_half.NVFP4_TOP, INT4_TOP
+    pair_routed = (ids.flatten() >= 0) & (l2p[ids.flatten().clamp(min=0)] >= 0)
+    for t in range(T):
+        if pair_routed[t * K : (t + 1) * K].any():
+            want_row = _packed_shares(x[t], cfg.block_k1, cfg.split_k1, top)
+            assert torch.equal(workspaces[0][t].view(-1, 4), want_row), f"gate_up, token {t}"
+    for p in range(T * K):
+        if pair_routed[p]:
+            want_row = _packed_shares(act[p], cfg.block_k2, cfg.split_k2, top)
+            assert torch.equal(workspaces[1][p].view(-1, 4), want_row), f"down, pair {p}"
 
 
 def test_packed_x_refused_without_the_half_dot_or_in_one_launch():

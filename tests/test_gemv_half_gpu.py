@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.kernel_helpers import assert_close, build_layer
+from tests.kernel_helpers import assert_close, build_layer, packed_x_pairs
 from tests.test_kernels_gpu import SHAPES, poison_allocator, pooled_reference, routing
 
 pytestmark = pytest.mark.gpu
@@ -64,10 +64,11 @@ def test_half_dot_against_fp32_dot_and_dense_reference(name, shape, M):
     assert_close(half, fp32, f"{name}: half vs fp32 dot {shape} M={M}", rel=1e-2)
     ref = pooled_reference(x, ids, w, l2p, E, p13, p2, fmt)
     assert_close(half, ref, f"{name}: half dot vs dense reference {shape} M={M}")
-    # x' packed once per program (`half_x_pack`): the same x' values and sums, so bitwise the half dot's output;
-    # also with K tiles of 512 (one of gpu_check.sh's alternatives) against the dense reference
+    # x' packed once per program (`half_x_pack`): the same x' values and sums, so bitwise the half dot's output at
+    # the same tiles; also gpu_check.sh's alternative with gate_up's K tiles of 512, against the dense reference
     for cfg in (dataclasses.replace(half_cfg, half_x_pack=True),
-                dataclasses.replace(half_cfg, half_x_pack=True, block_k1=512, max_registers=128)):  # fmt: skip
+                dataclasses.replace(half_cfg, half_x_pack=True, block_k1=512, max_registers=128,
+                                    down_max_registers=96)):  # fmt: skip
         packed = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=cfg)
         if cfg.block_k1 == half_cfg.block_k1:
             assert torch.equal(packed, half), (packed.float() - half.float()).abs().max()
@@ -101,3 +102,50 @@ def test_half_dot_row_scale_extremes(name):
         assert torch.equal(half[2], torch.zeros_like(half[2])), (
             f"zero row at scale {s}: {half[2].abs().max()}"
         )
+
+
+@pytest.mark.parametrize(
+    ("name", "cfg"),
+    [
+        ("nvfp4", dict(split_k1=2, split_k2=2)),  # programs pack disjoint shares of a row, each its own scale
+        ("int4-g128-zp", dict(block_k2=512)),  # down K = 768: 1.5 tiles, the last masked (q - z != 0 there)
+        ("int4-g32", dict(stages=3)),  # the pair loads in Triton's pipeline (cp.async)
+        ("nvfp4", dict(prefetch=True)),  # the register prefetch
+    ],
+)
+def test_packed_x_in_split_masked_and_pipelined_loops(name, cfg, monkeypatch):
+    """Qwen3-like layer, M = 5: packed x gives bitwise the half dot's output in the configs where programs write
+    different parts of one workspace row (split K), the loop's last tile is masked, and the pair loads are
+    pipelined or prefetched; gate_up's workspace rows (recorded) hold the scaled x as a torch packing gives it
+    (without split K). The interpreter runs programs one at a time: only here do they race."""
+    from pooled_runner.kernels import fused_moe, gemv
+    from pooled_runner.kernels.gemv import gemv_configs
+
+    H, I, _, K = SHAPES["qwen3"]
+    E, R, M = 13, 9, 5
+    fmt, p13, p2, l2p = _layer(name, "qwen3", E, R, seed=17)
+    g = torch.Generator(device="cuda").manual_seed(17)
+    x = torch.randn(M, H, generator=g, device="cuda")
+    x[1, 7] = 120.0
+    x = x.bfloat16()
+    ids, w = routing(M, K, E, g)
+    half = dataclasses.replace(gemv_configs(H, I, fmt.fmt, M * K, fmt.group), half_dot=True, **cfg)
+    want = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=half)
+    workspaces = []
+    allocate = gemv._x_pairs_workspace
+
+    def recorded(*args):
+        workspaces.append(allocate(*args))
+        return workspaces[-1]
+
+    monkeypatch.setattr(gemv, "_x_pairs_workspace", recorded)
+    packed_cfg = dataclasses.replace(half, half_x_pack=True)
+    got = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=packed_cfg)
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    assert workspaces and workspaces[0].shape == (M, H // 2), [ws.shape for ws in workspaces]
+    if half.split_k1 == 1:
+        top = 13 if fmt.fmt == 4 else 8  # gemv_half.NVFP4_TOP, INT4_TOP
+        routed = ((ids >= 0) & (l2p[ids.clamp(min=0)] >= 0)).any(dim=1).tolist()
+        for t in (t for t in range(M) if routed[t]):
+            want_row = packed_x_pairs(x[t], top)
+            assert torch.equal(workspaces[0][t].view(-1, 4), want_row), f"token {t}"
