@@ -120,3 +120,17 @@ def packed_x_pairs(x: torch.Tensor, top: int) -> torch.Tensor:
     bits = (xf * 2.0 ** (top + 127 - e)).half().view(torch.int16).int() & 0xFFFF
     words = bits.view(-1, 8)
     return (words[:, :4] | (words[:, 4:] << 16)).int()
+
+
+def record_x_pairs_workspaces(monkeypatch, gemv_module) -> list[torch.Tensor]:
+    """Patches `gemv_module._x_pairs_workspace` (the launchers' `half_x_pack` workspace allocation) to also
+    append each workspace it allocates to the returned list, so a test can read what the kernels wrote."""
+    workspaces: list[torch.Tensor] = []
+    allocate = gemv_module._x_pairs_workspace
+
+    def recorded(*args):
+        workspaces.append(allocate(*args))
+        return workspaces[-1]
+
+    monkeypatch.setattr(gemv_module, "_x_pairs_workspace", recorded)
+    return workspaces

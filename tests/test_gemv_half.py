@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.kernel_helpers import assert_close, packed_x_pairs, random_routing
+from tests.kernel_helpers import assert_close, packed_x_pairs, random_routing, record_x_pairs_workspaces
 from tests.test_kernels_gemv import (
     GemvConfig,
     _layer,
@@ -142,14 +142,7 @@ def test_packed_x_gives_the_half_dots_output(name, H, I, T, cfg, monkeypatch):
     ids[-1, 0] = -1
     half = dataclasses.replace(cfg, half_dot=True)
     act = gemv_gate_up(x, ids, l2p, E, w13, fmt, half)
-    workspaces = []
-    allocate = gemv._x_pairs_workspace
-
-    def recorded(*args):
-        workspaces.append(allocate(*args))
-        return workspaces[-1]
-
-    monkeypatch.setattr(gemv, "_x_pairs_workspace", recorded)
+    workspaces = record_x_pairs_workspaces(monkeypatch, gemv)
     want = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, half)
     assert [ws.shape for ws in workspaces] == [(1, 1), (1, 1)], "the half dot alone has no workspace"
     workspaces.clear()

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.kernel_helpers import assert_close, build_layer, packed_x_pairs
+from tests.kernel_helpers import assert_close, build_layer, packed_x_pairs, record_x_pairs_workspaces
 from tests.test_kernels_gpu import SHAPES, poison_allocator, pooled_reference, routing
 
 pytestmark = pytest.mark.gpu
@@ -131,14 +131,7 @@ def test_packed_x_in_split_masked_and_pipelined_loops(name, cfg, monkeypatch):
     ids, w = routing(M, K, E, g)
     half = dataclasses.replace(gemv_configs(H, I, fmt.fmt, M * K, fmt.group), half_dot=True, **cfg)
     want = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=half)
-    workspaces = []
-    allocate = gemv._x_pairs_workspace
-
-    def recorded(*args):
-        workspaces.append(allocate(*args))
-        return workspaces[-1]
-
-    monkeypatch.setattr(gemv, "_x_pairs_workspace", recorded)
+    workspaces = record_x_pairs_workspaces(monkeypatch, gemv)
     packed_cfg = dataclasses.replace(half, half_x_pack=True)
     got = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=packed_cfg)
     assert torch.equal(got, want), (got.float() - want.float()).abs().max()
