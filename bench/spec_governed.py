@@ -24,8 +24,10 @@ read: syncs, outside the timed steps).
 `--rounds N` runs every policy of a cell N times, in the listed order and then reversed (ABBA: a drift of the
 machine over the cell, e.g. the host link's speed, weighs on every policy alike); a row sums its rounds, and
 "vs depth 0 by round" gives each round's ratio, so a ratio's spread from run to run shows beside the mean.
+`--governor-warm N` adds a row "governed, warmed N": a governor that decided N steps (probes included) before
+its counted ones, as a serving process has by then; the "governed" row counts from the governor's start.
 
-Usage: python -m bench.spec_governed [--quick] [--accept 0.6] [--rounds 1] [--out results.md]
+Usage: python -m bench.spec_governed [--quick] [--accept 0.6] [--rounds 1] [--governor-warm 0] [--out results.md]
 """
 
 from __future__ import annotations
@@ -151,18 +153,22 @@ def sample_accepted(depth: int, accept: float, rng: random.Random) -> int:
 
 
 def run_policy(graphs: DepthGraphs, lanes: torch.Tensor, policy: str, num_steps: int, warm: int, accept: float, seed: int) -> PolicyRun:  # fmt: skip
-    """`policy` "depth N" (fixed) or "governed" over `num_steps` verify steps (the first `warm` not counted);
-    stops early when a request's lanes have fewer than 1 + max depth tokens left. Each step's time is read
-    after the next step is enqueued (the governor's overlapped-caller contract)."""
+    """`policy` "depth N" (fixed), "governed", or "governed, warmed N" over `num_steps` verify steps (the first
+    `warm` not counted, at the policy's first depth); a warmed governor also decides N more steps before the
+    counted ones, observed but not counted (what a serving process has learnt by then). Stops early when a
+    request's lanes have fewer than 1 + max depth tokens left. Each step's time is read after the next step is
+    enqueued (the governor's overlapped-caller contract)."""
     depths = tuple(sorted(graphs.static))
-    governor = SpecGovernor(depths) if policy == "governed" else None
+    governor = SpecGovernor(depths) if policy.startswith("governed") else None
     fixed = None if governor else int(policy.split()[1])
+    learn = int(policy.split()[-1]) if policy.startswith("governed, warmed") else 0
+    skip = warm + learn  # steps not counted
     rng = random.Random(seed)
     bs = lanes.shape[2] // 2
     positions = [0] * bs
     out = PolicyRun(policy)
     pending: tuple[int, int, list[int], Callable[[], float]] | None = None
-    misses_before = graphs.system.traffic().misses  # warm steps, if any, are taken off below
+    misses_before = graphs.system.traffic().misses  # uncounted steps, if any, are taken off below
 
     def finish(step: int, d: int, accepted: list[int], elapsed: Callable[[], float]) -> None:
         ms = elapsed()
@@ -170,14 +176,16 @@ def run_policy(graphs: DepthGraphs, lanes: torch.Tensor, policy: str, num_steps:
             return
         if governor is not None:
             governor.observe(d, accepted, ms * 1e-3)
+        if step < skip:  # a warmed governor learning, not counted
+            return
         out.steps += 1
         out.tokens += 1.0 + sum(accepted) / bs
         out.ms += ms
         out.at_depth[d] = out.at_depth.get(d, 0) + 1
 
-    for step in range(num_steps):
-        if step == warm and warm > 0:
-            if pending is not None:  # the last warm step's time (not counted) before the boundary read
+    for step in range(num_steps + learn):
+        if step == skip and skip > 0:
+            if pending is not None:  # the last uncounted step's time before the boundary read
                 finish(*pending)
                 pending = None
             misses_before = graphs.system.traffic().misses
@@ -227,10 +235,12 @@ def run(
     commit: str = "",
     fixed_depths: tuple[int, ...] = DEPTHS,
     rounds: int = 1,
+    governor_warm: int = 0,
 ) -> tuple[list[str], list[list]]:
     """Every (pool, bs, policy): header lines and table rows. `fixed_depths`: the fixed-depth rows (0 always;
     the governor chooses among all of `DEPTHS`). `rounds`: runs of each policy per cell, in order then
-    reversed (module docstring)."""
+    reversed (module docstring). `governor_warm` > 0: also a row of a governor that decided that many steps
+    before the counted ones ("governed, warmed N")."""
     assert 0 in fixed_depths and set(fixed_depths) <= set(DEPTHS), fixed_depths
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: need at least one run of each policy per cell (--rounds)")
@@ -244,9 +254,14 @@ def run(
     ]
     print("\n".join(header), flush=True)
     bank = make_bank(shape, device, g)
-    lanes = {bs: request_lanes(shape, bs, steps[bs] * (1 + max(DEPTHS)) + 1) for bs in batches}
+    if governor_warm < 0:
+        raise ValueError(f"governor_warm={governor_warm}: steps a governor learns before it is counted, >= 0")
+    lanes = {
+        bs: request_lanes(shape, bs, (steps[bs] + governor_warm) * (1 + max(DEPTHS)) + 1) for bs in batches
+    }
     rows = []
     policies = [f"depth {d}" for d in fixed_depths] + ["governed"]
+    policies += [f"governed, warmed {governor_warm}"] if governor_warm else []
     for frac in pools:
         ours = make_ours(
             bank, shape, int(frac * shape.L * shape.E), decode_lanes(max(batches), max(DEPTHS)), device
@@ -311,6 +326,12 @@ def main() -> None:
     ap.add_argument(
         "--rounds", type=int, default=1, help="runs of every policy per cell, order reversed each round"
     )
+    ap.add_argument(
+        "--governor-warm",
+        type=int,
+        default=0,
+        help="also a governor that decided this many steps before counting",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
@@ -332,6 +353,7 @@ def main() -> None:
         args.commit,
         fixed,
         args.rounds,
+        args.governor_warm,
     )
     text = print_table("Cost-aware speculation: fixed depths and the governor (ours)", COLUMNS, rows)
     line = summary(rows)

@@ -94,8 +94,9 @@ else
   step bench_spec_governed_long "${BENCH_SPEC_GOVERNED_LONG_CAP:-420}" "$PY" -m bench.spec_governed --quick --pools 0.25 --batches 16 --steps 1000 --fixed 0,3 --out "$OUT/bench_spec_governed_long.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # the cell where the governor gave 0.923x depth 0 once and 0.984-0.988x in three earlier runs (pool 50%, bs 16):
   # four rounds in ABBA order, each round's ratio printed, so run-to-run drift shows apart from the governor's
-  # cost; the misses/step column tells the pool's part (bench.spec_pool_misses: no re-warm after a probe)
-  step bench_spec_governed_rounds "${BENCH_SPEC_GOVERNED_ROUNDS_CAP:-300}" "$PY" -m bench.spec_governed --quick --pools 0.5 --batches 16 --fixed 0,1 --rounds 4 --out "$OUT/bench_spec_governed_rounds.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  # cost; the misses/step column tells the pool's part (bench.spec_pool_misses: no re-warm after a probe); and a
+  # governor that decided 300 steps before its counted ones (a serving process's, past its first probes)
+  step bench_spec_governed_rounds "${BENCH_SPEC_GOVERNED_ROUNDS_CAP:-300}" "$PY" -m bench.spec_governed --quick --pools 0.5 --batches 16 --fixed 0,1 --rounds 4 --governor-warm 300 --out "$OUT/bench_spec_governed_rounds.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # PNGs from the decode JSON and the prefill table (needs matplotlib; the step fails alone without it; a
   # plot whose input a skipped or failed step did not write is left out with a note)
   step bench_plot "${BENCH_PLOT_CAP:-60}" "$PY" -m bench.plot --decode "$OUT/bench_decode.json" --prefill "$OUT/bench_prefill.md" --out-dir "$OUT"

@@ -116,3 +116,50 @@ def test_rounds_sum_each_policy_and_report_every_rounds_ratio() -> None:
         spec_governed.run(
             SHAPE, torch.device("cpu"), {1: 5}, warm=1, accept=0.6, pools=(0.5,), batches=(1,), rounds=0
         )
+
+
+def test_a_warmed_governor_counts_only_the_steps_after_its_learning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`governor_warm`: a row "governed, warmed N" whose governor observed N steps more than the cold one (its
+    learning) and counted as many as the other policies, its steps at each depth summing to them; negative N
+    refused."""
+    observed: list[int] = []
+
+    class Counting(spec_governed.SpecGovernor):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            observed.append(0)
+
+        def observe(self, *args, **kwargs) -> None:
+            observed[-1] += 1
+            super().observe(*args, **kwargs)
+
+    monkeypatch.setattr(spec_governed, "SpecGovernor", Counting)
+    _, rows = spec_governed.run(
+        SHAPE,
+        torch.device("cpu"),
+        {3: 24},
+        warm=2,
+        accept=0.6,
+        pools=(0.5,),
+        batches=(3,),
+        fixed_depths=(0,),
+        governor_warm=40,
+    )
+    assert [r[2] for r in rows] == ["depth 0", "governed", "governed, warmed 40"]
+    assert observed == [24 - 2, 24 - 2 + 40], observed  # the cold governor, then the warmed one
+    warmed = rows[2]
+    assert warmed[3] == rows[1][3] == 24 - 2
+    counts = [int(part.split(": ")[1]) for part in warmed[9].split(", ")]
+    assert sum(counts) == warmed[3]
+    assert warmed[7] == warmed[6] / rows[0][6] and 0 < warmed[10] <= SHAPE.L * SHAPE.E
+    with pytest.raises(ValueError, match="governor_warm=-1"):
+        spec_governed.run(
+            SHAPE,
+            torch.device("cpu"),
+            {1: 5},
+            warm=1,
+            accept=0.6,
+            pools=(0.5,),
+            batches=(1,),
+            governor_warm=-1,
+        )
