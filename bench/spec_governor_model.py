@@ -13,7 +13,10 @@ that never come back (each depth probed once, when first in reach): where drafti
 that must measure a depth before it rules it out pays at least over the run, the probes' share of issue #9's
 "never below depth 0".
 
+`--learn N`: each governor decides N steps before the counted ones (a serving process past its start).
+
 Usage: python -m bench.spec_governor_model [--seeds 40] [--steps 150,400,2000] [--governor FILE] [--floor]
+                                          [--learn N]
 """
 
 from __future__ import annotations
@@ -61,26 +64,34 @@ def sample_accepted(depth: int, rng: random.Random) -> int:
 
 
 def noisy_run(
-    costs_ms: dict[int, float], batch_size: int, num_steps: int, seed: int, module: ModuleType = spec_governor
+    costs_ms: dict[int, float],
+    batch_size: int,
+    num_steps: int,
+    seed: int,
+    module: ModuleType = spec_governor,
+    learn: int = 0,
 ) -> tuple[float, float, int]:
     """One replay: (tokens/s per request over depth 0's, over the best fixed depth's, the depth it ends at).
-    Both references run under the same noise draws as the governor."""
+    Both references run under the same noise draws as the governor. `learn`: steps the governor decides before
+    the `num_steps` counted ones (not counted: a serving process past its start)."""
     cv = NOISE_CV[batch_size]
     rng = random.Random(seed)
     governor = module.SpecGovernor(sorted(costs_ms))
     tokens = seconds = 0.0
     fixed_seconds = dict.fromkeys(costs_ms, 0.0)  # each fixed depth under the same noise (no switches)
     last, since = None, 2
-    for _ in range(num_steps):
+    for step in range(learn + num_steps):
         depth = governor.choose()
         since = 0 if depth != last and last is not None else since + 1
         last = depth
         noise = math.exp(rng.gauss(0.0, cv) - cv * cv / 2) * (2.5 if rng.random() < 0.01 else 1.0)
-        step = costs_ms[depth] * 1e-3 * noise * (1.5 if since == 0 else 1.05 if since == 1 else 1.0)
+        seconds_step = costs_ms[depth] * 1e-3 * noise * (1.5 if since == 0 else 1.05 if since == 1 else 1.0)
         accepted = [sample_accepted(depth, rng) for _ in range(batch_size)]
-        governor.observe(depth, accepted, step)
+        governor.observe(depth, accepted, seconds_step)
+        if step < learn:
+            continue
         tokens += 1.0 + sum(accepted) / batch_size
-        seconds += step
+        seconds += seconds_step
         for d, ms in costs_ms.items():
             fixed_seconds[d] += ms * 1e-3 * noise
     rate = tokens / seconds
@@ -114,13 +125,18 @@ def main() -> None:
     ap.add_argument("--steps", default="150,400,2000", help="steps per replay, comma-separated")
     ap.add_argument("--governor", default="", help="another spec_governor.py to replay beside this tree's")
     ap.add_argument("--floor", action="store_true", help="also this tree's governor probing each depth once")
+    ap.add_argument(
+        "--learn", type=int, default=0, help="steps each governor decides before the counted ones"
+    )
     args = ap.parse_args()
     governors = {"this tree": spec_governor}
     if args.governor:
         governors[args.governor] = load_governor(args.governor)
     if args.floor:
         governors["probes once"] = probing_once()
-    print(f"acceptance {ACCEPT} (chain); seeds {args.seeds}; noise cv by bs {NOISE_CV}")
+    print(
+        f"acceptance {ACCEPT} (chain); seeds {args.seeds}; noise cv by bs {NOISE_CV}; {args.learn} steps not counted"
+    )
     print(
         "| cost model | steps | governor | vs depth 0, mean | worst | vs best fixed, mean | worst | ends at best |"
     )
@@ -129,7 +145,10 @@ def main() -> None:
         best = max(costs, key=lambda d: tokens_at(d) / costs[d])
         for steps in (int(s) for s in args.steps.split(",")):
             for label, module in governors.items():
-                runs = [noisy_run(costs, bs, steps, 1000 * bs + seed, module) for seed in range(args.seeds)]
+                runs = [
+                    noisy_run(costs, bs, steps, 1000 * bs + seed, module, args.learn)
+                    for seed in range(args.seeds)
+                ]
                 vs0, vsbest = [r[0] for r in runs], [r[1] for r in runs]
                 at_best = sum(r[2] == best for r in runs)
                 print(

@@ -471,3 +471,13 @@ def test_the_floor_governor_probes_each_depth_once() -> None:
         if label == "once":
             assert 2 <= depths.count(1) <= governor.max_probe_steps and depths.index(1) < 8, depths[:40]
     assert steps_after_100["once"] == 0 < steps_after_100["shipped"], steps_after_100
+
+
+def test_past_its_first_probes_the_governor_stays_closer_to_depth_0() -> None:
+    """`noisy_run(..., learn=300)`: counted after 300 steps the governor decided (a serving process past its
+    start), where drafting loses (the H200's bs 16 step times), the governor's 150 counted steps pay only its
+    later, rarer probes: nearer depth 0 than a run counted from the start, under the same seeds."""
+    costs = LOSING_ON_THE_H200[(16, 150)]
+    cold = [noisy_run(costs, 16, 150, 1000 * 16 + seed)[0] for seed in range(6)]
+    warm = [noisy_run(costs, 16, 150, 1000 * 16 + seed, learn=300)[0] for seed in range(6)]
+    assert sum(warm) / 6 > sum(cold) / 6 and sum(warm) / 6 >= 0.985, (cold, warm)
