@@ -60,8 +60,9 @@ from .combine import combine
 from .dequant import FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NVFP4
 from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _check_proj_shape, interpreting
 from .gemv_config import _VALUES_PER_WORD as _VALUES_PER_WORD  # re-exported: gemv_one
-from .gemv_config import GemvConfig, gemv_configs
+from .gemv_config import GemvConfig, gemv_configs, reg_limit
 from .gemv_config import _int4_block_k as _int4_block_k  # re-exported: the tests call it
+from .gemv_config import _k_split as _k_split  # re-exported: bench.gemv_sweep
 from .gemv_half import X_SCALE_CHUNK
 from .gemv_tiles import _down_tile, _gate_up_tile, _slot_pair_by_id
 from .gemv_tiles import _slot_pair as _slot_pair  # re-exported: the tests call it
@@ -69,6 +70,9 @@ from .operands import KernelFormat, Projection
 from .workspace import _COUNTERS as _COUNTERS  # re-exported: tests and the bench read the workspace here
 from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters, counters_ready
 from .workspace import spin_timeouts as spin_timeouts
+from .workspace import (
+    x_pairs_workspace as _x_pairs_workspace,  # looked up here at each launch (tests patch it)
+)
 
 GEMV_MAX_PAIRS = MAX_SYNC_PAIRS  # T*K up to this (128: the per-pair words of the sync workspace)
 # The schedule's smallest width: every program sorts P_POW2 keys, so steps of up to 64 pairs share one compile
@@ -259,7 +263,7 @@ def gemv_gate_up(
     else:
         part, cnt = act, act  # not read
     use_pdl = pdl.gemv_pdl_enabled(hidden)
-    xp = _x_pairs_workspace(config, T, H, hidden.device)
+    xp = _x_pairs_workspace(config.half_x_pack, T, H, hidden.device)
     _gate_up_kernel[(num_pairs * num_nb * split,)](
         hidden, act, part, cnt, topk_ids, l2p, xp, *ptrs, *strides,
         num_pairs, num_experts, w13.num_rows, I, H, hidden.stride(0), act.stride(0), xp.stride(0), c0, c1,
@@ -274,14 +278,6 @@ def gemv_gate_up(
     return act
 
 
-def _x_pairs_workspace(config: GemvConfig, rows: int, k: int, device: torch.device) -> torch.Tensor:
-    """`[rows, K / 2]` int32 for the x' pairs of `GemvConfig.half_x_pack` (4 per 8-value word: as many bytes as a
-    bf16 row), written and read by the kernels of one launch; `[1, 1]` (not read) without it."""
-    if not config.half_x_pack:
-        return torch.empty((1, 1), dtype=torch.int32, device=device)
-    return torch.empty((max(rows, 1), k // 2), dtype=torch.int32, device=device)
-
-
 def _half_x(config: GemvConfig, fmt: KernelFormat, k: int) -> int:
     """The kernels' HALF_X for a projection over K = `k`: 0 for the fp32 word dot; with `config.half_dot`, the
     x values its row scale loads at once (`gemv_half`). ValueError for a format other than NVFP4 and int4."""
@@ -292,22 +288,6 @@ def _half_x(config: GemvConfig, fmt: KernelFormat, k: int) -> int:
             f"GEMV path: half_dot is NVFP4's and int4's word dot; format {fmt.fmt} has none (use half_dot=False)"
         )
     return min(triton.next_power_of_2(max(k, 1)), X_SCALE_CHUNK)
-
-
-def reg_limit(config: GemvConfig, down: bool = False) -> dict[str, int]:
-    """Launch options of gate_up (`down`: of down): ptxas' register limit (`maxnreg`) where the config sets one
-    (none on ROCm: its compiler options have no such field; `GemvConfig` checked the value)."""
-    regs = config.registers(down)
-    if not regs or torch.version.hip:
-        return {}
-    return {"maxnreg": regs}
-
-
-def _k_split(k: int, block_k: int, split: int) -> tuple[int, int]:
-    """(splits, K tiles per split) for `split` (>= 1, `GemvConfig`) requested shares of K's tiles, none empty."""
-    tiles = max(triton.cdiv(k, block_k), 1)  # K = 0: one (empty) share
-    per_split = triton.cdiv(tiles, split)
-    return triton.cdiv(tiles, per_split), per_split
 
 
 def gemv_down_combine(
@@ -353,7 +333,7 @@ def gemv_down_combine(
     cnt = _counters(act.device, T * num_nb)[SYNC_WORDS:]
     ptrs, strides, native, c0, c1 = _word_args(w2, fmt)
     use_pdl = pdl.gemv_pdl_enabled(act)
-    xp = _x_pairs_workspace(config, num_pairs, I, act.device)
+    xp = _x_pairs_workspace(config.half_x_pack, num_pairs, I, act.device)
     _down_kernel[(num_pairs * num_nb * split,)](
         act, y, part, out, cnt, topk_ids, l2p, tw, xp,
         *ptrs, *strides, num_pairs, num_experts, w2.num_rows, H, I, act.stride(0), H, out.stride(0), xp.stride(0),

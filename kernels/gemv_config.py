@@ -139,3 +139,19 @@ def _num_sms() -> int:
 @functools.cache
 def _sms_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def reg_limit(config: GemvConfig, down: bool = False) -> dict[str, int]:
+    """Launch options of gate_up (`down`: of down): ptxas' register limit (`maxnreg`) where the config sets one
+    (none on ROCm: its compiler options have no such field; `GemvConfig` checked the value)."""
+    regs = config.registers(down)
+    if not regs or torch.version.hip:
+        return {}
+    return {"maxnreg": regs}
+
+
+def _k_split(k: int, block_k: int, split: int) -> tuple[int, int]:
+    """(splits, K tiles per split) for `split` (>= 1, `GemvConfig`) requested shares of K's tiles, none empty."""
+    tiles = max(triton.cdiv(k, block_k), 1)  # K = 0: one (empty) share
+    per_split = triton.cdiv(tiles, split)
+    return triton.cdiv(tiles, per_split), per_split

@@ -1,8 +1,9 @@
 """Per-device int32 workspace of the kernels that synchronize programs of one launch: arrival counters of the
 fused combines (`gemv._down_tile`, `decode_align._arrive_and_combine`), of split-K gate_up
-(`gemv_tiles._gate_up_tile`) and the sync words of the one-launch GEMV
-kernel, and the fp64 sums of the one-launch split path (`splitk.py`). Zero between launches: each kernel resets
-what it uses (one stream at a time per device), except the sticky error word 0 (`spin_timeouts`).
+(`gemv_tiles._gate_up_tile`) and the sync words of the one-launch GEMV kernel, and the fp64 sums of the one-launch
+split path (`splitk.py`). Zero between launches: each kernel resets what it uses (one stream at a time per
+device), except the sticky error word 0 (`spin_timeouts`). Also the GEMV's x' pairs (`x_pairs_workspace`): a
+fresh tensor per launch, written before it is read.
 """
 
 from __future__ import annotations
@@ -71,3 +72,12 @@ def sums_ready(device: torch.device, n: int, dtype: torch.dtype = torch.float64)
     """Whether `_float_sums(device, n, dtype)` would return the existing buffer (no allocation)."""
     buf = _SUMS.get((device, dtype))
     return buf is not None and buf.numel() >= n
+
+
+def x_pairs_workspace(packed: bool, rows: int, k: int, device: torch.device) -> torch.Tensor:
+    """`[rows, K / 2]` int32 for the x' pairs of `GemvConfig.half_x_pack` (`packed`; 4 per 8-value word: as
+    many bytes as a bf16 row), written and read by the GEMV kernels of one launch (`gemv_half.x_half_pack`);
+    `[1, 1]` (not read) without it. A fresh tensor per launch (stream-ordered reuse by the caching allocator)."""
+    if not packed:
+        return torch.empty((1, 1), dtype=torch.int32, device=device)
+    return torch.empty((max(rows, 1), k // 2), dtype=torch.int32, device=device)
