@@ -68,11 +68,8 @@ from .gemv_tiles import _down_tile, _gate_up_tile, _slot_pair_by_id
 from .gemv_tiles import _slot_pair as _slot_pair  # re-exported: the tests call it
 from .operands import KernelFormat, Projection
 from .workspace import _COUNTERS as _COUNTERS  # re-exported: tests and the bench read the workspace here
-from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters, counters_ready
+from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters, counters_ready, x_pairs_args
 from .workspace import spin_timeouts as spin_timeouts
-from .workspace import (
-    x_pairs_workspace as _x_pairs_workspace,  # looked up here at each launch (tests patch it)
-)
 
 GEMV_MAX_PAIRS = MAX_SYNC_PAIRS  # T*K up to this (128: the per-pair words of the sync workspace)
 # The schedule's smallest width: every program sorts P_POW2 keys, so steps of up to 64 pairs share one compile
@@ -263,10 +260,10 @@ def gemv_gate_up(
     else:
         part, cnt = act, act  # not read
     use_pdl = pdl.gemv_pdl_enabled(hidden)
-    xp = _x_pairs_workspace(config.half_x_pack, T, H, hidden.device)
+    xp, stride_xp = x_pairs_args(config.half_x_pack, T, H, l2p)
     _gate_up_kernel[(num_pairs * num_nb * split,)](
         hidden, act, part, cnt, topk_ids, l2p, xp, *ptrs, *strides,
-        num_pairs, num_experts, w13.num_rows, I, H, hidden.stride(0), act.stride(0), xp.stride(0), c0, c1,
+        num_pairs, num_experts, w13.num_rows, I, H, hidden.stride(0), act.stride(0), stride_xp, c0, c1,
         tiles_per_split,
         TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n1, BLOCK_K=config.block_k1,
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
@@ -333,10 +330,10 @@ def gemv_down_combine(
     cnt = _counters(act.device, T * num_nb)[SYNC_WORDS:]
     ptrs, strides, native, c0, c1 = _word_args(w2, fmt)
     use_pdl = pdl.gemv_pdl_enabled(act)
-    xp = _x_pairs_workspace(config.half_x_pack, num_pairs, I, act.device)
+    xp, stride_xp = x_pairs_args(config.half_x_pack, num_pairs, I, l2p)
     _down_kernel[(num_pairs * num_nb * split,)](
         act, y, part, out, cnt, topk_ids, l2p, tw, xp,
-        *ptrs, *strides, num_pairs, num_experts, w2.num_rows, H, I, act.stride(0), H, out.stride(0), xp.stride(0),
+        *ptrs, *strides, num_pairs, num_experts, w2.num_rows, H, I, act.stride(0), H, out.stride(0), stride_xp,
         c0, c1, tiles_per_split,
         TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n2, BLOCK_K=config.block_k2,
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,

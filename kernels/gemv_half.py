@@ -94,25 +94,23 @@ def _scaled_x(x_row, k0, K_WORDS, KW: tl.constexpr, xscale, EVEN_K: tl.constexpr
 
 
 @triton.jit
-def _x_pairs(x):
-    """A word's x' (8-tuple of `[KW / 2]`) as its four fp16x2 pairs (0, 4), (1, 5), (2, 6), (3, 7), `[1, KW / 2]`."""
-    return (_pack_half2(x[0], x[4])[None, :], _pack_half2(x[1], x[5])[None, :], _pack_half2(x[2], x[6])[None, :],
-            _pack_half2(x[3], x[7])[None, :])  # fmt: skip
-
-
-@triton.jit
-def _x_rounded(x):
-    """A word's x' (8-tuple of `[KW / 2]`) rounded to fp16, `[1, KW / 2]` each (the interpreter's pairs)."""
-    return (_rnd16(x[0])[None, :], _rnd16(x[1])[None, :], _rnd16(x[2])[None, :], _rnd16(x[3])[None, :],
-            _rnd16(x[4])[None, :], _rnd16(x[5])[None, :], _rnd16(x[6])[None, :], _rnd16(x[7])[None, :])  # fmt: skip
-
-
-@triton.jit
 def _pack_half2_rounded(lo, hi):
     """The interpreter's `_pack_half2`: int32 fp16x2 of fp32 `lo` (low half) and `hi`, each rounded to nearest."""
     lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
     return (hi16 << 16) | lo16
+
+
+@triton.jit
+def _x_pairs(x, ASM: tl.constexpr):
+    """A word's x' (8-tuple, value j of each word) as its four fp16x2 pairs (0, 4), (1, 5), (2, 6), (3, 7), int32
+    of the same shape: `cvt.rn.f16x2.f32` (ASM) or its interpreter form."""
+    if ASM:
+        return (_pack_half2(x[0], x[4]), _pack_half2(x[1], x[5]), _pack_half2(x[2], x[6]),
+                _pack_half2(x[3], x[7]))  # fmt: skip
+    else:
+        return (_pack_half2_rounded(x[0], x[4]), _pack_half2_rounded(x[1], x[5]), _pack_half2_rounded(x[2], x[6]),
+                _pack_half2_rounded(x[3], x[7]))  # fmt: skip
 
 
 @triton.jit
@@ -127,23 +125,9 @@ def x_half_pack(x_row, xp_row, lo_w, hi_w, xscale, X_CG: tl.constexpr, CHUNK_W: 
     for w0 in range(lo_w, hi_w, CHUNK_W):
         w = w0 + offs
         ok = w < hi_w
-        xv = _ldx(x_row + w[:, None] * 8 + tl.arange(0, 8)[None, :], ok[:, None], False, X_CG) * xscale
-        # value 4a + 2b + d of word c at [c, a, b, d]; each split takes the last axis apart
-        xa0, xa1 = tl.split(tl.reshape(xv, (CHUNK_W, 2, 2, 2)))  # d = 0, 1
-        x0, x4 = tl.split(tl.split(xa0)[0])  # (b, d) = (0, 0): a = 0, 1 -> values 0, 4
-        x2, x6 = tl.split(tl.split(xa0)[1])
-        x1, x5 = tl.split(tl.split(xa1)[0])
-        x3, x7 = tl.split(tl.split(xa1)[1])
-        if ASM:
-            p0, p1, p2, p3 = (
-                _pack_half2(x0, x4),
-                _pack_half2(x1, x5),
-                _pack_half2(x2, x6),
-                _pack_half2(x3, x7),
-            )
-        else:
-            p0, p1 = _pack_half2_rounded(x0, x4), _pack_half2_rounded(x1, x5)
-            p2, p3 = _pack_half2_rounded(x2, x6), _pack_half2_rounded(x3, x7)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_split8(x_row, w0, hi_w, CHUNK_W, False, X_CG)
+        p0, p1, p2, p3 = _x_pairs((x0 * xscale, x1 * xscale, x2 * xscale, x3 * xscale, x4 * xscale, x5 * xscale,
+                                   x6 * xscale, x7 * xscale), ASM)  # fmt: skip
         pairs = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [c, b, d]: pair 2b + d (join adds the last axis)
         dst = (
             xp_row
@@ -178,7 +162,8 @@ def _loaded_pairs(xp_row, k0, K_WORDS, KW: tl.constexpr, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _pairs_as_x(p):
-    """Four fp16x2 pairs (0, 4) .. (3, 7) as a word's eight x' values in fp32 (the interpreter's `_x_rounded`)."""
+    """Four fp16x2 pairs (0, 4) .. (3, 7) as a word's eight x' values in fp32 (what the interpreter's HFMA2
+    emulation takes)."""
     return (_fp16_lo(p[0]), _fp16_lo(p[1]), _fp16_lo(p[2]), _fp16_lo(p[3]), _fp16_hi(p[0]), _fp16_hi(p[1]),
             _fp16_hi(p[2]), _fp16_hi(p[3]))  # fmt: skip
 
@@ -191,22 +176,25 @@ def _half_x_inputs(x_row, xp_row, k0, K_WORDS, KW: tl.constexpr, xscale, EVEN_K:
     prepared from x here."""
     if X_PACK:
         pa, pb = _loaded_pairs(xp_row, k0, K_WORDS, KW, EVEN_K)
-        if ASM:
-            return pa, pb
-        else:
-            return _pairs_as_x(pa), _pairs_as_x(pb)
     else:
         xa, xb = _scaled_x(x_row, k0, K_WORDS, KW, xscale, EVEN_K, X_CG)
-        if ASM:
-            return _x_pairs(xa), _x_pairs(xb)
-        else:
-            return _x_rounded(xa), _x_rounded(xb)
+        pa, pb = _row_vectors(_x_pairs(xa, ASM)), _row_vectors(_x_pairs(xb, ASM))
+    if ASM:
+        return pa, pb
+    else:
+        return _pairs_as_x(pa), _pairs_as_x(pb)
+
+
+@triton.jit
+def _row_vectors(p):
+    """Four `[KW / 2]` pairs as `[1, KW / 2]` (broadcast over a tile's rows)."""
+    return p[0][None, :], p[1][None, :], p[2][None, :], p[3][None, :]
 
 
 @triton.jit
 def _hfma_emulated(lo, hi, words, x):
     """The interpreter's `_E2M1_HFMA_ASM`: the fp32 sums of the halves `(lo, hi)` (fp16 values) plus each of the
-    word's pairs times its x' pair (`x`: `_x_rounded`), rounded to fp16 each step."""
+    word's pairs times its x' pair (`x`: `_pairs_as_x`), rounded to fp16 each step."""
     b04, b15, b26, b37 = _e2m1_pairs(words)
     lo = _rnd16(_fp16_lo(b04) * x[0] + lo)
     hi = _rnd16(_fp16_hi(b04) * x[4] + hi)
@@ -273,7 +261,7 @@ _SIXTEENTH_X2 = tl.constexpr(0x2C002C00)  # fp16x2 (1/16, 1/16)
 @triton.jit
 def _int4_hfma_emulated(lo, hi, words, z, x):
     """The interpreter's `_INT4_HFMA_ASM`: `(lo, hi)` plus each of the word's values `q - z` (exact) times its x'
-    (`x`: `_x_rounded`), each step rounded to fp16."""
+    (`x`: `_pairs_as_x`), each step rounded to fp16."""
     lo = _rnd16(((words & 15) - z) * x[0] + lo)
     hi = _rnd16((((words >> 16) & 15) - z) * x[4] + hi)
     lo = _rnd16((((words >> 4) & 15) - z) * x[1] + lo)

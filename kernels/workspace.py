@@ -74,10 +74,18 @@ def sums_ready(device: torch.device, n: int, dtype: torch.dtype = torch.float64)
     return buf is not None and buf.numel() >= n
 
 
-def x_pairs_workspace(packed: bool, rows: int, k: int, device: torch.device) -> torch.Tensor:
-    """`[rows, K / 2]` int32 for the x' pairs of `GemvConfig.half_x_pack` (`packed`; 4 per 8-value word: as
-    many bytes as a bf16 row), written and read by the GEMV kernels of one launch (`gemv_half.x_half_pack`);
-    `[1, 1]` (not read) without it. A fresh tensor per launch (stream-ordered reuse by the caching allocator)."""
-    if not packed:
-        return torch.empty((1, 1), dtype=torch.int32, device=device)
+def x_pairs_workspace(rows: int, k: int, device: torch.device) -> torch.Tensor:
+    """`[rows, K / 2]` int32 for the x' pairs of `GemvConfig.half_x_pack` (4 per 8-value word: as many bytes as
+    a bf16 row), written and read by the GEMV kernels of one launch (`gemv_half.x_half_pack`). A fresh tensor per
+    launch (stream-ordered reuse by the caching allocator)."""
     return torch.empty((max(rows, 1), k // 2), dtype=torch.int32, device=device)
+
+
+def x_pairs_args(packed: bool, rows: int, k: int, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The GEMV kernels' `xp_ptr` and its row stride: with `packed` (`GemvConfig.half_x_pack`) a fresh
+    `x_pairs_workspace` on `dummy`'s device; else `dummy` itself, stride 0 (never read: X_PACK is off), so a
+    launch without it allocates nothing."""
+    if not packed:
+        return dummy, 0
+    xp = x_pairs_workspace(rows, k, dummy.device)
+    return xp, xp.stride(0)

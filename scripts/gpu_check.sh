@@ -70,7 +70,7 @@ else
   # issue #4's packed decode at one token: the default against each changed GEMV config in turn, alternating
   # (bench.gemv_sweep --set alt; GEMV_ALTS: ";" between configs, GEMV_ALT_CASES: shape:format:M list). The
   # half word dot (GemvConfig.half_dot, never timed yet): alone (NVFP4 loop: 459 instructions per 16 words against
-  # 590, Triton 3.6); with x' packed once per program (half_x_pack: 372); that with gate_up's K tiles of 512 (32
+  # 590, Triton 3.6); with x' packed once per program (half_x_pack: 374); that with gate_up's K tiles of 512 (32
   # words per thread) at 128 registers (4 programs per SM still hold all 512 DeepSeek-like gate_up programs at
   # M=1), down kept at 96; the half dot without any register cap
   step bench_gemv_alts "${BENCH_GEMV_ALTS_CAP:-240}" "$PY" -m bench.gemv_sweep --set alt --rounds 2 --budget 200 --kernels gate_up,down,layer --cases "${GEMV_ALT_CASES:-deepseek:nvfp4:1,8;deepseek:int4-g128:1,8;qwen3:nvfp4:1}" --alt "${GEMV_ALTS:-half_dot=1;half_dot=1,half_x_pack=1;half_dot=1,half_x_pack=1,block_k1=512,max_registers=128,down_max_registers=96;half_dot=1,max_registers=0}" --out "$OUT/bench_gemv_alts.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}

@@ -122,15 +122,17 @@ def packed_x_pairs(x: torch.Tensor, top: int) -> torch.Tensor:
     return (words[:, :4] | (words[:, 4:] << 16)).int()
 
 
-def record_x_pairs_workspaces(monkeypatch, gemv_module) -> list[torch.Tensor]:
-    """Patches `gemv_module._x_pairs_workspace` (the launchers' `half_x_pack` workspace allocation) to also
+def record_x_pairs_workspaces(monkeypatch) -> list[torch.Tensor]:
+    """Patches `workspace.x_pairs_workspace` (the GEMV launchers' `half_x_pack` workspace allocation) to also
     append each workspace it allocates to the returned list, so a test can read what the kernels wrote."""
+    from pooled_runner.kernels import workspace
+
     workspaces: list[torch.Tensor] = []
-    allocate = gemv_module._x_pairs_workspace
+    allocate = workspace.x_pairs_workspace
 
     def recorded(*args):
         workspaces.append(allocate(*args))
         return workspaces[-1]
 
-    monkeypatch.setattr(gemv_module, "_x_pairs_workspace", recorded)
+    monkeypatch.setattr(workspace, "x_pairs_workspace", recorded)
     return workspaces

@@ -142,9 +142,9 @@ def test_packed_x_gives_the_half_dots_output(name, H, I, T, cfg, monkeypatch):
     ids[-1, 0] = -1
     half = dataclasses.replace(cfg, half_dot=True)
     act = gemv_gate_up(x, ids, l2p, E, w13, fmt, half)
-    workspaces = record_x_pairs_workspaces(monkeypatch, gemv)
+    workspaces = record_x_pairs_workspaces(monkeypatch)
     want = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, half)
-    assert [ws.shape for ws in workspaces] == [(1, 1), (1, 1)], "the half dot alone has no workspace"
+    assert workspaces == [], "the half dot alone has no workspace"
     workspaces.clear()
     got = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, dataclasses.replace(half, half_x_pack=True))
     assert torch.equal(got, want), (got.float() - want.float()).abs().max()

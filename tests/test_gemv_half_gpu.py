@@ -118,7 +118,7 @@ def test_packed_x_in_split_masked_and_pipelined_loops(name, cfg, monkeypatch):
     different parts of one workspace row (split K), the loop's last tile is masked, and the pair loads are
     pipelined or prefetched; gate_up's workspace rows (recorded) hold the scaled x as a torch packing gives it
     (without split K). The interpreter runs programs one at a time: only here do they race."""
-    from pooled_runner.kernels import fused_moe, gemv
+    from pooled_runner.kernels import fused_moe
     from pooled_runner.kernels.gemv import gemv_configs
 
     H, I, _, K = SHAPES["qwen3"]
@@ -131,7 +131,7 @@ def test_packed_x_in_split_masked_and_pipelined_loops(name, cfg, monkeypatch):
     ids, w = routing(M, K, E, g)
     half = dataclasses.replace(gemv_configs(H, I, fmt.fmt, M * K, fmt.group), half_dot=True, **cfg)
     want = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=half)
-    workspaces = record_x_pairs_workspaces(monkeypatch, gemv)
+    workspaces = record_x_pairs_workspaces(monkeypatch)
     packed_cfg = dataclasses.replace(half, half_x_pack=True)
     got = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=packed_cfg)
     assert torch.equal(got, want), (got.float() - want.float()).abs().max()
