@@ -25,7 +25,7 @@ import torch
 from bench.common import GB, bound_ms, distinct_experts, measure_bandwidths, print_table, seed_all, time_cuda
 from pooled_runner import PoolConfig, PooledMoE
 from pooled_runner.lanes import decode_lanes
-from pooled_runner.spec_governor import expected_chain_tokens
+from pooled_runner.spec_acceptance import expected_chain_tokens
 
 # Qwen3-30B-A3B-like MoE layer shape: hidden, intermediate per expert, experts, top-k.
 SHAPE = {"H": 2048, "I": 768, "E": 128, "K": 8}

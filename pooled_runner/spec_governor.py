@@ -55,6 +55,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pooled_runner.spec_acceptance import AcceptanceEstimate, expected_chain_tokens
+
 # floor of a depth's step-time variance (relative): two equal samples prove little
 MIN_RELATIVE_VARIANCE = 0.02**2
 # steps in a row dropped as outliers (longer than `outlier_factor` x their depth's average) before the running
@@ -68,17 +70,6 @@ CLEAR_LOSS = 0.9
 # a depth that wins by 6-12% from being reached for hundreds of steps; a full standard error let a depth that
 # loses by 3% run probes long enough to cost more than the races won (cost models: tests/test_spec_governor.py)
 LOSS_PROOF = 0.5
-
-
-def expected_chain_tokens(depth: int, accept: float) -> float:
-    """Expected tokens per request of a verify step with `depth` chain drafts, each accepted w.p. `accept`
-    while the chain lasts: 1 + accept + ... + accept^depth."""
-    return sum(accept**i for i in range(depth + 1))
-
-
-def _chain_tokens_slope(depth: int, accept: float) -> float:
-    """d expected_chain_tokens / d accept."""
-    return sum(i * accept ** (i - 1) for i in range(1, depth + 1))
 
 
 @dataclass
@@ -120,6 +111,10 @@ class SpecGovernor:
     switch) teaches its acceptance only. Bad outcomes (unknown depth, accepted outside 0..depth, time <= 0) are
     refused with ValueError; `timed=False`, a step at another depth than the step observed before it, or an
     outlier (module docstring) teaches its acceptance only.
+    `acceptance`: an estimate to share with other governors (`spec_family.GovernorFamily`: one per batch size;
+    its own decay then rules, `acceptance_decay` is not used); None: one of its own. `prior`: the governor of a
+    neighbouring batch size; this one starts at its running depth (unless `initial` is given) and first probes
+    a depth whose probes lost there after half the interval they reached there (`_defer_probes_lost_by`).
     """
 
     def __init__(
@@ -136,18 +131,18 @@ class SpecGovernor:
         margin: float = 0.02,
         confidence: float = 2.0,
         outlier_factor: float = 3.0,
+        acceptance: AcceptanceEstimate | None = None,
+        prior: SpecGovernor | None = None,
     ) -> None:
         depths = sorted(set(int(d) for d in candidates))
         if not depths or depths[0] < 0:
             raise ValueError(f"candidates={list(candidates)!r}: need at least one depth, all >= 0")
         if initial is None:
-            initial = depths[0]
+            initial = prior.current if prior is not None and prior.current in depths else depths[0]
         if initial not in depths:
             raise ValueError(f"initial={initial} is not one of the candidates {depths}")
         if not 0.0 < ema_alpha <= 1.0:
             raise ValueError(f"ema_alpha={ema_alpha} must be in (0, 1]")
-        if not 0.0 < acceptance_decay <= 1.0:
-            raise ValueError(f"acceptance_decay={acceptance_decay} must be in (0, 1]")
         if not 2 <= probe_steps <= max_probe_steps:
             raise ValueError(
                 f"probe_steps={probe_steps}, max_probe_steps={max_probe_steps}: need 2 <= probe_steps <= "
@@ -164,7 +159,6 @@ class SpecGovernor:
             )
         self.candidates = tuple(depths)
         self.ema_alpha = ema_alpha
-        self.acceptance_decay = acceptance_decay
         self.probe_steps = probe_steps
         self.max_probe_steps = max_probe_steps
         self.min_probe_interval = min_probe_interval
@@ -173,12 +167,15 @@ class SpecGovernor:
         self.confidence = confidence
         self.outlier_factor = outlier_factor
         self._arms = {d: _Arm(interval=min_probe_interval) for d in depths}
-        self.current = initial  # the depth that runs outside probes
+        self.current: int = initial  # the depth that runs outside probes
         # the depth being measured now (None: running `current`)
         self._probe: _Probe | None = _Probe(initial, None)
         self._last_depth: int | None = None  # depth of the last observed step (a change is not timed)
-        self._accepted = 0.0  # decayed counts of accepted drafts and of rejections (a chain stopped early)
-        self._rejected = 0.0
+        # per-draft acceptance (decayed counts of accepted drafts and rejections), possibly shared with the
+        # governors of other batch sizes
+        self.acceptance_estimate = AcceptanceEstimate(acceptance_decay) if acceptance is None else acceptance
+        if prior is not None:
+            self._defer_probes_lost_by(prior)
         self.num_steps = 0  # observed steps
         self.num_switches = 0
         self.steps_at = {d: 0 for d in depths}  # observed steps per depth
@@ -205,9 +202,7 @@ class SpecGovernor:
             raise ValueError(f"observe: seconds={seconds} must be > 0")
         self.num_steps += 1
         self.steps_at[depth] += 1
-        if depth > 0:
-            self._accepted = self.acceptance_decay * self._accepted + sum(int(n) for n in accepted)
-            self._rejected = self.acceptance_decay * self._rejected + sum(int(n) < depth for n in accepted)
+        self.acceptance_estimate.observe(depth, accepted)
         changed, self._last_depth = depth != self._last_depth, depth
         timed = timed and not changed
         probe = self._probe
@@ -221,8 +216,7 @@ class SpecGovernor:
     @property
     def acceptance(self) -> float | None:
         """Estimated per-draft acceptance (chain), or None before any drafted step."""
-        total = self._accepted + self._rejected
-        return None if total == 0.0 else self._accepted / total
+        return self.acceptance_estimate.value
 
     def tokens_per_request(self, depth: int) -> float | None:
         """Expected tokens per request of a step at `depth` (1 + accepted drafts); None while unknown."""
@@ -340,16 +334,22 @@ class SpecGovernor:
             # drafting less (the safe direction) needs half the proof, on step times alone: doubt about the
             # acceptance counts against the deeper depth
             return "win" if advantage >= self.confidence / 2.0 * math.sqrt(variance) else None
-        variance += self._acceptance_variance(probe.depth, self.current)
+        variance += self.acceptance_estimate.log_tokens_ratio_variance(probe.depth, self.current)
         return "win" if advantage >= self.confidence * math.sqrt(variance) else None
 
-    def _acceptance_variance(self, depth: int, other: int) -> float:
-        """Variance of log(tokens(depth) / tokens(other)) from the acceptance estimate's own uncertainty."""
-        trials = self._accepted + self._rejected
-        p = (self._accepted + 1.0) / (trials + 2.0)  # smoothed: a young all-accepted estimate is not certain
-        slope = _chain_tokens_slope(depth, p) / expected_chain_tokens(depth, p)
-        slope -= _chain_tokens_slope(other, p) / expected_chain_tokens(other, p)
-        return slope * slope * p * (1.0 - p) / (trials + 2.0)
+    def _defer_probes_lost_by(self, prior: SpecGovernor) -> None:
+        """Start from `prior`'s verdicts (a governor of a neighbouring batch size, running the depth this one
+        starts at): a depth whose probes lost there (its interval grew) is first probed here after half that
+        interval instead of at once; the others as a fresh governor would. A neighbour's verdict is weaker
+        evidence than one's own, hence the half; its step times are not taken (they grow with the batch)."""
+        if prior.current != self.current:
+            return  # its verdicts are relative to another running depth
+        for depth, arm in self._arms.items():
+            seen = prior._arms.get(depth)
+            if depth == self.current or seen is None or seen.interval <= self.min_probe_interval:
+                continue
+            arm.interval = max(seen.interval // 2, self.min_probe_interval)
+            arm.due = arm.interval
 
     def _settle(self, depth: int) -> None:
         """Run `depth` from now on; the depths it probes are probed now if never measured, else after the

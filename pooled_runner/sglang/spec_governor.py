@@ -7,9 +7,11 @@ its draft lanes route (often read from the host), so a depth that SGLang's rule 
 per second than no drafting. `CostAwareSpecParams` keeps SGLang's per-batch-size slots and candidates, adds
 depth 0 to every slot (drafting off must always be possible), and decides the depth of each batch size with
 its own `pooled_runner.spec_governor.SpecGovernor` (among its slot's candidates) fed with tokens per request
-and the wall time between two verify completions. Each starts without drafting (SGLang's
-`--speculative-num-steps` is only the worker's starting state): drafting must prove that it pays. Installed by `pooled_runner.patches.spec_cost_governor`
-(`--moe-expert-pool-spec-governor cost`).
+and the wall time between two verify completions. The governors form one `spec_family.GovernorFamily`: one
+acceptance estimate for all, and a batch size seen for the first time starts from the nearest batch size's
+running depth and verdicts. The first starts without drafting (SGLang's `--speculative-num-steps` is only the
+worker's starting state): drafting must prove that it pays. Installed by
+`pooled_runner.patches.spec_cost_governor` (`--moe-expert-pool-spec-governor cost`).
 
 Timing: a verify step's time runs from the later of its launch (`get_steps_for_batch`) and the previous verify
 completion, to its own completion (`on_verify_complete`). Without the overlap scheduler that is the step itself
@@ -30,6 +32,7 @@ from typing import Any
 
 from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams, adaptive_unsupported_reason
 
+from pooled_runner.spec_family import GovernorFamily
 from pooled_runner.spec_governor import SpecGovernor
 
 logger = logging.getLogger("pooled_runner")
@@ -56,11 +59,14 @@ def adaptive_refusal(server_args: Any) -> str | None:
 class GovernedStepSlot:
     """One batch-size slot (the interface `AdaptiveSpeculativeParams` reads of `AdaptiveStepSlot`:
     `candidate_steps`, `current_steps`), deciding with one `SpecGovernor` per batch size (created at its first
-    step, starting at depth 0): a slot spans several batch sizes (1-7 in SGLang's default config) and a step's
-    time grows with them, so their times must not be averaged together."""
+    step): a slot spans several batch sizes (1-7 in SGLang's default config) and a step's time grows with them,
+    so their times must not be averaged together. The governors come from `family`, shared by every slot: one
+    acceptance estimate, and a new batch size starts from its nearest neighbour's verdicts (the first one at
+    depth 0); None: a family of this slot's own."""
 
-    def __init__(self, candidate_steps: list[int]) -> None:
+    def __init__(self, candidate_steps: list[int], family: GovernorFamily | None = None) -> None:
         self.candidate_steps = sorted(set(candidate_steps) | {0})
+        self.family = GovernorFamily() if family is None else family
         self.governors: dict[int, SpecGovernor] = {}
         self._in_flight: deque[tuple[int, int, float]] = deque(maxlen=MAX_IN_FLIGHT)  # (bs, depth, launch)
         self._last_batch_size: int | None = None
@@ -69,7 +75,7 @@ class GovernedStepSlot:
     def governor(self, batch_size: int) -> SpecGovernor:
         """The governor of `batch_size` (created on first use)."""
         if batch_size not in self.governors:
-            self.governors[batch_size] = SpecGovernor(self.candidate_steps)
+            self.governors[batch_size] = self.family.governor(batch_size, self.candidate_steps)
         return self.governors[batch_size]
 
     @property
@@ -139,9 +145,10 @@ class CostAwareSpecParams(AdaptiveSpeculativeParams):
     """`AdaptiveSpeculativeParams` whose slots choose the depth by measured tokens per request per second.
 
     Same constructor as SGLang's (plus `clock`, for tests); the candidates of each slot are the adaptive
-    config's plus 0, and each batch size has its own governor. `initial_steps` is the worker's starting state;
-    every governor starts at depth 0 (the first decode batch switches to it). `get_steps_for_batch` is called once per decode batch before its verify
-    step (SGLang's `activate_step_by_batch`) and `on_verify_complete` once per verify result; the latter returns
+    config's plus 0, and each batch size has its own governor (one `GovernorFamily`, `family`). `initial_steps`
+    is the worker's starting state; the first governor starts at depth 0 (the first decode batch switches to it),
+    later ones at their nearest neighbour's depth. `get_steps_for_batch` is called once per decode batch before
+    its verify step (SGLang's `activate_step_by_batch`) and `on_verify_complete` once per verify result; the latter returns
     None: the next batch's `get_steps_for_batch` applies the governor's choice.
     """
 
@@ -150,7 +157,10 @@ class CostAwareSpecParams(AdaptiveSpeculativeParams):
     ) -> None:
         super().__init__(initial_steps=initial_steps, cfg_path=cfg_path)
         upstream: dict[int, Any] = self._slots  # type: ignore[has-type]
-        governed = {bs: GovernedStepSlot(list(slot.candidate_steps)) for bs, slot in upstream.items()}
+        self.family = GovernorFamily()  # one acceptance estimate; new batch sizes learn from their neighbours
+        governed = {
+            bs: GovernedStepSlot(list(slot.candidate_steps), self.family) for bs, slot in upstream.items()
+        }
         self._slots = governed
         self._clock = clock
         self._last_complete: float | None = None

@@ -126,6 +126,25 @@ def test_steps_of_each_batch_size_are_learned_apart() -> None:
     assert params._slots[1].governors.keys() == {1, 3}  # both in SGLang's bs-1 slot
 
 
+def test_batch_sizes_of_every_slot_share_acceptance_and_a_newcomer_starts_from_its_neighbour() -> None:
+    """One `GovernorFamily` across SGLang's slots: bs 3 (slot 1-7) and bs 9 (slot 8+) read the acceptance bs 1
+    taught; bs 2, new after bs 1 settled on depth 0 with its depth-1 probes lost, waits half bs 1's interval
+    before probing depth 1 (alone it would probe at once)."""
+    from pooled_runner.sglang.spec_governor import CostAwareSpecParams
+
+    clock = FakeClock()
+    params = CostAwareSpecParams(initial_steps=3, clock=clock)
+    serve(params, clock, DRAFTING_LOSES, 400, batch_size=1, seed=5)
+    first = params.governor(1)
+    assert first.current == 0 and first.acceptance is not None
+    assert params.governor(3).acceptance == first.acceptance == params.governor(9).acceptance
+    assert params._slots[1] is not params._route(9)  # another slot, the same family
+    lost = first._arms[1].interval
+    assert lost > 2 * first.min_probe_interval, lost
+    _, _, worker = serve(params, clock, DRAFTING_LOSES, lost // 2 + 4, batch_size=2, seed=6)
+    assert worker.ran.index(1) == lost // 2, worker.ran
+
+
 def test_each_move_of_the_running_depth_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     """SGLang logs every switch, probes included; the slot logs the moves alone, so a server log tells the depth
     that runs (what the server test of the random head reads)."""
