@@ -1,8 +1,8 @@
 """CPU experiment (issue #9): the spec governors of a server whose batch size wanders, shared or independent.
 
 SGLang's adapter runs one `SpecGovernor` per batch size (`pooled_runner.spec_family.GovernorFamily`). Replayed
-here over a batch size that wanders over 1..16 (it holds for a geometric number of steps, mean `--hold`, then
-moves by 1-3 either way), with step times per depth interpolated in log batch size between the H200's bs 1 / 4
+here over a batch size that wanders over 1..16 (`wander`: it holds for a geometric number of steps, mean
+`--hold`, then moves by 1-3 either way), or runs 300 steps at 16 and then wanders over 1..4 (`burst`), with step times per depth interpolated in log batch size between the H200's bs 1 / 4
 / 16 cost models of `bench.spec_governor_model` (its noise, and a step after a change of batch size or depth
 untimed, as the adapter does). Compared: the family as shipped (one acceptance estimate, a new batch size
 starting from its neighbour's verdicts) and independent governors (`share=False`, the adapter before).
@@ -11,7 +11,7 @@ the same noise draws, per batch size and averaged by steps; and the share of ste
 depth. A step after a change of batch size is 1.5x slower for every policy, after a change of depth for the
 governor only.
 
-Usage: python -m bench.spec_family_model [--seeds 20] [--steps 2000,8000] [--hold 20]
+Usage: python -m bench.spec_family_model [--seeds 20] [--steps 2000,8000] [--hold 20] [--traces wander,burst]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from bench.spec_governor_model import ACCEPT, sample_accepted, tokens_at
 from pooled_runner.spec_family import GovernorFamily
 
 MAX_BATCH = 16
+BURST_STEPS = 300
 # name -> step ms by depth at bs 1, 4 and 16 (interpolated between, in log batch size)
 SCENARIOS: dict[str, dict[int, dict[int, float]]] = {
     # drafting loses everywhere: pool 50%, H200 (docs/BENCHMARKS.md, bench_spec_governed, 75c17ab)
@@ -65,15 +66,26 @@ def step_ms(scenario: dict[int, dict[int, float]], batch_size: int) -> dict[int,
     return {d: interpolate({b: costs[d] for b, costs in scenario.items()}, batch_size) for d in scenario[1]}
 
 
-def wander(num_steps: int, hold: float, rng: random.Random) -> list[int]:
+def wander(num_steps: int, hold: float, rng: random.Random, low: int = 1, high: int = MAX_BATCH) -> list[int]:
     """Batch sizes of `num_steps` steps: each holds for a geometric number of steps (mean `hold`), then moves
-    by 1-3 either way within 1..MAX_BATCH."""
-    batch_size, sizes = rng.randint(1, MAX_BATCH), []
+    by 1-3 either way within low..high."""
+    batch_size, sizes = rng.randint(low, high), []
     for _ in range(num_steps):
         sizes.append(batch_size)
         if rng.random() < 1.0 / hold:
-            batch_size = min(max(batch_size + rng.choice((-3, -2, -1, 1, 2, 3)), 1), MAX_BATCH)
+            batch_size = min(max(batch_size + rng.choice((-3, -2, -1, 1, 2, 3)), low), high)
     return sizes
+
+
+def burst(num_steps: int, hold: float, rng: random.Random) -> list[int]:
+    """A burst, then a trickle: BURST_STEPS steps at MAX_BATCH, then a batch size wandering over 1..4 (a new
+    small batch size whose nearest neighbour is far)."""
+    return [MAX_BATCH] * min(BURST_STEPS, num_steps) + wander(
+        max(num_steps - BURST_STEPS, 0), hold, rng, 1, 4
+    )
+
+
+TRACES = {"wander": wander, "burst": burst}
 
 
 def replay(
@@ -123,26 +135,29 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--steps", default="2000,8000", help="steps per replay, comma-separated")
     ap.add_argument("--hold", type=float, default=20.0, help="mean steps between changes of batch size")
+    ap.add_argument("--traces", default="wander,burst", help=f"batch-size traces, of {sorted(TRACES)}")
     args = ap.parse_args()
     print(
         f"acceptance {ACCEPT} (chain); seeds {args.seeds}; batch size 1..{MAX_BATCH}, held {args.hold} steps"
     )
     print(
-        "| scenario | steps | governors | vs depth 0, mean | worst | vs best per bs, mean | worst | off best |"
+        "| trace | scenario | steps | governors | vs depth 0, mean | worst | vs best per bs, mean | worst | off best |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for name, scenario in SCENARIOS.items():
-        for num_steps in (int(s) for s in args.steps.split(",")):
-            for label, share in (("family", True), ("independent", False)):
-                runs = []
-                for seed in range(args.seeds):
-                    sizes = wander(num_steps, args.hold, random.Random(seed))
-                    runs.append(replay(scenario, sizes, 7919 * seed + 1, share))
-                vs0, vsbest, off = ([r[i] for r in runs] for i in range(3))
-                print(
-                    f"| {name} | {num_steps} | {label} | {statistics.fmean(vs0):.3f} | {min(vs0):.3f} | "
-                    f"{statistics.fmean(vsbest):.3f} | {min(vsbest):.3f} | {statistics.fmean(off):.1%} |"
-                )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for trace in args.traces.split(","):
+        for name, scenario in SCENARIOS.items():
+            for num_steps in (int(s) for s in args.steps.split(",")):
+                for label, share in (("family", True), ("independent", False)):
+                    runs = []
+                    for seed in range(args.seeds):
+                        sizes = TRACES[trace](num_steps, args.hold, random.Random(seed))
+                        runs.append(replay(scenario, sizes, 7919 * seed + 1, share))
+                    vs0, vsbest, off = ([r[i] for r in runs] for i in range(3))
+                    print(
+                        f"| {trace} | {name} | {num_steps} | {label} | {statistics.fmean(vs0):.3f} | "
+                        f"{min(vs0):.3f} | {statistics.fmean(vsbest):.3f} | {min(vsbest):.3f} | "
+                        f"{statistics.fmean(off):.1%} |"
+                    )
 
 
 if __name__ == "__main__":

@@ -8,8 +8,16 @@ does not depend on the batch size and passes on what probably carries over to a 
 - one acceptance estimate (`spec_acceptance.AcceptanceEstimate`) for all: the draft model and the text decide
   it, not the batch size;
 - a batch size seen for the first time starts from the governor of the nearest batch size that has one (ties:
-  the smaller): at its running depth, with the depths whose probes lost there probed first after half the
-  interval they reached (`SpecGovernor(prior=...)`). Its own step times it measures itself.
+  the smaller), if that is within a factor of `MAX_PRIOR_RATIO` (else it starts fresh, at the smallest depth):
+  at its running depth, with the deeper depths whose probes lost there probed first after half the interval
+  they reached (`SpecGovernor(prior=...)`). Its own step times it measures itself.
+
+Why the limits (`bench/spec_family_model.py`, CPU cost models of the H200's steps, 2000 steps, 20 seeds): where
+drafting wins at bs 16 and loses at bs 1-4, a server that ran 300 steps at bs 16 and then at bs 1-4 (`burst`)
+kept 0.964x of depth 0 (worst seed 0.869x) when the small batch sizes started at bs 16's depth 3 and waited to
+probe shallower depths; with these rules 0.994x (worst 0.971x; independent governors 0.992x). The price: where
+drafting wins everywhere, 1.330x instead of 1.383x of depth 0 on that trace (independent 1.313x), and over a
+batch size wandering by 1-3 at a time, 1.326x instead of 1.338x (independent 1.295x).
 
 Host-side, plain Python; deterministic for a given sequence of calls.
 """
@@ -21,6 +29,10 @@ from typing import Any
 
 from pooled_runner.spec_acceptance import AcceptanceEstimate
 from pooled_runner.spec_governor import SpecGovernor
+
+# a new batch size starts from a neighbour's depth and verdicts only within this factor of batch sizes: drafting
+# wins at bs 16 and loses at bs 1 on the same pool (docs/BENCHMARKS.md, bench_spec_governed)
+MAX_PRIOR_RATIO = 2
 
 
 class GovernorFamily:
@@ -48,15 +60,21 @@ class GovernorFamily:
             return found
         if self.share:
             created = SpecGovernor(
-                candidates, acceptance=self.acceptance, prior=self.nearest(batch_size), **self.governor_kwargs
+                candidates,
+                acceptance=self.acceptance,
+                prior=self.prior_for(batch_size),
+                **self.governor_kwargs,
             )
         else:
             created = SpecGovernor(candidates, acceptance_decay=self.acceptance_decay, **self.governor_kwargs)
         self.governors[batch_size] = created
         return created
 
-    def nearest(self, batch_size: int) -> SpecGovernor | None:
-        """The governor of the batch size nearest to `batch_size` (ties: the smaller), or None."""
+    def prior_for(self, batch_size: int) -> SpecGovernor | None:
+        """The governor a new `batch_size` starts from: the nearest batch size's (ties: the smaller), if within a
+        factor of MAX_PRIOR_RATIO of `batch_size`; else None."""
         if not self.governors:
             return None
-        return self.governors[min(self.governors, key=lambda b: (abs(b - batch_size), b))]
+        nearest = min(self.governors, key=lambda b: (abs(b - batch_size), b))
+        near = max(nearest, batch_size) <= MAX_PRIOR_RATIO * min(nearest, batch_size)
+        return self.governors[nearest] if near else None

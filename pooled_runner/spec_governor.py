@@ -114,7 +114,7 @@ class SpecGovernor:
     `acceptance`: an estimate to share with other governors (`spec_family.GovernorFamily`: one per batch size;
     its own decay then rules, `acceptance_decay` is not used); None: one of its own. `prior`: the governor of a
     neighbouring batch size; this one starts at its running depth (unless `initial` is given) and first probes
-    a depth whose probes lost there after half the interval they reached there (`_defer_probes_lost_by`).
+    a deeper depth whose probes lost there after half the interval they reached there (`_defer_probes_lost_by`).
     """
 
     def __init__(
@@ -339,14 +339,15 @@ class SpecGovernor:
 
     def _defer_probes_lost_by(self, prior: SpecGovernor) -> None:
         """Start from `prior`'s verdicts (a governor of a neighbouring batch size, running the depth this one
-        starts at): a depth whose probes lost there (its interval grew) is first probed here after half that
-        interval instead of at once; the others as a fresh governor would. A neighbour's verdict is weaker
-        evidence than one's own, hence the half; its step times are not taken (they grow with the batch)."""
+        starts at): a deeper depth whose probes lost there (its interval grew) is first probed here after half
+        that interval instead of at once. A neighbour's verdict is weaker evidence than one's own, hence the
+        half; shallower depths are probed as a fresh governor would, at once (drafting must prove that it pays
+        here, not drafting less need not); its step times are not taken (they grow with the batch)."""
         if prior.current != self.current:
             return  # its verdicts are relative to another running depth
         for depth, arm in self._arms.items():
             seen = prior._arms.get(depth)
-            if depth == self.current or seen is None or seen.interval <= self.min_probe_interval:
+            if depth <= self.current or seen is None or seen.interval <= self.min_probe_interval:
                 continue
             arm.interval = max(seen.interval // 2, self.min_probe_interval)
             arm.due = arm.interval
