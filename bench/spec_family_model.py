@@ -95,7 +95,8 @@ def replay(
     that depth), the step noise drawn from `seed` alike for both families. The ratios are taken per batch size
     and averaged weighted by its steps (a ratio of sums over the whole run would weigh a deeper depth's longer
     steps more: a trace in steps is not one in requests)."""
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # step noise: the same draws for every policy replayed with `seed`
+    accept_rng = random.Random(seed + 0x5EED)  # accepted drafts (their number of draws depends on the depth)
     family = GovernorFamily(share=share)
     # per batch size: tokens per request, seconds, depth 0's seconds, the best depth's tokens and seconds
     tally = {b: [0.0] * 5 for b in set(sizes)}
@@ -112,7 +113,7 @@ def replay(
         noise *= 1.5 if last is not None and last[0] != batch_size else 1.0
         new_depth = last is not None and last[0] == batch_size and last[1] != depth
         seconds_step = costs[depth] * 1e-3 * noise * (1.5 if new_depth else 1.0)
-        accepted = [sample_accepted(depth, rng) for _ in range(batch_size)]
+        accepted = [sample_accepted(depth, accept_rng) for _ in range(batch_size)]
         # the adapter times a step only after a step of the same batch size (the governor: of the same depth)
         timed = last is not None and last[0] == batch_size
         governor.observe(depth, accepted, seconds_step, timed=timed)

@@ -7,17 +7,18 @@ does not depend on the batch size and passes on what probably carries over to a 
 
 - one acceptance estimate (`spec_acceptance.AcceptanceEstimate`) for all: the draft model and the text decide
   it, not the batch size;
-- a batch size seen for the first time starts from the governor of the nearest batch size that has one (ties:
-  the smaller), if that is within a factor of `MAX_PRIOR_RATIO` (else it starts fresh, at the smallest depth):
+- a batch size seen for the first time starts from the governor of the nearest batch size that has observed a
+  step (ties: the smaller), if that is within a factor of `MAX_PRIOR_RATIO` (else it starts fresh, at the smallest depth):
   at its running depth, with the deeper depths whose probes lost there probed first after half the interval
   they reached (`SpecGovernor(prior=...)`). Its own step times it measures itself.
 
 Why the limits (`bench/spec_family_model.py`, CPU cost models of the H200's steps, 2000 steps, 20 seeds): where
 drafting wins at bs 16 and loses at bs 1-4, a server that ran 300 steps at bs 16 and then at bs 1-4 (`burst`)
-kept 0.964x of depth 0 (worst seed 0.869x) when the small batch sizes started at bs 16's depth 3 and waited to
-probe shallower depths; with these rules 0.994x (worst 0.971x; independent governors 0.992x). The price: where
-drafting wins everywhere, 1.330x instead of 1.383x of depth 0 on that trace (independent 1.313x), and over a
-batch size wandering by 1-3 at a time, 1.326x instead of 1.338x (independent 1.295x).
+kept 0.975x of depth 0 (worst seed 0.918x) when the small batch sizes started at bs 16's depth 3 and waited to
+probe shallower depths; with these rules 0.993x (worst 0.979x; independent governors 0.991x). The price, where
+drafting wins everywhere (a made-up cost model): 1.332x instead of 1.374x of depth 0 on that trace
+(independent 1.331x), and over a batch size wandering by 1-3 at a time, 1.331x instead of 1.348x (independent
+1.297x).
 
 Host-side, plain Python; deterministic for a given sequence of calls.
 """
@@ -37,7 +38,7 @@ MAX_PRIOR_RATIO = 2
 
 class GovernorFamily:
     """Governors by batch size. `share=False` makes every governor independent (as before the family; for
-    comparisons). `acceptance_decay` and `governor_kwargs` are `SpecGovernor`'s."""
+    comparisons; `acceptance` is then None). `acceptance_decay` and `governor_kwargs` are `SpecGovernor`'s."""
 
     def __init__(
         self, *, share: bool = True, acceptance_decay: float = 0.995, **governor_kwargs: Any
@@ -46,7 +47,7 @@ class GovernorFamily:
             raise ValueError("GovernorFamily: acceptance, prior and initial are the family's to set")
         self.share = share
         self.acceptance_decay = acceptance_decay
-        self.acceptance = AcceptanceEstimate(acceptance_decay)
+        self.acceptance = AcceptanceEstimate(acceptance_decay) if share else None
         self.governor_kwargs = governor_kwargs
         self.governors: dict[int, SpecGovernor] = {}
 
@@ -58,7 +59,7 @@ class GovernorFamily:
         found = self.governors.get(batch_size)
         if found is not None:
             return found
-        if self.share:
+        if self.acceptance is not None:
             created = SpecGovernor(
                 candidates,
                 acceptance=self.acceptance,
@@ -71,10 +72,11 @@ class GovernorFamily:
         return created
 
     def prior_for(self, batch_size: int) -> SpecGovernor | None:
-        """The governor a new `batch_size` starts from: the nearest batch size's (ties: the smaller), if within a
-        factor of MAX_PRIOR_RATIO of `batch_size`; else None."""
-        if not self.governors:
+        """The governor a new `batch_size` starts from: that of the nearest batch size with an observed step (ties:
+        the smaller), if within a factor of MAX_PRIOR_RATIO of `batch_size`; else None."""
+        observed = [b for b, governor in self.governors.items() if governor.num_steps > 0]
+        if not observed:
             return None
-        nearest = min(self.governors, key=lambda b: (abs(b - batch_size), b))
+        nearest = min(observed, key=lambda b: (abs(b - batch_size), b))
         near = max(nearest, batch_size) <= MAX_PRIOR_RATIO * min(nearest, batch_size)
         return self.governors[nearest] if near else None

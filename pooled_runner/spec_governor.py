@@ -81,6 +81,7 @@ class _Arm:
     num_timed: int = 0  # timed steps behind `seconds` (its standard error)
     outliers: int = 0  # consecutive running steps dropped as outliers
     interval: int = 0  # steps between probes of this depth while another depth runs
+    num_lost: int = 0  # probes of this depth lost in this governor (not deferrals taken from a neighbour)
     due: int = 0  # step count at which the next probe starts
     # an undecided probe's timed step times (the next probe of this depth against the same running depth
     # starts from them), and that running depth
@@ -113,8 +114,9 @@ class SpecGovernor:
     outlier (module docstring) teaches its acceptance only.
     `acceptance`: an estimate to share with other governors (`spec_family.GovernorFamily`: one per batch size;
     its own decay then rules, `acceptance_decay` is not used); None: one of its own. `prior`: the governor of a
-    neighbouring batch size; this one starts at its running depth (unless `initial` is given) and first probes
-    a deeper depth whose probes lost there after half the interval they reached there (`_defer_probes_lost_by`).
+    neighbouring batch size; this one starts at its running depth (unless `initial` is given, or that depth is
+    not a candidate here: then at the smallest, nothing deferred) and first probes a deeper depth whose probes
+    lost there after half the interval they reached there (`_defer_probes_lost_by`).
     """
 
     def __init__(
@@ -294,6 +296,7 @@ class SpecGovernor:
         else:
             if probe.timed:
                 self._measure(arm, probe.timed)
+            arm.num_lost += 1
             growth = 4 if probe.log_ratio < math.log(CLEAR_LOSS) else 2
             arm.interval = min(growth * arm.interval, self.max_probe_interval)
             arm.due = self.num_steps + arm.interval
@@ -339,15 +342,16 @@ class SpecGovernor:
 
     def _defer_probes_lost_by(self, prior: SpecGovernor) -> None:
         """Start from `prior`'s verdicts (a governor of a neighbouring batch size, running the depth this one
-        starts at): a deeper depth whose probes lost there (its interval grew) is first probed here after half
-        that interval instead of at once. A neighbour's verdict is weaker evidence than one's own, hence the
-        half; shallower depths are probed as a fresh governor would, at once (drafting must prove that it pays
-        here, not drafting less need not); its step times are not taken (they grow with the batch)."""
+        starts at): a deeper depth whose own probes lost there (not a deferral it took from its own neighbour)
+        is first probed here after half the interval it reached there instead of at once. A neighbour's verdict
+        is weaker evidence than one's own, hence the half; shallower depths are probed as a fresh governor
+        would, at once (drafting must prove that it pays here, not drafting less need not); its step times are
+        not taken (they grow with the batch)."""
         if prior.current != self.current:
             return  # its verdicts are relative to another running depth
         for depth, arm in self._arms.items():
             seen = prior._arms.get(depth)
-            if depth <= self.current or seen is None or seen.interval <= self.min_probe_interval:
+            if depth <= self.current or seen is None or seen.num_lost == 0:
                 continue
             arm.interval = max(seen.interval // 2, self.min_probe_interval)
             arm.due = arm.interval
