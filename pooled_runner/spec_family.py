@@ -10,14 +10,16 @@ does not depend on the batch size and passes on what probably carries over to a 
 - a batch size seen for the first time starts from the governor of the nearest batch size that has observed a
   step (ties: the smaller), if that is within a factor of `MAX_PRIOR_RATIO` (else it starts fresh, at the smallest depth):
   at its running depth, with the deeper depths whose probes lost there probed first after half the interval
-  they reached (`SpecGovernor(prior=...)`). Its own step times it measures itself.
+  they reached (`SpecGovernor(prior=...)`). Its own step times it measures itself;
+- a probe lost at one batch size defers the same probe at the batch sizes within that factor running the same
+  depth, to at least half the loser's new interval (`SpecGovernor.defer_probe`).
 
 Why the limits (`bench/spec_family_model.py`, CPU cost models of the H200's steps, 2000 steps, 20 seeds): where
 drafting wins at bs 16 and loses at bs 1-4, a server that ran 300 steps at bs 16 and then at bs 1-4 (`burst`)
-kept 0.975x of depth 0 (worst seed 0.918x) when the small batch sizes started at bs 16's depth 3 and waited to
-probe shallower depths; with these rules 0.993x (worst 0.979x; independent governors 0.991x). The price, where
-drafting wins everywhere (a made-up cost model): 1.332x instead of 1.374x of depth 0 on that trace
-(independent 1.331x), and over a batch size wandering by 1-3 at a time, 1.331x instead of 1.348x (independent
+kept 0.978x of depth 0 (worst seed 0.920x) when the small batch sizes started at bs 16's depth 3 and waited to
+probe shallower depths; with these rules 0.996x (worst 0.984x; independent governors 0.991x). The price, where
+drafting wins everywhere (a made-up cost model): 1.330x instead of 1.374x of depth 0 on that trace
+(independent 1.331x), and over a batch size wandering by 1-3 at a time, 1.330x instead of 1.347x (independent
 1.297x).
 
 Host-side, plain Python; deterministic for a given sequence of calls.
@@ -43,8 +45,10 @@ class GovernorFamily:
     def __init__(
         self, *, share: bool = True, acceptance_decay: float = 0.995, **governor_kwargs: Any
     ) -> None:
-        if "acceptance" in governor_kwargs or "prior" in governor_kwargs or "initial" in governor_kwargs:
-            raise ValueError("GovernorFamily: acceptance, prior and initial are the family's to set")
+        if {"acceptance", "prior", "initial", "on_probe_lost"} & governor_kwargs.keys():
+            raise ValueError(
+                "GovernorFamily: acceptance, prior, initial and on_probe_lost are the family's to set"
+            )
         self.share = share
         self.acceptance_decay = acceptance_decay
         self.acceptance = AcceptanceEstimate(acceptance_decay) if share else None
@@ -64,12 +68,22 @@ class GovernorFamily:
                 candidates,
                 acceptance=self.acceptance,
                 prior=self.prior_for(batch_size),
+                on_probe_lost=self._pass_on_loss,
                 **self.governor_kwargs,
             )
         else:
             created = SpecGovernor(candidates, acceptance_decay=self.acceptance_decay, **self.governor_kwargs)
         self.governors[batch_size] = created
         return created
+
+    def _pass_on_loss(self, loser: SpecGovernor, depth: int, interval: int) -> None:
+        """`loser`'s probe of `depth` lost: the governors within a factor of MAX_PRIOR_RATIO of its batch size that
+        run the same depth wait at least half its interval before probing `depth` (`SpecGovernor.defer_probe`)."""
+        batch_size = next(b for b, governor in self.governors.items() if governor is loser)
+        for b, governor in self.governors.items():
+            near = max(b, batch_size) <= MAX_PRIOR_RATIO * min(b, batch_size)
+            if governor is not loser and near and governor.current == loser.current:
+                governor.defer_probe(depth, interval)
 
     def prior_for(self, batch_size: int) -> SpecGovernor | None:
         """The governor a new `batch_size` starts from: that of the nearest batch size with an observed step (ties:

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pooled_runner.spec_acceptance import AcceptanceEstimate, expected_chain_tokens
@@ -116,7 +116,9 @@ class SpecGovernor:
     its own decay then rules, `acceptance_decay` is not used); None: one of its own. `prior`: the governor of a
     neighbouring batch size; this one starts at its running depth (unless `initial` is given, or that depth is
     not a candidate here: then at the smallest, nothing deferred) and first probes a deeper depth whose probes
-    lost there after half the interval they reached there (`_defer_probes_lost_by`).
+    lost there after half the interval they reached there (`_defer_probes_lost_by`). `on_probe_lost(self, depth,
+    interval)`: called when a probe of `depth` lost and waits `interval` steps (the family passes it on to the
+    neighbours, `defer_probe`).
     """
 
     def __init__(
@@ -135,6 +137,7 @@ class SpecGovernor:
         outlier_factor: float = 3.0,
         acceptance: AcceptanceEstimate | None = None,
         prior: SpecGovernor | None = None,
+        on_probe_lost: Callable[[SpecGovernor, int, int], None] | None = None,
     ) -> None:
         depths = sorted(set(int(d) for d in candidates))
         if not depths or depths[0] < 0:
@@ -178,6 +181,7 @@ class SpecGovernor:
         self.acceptance_estimate = AcceptanceEstimate(acceptance_decay) if acceptance is None else acceptance
         if prior is not None:
             self._defer_probes_lost_by(prior)
+        self.on_probe_lost = on_probe_lost
         self.num_steps = 0  # observed steps
         self.num_switches = 0
         self.steps_at = {d: 0 for d in depths}  # observed steps per depth
@@ -300,6 +304,8 @@ class SpecGovernor:
             growth = 4 if probe.log_ratio < math.log(CLEAR_LOSS) else 2
             arm.interval = min(growth * arm.interval, self.max_probe_interval)
             arm.due = self.num_steps + arm.interval
+            if self.on_probe_lost is not None:
+                self.on_probe_lost(self, probe.depth, arm.interval)
 
     def _measure(self, arm: _Arm, samples: list[float]) -> None:
         arm.seconds = statistics.fmean(samples)
@@ -339,6 +345,16 @@ class SpecGovernor:
             return "win" if advantage >= self.confidence / 2.0 * math.sqrt(variance) else None
         variance += self.acceptance_estimate.log_tokens_ratio_variance(probe.depth, self.current)
         return "win" if advantage >= self.confidence * math.sqrt(variance) else None
+
+    def defer_probe(self, depth: int, interval: int) -> None:
+        """A neighbour running this governor's depth lost a probe of the deeper `depth` and waits `interval` steps:
+        probe it here not before half that from now (unless it is being probed, or due later anyway)."""
+        arm = self._arms.get(depth)
+        if arm is None or depth <= self.current or (self._probe is not None and self._probe.depth == depth):
+            return
+        half = max(interval // 2, self.min_probe_interval)
+        arm.interval = max(arm.interval, half)
+        arm.due = max(arm.due, self.num_steps + half)
 
     def _defer_probes_lost_by(self, prior: SpecGovernor) -> None:
         """Start from `prior`'s verdicts (a governor of a neighbouring batch size, running the depth this one
