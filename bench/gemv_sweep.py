@@ -302,3 +302,7 @@ def compiled_resources() -> list[str]:
                     f"- {compiled.name}: {compiled.n_regs} registers, {compiled.n_spills} spills {consts}"
                 )
     return out
+
+
+if __name__ == "__main__":
+    main()

@@ -13,6 +13,7 @@ from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NV
 from .gemm_args import interpreting
 
 PACKED_MAX_REGISTERS = 96  # int4 and NVFP4 GEMV kernels: registers per thread at most (`gemv_configs`)
+NVFP4_WIDE_REGISTERS = 128  # NVFP4's K tiles of 512 (`_nvfp4_config`)
 _VALUES_PER_WORD = {FMT_DENSE: 2, FMT_INT4: 8, FMT_NVFP4: 8, FMT_FP8_CHANNEL: 4, FMT_FP8_BLOCK: 4}
 
 
@@ -123,8 +124,34 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group
         # with it (NVFP4 16.0 -> 17.3 µs, int4 14.9 -> 15.5). At 80 both kernels spill (slower at M=1).
         one_wave = num_pairs * triton.cdiv(H, bn2) <= 4 * _num_sms()
         regs = PACKED_MAX_REGISTERS if bn2 >= 64 and not one_wave else 0
+        if fmt == FMT_NVFP4:
+            return _nvfp4_config(bn1, bn2, I)
         return GemvConfig(bn1, bk1, bn2, bk2, num_warps=4, prefetch=False, max_registers=regs)
     return GemvConfig(bn1, bk, bn2, bk, num_warps=4, prefetch=True)
+
+
+def _nvfp4_config(bn1: int, bn2: int, I: int) -> GemvConfig:
+    """NVFP4: the half word dot with K tiles of 512 (32 words per thread) at 128 registers in gate_up, and in down
+    where I is whole 512 tiles (else tiles of 256 at 96 registers, one wave or not). H100, 2026-12-05 (bench.gemv_sweep --set alt,
+    µs per layer against tiles of 256 with the fp32 dot): DeepSeek-like 92.2 -> 83.4 at M=1, 586.5 -> 545.7 at
+    M=8; Qwen3-like (I 768: down at 256) 17.3 -> 16.0 at M=1 (down measured at 96 registers), 74.2 -> 69.3 at
+    M=8. Down's tiles of 512 at 96 registers were slower than at 256 (36.2 against 35.2 µs at M=1); the same
+    layer with the fp32 dot at these tiles 92.0 (no gain without the half dot's registers)."""
+    # down's own cap only where it differs from gate_up's (-1: the same; a config derived for one launch, which
+    # compiles both tiles alike, must still reset it where it differs: `dataclasses.replace(..., one_launch=True,
+    # down_max_registers=-1)`)
+    bk2, regs2 = (512, -1) if I % 512 == 0 else (256, PACKED_MAX_REGISTERS)
+    return GemvConfig(
+        bn1,
+        512,
+        bn2,
+        bk2,
+        num_warps=4,
+        prefetch=False,
+        max_registers=NVFP4_WIDE_REGISTERS,
+        down_max_registers=regs2,
+        half_dot=True,
+    )
 
 
 def _int4_block_k(k: int, group: int) -> int:

@@ -40,17 +40,51 @@ def test_default_tiles_on_a_132_sm_gpu(monkeypatch):
     def tiles(c: GemvConfig) -> tuple:
         return c.block_n1, c.block_k1, c.block_n2, c.block_k2, c.prefetch
 
-    # packed formats with 64 down rows at most 96 registers per thread (five programs per SM); smaller tiles
-    # and the other formats the compiler's choice
-    for fmt_code in (dequant.FMT_INT4, dequant.FMT_NVFP4):
-        # DeepSeek-like one token: 8 x 112 = 896 down programs > 4 x 132, 64 rows
-        assert cfg(7168, 2048, fmt_code, 8, 128).max_registers == gemv_config.PACKED_MAX_REGISTERS == 96
-        assert cfg(2048, 768, fmt_code, 64, 128).max_registers == 96  # 64 pairs x 32 blocks = 2048 programs
-        assert cfg(2048, 768, fmt_code, 24, 128).max_registers == 96  # 24 x 32 = 768 > 528
-        assert cfg(2048, 768, fmt_code, 16, 128).max_registers == 0  # 16 x 32 = 512: one wave at 4 per SM
-        assert cfg(2048, 768, fmt_code, 8, 128).max_registers == 0  # 32 down rows (8 x 64 = 512)
+    # int4 with 64 down rows at most 96 registers per thread (five programs per SM); smaller tiles and the other
+    # formats the compiler's choice
+    int4 = dequant.FMT_INT4
+    # DeepSeek-like one token: 8 x 112 = 896 down programs > 4 x 132, 64 rows
+    assert cfg(7168, 2048, int4, 8, 128).max_registers == gemv_config.PACKED_MAX_REGISTERS == 96
+    assert cfg(2048, 768, int4, 64, 128).max_registers == 96  # 64 pairs x 32 blocks = 2048 programs
+    assert cfg(2048, 768, int4, 24, 128).max_registers == 96  # 24 x 32 = 768 > 528
+    assert cfg(2048, 768, int4, 16, 128).max_registers == 0  # 16 x 32 = 512: one wave at 4 per SM
+    assert cfg(2048, 768, int4, 8, 128).max_registers == 0  # 32 down rows (8 x 64 = 512)
+    assert not cfg(7168, 2048, int4, 8, 128).half_dot
     for fmt_code in (dequant.FMT_DENSE, dequant.FMT_FP8_CHANNEL, dequant.FMT_FP8_BLOCK):
         assert cfg(7168, 2048, fmt_code, 8).max_registers == 0, fmt_code
+    # NVFP4: the half dot, gate_up's K tiles of 512 at 128 registers; down's too where I is whole 512 tiles,
+    # else 256 at 96 (one wave or not)
+    nvfp4 = dequant.FMT_NVFP4
+    for pairs in (8, 64):
+        deepseek = cfg(7168, 2048, nvfp4, pairs)
+        assert deepseek.half_dot and not deepseek.half_x_pack
+        assert (
+            deepseek.block_k1,
+            deepseek.block_k2,
+            deepseek.registers(),
+            deepseek.registers(down=True),
+        ) == (
+            512,
+            512,
+            gemv_config.NVFP4_WIDE_REGISTERS,
+            128,
+        )
+    for pairs, bn2 in ((8, 32), (64, 64)):
+        qwen3 = cfg(2048, 768, nvfp4, pairs)
+        assert qwen3.half_dot
+        assert (
+            qwen3.block_k1,
+            qwen3.block_n2,
+            qwen3.block_k2,
+            qwen3.registers(),
+            qwen3.registers(down=True),
+        ) == (
+            512,
+            bn2,
+            256,
+            128,
+            96,
+        )
 
     assert tiles(cfg(7168, 2048, dequant.FMT_INT4, 8, 128)) == (32, 256, 64, 256, False)  # 512 / 896 programs
     assert tiles(cfg(2048, 768, dequant.FMT_INT4, 8, 128)) == (
@@ -61,7 +95,7 @@ def test_default_tiles_on_a_132_sm_gpu(monkeypatch):
         False,
     )  # 192 -> 384, 256 -> 512
     assert tiles(cfg(2048, 768, dequant.FMT_INT4, 8, 64)) == (16, 128, 32, 128, False)
-    assert tiles(cfg(7168, 2048, dequant.FMT_NVFP4, 64)) == (32, 256, 64, 256, False)
+    assert tiles(cfg(7168, 2048, dequant.FMT_NVFP4, 64)) == (32, 512, 64, 512, False)
     assert tiles(cfg(2048, 768, dequant.FMT_DENSE, 8)) == (16, 128, 32, 128, True)
     assert tiles(cfg(2048, 768, dequant.FMT_INT4, 1, 128)) == (
         8,

@@ -356,7 +356,8 @@ def test_gemv_graph_replay_equals_eager(name, mode):
     cfg = (
         base
         if mode in ("two", "split", "wide")
-        else dataclasses.replace(base, one_launch=True, tickets=mode == "one")
+        # one launch compiles both tiles alike: down's own register cap (NVFP4's Qwen3-like default) reset
+        else dataclasses.replace(base, one_launch=True, tickets=mode == "one", down_max_registers=-1)
     )
     variant = mode if mode in ("inline", "align-fc") else "gemv"
 
