@@ -91,8 +91,10 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group
     blocks gives at least two programs per SM; int4 and NVFP4 without the register prefetch (the H200 sweeps
     cited below). `group`: int4's group size. int4 takes K tiles of 256 only where they hold whole groups of
     128 (or a multiple) and K is a multiple of 256 (else a tile would load a scale per word: 3x slower). int4
-    and NVFP4 cap the registers (`max_registers`) where the down grid needs more than one wave; configs derived
-    from these with `dataclasses.replace` keep the cap unless they set it."""
+    caps the registers (`max_registers`) where the down grid needs more than one wave; NVFP4 takes the half word
+    dot with K tiles of 512 and its own caps (`_nvfp4_config`); configs derived from these with
+    `dataclasses.replace` keep the caps unless they set them (a one-launch config must reset down's own cap:
+    `down_max_registers=-1`)."""
     if interpreting():  # the interpreter's cost grows with tile size; correctness only
         return GemvConfig(16, 32, 16, 32, num_warps=4)
     vpw = _VALUES_PER_WORD.get(fmt, 2)
@@ -122,10 +124,10 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group
         # 183.8 at M=8; int4 down 30.0 -> 28.7 at M=1; Qwen3-like NVFP4 layer 75.2 -> 71.6 at M=8 (2048);
         # gate_up within 1%. Not on one wave: the Qwen3-like layer at M=1 (512 down programs) took 4-8% longer
         # with it (NVFP4 16.0 -> 17.3 µs, int4 14.9 -> 15.5). At 80 both kernels spill (slower at M=1).
-        one_wave = num_pairs * triton.cdiv(H, bn2) <= 4 * _num_sms()
-        regs = PACKED_MAX_REGISTERS if bn2 >= 64 and not one_wave else 0
         if fmt == FMT_NVFP4:
             return _nvfp4_config(bn1, bn2, I)
+        one_wave = num_pairs * triton.cdiv(H, bn2) <= 4 * _num_sms()
+        regs = PACKED_MAX_REGISTERS if bn2 >= 64 and not one_wave else 0
         return GemvConfig(bn1, bk1, bn2, bk2, num_warps=4, prefetch=False, max_registers=regs)
     return GemvConfig(bn1, bk, bn2, bk, num_warps=4, prefetch=True)
 
@@ -134,9 +136,11 @@ def _nvfp4_config(bn1: int, bn2: int, I: int) -> GemvConfig:
     """NVFP4: the half word dot with K tiles of 512 (32 words per thread) at 128 registers in gate_up, and in down
     where I is whole 512 tiles (else tiles of 256 at 96 registers, one wave or not). H100, 2026-12-05 (bench.gemv_sweep --set alt,
     µs per layer against tiles of 256 with the fp32 dot): DeepSeek-like 92.2 -> 83.4 at M=1, 586.5 -> 545.7 at
-    M=8; Qwen3-like (I 768: down at 256) 17.3 -> 16.0 at M=1 (down measured at 96 registers), 74.2 -> 69.3 at
-    M=8. Down's tiles of 512 at 96 registers were slower than at 256 (36.2 against 35.2 µs at M=1); the same
-    layer with the fp32 dot at these tiles 92.0 (no gain without the half dot's registers)."""
+    M=8; Qwen3-like (I 768: down at 256) 17.3 -> 15.9 at M=1, 74.2 -> 69.1 at M=8. Down at 96 registers on one
+    wave too: the Qwen3-like M=1 layer took 17.6 µs with down uncapped (the H200 sweep of 2026-12-04 had found
+    the cap 4-8% slower there with the fp32 dot; recheck on the H200). Down's tiles of 512 at 96 registers were
+    slower than at 256 (36.2 against 35.2 µs at M=1). gate_up's tiles of 512 at 128 registers with the fp32
+    dot: 58.6 against 58.8 µs, 12 registers spilled (the gain needs the half dot's registers)."""
     # down's own cap only where it differs from gate_up's (-1: the same; a config derived for one launch, which
     # compiles both tiles alike, must still reset it where it differs: `dataclasses.replace(..., one_launch=True,
     # down_max_registers=-1)`)

@@ -70,10 +70,10 @@ else
   # issue #4's packed decode at one token: the default against each changed GEMV config in turn, alternating
   # (bench.gemv_sweep --set alt; GEMV_ALTS: ";" between configs, GEMV_ALT_CASES: shape:format:M list). Since
   # 2026-12-05 NVFP4's default is the half word dot with K tiles of 512 at 128 registers (H100: DeepSeek-like
-  # layer 92.2 -> 83.5 µs at M=1); the alternatives: the tiles before it (fp32 dot, 256, 96 registers), and the
-  # half dot with gate_up's tiles of 512 for int4 (-3% to +2% on the H100)
+  # layer 92.2 -> 83.5 µs at M=1); the alternative: the tiles before it (fp32 dot, 256, 96 registers). int4's
+  # best on the H100 (-3% to +2%): GEMV_ALTS="half_dot=1,block_k1=512,block_k2=512,max_registers=128"
   # its sweep stops 40 s before the step's cap (BENCH_GEMV_ALTS_CAP), so a smaller cap still writes its table
-  step bench_gemv_alts "${BENCH_GEMV_ALTS_CAP:-240}" "$PY" -m bench.gemv_sweep --set alt --rounds 2 --budget $(( ${BENCH_GEMV_ALTS_CAP:-240} - 40 )) --kernels gate_up,down,layer --cases "${GEMV_ALT_CASES:-deepseek:nvfp4:1,8;deepseek:int4-g128:1,8;qwen3:nvfp4:1}" --alt "${GEMV_ALTS:-half_dot=0,block_k1=256,block_k2=256,max_registers=96,down_max_registers=-1;half_dot=1,block_k1=512,max_registers=128,down_max_registers=96}" --out "$OUT/bench_gemv_alts.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  step bench_gemv_alts "${BENCH_GEMV_ALTS_CAP:-240}" "$PY" -m bench.gemv_sweep --set alt --rounds 2 --budget $(( ${BENCH_GEMV_ALTS_CAP:-240} - 40 )) --kernels gate_up,down,layer --cases "${GEMV_ALT_CASES:-deepseek:nvfp4:1,8;deepseek:int4-g128:1,8;qwen3:nvfp4:1}" --alt "${GEMV_ALTS:-half_dot=0,block_k1=256,block_k2=256,max_registers=96,down_max_registers=-1}" --out "$OUT/bench_gemv_alts.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # the one-launch split path (kernels/splitk.py): its tiles, then against the default decode path per shape and M
   step bench_splitk "${BENCH_SPLITK_CAP:-330}" "$PY" -m bench.splitk_sweep --budget 150 --out "$OUT/bench_splitk.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_pdl "${BENCH_PDL_CAP:-150}" "$PY" -m bench.kernel_pdl --budget 110 --out "$OUT/bench_pdl.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}

@@ -167,3 +167,37 @@ def test_packed_x_refused_without_the_half_dot_or_in_one_launch():
     with pytest.raises(ValueError, match="one_launch=True"):
         GemvConfig(half_dot=True, half_x_pack=True, one_launch=True)
     assert GemvConfig(half_dot=True, half_x_pack=True).half_x_pack
+
+
+def test_nvfp4_default_tiles_with_masked_last_tiles(monkeypatch):
+    """NVFP4's compiled default (`gemv_configs` off the interpreter: the half dot, K tiles of 512 in gate_up and
+    in down where I is whole 512 tiles) at H = I = 528: both kernels' last K tile masked (16 of 512 values, down
+    set to 512 too); two launches, split K over 2, and one launch (down's own cap reset). Against the dense
+    reference and the fp32 dot at the same tiles."""
+    from pooled_runner.kernels import gemv_config
+    from pooled_runner.kernels.dequant import FMT_NVFP4
+
+    H, I, E, K, T = 528, 528, 5, 2, 1
+    monkeypatch.setattr(gemv_config, "interpreting", lambda: False)
+    base = gemv_config.gemv_configs(H, I, FMT_NVFP4, T * K)
+    monkeypatch.undo()
+    assert base.half_dot and base.block_k1 == 512 and base.block_k2 == 256, (
+        base
+    )  # I = 528: not whole 512 tiles
+    g, fmt, w13, w2, l2p = _layer("nvfp4", H, I, torch.bfloat16, E, seed=3)
+    x = torch.randn(T, H, generator=g)
+    x[0, H - 3] = 200.0  # in the masked tile's live part
+    x = x.bfloat16()
+    ids, w = random_routing(T, K, E, g, pad_prob=0.0)
+    ref = pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt)
+    cfg = dataclasses.replace(base, block_k2=512)
+    fp32 = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, dataclasses.replace(cfg, half_dot=False))
+    configs = [
+        cfg,
+        dataclasses.replace(cfg, split_k1=2, split_k2=2),
+        dataclasses.replace(cfg, one_launch=True, down_max_registers=-1),
+    ]
+    for c in configs:
+        out = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, c)
+        assert_close(out, ref, f"NVFP4 default tiles {c} vs dense reference")
+        assert_close(out, fp32, f"NVFP4 default tiles {c} vs fp32 dot", rel=1e-2)

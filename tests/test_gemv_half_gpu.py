@@ -58,9 +58,11 @@ def test_half_dot_against_fp32_dot_and_dense_reference(name, shape, M):
     base = gemv_configs(H, I, fmt.fmt, M * K, fmt.group)
     assert fmt.fmt == {"nvfp4": 4, "int4": 1}[name.split("-")[0]], (name, fmt.fmt)
     poison_allocator()
+    # NVFP4's default is the half dot (K tiles of 512): the fp32 dot at the same tiles is the comparison
     half_cfg = dataclasses.replace(base, half_dot=True)
+    fp32_cfg = dataclasses.replace(base, half_dot=False)
     half = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=half_cfg)
-    fp32 = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=base)
+    fp32 = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=fp32_cfg)
     assert_close(half, fp32, f"{name}: half vs fp32 dot {shape} M={M}", rel=1e-2)
     ref = pooled_reference(x, ids, w, l2p, E, p13, p2, fmt)
     assert_close(half, ref, f"{name}: half dot vs dense reference {shape} M={M}")
@@ -87,7 +89,7 @@ def test_half_dot_row_scale_extremes(name):
     fmt, p13, p2, l2p = _layer(name, "qwen3", E, R, seed=3)
     g = torch.Generator(device="cuda").manual_seed(3)
     ids, w = routing(3, K, E, g)
-    base = gemv_configs(H, I, fmt.fmt, 3 * K, fmt.group)
+    base = dataclasses.replace(gemv_configs(H, I, fmt.fmt, 3 * K, fmt.group), half_dot=False)
     half_cfg = dataclasses.replace(base, half_dot=True)
     x = torch.randn(3, H, generator=g, device="cuda")
     for s in (1e-12, 1e15):

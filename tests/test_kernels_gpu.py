@@ -284,8 +284,8 @@ def test_fused_combine_variants_real_shapes(resident_layers, shape, M, variant):
 )
 def test_decode_variants_formats_mixed_rows(name, M, variant):
     """Decode variants for every format at the Qwen3-like shape: pool rows, pinned host rows, an expert not
-    here. gemv-split3: the GEMV path with gate_up's K split over 3 programs (8 K tiles: 3, 3, 2) and down's
-    over 3 (3 K tiles of 256: one each)."""
+    here. gemv-split3: the GEMV path with K tiles of 256 at most (NVFP4's default takes 512) and gate_up's K
+    split over 3 programs (8 K tiles of 256: 3, 3, 2) and down's over 3 (3 K tiles of 256: one each)."""
     import dataclasses
 
     from pooled_runner.kernels.gemv import gemv_configs
@@ -305,7 +305,9 @@ def test_decode_variants_formats_mixed_rows(name, M, variant):
     ids, w = routing(M, K, E, g)
     poison_allocator()
     if variant == "gemv-split3":
-        cfg = dataclasses.replace(gemv_configs(H, I, fmt.fmt, M * K, fmt.group), split_k1=3, split_k2=3)
+        base = gemv_configs(H, I, fmt.fmt, M * K, fmt.group)
+        bk1, bk2 = min(base.block_k1, 256), min(base.block_k2, 256)
+        cfg = dataclasses.replace(base, split_k1=3, split_k2=3, block_k1=bk1, block_k2=bk2)
         out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=cfg)
     else:
         out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant=variant)
