@@ -27,6 +27,7 @@ Host-side, plain Python; deterministic for a given sequence of calls.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,7 +50,6 @@ class GovernorFamily:
             raise ValueError(
                 "GovernorFamily: acceptance, prior, initial and on_probe_lost are the family's to set"
             )
-        self.share = share
         self.acceptance_decay = acceptance_decay
         self.acceptance = AcceptanceEstimate(acceptance_decay) if share else None
         self.governor_kwargs = governor_kwargs
@@ -68,7 +68,7 @@ class GovernorFamily:
                 candidates,
                 acceptance=self.acceptance,
                 prior=self.prior_for(batch_size),
-                on_probe_lost=self._pass_on_loss,
+                on_probe_lost=functools.partial(self._pass_on_loss, batch_size),
                 **self.governor_kwargs,
             )
         else:
@@ -76,13 +76,13 @@ class GovernorFamily:
         self.governors[batch_size] = created
         return created
 
-    def _pass_on_loss(self, loser: SpecGovernor, depth: int, interval: int) -> None:
-        """`loser`'s probe of `depth` lost: the governors within a factor of MAX_PRIOR_RATIO of its batch size that
-        run the same depth wait at least half its interval before probing `depth` (`SpecGovernor.defer_probe`)."""
-        batch_size = next(b for b, governor in self.governors.items() if governor is loser)
+    def _pass_on_loss(self, batch_size: int, depth: int, interval: int) -> None:
+        """The probe of `depth` at `batch_size` lost: the governors of batch sizes within a factor of
+        MAX_PRIOR_RATIO that run the same depth wait at least half its interval before probing `depth`
+        (`SpecGovernor.defer_probe`)."""
+        loser = self.governors[batch_size]
         for b, governor in self.governors.items():
-            near = max(b, batch_size) <= MAX_PRIOR_RATIO * min(b, batch_size)
-            if governor is not loser and near and governor.current == loser.current:
+            if b != batch_size and _near(b, batch_size) and governor.current == loser.current:
                 governor.defer_probe(depth, interval)
 
     def prior_for(self, batch_size: int) -> SpecGovernor | None:
@@ -92,5 +92,9 @@ class GovernorFamily:
         if not observed:
             return None
         nearest = min(observed, key=lambda b: (abs(b - batch_size), b))
-        near = max(nearest, batch_size) <= MAX_PRIOR_RATIO * min(nearest, batch_size)
-        return self.governors[nearest] if near else None
+        return self.governors[nearest] if _near(nearest, batch_size) else None
+
+
+def _near(a: int, b: int) -> bool:
+    """Batch sizes `a` and `b` within a factor of MAX_PRIOR_RATIO of each other."""
+    return max(a, b) <= MAX_PRIOR_RATIO * min(a, b)

@@ -116,7 +116,7 @@ class SpecGovernor:
     its own decay then rules, `acceptance_decay` is not used); None: one of its own. `prior`: the governor of a
     neighbouring batch size; this one starts at its running depth (unless `initial` is given, or that depth is
     not a candidate here: then at the smallest, nothing deferred) and first probes a deeper depth whose probes
-    lost there after half the interval they reached there (`_defer_probes_lost_by`). `on_probe_lost(self, depth,
+    lost there after half the interval they reached there (`_defer_probes_lost_by`). `on_probe_lost(depth,
     interval)`: called when a probe of `depth` lost and waits `interval` steps (the family passes it on to the
     neighbours, `defer_probe`).
     """
@@ -137,7 +137,7 @@ class SpecGovernor:
         outlier_factor: float = 3.0,
         acceptance: AcceptanceEstimate | None = None,
         prior: SpecGovernor | None = None,
-        on_probe_lost: Callable[[SpecGovernor, int, int], None] | None = None,
+        on_probe_lost: Callable[[int, int], None] | None = None,
     ) -> None:
         depths = sorted(set(int(d) for d in candidates))
         if not depths or depths[0] < 0:
@@ -179,12 +179,12 @@ class SpecGovernor:
         # per-draft acceptance (decayed counts of accepted drafts and rejections), possibly shared with the
         # governors of other batch sizes
         self.acceptance_estimate = AcceptanceEstimate(acceptance_decay) if acceptance is None else acceptance
-        if prior is not None:
-            self._defer_probes_lost_by(prior)
         self.on_probe_lost = on_probe_lost
         self.num_steps = 0  # observed steps
         self.num_switches = 0
         self.steps_at = {d: 0 for d in depths}  # observed steps per depth
+        if prior is not None:
+            self._defer_probes_lost_by(prior)
 
     # -- the two calls of a step ------------------------------------------------------------------------------
     def choose(self) -> int:
@@ -305,7 +305,7 @@ class SpecGovernor:
             arm.interval = min(growth * arm.interval, self.max_probe_interval)
             arm.due = self.num_steps + arm.interval
             if self.on_probe_lost is not None:
-                self.on_probe_lost(self, probe.depth, arm.interval)
+                self.on_probe_lost(probe.depth, arm.interval)
 
     def _measure(self, arm: _Arm, samples: list[float]) -> None:
         arm.seconds = statistics.fmean(samples)
@@ -365,12 +365,9 @@ class SpecGovernor:
         not taken (they grow with the batch)."""
         if prior.current != self.current:
             return  # its verdicts are relative to another running depth
-        for depth, arm in self._arms.items():
-            seen = prior._arms.get(depth)
-            if depth <= self.current or seen is None or seen.num_lost == 0:
-                continue
-            arm.interval = max(seen.interval // 2, self.min_probe_interval)
-            arm.due = arm.interval
+        for depth, seen in prior._arms.items():
+            if seen.num_lost > 0:
+                self.defer_probe(depth, seen.interval)
 
     def _settle(self, depth: int) -> None:
         """Run `depth` from now on; the depths it probes are probed now if never measured, else after the

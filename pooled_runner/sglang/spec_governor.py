@@ -186,7 +186,7 @@ class CostAwareSpecParams(AdaptiveSpeculativeParams):
 
     def governors(self) -> dict[int, SpecGovernor]:
         """Every batch size's governor so far."""
-        return {bs: g for slot in self._slots.values() for bs, g in slot.governors.items()}  # type: ignore[attr-defined]
+        return dict(self.family.governors)
 
     def _governed(self, batch_size: int) -> GovernedStepSlot:
         slot = self._route(batch_size)
