@@ -13,7 +13,7 @@ from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NV
 from .gemm_args import interpreting
 
 PACKED_MAX_REGISTERS = 96  # int4 and NVFP4 GEMV kernels: registers per thread at most (`gemv_configs`)
-NVFP4_WIDE_REGISTERS = 128  # NVFP4's K tiles of 512 (`_nvfp4_config`)
+WIDE_REGISTERS = 128  # the half dot's K tiles of 512 (`_half_wide_config`)
 _VALUES_PER_WORD = {FMT_DENSE: 2, FMT_INT4: 8, FMT_NVFP4: 8, FMT_FP8_CHANNEL: 4, FMT_FP8_BLOCK: 4}
 
 
@@ -92,7 +92,8 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group
     cited below). `group`: int4's group size. int4 takes K tiles of 256 only where they hold whole groups of
     128 (or a multiple) and K is a multiple of 256 (else a tile would load a scale per word: 3x slower). int4
     caps the registers (`max_registers`) where the down grid needs more than one wave; NVFP4 takes the half word
-    dot with K tiles of 512 and its own caps (`_nvfp4_config`); configs derived from these with
+    dot with K tiles of 512 and its own caps (`_half_wide_config`), and so does int4 at one token on wide layers
+    (`_int4_wide`); configs derived from these with
     `dataclasses.replace` keep the caps unless they set them (a one-launch config must reset down's own cap:
     `down_max_registers=-1`)."""
     if interpreting():  # the interpreter's cost grows with tile size; correctness only
@@ -124,16 +125,16 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group
         # 183.8 at M=8; int4 down 30.0 -> 28.7 at M=1; Qwen3-like NVFP4 layer 75.2 -> 71.6 at M=8 (2048);
         # gate_up within 1%. Not on one wave: the Qwen3-like layer at M=1 (512 down programs) took 4-8% longer
         # with it (NVFP4 16.0 -> 17.3 µs, int4 14.9 -> 15.5). At 80 both kernels spill (slower at M=1).
-        if fmt == FMT_NVFP4:
-            return _nvfp4_config(bn1, bn2, I)
+        if fmt == FMT_NVFP4 or _int4_wide(H, I, group, num_pairs * triton.cdiv(H, bn2)):
+            return _half_wide_config(bn1, bn2, I)
         one_wave = num_pairs * triton.cdiv(H, bn2) <= 4 * _num_sms()
         regs = PACKED_MAX_REGISTERS if bn2 >= 64 and not one_wave else 0
         return GemvConfig(bn1, bk1, bn2, bk2, num_warps=4, prefetch=False, max_registers=regs)
     return GemvConfig(bn1, bk, bn2, bk, num_warps=4, prefetch=True)
 
 
-def _nvfp4_config(bn1: int, bn2: int, I: int) -> GemvConfig:
-    """NVFP4: the half word dot with K tiles of 512 (32 words per thread) at 128 registers in gate_up, and in down
+def _half_wide_config(bn1: int, bn2: int, I: int) -> GemvConfig:
+    """NVFP4 (and int4 where `_int4_wide`): the half word dot with K tiles of 512 (32 words per thread) at 128 registers in gate_up, and in down
     where I is whole 512 tiles (else tiles of 256 at 96 registers, one wave or not). H100, 2026-12-05 (bench.gemv_sweep --set alt,
     µs per layer against tiles of 256 with the fp32 dot): DeepSeek-like 92.2 -> 83.4 at M=1, 586.5 -> 545.7 at
     M=8; Qwen3-like (I 768: down at 256) 17.3 -> 15.9 at M=1, 74.2 -> 69.1 at M=8. Down at 96 registers on one
@@ -152,10 +153,21 @@ def _nvfp4_config(bn1: int, bn2: int, I: int) -> GemvConfig:
         bk2,
         num_warps=4,
         prefetch=False,
-        max_registers=NVFP4_WIDE_REGISTERS,
+        max_registers=WIDE_REGISTERS,
         down_max_registers=regs2,
         half_dot=True,
     )
+
+
+def _int4_wide(H: int, I: int, group: int, num_down_programs: int) -> bool:
+    """int4 takes NVFP4's wide tiles (the half dot, K tiles of 512 in both kernels at 128 registers) where both K
+    are whole 512 tiles at group 128 (the measured one) and the down grid is at most two waves at five programs per SM
+    (one token at DeepSeek-like sizes: 896 programs). H100, 2026-12-05 (bench.gemv_sweep --set alt, three runs):
+    the DeepSeek-like layer at M=1 83.5-83.8 -> 81.2-81.3 µs (down 33.7 -> 32.5); at M=8 (7168 down programs)
+    the same tiles were 0.5-1.6% slower, and the Qwen3-like layer (I 768) at M=1 took 16.6 against 15.1 µs.
+    The M between 1 and 8 is not measured."""
+    whole = H % 512 == 0 and I % 512 == 0 and group == 128
+    return whole and num_down_programs <= 2 * 5 * _num_sms()
 
 
 def _int4_block_k(k: int, group: int) -> int:

@@ -70,8 +70,8 @@ else
   # issue #4's packed decode at one token: the default against each changed GEMV config in turn, alternating
   # (bench.gemv_sweep --set alt; GEMV_ALTS: ";" between configs, GEMV_ALT_CASES: shape:format:M list). Since
   # 2026-12-05 NVFP4's default is the half word dot with K tiles of 512 at 128 registers (H100: DeepSeek-like
-  # layer 92.2 -> 83.5 µs at M=1); the alternative: the tiles before it (fp32 dot, 256, 96 registers). int4's
-  # best on the H100 (-3% to +2%): GEMV_ALTS="half_dot=1,block_k1=512,block_k2=512,max_registers=128"
+  # layer 92.2 -> 83.5 µs at M=1), and int4's at one token on whole 512 tiles (H100: 83.6 -> 81.3 µs); the
+  # alternative: the tiles before them (fp32 dot, 256, 96 registers), which int4 keeps at M=8
   # its sweep stops 40 s before the step's cap (BENCH_GEMV_ALTS_CAP), so a smaller cap still writes its table
   step bench_gemv_alts "${BENCH_GEMV_ALTS_CAP:-240}" "$PY" -m bench.gemv_sweep --set alt --rounds 2 --budget $(( ${BENCH_GEMV_ALTS_CAP:-240} - 40 )) --kernels gate_up,down,layer --cases "${GEMV_ALT_CASES:-deepseek:nvfp4:1,8;deepseek:int4-g128:1,8;qwen3:nvfp4:1}" --alt "${GEMV_ALTS:-half_dot=0,block_k1=256,block_k2=256,max_registers=96,down_max_registers=-1}" --out "$OUT/bench_gemv_alts.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # the one-launch split path (kernels/splitk.py): its tiles, then against the default decode path per shape and M

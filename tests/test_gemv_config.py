@@ -43,13 +43,27 @@ def test_default_tiles_on_a_132_sm_gpu(monkeypatch):
     # int4 with 64 down rows at most 96 registers per thread (five programs per SM); smaller tiles and the other
     # formats the compiler's choice
     int4 = dequant.FMT_INT4
-    # DeepSeek-like one token: 8 x 112 = 896 down programs > 4 x 132, 64 rows
-    assert cfg(7168, 2048, int4, 8, 128).max_registers == gemv_config.PACKED_MAX_REGISTERS == 96
+    # DeepSeek-like two tokens: 16 x 112 = 1792 down programs > 4 x 132, 64 rows
+    assert cfg(7168, 2048, int4, 16, 128).max_registers == gemv_config.PACKED_MAX_REGISTERS == 96
     assert cfg(2048, 768, int4, 64, 128).max_registers == 96  # 64 pairs x 32 blocks = 2048 programs
     assert cfg(2048, 768, int4, 24, 128).max_registers == 96  # 24 x 32 = 768 > 528
     assert cfg(2048, 768, int4, 16, 128).max_registers == 0  # 16 x 32 = 512: one wave at 4 per SM
     assert cfg(2048, 768, int4, 8, 128).max_registers == 0  # 32 down rows (8 x 64 = 512)
-    assert not cfg(7168, 2048, int4, 8, 128).half_dot
+    # int4 at one token on whole 512 tiles (896 down programs <= two waves of five per SM on 132 SMs): NVFP4's
+    # wide tiles; not at two tokens, other groups, or I = 768
+    wide = cfg(7168, 2048, int4, 8, 128)
+    assert wide.half_dot and (wide.block_k1, wide.block_k2, wide.registers(), wide.registers(down=True)) == (
+        512,
+        512,
+        gemv_config.WIDE_REGISTERS,
+        128,
+    ), wide
+    for narrow in (
+        cfg(7168, 2048, int4, 16, 128),
+        cfg(7168, 2048, int4, 8, 64),
+        cfg(2048, 768, int4, 8, 128),
+    ):
+        assert not narrow.half_dot and narrow.block_k1 <= 256, narrow
     for fmt_code in (dequant.FMT_DENSE, dequant.FMT_FP8_CHANNEL, dequant.FMT_FP8_BLOCK):
         assert cfg(7168, 2048, fmt_code, 8).max_registers == 0, fmt_code
     # NVFP4: the half dot, gate_up's K tiles of 512 at 128 registers; down's too where I is whole 512 tiles,
@@ -66,7 +80,7 @@ def test_default_tiles_on_a_132_sm_gpu(monkeypatch):
         ) == (
             512,
             512,
-            gemv_config.NVFP4_WIDE_REGISTERS,
+            gemv_config.WIDE_REGISTERS,
             128,
         )
     for pairs, bn2 in ((8, 32), (64, 64)):
@@ -86,7 +100,13 @@ def test_default_tiles_on_a_132_sm_gpu(monkeypatch):
             96,
         )
 
-    assert tiles(cfg(7168, 2048, dequant.FMT_INT4, 8, 128)) == (32, 256, 64, 256, False)  # 512 / 896 programs
+    assert tiles(cfg(7168, 2048, dequant.FMT_INT4, 16, 128)) == (
+        32,
+        256,
+        64,
+        256,
+        False,
+    )  # 1024 / 1792 programs
     assert tiles(cfg(2048, 768, dequant.FMT_INT4, 8, 128)) == (
         16,
         256,

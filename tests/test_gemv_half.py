@@ -201,3 +201,30 @@ def test_nvfp4_default_tiles_with_masked_last_tiles(monkeypatch):
         out = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, c)
         assert_close(out, ref, f"NVFP4 default tiles {c} vs dense reference")
         assert_close(out, fp32, f"NVFP4 default tiles {c} vs fp32 dot", rel=1e-2)
+
+
+def test_int4_default_wide_tiles_at_one_token(monkeypatch):
+    """int4's compiled default at one token on a layer of whole 512 tiles (`gemv_configs` off the interpreter:
+    `_int4_wide`, the half dot with K tiles of 512 in both kernels) at H = I = 512, group 128 with zero points:
+    four groups and four scale/zero loads per row per tile. Two launches and one launch (down's own cap reset),
+    against the dense reference and the fp32 dot at the same tiles."""
+    from pooled_runner.kernels import gemv_config
+    from pooled_runner.kernels.dequant import FMT_INT4
+
+    H, I, E, K, T = 512, 512, 5, 2, 1
+    monkeypatch.setattr(gemv_config, "interpreting", lambda: False)
+    base = gemv_config.gemv_configs(H, I, FMT_INT4, T * K, 128)
+    monkeypatch.undo()
+    assert base.half_dot and (base.block_k1, base.block_k2) == (512, 512), base
+    g, fmt, w13, w2, l2p = _layer("int4-g128-zp", H, I, torch.bfloat16, E, seed=5)
+    x = torch.randn(T, H, generator=g)
+    x[0, H - 3] = 200.0
+    x = x.bfloat16()
+    ids, w = random_routing(T, K, E, g, pad_prob=0.0)
+    ref = pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt)
+    fp32 = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, dataclasses.replace(base, half_dot=False))
+    for c in (base, dataclasses.replace(base, one_launch=True, down_max_registers=-1)):
+        out = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, c)
+        assert not torch.equal(out, fp32), "half_dot did not reach the kernels"
+        assert_close(out, ref, f"int4 default wide tiles {c} vs dense reference")
+        assert_close(out, fp32, f"int4 default wide tiles {c} vs fp32 dot", rel=1e-2)
