@@ -11,11 +11,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# every package's modules, subpackages included (`python -m pooled_runner.sglang.X` runs as well)
 MODULES = sorted(
-    p
-    for folder in ("bench", "scripts", "pooled_runner")
-    for p in (ROOT / folder).glob("*.py")
-    if p.name != "__init__.py"
+    {
+        p.resolve()
+        for folder in ("bench", "scripts", "pooled_runner", "kernels", "patches")
+        for p in (ROOT / folder).rglob("*.py")
+        if p.name != "__init__.py"
+    }
 )
 
 
@@ -46,3 +49,4 @@ def test_a_module_with_main_runs_it_as_a_script(path: Path) -> None:
 def test_the_check_sees_modules_with_main() -> None:
     names = {p.stem for p in MODULES if _defines_main(ast.parse(p.read_text()))}
     assert {"gemv_sweep", "spec_family_model", "launch"} <= names, sorted(names)
+    assert any(p.parent.name == "sglang" for p in MODULES), "subpackages are not searched"
