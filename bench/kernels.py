@@ -52,8 +52,9 @@ def random_rows(
             t = torch.randint(0x30, 0x3D, shape, generator=g, device=device, dtype=torch.uint8).view(s.dtype)
         elif s.dtype == torch.int32:
             t = torch.randint(-(2**31), 2**31 - 1, shape, generator=g, device=device, dtype=torch.int32)
-        else:
-            t = torch.randint(0, 255, shape, generator=g, device=device, dtype=s.dtype)
+        else:  # bytes: int4 zero points are 4-bit codes (the half dot relies on |q - z| <= 15)
+            high = 16 if s.name.endswith("_z") else 256
+            t = torch.randint(0, high, shape, generator=g, device=device, dtype=s.dtype)
         rows[s.name] = t
     return rows
 
@@ -148,7 +149,7 @@ def main() -> None:
             fmt_obj = make_format(name, torch.bfloat16)
             fmt = kernel_format(fmt_obj)
             # the last format's rows go before this one's are made: two DeepSeek-size pools do not fit 80 GB
-            pool = bank = p13 = p2 = None
+            pool = bank = p13 = p2 = fn = None  # fn: the last decode-path call holds p13 / p2
             torch.cuda.empty_cache()
             pool = random_rows(name, H, I, E, "cuda", g)
             row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
@@ -210,7 +211,7 @@ def main() -> None:
                     print(row, flush=True)
                     lines.append(row)
                     write(args.out, lines)  # as we go: a capped run keeps what it measured
-            pool = bank = None  # free before the next format
+            pool = bank = p13 = p2 = fn = None  # free before the next format
             torch.cuda.empty_cache()
     lines += sweep_decode_path(g)
     write(args.out, lines)

@@ -18,8 +18,9 @@ pointers broadcast over the rows (the words' layout, no layout conversion); int4
 once, contiguous, and split it in registers (`gemv_words._x_split8`). The grid is pairs x N blocks, so even one
 token's top-8 gives a few hundred programs. Loads run ahead of use by `GemvConfig`: the next tile in registers
 (`prefetch`, dense and fp8 by default) or Triton's pipeline (`stages`); int4 and NVFP4 by default neither
-(int4: K tiles of 256, each row's 128 bytes per tile keep the loads near the HBM rate; NVFP4: the half word dot
-with K tiles of 512 at 128 registers; `gemv_configs`). gate_up can
+(int4: K tiles of 256, each row's 128 bytes per tile keep the loads near the HBM rate, and at one token on
+layers of whole 512 tiles the half word dot at 512; NVFP4: the half word dot with K tiles of 512 at 128
+registers; `gemv_configs`). gate_up can
 split K over programs (`split_k1`, parts summed in order by the last arrival) where pairs x N blocks are few;
 down too (`split_k2`: fp32 parts summed in split order by the token's last arrival, which combines).
 

@@ -90,7 +90,9 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group
     """Default tiles: ~16 packed words per thread per tile, N blocks halved (down to 8 rows) until pairs x N
     blocks gives at least two programs per SM; int4 and NVFP4 without the register prefetch (the H200 sweeps
     cited below). `group`: int4's group size. int4 takes K tiles of 256 only where they hold whole groups of
-    128 (or a multiple) and K is a multiple of 256 (else a tile would load a scale per word: 3x slower). int4
+    128 (or a multiple) and K is a multiple of 256 (else a tile would load a scale per word: 3x slower with the
+    fp32 dot at 256; the wide tiles of `_int4_wide`, 512 values over four groups, load them per word too and were
+    faster on the H100 all the same). int4
     caps the registers (`max_registers`) where the down grid needs more than one wave; NVFP4 takes the half word
     dot with K tiles of 512 and its own caps (`_half_wide_config`), and so does int4 at one token on wide layers
     (`_int4_wide`); configs derived from these with
@@ -161,13 +163,16 @@ def _half_wide_config(bn1: int, bn2: int, I: int) -> GemvConfig:
 
 def _int4_wide(H: int, I: int, group: int, num_down_programs: int) -> bool:
     """int4 takes NVFP4's wide tiles (the half dot, K tiles of 512 in both kernels at 128 registers) where both K
-    are whole 512 tiles at group 128 (the measured one) and the down grid is at most two waves at five programs per SM
-    (one token at DeepSeek-like sizes: 896 programs). H100, 2026-12-05 (bench.gemv_sweep --set alt, three runs):
-    the DeepSeek-like layer at M=1 83.5-83.8 -> 81.2-81.3 µs (down 33.7 -> 32.5); at M=8 (7168 down programs)
-    the same tiles were 0.5-1.6% slower, and the Qwen3-like layer (I 768) at M=1 took 16.6 against 15.1 µs.
-    The M between 1 and 8 is not measured."""
+    are whole 512 tiles at group 128 and the down grid is more than one wave and at most two at the four programs
+    per SM that 128 registers leave: the regime measured (one token at DeepSeek-like sizes, 896 programs on 132
+    SMs). H100, 2026-12-05 (bench.gemv_sweep --set alt, three runs): that layer 83.5-83.8 -> 81.2-81.3 µs (down
+    33.7 -> 32.5); at M=8 (7168 down programs) the same tiles were 0.5-1.6% slower; the Qwen3-like layer (I 768,
+    masked down tiles, one wave) at M=1 took 16.6 against 15.1 µs. One-wave grids at whole tiles are not measured.
+    int4's arithmetic then depends on the batch: the half dot at one token, the fp32 dot at two or more (within
+    bf16 rounding of each other: tests/test_gemv_half_gpu.py)."""
     whole = H % 512 == 0 and I % 512 == 0 and group == 128
-    return whole and num_down_programs <= 2 * 5 * _num_sms()
+    per_wave = 4 * _num_sms()
+    return whole and per_wave < num_down_programs <= 2 * per_wave
 
 
 def _int4_block_k(k: int, group: int) -> int:

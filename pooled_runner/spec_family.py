@@ -7,8 +7,9 @@ does not depend on the batch size and passes on what probably carries over to a 
 
 - one acceptance estimate (`spec_acceptance.AcceptanceEstimate`) for all: the draft model and the text decide
   it, not the batch size;
-- a batch size seen for the first time starts from the governor of the nearest batch size that has observed a
-  step (ties: the smaller), if that is within a factor of `MAX_PRIOR_RATIO` (else it starts fresh, at the smallest depth):
+- a batch size seen for the first time starts from the governor of the nearest batch size within a factor of
+  `MAX_PRIOR_RATIO` that ran its running depth for `probe_steps` steps itself (ties: the smaller; else it starts
+  fresh, at the smallest depth):
   at its running depth, with the deeper depths whose probes lost there probed first after half the interval
   they reached (`SpecGovernor(prior=...)`). Its own step times it measures itself;
 - a probe lost at one batch size defers the same probe at the batch sizes within that factor running the same
@@ -86,13 +87,18 @@ class GovernorFamily:
                 governor.defer_probe(depth, interval)
 
     def prior_for(self, batch_size: int) -> SpecGovernor | None:
-        """The governor a new `batch_size` starts from: that of the nearest batch size with an observed step (ties:
-        the smaller), if within a factor of MAX_PRIOR_RATIO of `batch_size`; else None."""
-        observed = [b for b, governor in self.governors.items() if governor.num_steps > 0]
-        if not observed:
+        """The governor a new `batch_size` starts from: among the batch sizes within a factor of MAX_PRIOR_RATIO
+        whose governor ran its running depth itself for `probe_steps` steps (not one that only inherited it: a
+        burst draining 16 -> 9 -> 5 -> 3 would otherwise pass bs 16's depth down the chain), the nearest (ties:
+        the smaller); None if there is none."""
+        eligible = [
+            b
+            for b, governor in self.governors.items()
+            if _near(b, batch_size) and governor.steps_at[governor.current] >= governor.probe_steps
+        ]
+        if not eligible:
             return None
-        nearest = min(observed, key=lambda b: (abs(b - batch_size), b))
-        return self.governors[nearest] if _near(nearest, batch_size) else None
+        return self.governors[min(eligible, key=lambda b: (abs(b - batch_size), b))]
 
 
 def _near(a: int, b: int) -> bool:

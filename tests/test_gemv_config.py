@@ -58,10 +58,12 @@ def test_default_tiles_on_a_132_sm_gpu(monkeypatch):
         gemv_config.WIDE_REGISTERS,
         128,
     ), wide
+    # (a Qwen3-235B-like layer, H 4096, I 1536, at one token: 8 x 64 = 512 down programs, one wave: not measured)
     for narrow in (
         cfg(7168, 2048, int4, 16, 128),
         cfg(7168, 2048, int4, 8, 64),
         cfg(2048, 768, int4, 8, 128),
+        cfg(4096, 1536, int4, 8, 128),
     ):
         assert not narrow.half_dot and narrow.block_k1 <= 256, narrow
     for fmt_code in (dequant.FMT_DENSE, dequant.FMT_FP8_CHANNEL, dequant.FMT_FP8_BLOCK):

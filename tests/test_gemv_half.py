@@ -206,13 +206,15 @@ def test_nvfp4_default_tiles_with_masked_last_tiles(monkeypatch):
 def test_int4_default_wide_tiles_at_one_token(monkeypatch):
     """int4's compiled default at one token on a layer of whole 512 tiles (`gemv_configs` off the interpreter:
     `_int4_wide`, the half dot with K tiles of 512 in both kernels) at H = I = 512, group 128 with zero points:
-    four groups and four scale/zero loads per row per tile. Two launches and one launch (down's own cap reset),
+    four groups per tile, so each word loads its own scale and zero point (`gemv_tiles._load_words`' general path). Two launches and one launch (down's own cap reset),
     against the dense reference and the fp32 dot at the same tiles."""
     from pooled_runner.kernels import gemv_config
     from pooled_runner.kernels.dequant import FMT_INT4
 
     H, I, E, K, T = 512, 512, 5, 2, 1
     monkeypatch.setattr(gemv_config, "interpreting", lambda: False)
+    # 3 SMs: 2 pairs x 8 down blocks of 64 rows = 16 programs, over one wave of 12 and within two (`_int4_wide`)
+    monkeypatch.setattr(gemv_config, "_num_sms", lambda: 3)
     base = gemv_config.gemv_configs(H, I, FMT_INT4, T * K, 128)
     monkeypatch.undo()
     assert base.half_dot and (base.block_k1, base.block_k2) == (512, 512), base

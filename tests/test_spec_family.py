@@ -83,13 +83,36 @@ def test_the_prior_is_the_nearest_batch_size_within_a_factor_of_two() -> None:
     family = GovernorFamily()
     assert family.prior_for(5) is None
     small, large = family.governor(3, (0, 1)), family.governor(7, (0, 1))
-    for governor in (small, large):
-        governor.observe(0, [0], 1e-3)
+    for step in range(small.probe_steps):
+        assert family.prior_for(5) is None, f"a prior after {step} of {small.probe_steps} steps"
+        for governor in (small, large):
+            governor.observe(0, [0], 1e-3)
     assert family.prior_for(5) is small and family.prior_for(6) is large and family.prior_for(2) is small
     assert family.prior_for(1) is None and family.prior_for(15) is None  # 3 > 2 x 1, 15 > 2 x 7
     assert family.prior_for(14) is large
+    # the nearest within the factor, not the nearest overall: bs 8 starts from bs 16, not from bs 2 (nearer)
+    apart = GovernorFamily()
+    two, sixteen = apart.governor(2, (0, 1)), apart.governor(16, (0, 1))
+    for _ in range(two.probe_steps):
+        for governor in (two, sixteen):
+            governor.observe(0, [0], 1e-3)
+    assert apart.prior_for(8) is sixteen and apart.prior_for(3) is two
     assert family.governor(3, (0, 1, 3)) is small  # created once, with its first candidates
     assert small.candidates == (0, 1)
+
+
+def test_an_inherited_depth_is_not_passed_down_a_chain() -> None:
+    """bs 16 settled at depth 3 where drafting wins; bs 9 starts from it, and bs 5, within 2x of 9 only, does
+    not start from bs 9 until bs 9 has run its depth for `probe_steps` steps itself."""
+    family = GovernorFamily()
+    drive(family.governor(16, (0, 1, 3)), WINS, 600, seed=5)
+    assert family.governor(16, (0, 1, 3)).current == 3
+    nine = family.governor(9, (0, 1, 3))
+    assert nine.current == 3
+    nine.observe(nine.choose(), [1] * 9, 1e-3)
+    assert family.prior_for(5) is None
+    fresh = family.governor(5, (0, 1, 3))
+    assert fresh.current == 0
 
 
 def test_a_far_batch_size_starts_fresh_and_shallower_depths_are_never_deferred() -> None:
