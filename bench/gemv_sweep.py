@@ -152,8 +152,16 @@ def _row(shape, name, M, kernel, cfg: GemvConfig, us, pct, diff) -> str:
     regs = both(cfg.registers() or "-", cfg.registers(down=True) or "-")
     return (
         f"| {shape} | {name} | {M} | {kernel} | {bn} | {bk} | {cfg.num_warps} | {prefetch} | {split} | {regs} "
-        f"| {_word_dot(cfg)} | {us:.1f} | {pct:.0f}% | {diff:.2e} |"
+        f"| {_word_dot(cfg)} | {_combine(kernel, cfg)} | {us:.1f} | {pct:.0f}% | {diff:.2e} |"
     )
+
+
+def _combine(kernel: str, cfg: GemvConfig) -> str:
+    """The combine column: in down's epilogue (the last arrival sums, `fuse_combine`) or its own kernel; gate_up
+    has none."""
+    if kernel == "gate_up":
+        return "-"
+    return "fused" if cfg.fuse_combine or cfg.one_launch else "kernel"
 
 
 def _word_dot(cfg: GemvConfig) -> str:
@@ -259,9 +267,9 @@ def main() -> None:
     lines += [
         "GEMV kernels apart (µs per call, graph replay; % HBM of that kernel's bytes; max |diff| to the default):",
         "",
-        "| shape | format | M | kernel | BN | BK | warps | prefetch | split K | max regs | word dot | µs | % HBM "
-        "| max diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | format | M | kernel | BN | BK | warps | prefetch | split K | max regs | word dot | combine | µs "
+        "| % HBM | max diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)

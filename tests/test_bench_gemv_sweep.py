@@ -53,6 +53,12 @@ def test_rows_name_each_kernels_own_load_mode_and_cap():
     assert cells["layer"][7:10] == ["1/0", "1", "128/96"], cells
     half = _row("deepseek", "nvfp4", 1, "layer", dataclasses.replace(base, half_dot=True), 1.0, 50.0, 0.0)
     assert half.split(" | ")[10] == "half", half
+    # the combine column: fused in down's epilogue, or its own kernel (fuse_combine=0); none for gate_up
+    separate = dataclasses.replace(base, fuse_combine=False)
+    assert [_row("deepseek", "nvfp4", 1, k, c, 1.0, 50.0, 0.0).split(" | ")[11] for k, c in
+            (("gate_up", base), ("down", base), ("down", separate), ("layer", separate))] == \
+        ["-", "fused", "kernel", "kernel"]  # fmt: skip
+    assert _differs_for("down", separate, base)
     assert _differs_for("down", dataclasses.replace(base, half_dot=True), base)
     assert not _differs_for("gate_up", dataclasses.replace(base, down_prefetch=1), base)
     assert _differs_for("down", dataclasses.replace(base, down_prefetch=1), base)
