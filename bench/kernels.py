@@ -148,9 +148,6 @@ def main() -> None:
         for name in formats:
             fmt_obj = make_format(name, torch.bfloat16)
             fmt = kernel_format(fmt_obj)
-            # the last format's rows go before this one's are made: two DeepSeek-size pools do not fit 80 GB
-            pool = bank = p13 = p2 = fn = None  # fn: the last decode-path call holds p13 / p2
-            torch.cuda.empty_cache()
             pool = random_rows(name, H, I, E, "cuda", g)
             row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
             bank = (
@@ -211,7 +208,9 @@ def main() -> None:
                     print(row, flush=True)
                     lines.append(row)
                     write(args.out, lines)  # as we go: a capped run keeps what it measured
-            pool = bank = p13 = p2 = fn = None  # free before the next format
+            # free before the next format (fn: the last decode-path call holds p13 / p2): two DeepSeek-size
+            # pools do not fit an 80 GB card
+            pool = bank = p13 = p2 = fn = None
             torch.cuda.empty_cache()
     lines += sweep_decode_path(g)
     write(args.out, lines)

@@ -92,10 +92,9 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group
     cited below). `group`: int4's group size. int4 takes K tiles of 256 only where they hold whole groups of
     128 (or a multiple) and K is a multiple of 256 (else a tile would load a scale per word: 3x slower with the
     fp32 dot at 256; the wide tiles of `_int4_wide`, 512 values over four groups, load them per word too and were
-    faster on the H100 all the same). int4
-    caps the registers (`max_registers`) where the down grid needs more than one wave; NVFP4 takes the half word
-    dot with K tiles of 512 and its own caps (`_half_wide_config`), and so does int4 at one token on wide layers
-    (`_int4_wide`); configs derived from these with
+    faster on the H100 all the same). int4 caps the registers (`max_registers`) where the down grid needs more
+    than one wave; NVFP4 takes the half word dot with K tiles of 512 and its own caps (`_half_wide_config`), and
+    so does int4 at one token on wide layers (`_int4_wide`); configs derived from these with
     `dataclasses.replace` keep the caps unless they set them (a one-launch config must reset down's own cap:
     `down_max_registers=-1`)."""
     if interpreting():  # the interpreter's cost grows with tile size; correctness only
@@ -127,18 +126,19 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group
         # 183.8 at M=8; int4 down 30.0 -> 28.7 at M=1; Qwen3-like NVFP4 layer 75.2 -> 71.6 at M=8 (2048);
         # gate_up within 1%. Not on one wave: the Qwen3-like layer at M=1 (512 down programs) took 4-8% longer
         # with it (NVFP4 16.0 -> 17.3 µs, int4 14.9 -> 15.5). At 80 both kernels spill (slower at M=1).
-        if fmt == FMT_NVFP4 or _int4_wide(H, I, group, num_pairs * triton.cdiv(H, bn2)):
+        num_down = num_pairs * triton.cdiv(H, bn2)  # down programs
+        if fmt == FMT_NVFP4 or _int4_wide(H, I, group, num_down):
             return _half_wide_config(bn1, bn2, I)
-        one_wave = num_pairs * triton.cdiv(H, bn2) <= 4 * _num_sms()
+        one_wave = num_down <= 4 * _num_sms()
         regs = PACKED_MAX_REGISTERS if bn2 >= 64 and not one_wave else 0
         return GemvConfig(bn1, bk1, bn2, bk2, num_warps=4, prefetch=False, max_registers=regs)
     return GemvConfig(bn1, bk, bn2, bk, num_warps=4, prefetch=True)
 
 
 def _half_wide_config(bn1: int, bn2: int, I: int) -> GemvConfig:
-    """NVFP4 (and int4 where `_int4_wide`): the half word dot with K tiles of 512 (32 words per thread) at 128 registers in gate_up, and in down
-    where I is whole 512 tiles (else tiles of 256 at 96 registers, one wave or not). H100, 2026-12-05 (bench.gemv_sweep --set alt,
-    µs per layer against tiles of 256 with the fp32 dot): DeepSeek-like 92.2 -> 83.4 at M=1, 586.5 -> 545.7 at
+    """NVFP4 (and int4 where `_int4_wide`): the half word dot with K tiles of 512 (32 words per thread) at 128
+    registers in gate_up, and in down where I is whole 512 tiles (else tiles of 256 at 96 registers, one wave or
+    not). H100, 2026-12-05 (bench.gemv_sweep --set alt, µs per layer against tiles of 256 with the fp32 dot): DeepSeek-like 92.2 -> 83.4 at M=1, 586.5 -> 545.7 at
     M=8; Qwen3-like (I 768: down at 256) 17.3 -> 15.9 at M=1, 74.2 -> 69.1 at M=8. Down at 96 registers on one
     wave too: the Qwen3-like M=1 layer took 17.6 µs with down uncapped (the H200 sweep of 2026-12-04 had found
     the cap 4-8% slower there with the fp32 dot; recheck on the H200). Down's tiles of 512 at 96 registers were
