@@ -117,8 +117,17 @@ def focus_configs(base: GemvConfig, kernel: str) -> list[GemvConfig]:
 # the tile fields each kernel reads (`layer` reads all): an --alt config equal to the default in these and in
 # the kernel's warps, load mode and register cap is not rerun
 _KERNEL_FIELDS = {
-    "gate_up": ("block_n1", "block_k1", "split_k1", "half_dot", "half_x_pack"),
-    "down": ("block_n2", "block_k2", "split_k2", "fuse_combine", "half_dot", "half_x_pack"),
+    "gate_up": ("block_n1", "block_k1", "split_k1", "half_dot", "half_x_pack", "schedule_width"),
+    "down": (
+        "block_n2",
+        "block_k2",
+        "split_k2",
+        "fuse_combine",
+        "half_dot",
+        "half_x_pack",
+        "schedule_width",
+        "down_peel",
+    ),
 }
 
 
@@ -152,8 +161,14 @@ def _row(shape, name, M, kernel, cfg: GemvConfig, us, pct, diff) -> str:
     regs = both(cfg.registers() or "-", cfg.registers(down=True) or "-")
     return (
         f"| {shape} | {name} | {M} | {kernel} | {bn} | {bk} | {cfg.num_warps} | {prefetch} | {split} | {regs} "
-        f"| {_word_dot(cfg)} | {_combine(kernel, cfg)} | {us:.1f} | {pct:.0f}% | {diff:.2e} |"
+        f"| {_word_dot(cfg)} | {_combine(kernel, cfg)} | {_schedule(cfg)} | {us:.1f} | {pct:.0f}% | {diff:.2e} |"
     )
+
+
+def _schedule(cfg: GemvConfig) -> str:
+    """The schedule column: the pairs' sort width (`schedule_width`; none: pair order), and one launch."""
+    order = f"sort {cfg.schedule_width}" if cfg.schedule_width else "pair order"
+    return f"one launch, {order}" if cfg.one_launch else order
 
 
 def _combine(kernel: str, cfg: GemvConfig) -> str:
@@ -267,9 +282,9 @@ def main() -> None:
     lines += [
         "GEMV kernels apart (µs per call, graph replay; % HBM of that kernel's bytes; max |diff| to the default):",
         "",
-        "| shape | format | M | kernel | BN | BK | warps | prefetch | split K | max regs | word dot | combine | µs "
-        "| % HBM | max diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | format | M | kernel | BN | BK | warps | prefetch | split K | max regs | word dot | combine "
+        "| schedule | µs | % HBM | max diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -74,9 +74,6 @@ from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters, counters_ready, x_
 from .workspace import spin_timeouts as spin_timeouts
 
 GEMV_MAX_PAIRS = MAX_SYNC_PAIRS  # T*K up to this (128: the per-pair words of the sync workspace)
-# The schedule's smallest width: every program sorts P_POW2 keys, so steps of up to 64 pairs share one compile
-# of width 64 and wider steps (65-128 pairs) take a second one of width 128.
-GEMV_SCHEDULE_MIN = 64
 SPIN_LIMIT = 1 << 22  # polls before a waiting down tile of `_fused_kernel` gives up (~1 s, not a hang)
 
 # Bit constants passed as kernel arguments rather than literals: with both masks in registers ptxas emits one
@@ -131,7 +128,7 @@ def _down_kernel(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, FUSE_COMBINE: tl.constexpr,
     EVEN_K: tl.constexpr, PDL: tl.constexpr, OVERLAP: tl.constexpr, SPLIT: tl.constexpr, HALF_X: tl.constexpr,
-    X_PACK: tl.constexpr,
+    X_PACK: tl.constexpr, PEEL: tl.constexpr,
 ):  # fmt: skip
     num_nb = tl.cdiv(H, BLOCK_N)
     item = tl.program_id(0) // SPLIT
@@ -141,14 +138,17 @@ def _down_kernel(
     else:
         pair, code = _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2)
     # nothing above reads what gate_up writes (act) or the arrival counters; every program waits, those of
-    # unrouted pairs too, so that this kernel's completion still implies gate_up's
-    pdl.wait(PDL)
+    # unrouted pairs too, so that this kernel's completion still implies gate_up's. PEEL: after the first tile's
+    # loads (the weights and the codes are the plan's, complete before gate_up began: the codes above rely on it
+    # too), in `_down_tile`
+    if not PEEL:
+        pdl.wait(PDL)
     _down_tile(
         pair, code, item % num_nb, tl.program_id(0) % SPLIT, tiles_per_split, act_ptr, y_ptr, part_ptr, out_ptr,
         cnt_ptr, ids_ptr, l2p_ptr, tw_ptr, xp_ptr, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se, w_sn,
         s_sn, z_sn, num_experts, num_rows, H, I, stride_act, stride_y, stride_out, stride_xp, c0, c1,
         TOP_K, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, FUSE_COMBINE,
-        EVEN_K, False, SPLIT, HALF_X, X_PACK,
+        EVEN_K, False, SPLIT, HALF_X, X_PACK, PEEL, PDL,
     )  # fmt: skip
 
 
@@ -211,11 +211,12 @@ def _check_gemv(fmt: KernelFormat, k: int, block_k: int) -> None:
         raise ValueError(f"GEMV path: block_k={block_k} must be a power of two >= {unit}")
 
 
-def _pairs_pow2(num_pairs: int) -> int:
-    """The schedule's width: GEMV_SCHEDULE_MIN up to that many pairs (one compile), else the next power of two."""
+def _pairs_pow2(num_pairs: int, min_width: int = GemvConfig.schedule_width) -> int:
+    """The schedule's width (the kernels' P_POW2): `min_width` up to that many pairs (one compile; the default 64:
+    wider steps, 65-128 pairs, take a second one of width 128), else the next power of two; 0 (no sort) stays 0."""
     if num_pairs > MAX_SYNC_PAIRS:
         raise ValueError(f"GEMV path: {num_pairs} routed pairs > {MAX_SYNC_PAIRS}")
-    return max(GEMV_SCHEDULE_MIN, triton.next_power_of_2(num_pairs))
+    return 0 if min_width == 0 else max(min_width, triton.next_power_of_2(num_pairs))
 
 
 def gemv_gate_up(
@@ -267,11 +268,12 @@ def gemv_gate_up(
         hidden, act, part, cnt, topk_ids, l2p, xp, *ptrs, *strides,
         num_pairs, num_experts, w13.num_rows, I, H, hidden.stride(0), act.stride(0), stride_xp, c0, c1,
         tiles_per_split,
-        TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n1, BLOCK_K=config.block_k1,
+        TOP_K=K, P_POW2=_pairs_pow2(num_pairs, config.schedule_width), BLOCK_N=config.block_n1, BLOCK_K=config.block_k1,
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
         COMPUTE=_TL_DTYPES[hidden.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(),
         EVEN_K=H % config.block_k1 == 0, SPLIT=split, PDL=use_pdl, OVERLAP=_overlap(after_plan, use_pdl),
-        HALF_X=_half_x(config, fmt, H), X_PACK=config.half_x_pack, num_warps=config.num_warps, num_stages=1,
+        HALF_X=_half_x(config, fmt, H), X_PACK=config.half_x_pack,
+        num_warps=config.num_warps, num_stages=1,
         **({"launch_pdl": True} if use_pdl else {}), **reg_limit(config),
     )  # fmt: skip
     return act
@@ -337,12 +339,13 @@ def gemv_down_combine(
         act, y, part, out, cnt, topk_ids, l2p, tw, xp,
         *ptrs, *strides, num_pairs, num_experts, w2.num_rows, H, I, act.stride(0), H, out.stride(0), stride_xp,
         c0, c1, tiles_per_split,
-        TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N=config.block_n2, BLOCK_K=config.block_k2,
+        TOP_K=K, P_POW2=_pairs_pow2(num_pairs, config.schedule_width), BLOCK_N=config.block_n2, BLOCK_K=config.block_k2,
         FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero, NATIVE_FP8=native,
         COMPUTE=_TL_DTYPES[act.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(down=True),
         FUSE_COMBINE=config.fuse_combine, EVEN_K=I % config.block_k2 == 0, PDL=use_pdl,
         OVERLAP=_overlap(after_plan, use_pdl), SPLIT=split, HALF_X=_half_x(config, fmt, I),
-        X_PACK=config.half_x_pack, num_warps=config.num_warps, num_stages=1, **({"launch_pdl": True} if use_pdl else {}),
+        X_PACK=config.half_x_pack, PEEL=config.down_peel and split == 1, num_warps=config.num_warps, num_stages=1,
+        **({"launch_pdl": True} if use_pdl else {}),
         **reg_limit(config, down=True),
     )  # fmt: skip
     if not config.fuse_combine:

@@ -42,6 +42,14 @@ class GemvConfig:
     # half_dot: each program writes its x' row (scaled, as fp16x2 pairs) once to a workspace and the K loop loads
     # the pairs, instead of converting, scaling and packing x per tile and thread (two launches only)
     half_x_pack: bool = False
+    # the pair schedule's smallest width: every program sorts this many keys or the next power of two of the
+    # pairs (host pairs first, pool pairs by expert: `gemv_tiles._slot_pair`), so steps of up to this many pairs
+    # share one compile; 0: no sort, slot s runs pair s (two launches only)
+    schedule_width: int = 64
+    # down: each program loads its first K tile before its PDL wait for gate_up and before act's row scale, so the
+    # first weights stream in meanwhile (not with down's register prefetch; split K programs do not; gate_up
+    # peeled the same way spilled at 128 registers, K tiles of 512 with the half dot, H100 2026-12-05)
+    down_peel: bool = False
 
     def __post_init__(self) -> None:
         """ValueError for a config no launch can take, at construction (not at every launch)."""
@@ -68,6 +76,19 @@ class GemvConfig:
             raise ValueError(
                 f"GEMV path: half_x_pack packs the half dot's x (half_dot={self.half_dot}) for the two-launch "
                 f"path (one_launch={self.one_launch}): set half_dot=True and one_launch=False, or half_x_pack=False"
+            )
+        if self.down_peel and (self.prefetch_code(down=True) == 1 or self.one_launch):
+            raise ValueError(
+                f"GEMV path: down_peel loads down's first tile ahead; the register prefetch (prefetch="
+                f"{self.prefetch}, down_prefetch={self.down_prefetch}) does so itself and one launch (one_launch="
+                f"{self.one_launch}) has no peel: set down_prefetch=0 (or stages) and one_launch=False, or "
+                "down_peel=False"
+            )
+        width = self.schedule_width
+        if width < 0 or width & (width - 1) or width > 128 or (self.one_launch and width == 0):
+            raise ValueError(
+                f"GEMV path: schedule_width={width} must be 0 (no sort; two launches only) or a power of two "
+                "<= 128 (the sync workspace's pairs)"
             )
         if self.one_launch and (self.split_k1 != 1 or self.split_k2 != 1):
             raise ValueError(

@@ -146,7 +146,7 @@ def gemv_one_launch(
         hidden, act, y, out, sync, topk_ids, l2p, tw, *ptrs1, *strides1, *ptrs2, *strides2,
         num_pairs, num_experts, w13.num_rows, H, I, hidden.stride(0), act.stride(0), y.stride(0),
         out.stride(0), c0, c1, SPIN_LIMIT,
-        TOP_K=K, P_POW2=_pairs_pow2(num_pairs), BLOCK_N1=config.block_n1, BLOCK_K1=config.block_k1,
+        TOP_K=K, P_POW2=_pairs_pow2(num_pairs, config.schedule_width), BLOCK_N1=config.block_n1, BLOCK_K1=config.block_k1,
         BLOCK_N2=config.block_n2, BLOCK_K2=config.block_k2, FMT=fmt.fmt, GROUP=fmt.group,
         HAS_ZERO=fmt.has_zero, NATIVE_FP8=native, COMPUTE=_TL_DTYPES[hidden.dtype],
         VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(), EVEN_K1=H % config.block_k1 == 0,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import pdl
 from .dequant import e4m3_to_f32
 from .gemm_parts import _row_bases
 from .gemv_half import (
@@ -26,20 +27,27 @@ from .pdl import load_acquire, settle_code
 def _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2: tl.constexpr):
     """(pair, code) of schedule slot `slot`: host pairs first, then pool pairs, each by (expert, pair); pairs
     not routed here (id -1, id >= E or code -1) last with code -1. A permutation of the pairs (a bitonic sort
-    of P_POW2 keys in registers, then the slot-th key)."""
-    p = tl.arange(0, P_POW2)
-    e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+    of P_POW2 keys in registers, then the slot-th key); P_POW2 = 0: pair `slot` (no sort)."""
+    if P_POW2 == 0:  # (no early return: Triton's CUDA code generator refuses one in a branch)
+        pair = slot
+    else:
+        p = tl.arange(0, P_POW2)
+        e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+        ok = (e >= 0) & (e < num_experts)
+        codes = tl.where(ok, tl.load(l2p_ptr + e, mask=ok, other=-1), -1)
+        cls = tl.where(codes >= num_rows, 0, tl.where(codes >= 0, 1, 2))
+        key = (cls * (num_experts + 1) + tl.where(cls == 2, 0, e)) * P_POW2 + p
+        key = tl.where(p < num_pairs, key, 2147483647)
+        pair = tl.sum(tl.where(p == slot, tl.sort(key), 0), axis=0) % P_POW2
+    return pair, _pair_code(ids_ptr, l2p_ptr, pair, num_experts)
+
+
+@triton.jit
+def _pair_code(ids_ptr, l2p_ptr, pair, num_experts):
+    """The location code of `pair`'s expert (-1: not routed here)."""
+    e = tl.load(ids_ptr + pair).to(tl.int32)
     ok = (e >= 0) & (e < num_experts)
-    codes = tl.where(ok, tl.load(l2p_ptr + e, mask=ok, other=-1), -1)
-    cls = tl.where(codes >= num_rows, 0, tl.where(codes >= 0, 1, 2))
-    key = (cls * (num_experts + 1) + tl.where(cls == 2, 0, e)) * P_POW2 + p
-    key = tl.where(p < num_pairs, key, 2147483647)
-    mine = tl.sum(tl.where(p == slot, tl.sort(key), 0), axis=0)
-    pair = mine % P_POW2
-    e_mine = tl.load(ids_ptr + pair).to(tl.int32)
-    ok_mine = (e_mine >= 0) & (e_mine < num_experts)
-    code = tl.where(ok_mine, tl.load(l2p_ptr + e_mine, mask=ok_mine, other=-1), -1)
-    return pair, code
+    return tl.where(ok, tl.load(l2p_ptr + e, mask=ok, other=-1), -1)
 
 
 @triton.jit
@@ -48,12 +56,15 @@ def _slot_pair_by_id(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P
     """As `_slot_pair`, for kernels that may run beside the plan (OVERLAP, `plan_copy.py`): an order that does not
     read the location table (it may change meanwhile): pairs with an id in [0, E) by (expert, pair), the rest
     last; the slot's code read once with acquire semantics (`pdl.load_acquire`) and settled (`pdl.settle_code`:
-    a host code waits for the kernel before). Returns (pair, code)."""
-    p = tl.arange(0, P_POW2)
-    e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
-    ok = (e >= 0) & (e < num_experts)
-    key = tl.where(p < num_pairs, tl.where(ok, e, num_experts) * P_POW2 + p, 2147483647)
-    pair = tl.sum(tl.where(p == slot, tl.sort(key), 0), axis=0) % P_POW2
+    a host code waits for the kernel before). Returns (pair, code). P_POW2 = 0: pair `slot` (no sort)."""
+    if P_POW2 == 0:
+        pair = slot
+    else:
+        p = tl.arange(0, P_POW2)
+        e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+        ok = (e >= 0) & (e < num_experts)
+        key = tl.where(p < num_pairs, tl.where(ok, e, num_experts) * P_POW2 + p, 2147483647)
+        pair = tl.sum(tl.where(p == slot, tl.sort(key), 0), axis=0) % P_POW2
     e_mine = tl.load(ids_ptr + pair).to(tl.int32)
     ok_mine = (e_mine >= 0) & (e_mine < num_experts)
     e_mine = tl.where(ok_mine, e_mine, 0)
@@ -152,11 +163,14 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, offs_n, n_ok, K, kw
               c0, c1, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
               HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr, COMPUTE: tl.constexpr, VPW: tl.constexpr,
               PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, X_CG: tl.constexpr, HALF_X: tl.constexpr,
-              X_PACK: tl.constexpr):  # fmt: skip
+              X_PACK: tl.constexpr, PEEL: tl.constexpr = False, PDL_WAIT: tl.constexpr = False):  # fmt: skip
     """`[BLOCK_N]` fp32: rows `offs_n` of one projection row (weights at `w_base`) dotted with x over the word
     columns `[kw_lo, kw_hi)` of K (`kw_lo` a multiple of the tile's words; 0 and K / VPW for all of K).
     HALF_X > 0 (NVFP4 and int4): the word dot in packed half math (`gemv_half`), x's row scale found HALF_X values
-    at a time; X_PACK: x' written once as fp16x2 pairs to `xp_row` (int32, 4 per word) and loaded by the K loop."""
+    at a time; X_PACK: x' written once as fp16x2 pairs to `xp_row` (int32, 4 per word) and loaded by the K loop.
+    PEEL (PREFETCH != 1, one tile at least): the first tile's loads are issued before anything reads x (its row
+    scale), and PDL_WAIT waits for the kernel before (`pdl.wait`) after them, so the first weights stream in
+    while x is found (down: while gate_up ends)."""
     KW: tl.constexpr = BLOCK_K // VPW
     K_WORDS = K // VPW
     zero2 = (offs_n * 0)[:, None]
@@ -168,6 +182,11 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, offs_n, n_ok, K, kw
     ACC_W: tl.constexpr = KW // 2 if (FMT == 4 or FMT == 1) else KW
     acc = tl.zeros((BLOCK_N, ACC_W), dtype=tl.float32)
     tl.static_assert(HALF_X == 0 or FMT == 4 or FMT == 1, "the packed half word dot is NVFP4's and int4's")
+    tl.static_assert(not PEEL or PREFETCH != 1, "the register prefetch loads the first tile itself")
+    if PEEL:
+        words0, s0, z0 = _load_words(w_base, s_base, z_base, n2, kw + kw_lo, kw_lo, K_WORDS, w_sn, s_sn, z_sn,
+                                     FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
+        pdl.wait(PDL_WAIT)
     if HALF_X > 0:
         # the scale of the x values this program reads (its K share with split K)
         xscale, xinv = x_half_scale(
@@ -196,7 +215,12 @@ def _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, offs_n, n_ok, K, kw
             words, s, z = nw, ns, nz
     else:
         STAGES: tl.constexpr = PREFETCH if PREFETCH >= 2 else 1
-        for k0 in tl.range(kw_lo, kw_hi, KW, num_stages=STAGES):
+        start = kw_lo
+        if PEEL:
+            acc = _tile_dot(acc, words0, s0, z0, x_row, xp_row, kw + kw_lo, kw_lo, K_WORDS, c0, c1, xscale, FMT,
+                            HAS_ZERO, COMPUTE, VPW, EVEN_K, X_CG, NATIVE_FP8, HALF_X > 0, X_PACK)  # fmt: skip
+            start = kw_lo + KW
+        for k0 in tl.range(start, kw_hi, KW, num_stages=STAGES):
             kcol = kw + k0
             words, s, z = _load_words(w_base, s_base, z_base, n2, kcol, k0, K_WORDS, w_sn, s_sn, z_sn,
                                       FMT, GROUP, HAS_ZERO, NATIVE_FP8, EVEN_K)  # fmt: skip
@@ -305,9 +329,13 @@ def _down_tile(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, FUSE_COMBINE: tl.constexpr,
     EVEN_K: tl.constexpr, X_CG: tl.constexpr, SPLIT: tl.constexpr, HALF_X: tl.constexpr, X_PACK: tl.constexpr,
+    PEEL: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """`y[pair, nb block]` (a pair routed here) and, with FUSE_COMBINE, the arrival of this (pair, block): the
     last of the token's K arrivals sums `out[t, nb block]`.
+
+    PEEL: the caller has not waited for gate_up (PDL): a routed pair's program waits after its first tile's
+    loads (`_rows_dot`), the others at once, before anything reads act or the counters.
 
     SPLIT > 1 (FUSE_COMBINE only): this program sums K tiles `[split, split + 1) * tiles_per_split` only and
     stores its fp32 rows to `part_ptr` (`[pairs, SPLIT, H]`); the last of the token's K * SPLIT arrivals sums
@@ -326,11 +354,13 @@ def _down_tile(
         kw_lo, kw_hi = _split_words(split, tiles_per_split, I // VPW, BLOCK_K // VPW, SPLIT)
         y = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, offs_n, n_ok, I, kw_lo, kw_hi, w_sn, s_sn,
                       z_sn, c0, c1, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH,
-                      EVEN_K, X_CG, HALF_X, X_PACK)  # fmt: skip
+                      EVEN_K, X_CG, HALF_X, X_PACK, PEEL, PDL and PEEL)  # fmt: skip
         if SPLIT == 1:
             tl.store(y_ptr + pair.to(tl.int64) * stride_y + offs_n, y.to(COMPUTE), mask=n_ok)
         else:
             tl.store(part_ptr + (pair * SPLIT + split).to(tl.int64) * H + offs_n, y, mask=n_ok)
+    elif PEEL:
+        pdl.wait(PDL)  # not routed here: no tile to load first (every program waits: see `_down_kernel`)
     if FUSE_COMBINE:
         t = pair // TOP_K
         # every thread's y stores happen before the (one-thread, release) arrival; the last of the token's

@@ -59,6 +59,12 @@ def test_rows_name_each_kernels_own_load_mode_and_cap():
             (("gate_up", base), ("down", base), ("down", separate), ("layer", separate))] == \
         ["-", "fused", "kernel", "kernel"]  # fmt: skip
     assert _differs_for("down", separate, base)
+    # the schedule column: the sort's width or pair order, and one launch; both kernels read the width
+    unsorted = dataclasses.replace(base, schedule_width=0)
+    assert [_row("deepseek", "nvfp4", 1, "layer", c, 1.0, 50.0, 0.0).split(" | ")[12] for c in
+            (base, unsorted, dataclasses.replace(base, one_launch=True, down_max_registers=-1, down_prefetch=-1))] == \
+        ["sort 64", "pair order", "one launch, sort 64"]  # fmt: skip
+    assert _differs_for("gate_up", unsorted, base) and _differs_for("down", unsorted, base)
     assert _differs_for("down", dataclasses.replace(base, half_dot=True), base)
     assert not _differs_for("gate_up", dataclasses.replace(base, down_prefetch=1), base)
     assert _differs_for("down", dataclasses.replace(base, down_prefetch=1), base)

@@ -288,6 +288,90 @@ def test_gemv_schedule_is_host_first_permutation(num_pairs):
     assert pairs == sorted(range(num_pairs), key=key)
 
 
+def test_gemv_schedule_without_sort_is_identity():
+    """P_POW2 = 0 (`GemvConfig.schedule_width=0`): slot s runs pair s, with its code (-1 where not routed)."""
+    g = torch.Generator().manual_seed(11)
+    E, R, num_pairs = 9, 4, 13
+    ids = torch.randint(-1, E + 1, (num_pairs,), generator=g)
+    l2p = torch.randint(-1, R + E, (E + 2,), generator=g).int()
+    out = torch.full((num_pairs, 2), -7, dtype=torch.int32)
+    _schedule_kernel[(num_pairs,)](ids, l2p, out, num_pairs, E, R, P_POW2=0)
+    assert out[:, 0].tolist() == list(range(num_pairs))
+    assert out[:, 1].tolist() == gemv._pair_codes(ids, l2p, E)
+
+
+@pytest.mark.parametrize(("name", "H", "I", "dtype"), [FORMATS[0], FORMATS[4], FORMATS[7]])
+@pytest.mark.parametrize(("width", "split_k2"), [(0, 1), (8, 1), (16, 1), (0, 2)])
+def test_gemv_schedule_width_changes_only_the_order(name, H, I, dtype, width, split_k2):
+    """Any schedule width, or none (0): bitwise the default schedule's output (the combine sums in k order,
+    whatever ran first), host and unrouted pairs included, and the references'."""
+    E, T, K = 7, 3, 3
+    g, fmt, w13, w2, l2p = _layer(name, H, I, dtype, E)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids, w = random_routing(T, K, E, g)
+    ids[1, 2] = -1
+    base = GemvConfig(16, 32, 16, 32, split_k2=split_k2)
+    expected = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, base)
+    out = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, dataclasses.replace(base, schedule_width=width))
+    assert torch.equal(out, expected), f"{name} width {width}: {(out.float() - expected.float()).abs().max()}"
+    assert_close(out, pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt), f"{name} width {width}")
+    # beside the plan (OVERLAP: the schedule that does not read the location table)
+    cfg = dataclasses.replace(base, schedule_width=width)
+    assert torch.equal(gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, cfg, after_plan=True), expected)
+    if width and split_k2 == 1:  # one launch (its sync words are laid out by the width)
+        one = dataclasses.replace(cfg, one_launch=True)
+        assert torch.equal(gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, one), expected)
+    assert int(gemv._COUNTERS[x.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize(("name", "H", "I", "dtype"), [FORMATS[0], FORMATS[3], FORMATS[7]])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        GemvConfig(16, 32, 16, 32, prefetch=False),
+        GemvConfig(16, 64, 16, 64, prefetch=False, half_dot=True),
+        GemvConfig(16, 32, 16, 64, stages=3),
+    ],
+    ids=["no-prefetch", "half-dot", "pipelined"],
+)
+def test_gemv_peel_is_bitwise_the_loop(name, H, I, dtype, cfg):
+    """down's first K tile loaded ahead (`GemvConfig.down_peel`: it waits for gate_up after its loads): bitwise
+    the loop's output (the same sums in the same order), a last tile past K (bf16 40 x 24), rows of one tile (the
+    half dot's down: int4 I = 64, NVFP4 I = 32 masked), host and unrouted pairs, beside the plan too; split K
+    programs do not peel."""
+    if cfg.half_dot and not name.startswith(("int4", "nvfp4")):
+        pytest.skip("the half dot is int4's and NVFP4's")
+    E, T, K = 7, 3, 3
+    g, fmt, w13, w2, l2p = _layer(name, H, I, dtype, E)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids, w = random_routing(T, K, E, g)
+    ids[2, 0] = -1
+    want = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, cfg)
+    peel = dataclasses.replace(cfg, down_peel=True)
+    for after_plan in (False, True):
+        got = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, peel, after_plan=after_plan)
+        assert torch.equal(got, want), f"{name} {cfg}: {(got.float() - want.float()).abs().max()}"
+    split = dataclasses.replace(peel, split_k1=2, split_k2=2)
+    assert_close(gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, split), want, f"{name} split")
+    assert_close(want, pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt), f"{name} reference")
+    assert int(gemv._COUNTERS[x.device].abs().sum()) == 0
+
+
+def test_gemv_peel_refuses_the_register_prefetch_and_one_launch():
+    for bad in (dict(), dict(prefetch=False, down_prefetch=1), dict(prefetch=False, one_launch=True)):
+        with pytest.raises(ValueError, match="down_peel"):
+            GemvConfig(down_peel=True, **bad)
+    assert GemvConfig(down_peel=True, down_prefetch=0).down_peel  # gate_up's register prefetch is its own
+
+
+@pytest.mark.parametrize("width", [-1, 3, 256])
+def test_gemv_schedule_width_must_be_a_power_of_two(width):
+    with pytest.raises(ValueError, match="schedule_width"):
+        GemvConfig(schedule_width=width)
+    with pytest.raises(ValueError, match="schedule_width"):
+        GemvConfig(one_launch=True, schedule_width=0)
+
+
 def test_gemv_rejects_bad_input():
     g, fmt, w13, w2, l2p = _layer("bf16", 40, 24, torch.bfloat16)
     x = torch.randn(2, 40, generator=g).bfloat16()
