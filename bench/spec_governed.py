@@ -24,8 +24,12 @@ read: syncs, outside the timed steps).
 `--rounds N` runs every policy of a cell N times, in the listed order and then reversed (ABBA: a drift of the
 machine over the cell, e.g. the host link's speed, weighs on every policy alike); a row sums its rounds, and
 "vs depth 0 by round" gives each round's ratio, so a ratio's spread from run to run shows beside the mean.
-`--governor-warm N` adds a row "governed, warmed N": a governor that decided N steps (probes included) before
-its counted ones, as a serving process has by then; the "governed" row counts from the governor's start.
+`--governor-warm N` adds a row "governed, warmed N, reloaded": a governor that decided N steps (probes included)
+before its counted ones, as a restarted server has it with `--moe-expert-pool-spec-governor-state`: its family
+is saved to a temporary JSON file after those N steps and a fresh family loaded from it counts (the real
+persistence path, `pooled_runner.spec_state`: a probe in flight dropped, the first step after the load untimed);
+the "governed" row counts from the governor's start. Governors are those of a one-batch-size `GovernorFamily`
+(the same decisions as a lone `SpecGovernor`).
 
 Usage: python -m bench.spec_governed [--quick] [--accept 0.6] [--rounds 1] [--governor-warm 0] [--out results.md]
 """
@@ -35,7 +39,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import os
 import random
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,7 +54,9 @@ from bench.decode_steps import Shape, empty_cache, make_bank, make_ours, sync
 from bench.decode_traces import PER_LAYER, SYNTHETIC
 from bench.traces import synthetic_trace
 from pooled_runner.lanes import decode_lanes
+from pooled_runner.spec_family import GovernorFamily
 from pooled_runner.spec_governor import SpecGovernor
+from pooled_runner.spec_state import load_family, save_family
 
 DEPTHS = (0, 1, 3)
 POOLS = (0.25, 0.5, 0.75)
@@ -152,19 +160,41 @@ def sample_accepted(depth: int, accept: float, rng: random.Random) -> int:
     return n
 
 
+WARMED = "governed, warmed "
+
+
+def warmed_policy(steps: int) -> str:
+    """The row of a governor that learned `steps` steps and went through a save and a load before counting."""
+    return f"{WARMED}{steps}, reloaded"
+
+
+def reloaded(family: GovernorFamily, bs: int, depths: tuple[int, ...]) -> SpecGovernor:
+    """`family`'s governor of `bs` after a save to a temporary JSON file and a load into a fresh family
+    (`spec_state`, as a restarted server's `--moe-expert-pool-spec-governor-state`)."""
+    fingerprint = {"bench": "spec_governed", "bs": bs, "depths": list(depths)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "spec_governor_state.json")
+        save_family(family, path, fingerprint)
+        loaded = load_family(path, fingerprint)
+    if loaded is None:
+        raise RuntimeError(f"the governor state saved to {path} did not load back (see the log)")
+    return loaded.governor(bs, depths)
+
+
 def run_policy(graphs: DepthGraphs, lanes: torch.Tensor, policy: str, num_steps: int, warm: int, accept: float, seed: int) -> PolicyRun:  # fmt: skip
-    """`policy` "depth N" (fixed), "governed", or "governed, warmed N" over `num_steps` verify steps (the first
+    """`policy` "depth N" (fixed), "governed", or `warmed_policy(N)` over `num_steps` verify steps (the first
     `warm` not counted, at the policy's first depth); a warmed governor also decides N more steps before the
-    counted ones, observed but not counted (what a serving process has learnt by then). Stops early when a
-    request's lanes have fewer than 1 + max depth tokens left. Each step's time is read after the next step is
-    enqueued (the governor's overlapped-caller contract)."""
+    counted ones, observed but not counted (what a server has learnt by then), then is saved and loaded back
+    (`reloaded`) before them. Stops early when a request's lanes have fewer than 1 + max depth tokens left. Each
+    step's time is read after the next step is enqueued (the governor's overlapped-caller contract)."""
     depths = tuple(sorted(graphs.static))
-    governor = SpecGovernor(depths) if policy.startswith("governed") else None
+    bs = lanes.shape[2] // 2
+    family = GovernorFamily() if policy.startswith("governed") else None
+    governor = family.governor(bs, depths) if family is not None else None
     fixed = None if governor else int(policy.split()[1])
-    learn = int(policy.split()[-1]) if policy.startswith("governed, warmed") else 0
+    learn = int(policy.removeprefix(WARMED).split(",")[0]) if policy.startswith(WARMED) else 0
     skip = warm + learn  # steps not counted
     rng = random.Random(seed)
-    bs = lanes.shape[2] // 2
     positions = [0] * bs
     out = PolicyRun(policy)
     pending: tuple[int, int, list[int], Callable[[], float]] | None = None
@@ -189,6 +219,8 @@ def run_policy(graphs: DepthGraphs, lanes: torch.Tensor, policy: str, num_steps:
                 finish(*pending)
                 pending = None
             misses_before = graphs.system.traffic().misses
+            if learn and family is not None:  # a restart: `finish` reads the loaded governor from here on
+                governor = reloaded(family, bs, depths)
         # warm-up steps run where the policy starts: its fixed depth, or the governor's first (smallest) depth
         d = fixed if governor is None else depths[0] if step < warm else governor.choose()
         assert d is not None
@@ -240,7 +272,7 @@ def run(
     """Every (pool, bs, policy): header lines and table rows. `fixed_depths`: the fixed-depth rows (0 always;
     the governor chooses among all of `DEPTHS`). `rounds`: runs of each policy per cell, in order then
     reversed (module docstring). `governor_warm` > 0: also a row of a governor that decided that many steps
-    before the counted ones ("governed, warmed N")."""
+    before the counted ones and was saved and loaded back (`warmed_policy`)."""
     assert 0 in fixed_depths and set(fixed_depths) <= set(DEPTHS), fixed_depths
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: need at least one run of each policy per cell (--rounds)")
@@ -261,7 +293,7 @@ def run(
     }
     rows = []
     policies = [f"depth {d}" for d in fixed_depths] + ["governed"]
-    policies += [f"governed, warmed {governor_warm}"] if governor_warm else []
+    policies += [warmed_policy(governor_warm)] if governor_warm else []
     for frac in pools:
         ours = make_ours(
             bank, shape, int(frac * shape.L * shape.E), decode_lanes(max(batches), max(DEPTHS)), device
@@ -330,7 +362,7 @@ def main() -> None:
         "--governor-warm",
         type=int,
         default=0,
-        help="also a governor that decided this many steps before counting",
+        help="also a governor that decided this many steps, then was saved and loaded back, before counting",
     )
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default="")

@@ -15,8 +15,13 @@ that must measure a depth before it rules it out pays at least over the run, the
 
 `--learn N`: each governor decides N steps before the counted ones (a serving process past its start).
 
+`--restore N` adds this tree's governor as a restarted server has it (`--moe-expert-pool-spec-governor-state`):
+a family that decided N steps of the same cost model in a previous run (its own noise draws) is saved to a JSON
+file and loaded back (`pooled_runner.spec_state`), and the loaded governor is counted from its first step,
+under the same noise draws as the cold one: what the saved state saves of a cold start's probes.
+
 Usage: python -m bench.spec_governor_model [--seeds 40] [--steps 150,400,2000] [--governor FILE] [--floor]
-                                          [--learn N]
+                                          [--learn N] [--restore N]
 """
 
 from __future__ import annotations
@@ -25,12 +30,17 @@ import argparse
 import functools
 import importlib.util
 import math
+import os
 import random
 import statistics
 import sys
+import tempfile
 from types import ModuleType
+from typing import Any
 
 from pooled_runner import spec_governor
+from pooled_runner.spec_family import GovernorFamily
+from pooled_runner.spec_state import load_family, save_family
 
 ACCEPT = 0.6
 # lognormal step-time noise by batch size (misses vary most at bs 1)
@@ -63,6 +73,10 @@ def sample_accepted(depth: int, rng: random.Random) -> int:
     return n
 
 
+# the previous run of a restored governor draws its noise from seed + this (not the counted run's draws)
+PREVIOUS_RUN = 7_777_777
+
+
 def noisy_run(
     costs_ms: dict[int, float],
     batch_size: int,
@@ -70,13 +84,45 @@ def noisy_run(
     seed: int,
     module: ModuleType = spec_governor,
     learn: int = 0,
+    restore: int = 0,
 ) -> tuple[float, float, int]:
     """One replay: (tokens/s per request over depth 0's, over the best fixed depth's, the depth it ends at).
     Both references run under the same noise draws as the governor. `learn`: steps the governor decides before
-    the `num_steps` counted ones (not counted: a serving process past its start)."""
+    the `num_steps` counted ones (not counted: a serving process past its start). `restore` > 0: this tree's
+    governor restored from a previous run of `restore` steps (`restored_governor`), not `module`'s cold one."""
+    if restore > 0:
+        governor = restored_governor(costs_ms, batch_size, restore, seed + PREVIOUS_RUN)
+    else:
+        governor = module.SpecGovernor(sorted(costs_ms))
+    return run_governor(governor, costs_ms, batch_size, num_steps, random.Random(seed), learn)
+
+
+def restored_governor(costs_ms: dict[int, float], batch_size: int, num_steps: int, seed: int) -> Any:
+    """The governor of `batch_size` as a restarted server loads it: a `GovernorFamily` that decided `num_steps`
+    steps of `costs_ms` (noise from `seed`), saved to a JSON file and loaded back into a new family."""
+    family = GovernorFamily()
+    run_governor(
+        family.governor(batch_size, sorted(costs_ms)), costs_ms, batch_size, num_steps, random.Random(seed)
+    )
+    fingerprint = {"cost model": sorted(costs_ms.items()), "batch size": batch_size}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "spec_governor_state.json")
+        save_family(family, path, fingerprint)
+        loaded = load_family(path, fingerprint)
+    assert loaded is not None, "the state just saved did not load"
+    return loaded.governor(batch_size, sorted(costs_ms))
+
+
+def run_governor(
+    governor: Any,
+    costs_ms: dict[int, float],
+    batch_size: int,
+    num_steps: int,
+    rng: random.Random,
+    learn: int = 0,
+) -> tuple[float, float, int]:
+    """`noisy_run` with a given governor and noise generator."""
     cv = NOISE_CV[batch_size]
-    rng = random.Random(seed)
-    governor = module.SpecGovernor(sorted(costs_ms))
     tokens = seconds = 0.0
     fixed_seconds = dict.fromkeys(costs_ms, 0.0)  # each fixed depth under the same noise (no switches)
     last, since = None, 2
@@ -128,12 +174,26 @@ def main() -> None:
     ap.add_argument(
         "--learn", type=int, default=0, help="steps each governor decides before the counted ones"
     )
+    ap.add_argument(
+        "--restore",
+        type=int,
+        default=0,
+        help="also this tree's governor saved after this many steps of a previous run and loaded back",
+    )
     args = ap.parse_args()
     governors = {"this tree": spec_governor}
     if args.governor:
         governors[args.governor] = load_governor(args.governor)
     if args.floor:
         governors["probes once"] = probing_once()
+    runners: dict[str, functools.partial[tuple[float, float, int]]] = {
+        label: functools.partial(noisy_run, module=module, learn=args.learn)
+        for label, module in governors.items()
+    }
+    if args.restore:
+        runners[f"restored after {args.restore}"] = functools.partial(
+            noisy_run, learn=args.learn, restore=args.restore
+        )
     print(
         f"acceptance {ACCEPT} (chain); seeds {args.seeds}; noise cv by bs {NOISE_CV}; {args.learn} steps not counted"
     )
@@ -144,11 +204,8 @@ def main() -> None:
     for name, (bs, costs) in COST_MODELS.items():
         best = max(costs, key=lambda d: tokens_at(d) / costs[d])
         for steps in (int(s) for s in args.steps.split(",")):
-            for label, module in governors.items():
-                runs = [
-                    noisy_run(costs, bs, steps, 1000 * bs + seed, module, args.learn)
-                    for seed in range(args.seeds)
-                ]
+            for label, runner in runners.items():
+                runs = [runner(costs, bs, steps, 1000 * bs + seed) for seed in range(args.seeds)]
                 vs0, vsbest = [r[0] for r in runs], [r[1] for r in runs]
                 at_best = sum(r[2] == best for r in runs)
                 print(

@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from pooled_runner.formats import FORMATS
+from pooled_runner.spec_state import state_path_problem
 
 logger = logging.getLogger("pooled_runner")
 
@@ -55,6 +57,10 @@ class PoolConfig:
       max_draft_misses: with draft pruning, unpaid routes a draft lane may have in one step and stay alive.
       spec_governor: "off" (SGLang's own speculation) or "cost": with SGLang's `--speculative-adaptive`, choose
         each verify step's depth (0 included) by measured tokens per request per second (`spec_governor.py`).
+      spec_governor_state: with spec_governor "cost", a JSON file keeping the governors' calibration across
+        restarts (`spec_state.py`): read at start (a missing, corrupt or foreign one: start fresh), written
+        after 64, 128, 256, 512 verify steps, then every 1024, and at exit; "" (the default): off. Resolved
+        to an absolute path; its directory must exist and be writable.
       planner_policy: the device planner's residency policy (CUDA decode steps; `policies.POLICIES`):
         "lru-cycle" (the default) and "lru" plan in one fused launch per layer (plan + copy), "adaptive" (LRU or
         hit-count frequency by set dueling), "adaptive-router" (the same, each layer ordered by its router's
@@ -75,6 +81,7 @@ class PoolConfig:
     draft_pruning: bool = False
     max_draft_misses: int = 0
     spec_governor: str = "off"
+    spec_governor_state: str = ""
     planner_policy: str = PLANNER_POLICIES[0]
 
     # Help text for the CLI flag of each field; the flag name is `--moe-expert-pool-<field>` unless listed in
@@ -98,6 +105,11 @@ class PoolConfig:
         "lane may have in one verify step (all layers) and stay live.",
         "spec_governor": "cost: with --speculative-adaptive, choose each verify step's number of draft tokens "
         "(0 included) by measured tokens per request per second instead of by acceptance length alone.",
+        "spec_governor_state": "With --moe-expert-pool-spec-governor cost: a JSON file (PATH) keeping the "
+        "governors' calibration across restarts, read at start (a missing, corrupt or foreign one: start fresh, "
+        "with a log line) and written after 64, 128, 256, 512 verify steps, then every 1024, and at exit. Its "
+        "directory must exist and be "
+        "writable. Default: off.",
         "planner_policy": "Residency policy of the device planner (CUDA decode steps): lru-cycle (default) or "
         "lru, one fused launch per layer; adaptive (LRU or hit-count frequency, whichever misses less: fewer "
         "misses on skewed routing) or adaptive-router (adaptive, each layer ordered by the router's logits "
@@ -159,6 +171,7 @@ class PoolConfig:
                 f"spec_governor={self.spec_governor!r} is not one of {list(SPEC_GOVERNORS)} "
                 "(--moe-expert-pool-spec-governor)"
             )
+        out += spec_governor_state_problems(self.spec_governor_state, self.spec_governor)
         if self.planner_policy not in PLANNER_POLICIES:
             out.append(
                 f"planner_policy={self.planner_policy!r} is not one of {list(PLANNER_POLICIES)} "
@@ -183,6 +196,9 @@ class PoolConfig:
         if not str(device).startswith("cuda") and requested.get("prefill_staging", True) is True:
             logger.info("prefill staging disabled: device %s has nothing to stage into", device)
             requested["prefill_staging"] = False
+        state = requested.get("spec_governor_state")
+        if isinstance(state, str) and state:  # the children read it from another working directory, maybe
+            requested["spec_governor_state"] = os.path.abspath(os.path.expanduser(state))
         return cls(**requested)
 
     @property
@@ -211,6 +227,26 @@ def device_problems(device: object) -> list[str]:
             f"device={device!r} but this machine has {count} CUDA device(s): use cuda:0..cuda:{count - 1} or {hint}"
         ]
     return []
+
+
+def spec_governor_state_problems(path: object, governor: str) -> list[str]:
+    """Problems with `--moe-expert-pool-spec-governor-state PATH` (empty when valid or off): it keeps the cost
+    governor's state, so it needs that governor, and a file the server can write (`spec_state`)."""
+    if path == "":
+        return []
+    flag = flag_name("spec_governor_state")
+    if not isinstance(path, str):
+        return [f"spec_governor_state={path!r} must be a path (str) or '' ({flag} PATH)"]
+    out = []
+    if governor != "cost":
+        out.append(
+            f"{flag} {path} keeps the cost governor's calibration: it needs --moe-expert-pool-spec-governor cost "
+            f"(got {governor!r}); drop {flag} or add the governor"
+        )
+    why = state_path_problem(path)
+    if why is not None:
+        out.append(f"{flag} {path}: {why}; name a file in an existing, writable directory")
+    return out
 
 
 def flag_name(field_name: str) -> str:

@@ -23,6 +23,9 @@ drafting wins everywhere (a made-up cost model): 1.330x instead of 1.374x of dep
 (independent 1.331x), and over a batch size wandering by 1-3 at a time, 1.330x instead of 1.347x (independent
 1.297x).
 
+A family's state (every governor's, the shared estimate's counts) is kept across server restarts by
+`spec_state` (`state_dict`, `from_state`).
+
 Host-side, plain Python; deterministic for a given sequence of calls.
 """
 
@@ -64,18 +67,48 @@ class GovernorFamily:
         found = self.governors.get(batch_size)
         if found is not None:
             return found
-        if self.acceptance is not None:
-            created = SpecGovernor(
-                candidates,
-                acceptance=self.acceptance,
-                prior=self.prior_for(batch_size),
-                on_probe_lost=functools.partial(self._pass_on_loss, batch_size),
-                **self.governor_kwargs,
-            )
-        else:
-            created = SpecGovernor(candidates, acceptance_decay=self.acceptance_decay, **self.governor_kwargs)
+        prior = self.prior_for(batch_size) if self.acceptance is not None else None
+        created = self._new_governor(batch_size, candidates, prior=prior)
         self.governors[batch_size] = created
         return created
+
+    def _new_governor(
+        self,
+        batch_size: int,
+        candidates: Sequence[int],
+        *,
+        prior: SpecGovernor | None = None,
+        initial: int | None = None,
+    ) -> SpecGovernor:
+        """A governor of `batch_size` wired to this family (its acceptance, its loss passing), not registered;
+        `initial`: its running depth (a restored one's, `spec_state`)."""
+        if self.acceptance is None:
+            return SpecGovernor(
+                candidates, initial=initial, acceptance_decay=self.acceptance_decay, **self.governor_kwargs
+            )
+        return SpecGovernor(
+            candidates,
+            initial=initial,
+            acceptance=self.acceptance,
+            prior=prior,
+            on_probe_lost=functools.partial(self._pass_on_loss, batch_size),
+            **self.governor_kwargs,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Its state, JSON-ready: the shared acceptance counts, every governor's state (`spec_state`)."""
+        from pooled_runner import spec_state  # spec_state imports this module
+
+        return spec_state.family_state(self)
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], **kwargs: Any) -> GovernorFamily:
+        """A family `GovernorFamily(**kwargs)` continuing from `state_dict()`'s `state` (`spec_state.
+        family_from_state`: the same sharing and settings; probes in flight dropped). ValueError if it does not
+        fit."""
+        from pooled_runner import spec_state
+
+        return spec_state.family_from_state(state, **kwargs)
 
     def _pass_on_loss(self, batch_size: int, depth: int, interval: int) -> None:
         """The probe of `depth` at `batch_size` lost: the governors of batch sizes within a factor of

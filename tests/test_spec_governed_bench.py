@@ -10,6 +10,7 @@ import torch
 
 from bench import spec_governed
 from bench.decode_steps import Shape
+from pooled_runner import spec_state
 
 SHAPE = Shape(H=16, I=8, E=12, K=3, L=2)
 
@@ -119,12 +120,14 @@ def test_rounds_sum_each_policy_and_report_every_rounds_ratio() -> None:
 
 
 def test_a_warmed_governor_counts_only_the_steps_after_its_learning(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`governor_warm`: a row "governed, warmed N" whose governor observed N steps more than the cold one (its
-    learning) and counted as many as the other policies, its steps at each depth summing to them; negative N
-    refused."""
+    """`governor_warm`: a row "governed, warmed N, reloaded" whose governor observed N steps (its learning), was
+    saved to a JSON file and loaded into a fresh family (`spec_state`), and the loaded governor counted as many
+    steps as the other policies, its steps at each depth summing to them; negative N refused."""
+    from pooled_runner import spec_family
+
     observed: list[int] = []
 
-    class Counting(spec_governed.SpecGovernor):
+    class Counting(spec_family.SpecGovernor):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             observed.append(0)
@@ -133,7 +136,15 @@ def test_a_warmed_governor_counts_only_the_steps_after_its_learning(monkeypatch:
             observed[-1] += 1
             super().observe(*args, **kwargs)
 
-    monkeypatch.setattr(spec_governed, "SpecGovernor", Counting)
+    loads: list[tuple[str, object]] = []
+
+    def load_family(path, fingerprint, **kwargs):  # type: ignore[no-untyped-def]
+        family = spec_state.load_family(path, fingerprint, **kwargs)
+        loads.append((path, family))
+        return family
+
+    monkeypatch.setattr(spec_family, "SpecGovernor", Counting)
+    monkeypatch.setattr(spec_governed, "load_family", load_family)
     _, rows = spec_governed.run(
         SHAPE,
         torch.device("cpu"),
@@ -145,8 +156,10 @@ def test_a_warmed_governor_counts_only_the_steps_after_its_learning(monkeypatch:
         fixed_depths=(0,),
         governor_warm=40,
     )
-    assert [r[2] for r in rows] == ["depth 0", "governed", "governed, warmed 40"]
-    assert observed == [24 - 2, 24 - 2 + 40], observed  # the cold governor, then the warmed one
+    assert [r[2] for r in rows] == ["depth 0", "governed", "governed, warmed 40, reloaded"]
+    # the cold governor, the warmed one's learning, the governor loaded from its saved state
+    assert observed == [24 - 2, 40, 24 - 2], observed
+    assert len(loads) == 1 and loads[0][1] is not None and loads[0][0].endswith(".json"), loads
     warmed = rows[2]
     assert warmed[3] == rows[1][3] == 24 - 2
     counts = [int(part.split(": ")[1]) for part in warmed[9].split(", ")]
