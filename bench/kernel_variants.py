@@ -72,7 +72,7 @@ def sweep_configs(base: GemvConfig) -> list[GemvConfig]:
         r(base, **k128),
         r(base, block_k1=512, block_k2=512, **half),
         r(
-            base, one_launch=True, down_prefetch=-1, down_max_registers=-1, **half
+            base, one_launch=True, down_prefetch=-1, down_max_registers=-1, down_peel=False, **half
         ),  # one launch: both tiles alike
         # no prefetch, K tiles of 128 (int4 g128: one scale per row and tile), more rows per program
         r(plain, prefetch=False, **k128),

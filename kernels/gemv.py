@@ -20,7 +20,7 @@ token's top-8 gives a few hundred programs. Loads run ahead of use by `GemvConfi
 (`prefetch`, dense and fp8 by default) or Triton's pipeline (`stages`); int4 and NVFP4 by default neither
 (int4: K tiles of 256, each row's 128 bytes per tile keep the loads near the HBM rate, and at one token on
 layers of whole 512 tiles the half word dot at 512; NVFP4: the half word dot with K tiles of 512 at 128
-registers; `gemv_configs`). gate_up can
+registers; with the half dot, down's first tile is loaded before its PDL wait, `down_peel`; `gemv_configs`). gate_up can
 split K over programs (`split_k1`, parts summed in order by the last arrival) where pairs x N blocks are few;
 down too (`split_k2`: fp32 parts summed in split order by the token's last arrival, which combines).
 

@@ -116,8 +116,8 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group
     faster on the H100 all the same). int4 caps the registers (`max_registers`) where the down grid needs more
     than one wave; NVFP4 takes the half word dot with K tiles of 512 and its own caps (`_half_wide_config`), and
     so does int4 at one token on wide layers (`_int4_wide`); configs derived from these with
-    `dataclasses.replace` keep the caps unless they set them (a one-launch config must reset down's own cap:
-    `down_max_registers=-1`)."""
+    `dataclasses.replace` keep the caps unless they set them (a one-launch config must reset down's own cap and
+    peel: `down_max_registers=-1, down_peel=False`)."""
     if interpreting():  # the interpreter's cost grows with tile size; correctness only
         return GemvConfig(16, 32, 16, 32, num_warps=4)
     vpw = _VALUES_PER_WORD.get(fmt, 2)
@@ -164,10 +164,16 @@ def _half_wide_config(bn1: int, bn2: int, I: int) -> GemvConfig:
     wave too: the Qwen3-like M=1 layer took 17.6 µs with down uncapped (the H200 sweep of 2026-12-04 had found
     the cap 4-8% slower there with the fp32 dot; recheck on the H200). Down's tiles of 512 at 96 registers were
     slower than at 256 (36.2 against 35.2 µs at M=1). gate_up's tiles of 512 at 128 registers with the fp32
-    dot: 58.6 against 58.8 µs, 12 registers spilled (the gain needs the half dot's registers)."""
+    dot: 58.6 against 58.8 µs, 12 registers spilled (the gain needs the half dot's registers).
+    Down's first tile loaded before its PDL wait (`down_peel`) and a pair sort of 8 keys at one token instead of
+    64 (`schedule_width`): H100, 2026-12-05 (two rounds each), µs per layer at M=1, default -> down_peel ->
+    both: DeepSeek-like NVFP4 83.2 -> 82.1 -> 81.0, int4 (`_int4_wide`) 81.3 -> 79.9 -> 79.3, Qwen3-like NVFP4
+    15.5 -> 15.2 -> 14.9; NVFP4 at M=8 (64 pairs: the sort is 64 wide either way) 521.7 -> 520.2 -> 520.4. Down
+    alone is slower with the peel (32.4 -> 32.6 µs): its gain is the overlap with gate_up's end. int4 with the
+    fp32 dot at M=8 was 1.3% slower with it (not taken there)."""
     # down's own cap only where it differs from gate_up's (-1: the same; a config derived for one launch, which
-    # compiles both tiles alike, must still reset it where it differs: `dataclasses.replace(..., one_launch=True,
-    # down_max_registers=-1)`)
+    # compiles both tiles alike, must still reset it where it differs, and down's peel: `dataclasses.replace(...,
+    # one_launch=True, down_max_registers=-1, down_peel=False)`)
     bk2, regs2 = (512, -1) if I % 512 == 0 else (256, PACKED_MAX_REGISTERS)
     return GemvConfig(
         bn1,
@@ -179,6 +185,8 @@ def _half_wide_config(bn1: int, bn2: int, I: int) -> GemvConfig:
         max_registers=WIDE_REGISTERS,
         down_max_registers=regs2,
         half_dot=True,
+        down_peel=True,
+        schedule_width=8,
     )
 
 

@@ -73,7 +73,7 @@ else
   # layer 92.2 -> 83.5 µs at M=1), and int4's at one token on whole 512 tiles (H100: 83.6 -> 81.3 µs); the
   # alternative: the tiles before them (fp32 dot, 256, 96 registers), which int4 keeps at M=8
   # its sweep stops 40 s before the step's cap (BENCH_GEMV_ALTS_CAP), so a smaller cap still writes its table
-  step bench_gemv_alts "${BENCH_GEMV_ALTS_CAP:-240}" "$PY" -m bench.gemv_sweep --set alt --rounds 2 --budget $(( ${BENCH_GEMV_ALTS_CAP:-240} - 40 )) --kernels gate_up,down,layer --cases "${GEMV_ALT_CASES:-deepseek:nvfp4:1,8;deepseek:int4-g128:1,8;qwen3:nvfp4:1}" --alt "${GEMV_ALTS:-half_dot=0,block_k1=256,block_k2=256,max_registers=96,down_max_registers=-1}" --out "$OUT/bench_gemv_alts.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  step bench_gemv_alts "${BENCH_GEMV_ALTS_CAP:-240}" "$PY" -m bench.gemv_sweep --set alt --rounds 2 --budget $(( ${BENCH_GEMV_ALTS_CAP:-240} - 40 )) --kernels gate_up,down,layer --cases "${GEMV_ALT_CASES:-deepseek:nvfp4:1,8;deepseek:int4-g128:1,8;qwen3:nvfp4:1}" --alt "${GEMV_ALTS:-half_dot=0,block_k1=256,block_k2=256,max_registers=96,down_max_registers=-1,down_peel=0,schedule_width=64}" --out "$OUT/bench_gemv_alts.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # the one-launch split path (kernels/splitk.py): its tiles, then against the default decode path per shape and M
   step bench_splitk "${BENCH_SPLITK_CAP:-330}" "$PY" -m bench.splitk_sweep --budget 150 --out "$OUT/bench_splitk.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_pdl "${BENCH_PDL_CAP:-150}" "$PY" -m bench.kernel_pdl --budget 110 --out "$OUT/bench_pdl.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}

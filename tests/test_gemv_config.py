@@ -66,6 +66,10 @@ def test_default_tiles_on_a_132_sm_gpu(monkeypatch):
         cfg(4096, 1536, int4, 8, 128),
     ):
         assert not narrow.half_dot and narrow.block_k1 <= 256, narrow
+        # the fp32 dot: no peel (1.3% slower at M=8), the schedule's usual width
+        assert not narrow.down_peel and narrow.schedule_width == 64, narrow
+    # the half dot's wide tiles peel down and sort 8 keys at least (the same order: `gemv_tiles._slot_pair`)
+    assert wide.down_peel and wide.schedule_width == 8, wide
     for fmt_code in (dequant.FMT_DENSE, dequant.FMT_FP8_CHANNEL, dequant.FMT_FP8_BLOCK):
         assert cfg(7168, 2048, fmt_code, 8).max_registers == 0, fmt_code
     # NVFP4: the half dot, gate_up's K tiles of 512 at 128 registers; down's too where I is whole 512 tiles,
@@ -74,6 +78,7 @@ def test_default_tiles_on_a_132_sm_gpu(monkeypatch):
     for pairs in (8, 64):
         deepseek = cfg(7168, 2048, nvfp4, pairs)
         assert deepseek.half_dot and not deepseek.half_x_pack
+        assert deepseek.down_peel and deepseek.schedule_width == 8, deepseek
         assert (
             deepseek.block_k1,
             deepseek.block_k2,

@@ -195,7 +195,7 @@ def test_nvfp4_default_tiles_with_masked_last_tiles(monkeypatch):
     configs = [
         cfg,
         dataclasses.replace(cfg, split_k1=2, split_k2=2),
-        dataclasses.replace(cfg, one_launch=True, down_max_registers=-1),
+        dataclasses.replace(cfg, one_launch=True, down_max_registers=-1, down_peel=False),
     ]
     for c in configs:
         out = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, c)
@@ -225,7 +225,7 @@ def test_int4_default_wide_tiles_at_one_token(monkeypatch):
     ids, w = random_routing(T, K, E, g, pad_prob=0.0)
     ref = pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt)
     fp32 = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, dataclasses.replace(base, half_dot=False))
-    for c in (base, dataclasses.replace(base, one_launch=True, down_max_registers=-1)):
+    for c in (base, dataclasses.replace(base, one_launch=True, down_max_registers=-1, down_peel=False)):
         out = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, c)
         assert not torch.equal(out, fp32), "half_dot did not reach the kernels"
         assert_close(out, ref, f"int4 default wide tiles {c} vs dense reference")

@@ -20,9 +20,12 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("name", ["int4-g128", "nvfp4"])
 def test_schedule_width_and_peel_change_only_the_order(name):
     """DeepSeek-like layer with pool rows, pinned host rows and an expert not here, at M = 1, 3 and 8 (the
-    default tiles of each): without the sort (width 0), at widths 8 and 16, and with down's first tile loaded
-    ahead (down_peel) the output is bitwise the default's (the same sums; the combine sums in k order), beside the
-    plan (PDL) too, and every output is written; the default matches the dense reference."""
+    default tiles of each; NVFP4's and int4's one-token defaults peel down and sort 8 keys): without the sort
+    (width 0) and at widths 8, 16 and 64 the output is bitwise the default's (the combine sums in k order),
+    beside the plan (PDL) too, and every output is written; the default matches the dense reference. down's peel
+    toggled: bitwise with the half dot; with the fp32 dot (int4 at M > 1) within one bf16 rounding, since the
+    peeled tile's sum compiles apart from the loop's and may round differently (one bf16 ulp at M=3, H100,
+    2026-12-05)."""
     from pooled_runner.kernels import fused_moe
     from pooled_runner.kernels.gemv import gemv_configs
 
@@ -37,15 +40,15 @@ def test_schedule_width_and_peel_change_only_the_order(name):
         poison_allocator()
         want = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=base)
         assert_close(want, pooled_reference(x, ids, w, l2p, E, p13, p2, fmt), f"{name} M={M} default")
-        variants = [dict(schedule_width=w) for w in (0, 8, 16)] + [
-            dict(down_peel=True),
-            dict(down_peel=True, schedule_width=0),
-        ]
+        peel = not base.down_peel
+        variants = [dict(schedule_width=w) for w in (0, 8, 16, 64)]
+        variants += [dict(down_peel=peel), dict(down_peel=peel, schedule_width=0)]
         for fields in variants:
             cfg = dataclasses.replace(base, **fields)
             for after_plan in (False, True):
                 got = fused_moe.gemv_moe(x, ids, w, l2p, E, p13, p2, fmt, cfg, after_plan=after_plan)
-                assert torch.equal(got, want), (
-                    f"{name} M={M} {fields} after_plan={after_plan}: "
-                    f"{(got.float() - want.float()).abs().max()}"
-                )
+                what = f"{name} M={M} {fields} after_plan={after_plan}"
+                if "down_peel" in fields and not base.half_dot:
+                    assert_close(got, want, what, rel=1e-2)
+                else:
+                    assert torch.equal(got, want), f"{what}: {(got.float() - want.float()).abs().max()}"

@@ -171,7 +171,7 @@ def test_default_decode_path_is_gemv_for_int4_only_where_it_applies(monkeypatch)
 
 
 ROUTINGS = [(1, 1, 1, 1), (1, 8, 9, 4), (5, 4, 9, 9)]
-WIDE = (8, 8, 20, 6)  # 64 pairs, the widest step of the narrow schedule (GEMV_SCHEDULE_MIN)
+WIDE = (8, 8, 20, 6)  # 64 pairs, the widest step of the default schedule width (GemvConfig.schedule_width)
 WIDER = (9, 8, 29, 11)  # 72 pairs: the 128-wide schedule (up to GEMV_MAX_PAIRS)
 
 

@@ -358,8 +358,10 @@ def test_gemv_graph_replay_equals_eager(name, mode):
     cfg = (
         base
         if mode in ("two", "split", "wide")
-        # one launch compiles both tiles alike: down's own register cap (NVFP4's Qwen3-like default) reset
-        else dataclasses.replace(base, one_launch=True, tickets=mode == "one", down_max_registers=-1)
+        # one launch compiles both tiles alike: down's own register cap (NVFP4's Qwen3-like default) and peel reset
+        else dataclasses.replace(
+            base, one_launch=True, tickets=mode == "one", down_max_registers=-1, down_peel=False
+        )
     )
     variant = mode if mode in ("inline", "align-fc") else "gemv"
 
