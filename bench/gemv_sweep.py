@@ -166,9 +166,20 @@ def _row(shape, name, M, kernel, cfg: GemvConfig, us, pct, diff) -> str:
 
 
 def _schedule(cfg: GemvConfig) -> str:
-    """The schedule column: the pairs' sort width (`schedule_width`; none: pair order), and one launch."""
+    """The schedule column: the pairs' sort width (`schedule_width`; none: pair order), down's first tile ahead
+    of its wait (`down_peel`), and one launch."""
     order = f"sort {cfg.schedule_width}" if cfg.schedule_width else "pair order"
+    order += ", peel" if cfg.down_peel else ""
     return f"one launch, {order}" if cfg.one_launch else order
+
+
+def _apply_alt(base: GemvConfig, alt: dict[str, int]) -> GemvConfig:
+    """`base` with an --alt config's fields; SystemExit naming the clash where the result is no config (e.g.
+    prefetch=1 on a default that peels down: add down_peel=0)."""
+    try:
+        return dataclasses.replace(base, **alt)
+    except ValueError as exc:
+        raise SystemExit(f"--alt {alt} on the default {base}: {exc}") from exc
 
 
 def _combine(kernel: str, cfg: GemvConfig) -> str:
@@ -219,7 +230,7 @@ def sweep_case(
         if config_set == "default":
             configs = [base]
         elif config_set == "alt":
-            changed = [dataclasses.replace(base, **alt) for alt in alts or []]
+            changed = [_apply_alt(base, alt) for alt in alts or []]
             configs = [base, *(c for c in changed if _differs_for(kernel, c, base))] * rounds
         elif config_set == "focus":
             configs = focus_configs(base, kernel)

@@ -65,7 +65,7 @@ def sweep_configs(base: GemvConfig) -> list[GemvConfig]:
         base,
         r(base, stages=3),
         r(base, stages=4, **k128),
-        r(plain, prefetch=True),
+        r(plain, prefetch=True, down_peel=False),  # the register prefetch loads down's first tile itself
         r(plain, prefetch=False),
         r(base, **half),
         r(base, **double, num_warps=8),

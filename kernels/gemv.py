@@ -65,6 +65,7 @@ from .gemv_config import _VALUES_PER_WORD as _VALUES_PER_WORD  # re-exported: ge
 from .gemv_config import GemvConfig, gemv_configs, reg_limit
 from .gemv_config import _int4_block_k as _int4_block_k  # re-exported: the tests call it
 from .gemv_config import _k_split as _k_split  # re-exported: bench.gemv_sweep
+from .gemv_config import _pairs_pow2 as _pairs_pow2  # re-exported: gemv_one
 from .gemv_half import X_SCALE_CHUNK
 from .gemv_tiles import _down_tile, _gate_up_tile, _slot_pair_by_id
 from .gemv_tiles import _slot_pair as _slot_pair  # re-exported: the tests call it
@@ -139,8 +140,10 @@ def _down_kernel(
         pair, code = _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2)
     # nothing above reads what gate_up writes (act) or the arrival counters; every program waits, those of
     # unrouted pairs too, so that this kernel's completion still implies gate_up's. PEEL: after the first tile's
-    # loads (the weights and the codes are the plan's, complete before gate_up began: the codes above rely on it
-    # too), in `_down_tile`
+    # loads, in `_down_tile`. Those read the weight rows at the code found above, as the code itself is read:
+    # without OVERLAP the plan + copy was complete before gate_up passed its wait (which precedes its trigger);
+    # with OVERLAP the code was read with acquire semantics after the copy published it, a host code settled
+    # (`_slot_pair_by_id`), the rule gate_up's loads rely on
     if not PEEL:
         pdl.wait(PDL)
     _down_tile(
@@ -209,14 +212,6 @@ def _check_gemv(fmt: KernelFormat, k: int, block_k: int) -> None:
         raise ValueError(f"GEMV path: K={k} is not a multiple of {unit} values ({what})")
     if block_k < unit or block_k & (block_k - 1):
         raise ValueError(f"GEMV path: block_k={block_k} must be a power of two >= {unit}")
-
-
-def _pairs_pow2(num_pairs: int, min_width: int = GemvConfig.schedule_width) -> int:
-    """The schedule's width (the kernels' P_POW2): `min_width` up to that many pairs (one compile; the default 64:
-    wider steps, 65-128 pairs, take a second one of width 128), else the next power of two; 0 (no sort) stays 0."""
-    if num_pairs > MAX_SYNC_PAIRS:
-        raise ValueError(f"GEMV path: {num_pairs} routed pairs > {MAX_SYNC_PAIRS}")
-    return 0 if min_width == 0 else max(min_width, triton.next_power_of_2(num_pairs))
 
 
 def gemv_gate_up(

@@ -11,6 +11,7 @@ import triton
 
 from .dequant import FMT_DENSE, FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NVFP4
 from .gemm_args import interpreting
+from .workspace import MAX_SYNC_PAIRS
 
 PACKED_MAX_REGISTERS = 96  # int4 and NVFP4 GEMV kernels: registers per thread at most (`gemv_configs`)
 WIDE_REGISTERS = 128  # the half dot's K tiles of 512 (`_half_wide_config`)
@@ -85,10 +86,10 @@ class GemvConfig:
                 "down_peel=False"
             )
         width = self.schedule_width
-        if width < 0 or width & (width - 1) or width > 128 or (self.one_launch and width == 0):
+        if width < 0 or width & (width - 1) or width > MAX_SYNC_PAIRS or (self.one_launch and width == 0):
             raise ValueError(
                 f"GEMV path: schedule_width={width} must be 0 (no sort; two launches only) or a power of two "
-                "<= 128 (the sync workspace's pairs)"
+                f"<= {MAX_SYNC_PAIRS} (the sync workspace's pairs)"
             )
         if self.one_launch and (self.split_k1 != 1 or self.split_k2 != 1):
             raise ValueError(
@@ -105,6 +106,14 @@ class GemvConfig:
     def registers(self, down: bool = False) -> int:
         """The register cap of gate_up's launch (`down`: down's); 0: none."""
         return self.down_max_registers if down and self.down_max_registers >= 0 else self.max_registers
+
+
+def _pairs_pow2(num_pairs: int, min_width: int = GemvConfig.schedule_width) -> int:
+    """The schedule's width (the kernels' P_POW2): `min_width` up to that many pairs (one compile; the default 64:
+    wider steps, 65-128 pairs, take a second one of width 128), else the next power of two; 0 (no sort) stays 0."""
+    if num_pairs > MAX_SYNC_PAIRS:
+        raise ValueError(f"GEMV path: {num_pairs} routed pairs > {MAX_SYNC_PAIRS}")
+    return 0 if min_width == 0 else max(min_width, triton.next_power_of_2(num_pairs))
 
 
 def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group: int = 128) -> GemvConfig:
@@ -167,8 +176,8 @@ def _half_wide_config(bn1: int, bn2: int, I: int) -> GemvConfig:
     dot: 58.6 against 58.8 µs, 12 registers spilled (the gain needs the half dot's registers).
     Down's first tile loaded before its PDL wait (`down_peel`) and a pair sort of 8 keys at one token instead of
     64 (`schedule_width`): H100, 2026-12-05 (two rounds each), µs per layer at M=1, default -> down_peel ->
-    both: DeepSeek-like NVFP4 83.2 -> 82.1 -> 81.0, int4 (`_int4_wide`) 81.3 -> 79.9 -> 79.3, Qwen3-like NVFP4
-    15.5 -> 15.2 -> 14.9; NVFP4 at M=8 (64 pairs: the sort is 64 wide either way) 521.7 -> 520.2 -> 520.4. Down
+    both (first rounds): DeepSeek-like NVFP4 83.2 -> 82.1 -> 80.9, int4 (`_int4_wide`) 81.3 -> 79.8 -> 79.2,
+    Qwen3-like NVFP4 15.5 -> 15.1 -> 14.9; NVFP4 at M=8 (64 pairs: the sort is 64 wide either way) 521.7 -> 520.2 -> 520.4. Down
     alone is slower with the peel (32.4 -> 32.6 µs): its gain is the overlap with gate_up's end. int4 with the
     fp32 dot at M=8 was 1.3% slower with it (not taken there)."""
     # down's own cap only where it differs from gate_up's (-1: the same; a config derived for one launch, which

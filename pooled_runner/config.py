@@ -199,7 +199,16 @@ class PoolConfig:
         state = requested.get("spec_governor_state")
         if isinstance(state, str) and state:  # the children read it from another working directory, maybe
             requested["spec_governor_state"] = os.path.abspath(os.path.expanduser(state))
-        return cls(**requested)
+        config = cls(**requested)
+        # the file system is asked here, once, not at every construction: a config rebuilt in a scheduler
+        # (another user, another node) must not fail over a file its loading only reads best-effort
+        why = state_path_problem(config.spec_governor_state) if config.spec_governor_state else None
+        if why is not None:
+            flag = flag_name("spec_governor_state")
+            raise ValueError(
+                f"{flag} {config.spec_governor_state}: {why}; name a file in an existing, writable directory"
+            )
+        return config
 
     @property
     def torch_device(self) -> torch.device:
@@ -231,7 +240,7 @@ def device_problems(device: object) -> list[str]:
 
 def spec_governor_state_problems(path: object, governor: str) -> list[str]:
     """Problems with `--moe-expert-pool-spec-governor-state PATH` (empty when valid or off): it keeps the cost
-    governor's state, so it needs that governor, and a file the server can write (`spec_state`)."""
+    governor's state, so it needs that governor (whether the server can write it `resolve` asks, once)."""
     if path == "":
         return []
     flag = flag_name("spec_governor_state")
@@ -243,9 +252,6 @@ def spec_governor_state_problems(path: object, governor: str) -> list[str]:
             f"{flag} {path} keeps the cost governor's calibration: it needs --moe-expert-pool-spec-governor cost "
             f"(got {governor!r}); drop {flag} or add the governor"
         )
-    why = state_path_problem(path)
-    if why is not None:
-        out.append(f"{flag} {path}: {why}; name a file in an existing, writable directory")
     return out
 
 

@@ -42,11 +42,14 @@ Host-side, plain Python.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import math
 import os
+import stat
 import tempfile
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,6 +59,7 @@ from pooled_runner.spec_governor import MIN_RELATIVE_VARIANCE, SpecGovernor, _Ar
 
 logger = logging.getLogger("pooled_runner")
 
+STALE_TEMPORARY_SECONDS = 60.0  # a save's temporary file older than this was left by a killed save
 STATE_VERSION = 1  # of the file and of `governor_state`'s layout; another version is refused (start fresh)
 # the constructor settings a governor's state was learned with: a governor of other settings refuses it
 SETTINGS = (
@@ -258,8 +262,12 @@ def save_family(family: GovernorFamily, path: str, fingerprint: Mapping[str, Any
         sort_keys=True,
     )
     directory, name = os.path.split(os.path.abspath(path))
+    _remove_stale_temporaries(directory, name)
+    # the file keeps its mode (mkstemp's is 0600); a new one is readable by all, as `open` would make it
+    mode = stat.S_IMODE(os.stat(path).st_mode) if os.path.exists(path) else 0o644
     fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(temporary, path)
@@ -267,6 +275,17 @@ def save_family(family: GovernorFamily, path: str, fingerprint: Mapping[str, Any
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
+
+
+def _remove_stale_temporaries(directory: str, name: str) -> None:
+    """Remove the temporary files of saves that never finished (SGLang's shutdown kills its schedulers, a save
+    among them now and then): those of `name` older than STALE_TEMPORARY_SECONDS (a save takes milliseconds; a
+    younger one may be another process's save in flight)."""
+    now = time.time()
+    for temporary in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.*.tmp")):
+        with contextlib.suppress(OSError):
+            if now - os.stat(temporary).st_mtime > STALE_TEMPORARY_SECONDS:
+                os.unlink(temporary)
 
 
 def load_family(path: str, fingerprint: Mapping[str, Any], **family_kwargs: Any) -> GovernorFamily | None:
@@ -300,8 +319,8 @@ def _restore(
     try:
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return None, f"cannot be read ({exc})"
+    except Exception as exc:  # any: a file nested past the recursion limit too (a server must still start)
+        return None, f"cannot be read ({type(exc).__name__}: {exc})"
     if not isinstance(saved, dict) or saved.get("version") != STATE_VERSION:
         found = saved.get("version") if isinstance(saved, dict) else type(saved).__name__
         return None, f"is of version {found!r}, not {STATE_VERSION}"
@@ -310,7 +329,7 @@ def _restore(
         return None, "was learned elsewhere: its fingerprint differs in " + "; ".join(differ)
     try:
         return family_from_state(saved["family"], **family_kwargs), ""
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except Exception as exc:  # any: `int(inf)` raises OverflowError, and a server must still start
         return None, f"does not fit these governors ({type(exc).__name__}: {exc})"
 
 

@@ -62,9 +62,37 @@ def test_rows_name_each_kernels_own_load_mode_and_cap():
     # the schedule column: the sort's width or pair order, and one launch; both kernels read the width
     unsorted = dataclasses.replace(base, schedule_width=0)
     assert [_row("deepseek", "nvfp4", 1, "layer", c, 1.0, 50.0, 0.0).split(" | ")[12] for c in
-            (base, unsorted, dataclasses.replace(base, one_launch=True, down_max_registers=-1, down_prefetch=-1))] == \
-        ["sort 64", "pair order", "one launch, sort 64"]  # fmt: skip
+            (base, unsorted, dataclasses.replace(base, one_launch=True, down_max_registers=-1, down_prefetch=-1),
+             dataclasses.replace(base, down_prefetch=0, schedule_width=8, down_peel=True))] == \
+        ["sort 64", "pair order", "one launch, sort 64", "sort 8, peel"]  # fmt: skip
     assert _differs_for("gate_up", unsorted, base) and _differs_for("down", unsorted, base)
     assert _differs_for("down", dataclasses.replace(base, half_dot=True), base)
     assert not _differs_for("gate_up", dataclasses.replace(base, down_prefetch=1), base)
     assert _differs_for("down", dataclasses.replace(base, down_prefetch=1), base)
+
+
+@pytest.mark.parametrize("fmt_name", ["FMT_DENSE", "FMT_INT4", "FMT_NVFP4", "FMT_FP8_BLOCK"])
+def test_config_sets_build_from_every_default(monkeypatch, fmt_name):
+    """The sweeps' config sets (bench.gemv_sweep's and bench.kernel_variants') are valid configs around every
+    format's compiled default (132 SMs, DeepSeek-like and Qwen3-like, one token and eight): a set that turns a
+    default's knob into a clash (the register prefetch on a default that peels down) fails here, not on the GPU;
+    an --alt that clashes is refused by name."""
+    from pooled_runner.kernels import dequant, gemv_config
+
+    from bench.gemv_sweep import _apply_alt, focus_configs
+    from bench.kernel_variants import sweep_configs
+
+    monkeypatch.setattr(gemv_config, "interpreting", lambda: False)
+    monkeypatch.setattr(gemv_config, "_num_sms", lambda: 132)
+    fmt = getattr(dequant, fmt_name)
+    for H, I in ((7168, 2048), (2048, 768)):
+        for pairs in (8, 64):
+            base = gemv_config.gemv_configs(H, I, fmt, pairs, 128)
+            sets = [gate_up_configs(base), down_configs(base), sweep_configs(base)]
+            sets += [focus_configs(base, k) for k in ("gate_up", "down")]
+            assert all(isinstance(c, GemvConfig) for configs in sets for c in configs)
+    peeled = gemv_config.gemv_configs(7168, 2048, dequant.FMT_NVFP4, 8, 128)
+    assert peeled.down_peel
+    with pytest.raises(SystemExit, match="down_peel"):
+        _apply_alt(peeled, {"prefetch": 1})
+    assert _apply_alt(peeled, {"prefetch": 1, "down_peel": 0}).prefetch_code(down=True) == 1

@@ -23,7 +23,7 @@ def test_schedule_width_and_peel_change_only_the_order(name):
     default tiles of each; NVFP4's and int4's one-token defaults peel down and sort 8 keys): without the sort
     (width 0) and at widths 8, 16 and 64 the output is bitwise the default's (the combine sums in k order),
     beside the plan (PDL) too, and every output is written; the default matches the dense reference. down's peel
-    toggled: bitwise with the half dot; with the fp32 dot (int4 at M > 1) within one bf16 rounding, since the
+    toggled: bitwise with the half dot; with the fp32 dot (int4 at M > 1) within bf16 rounding (rel 1e-2), since the
     peeled tile's sum compiles apart from the loop's and may round differently (one bf16 ulp at M=3, H100,
     2026-12-05)."""
     from pooled_runner.kernels import fused_moe

@@ -331,14 +331,15 @@ def test_gemv_schedule_width_changes_only_the_order(name, H, I, dtype, width, sp
         GemvConfig(16, 32, 16, 32, prefetch=False),
         GemvConfig(16, 64, 16, 64, prefetch=False, half_dot=True),
         GemvConfig(16, 32, 16, 64, stages=3),
+        GemvConfig(16, 16, 16, 16, prefetch=False),
     ],
-    ids=["no-prefetch", "half-dot", "pipelined"],
+    ids=["no-prefetch", "half-dot", "pipelined", "short-tiles"],
 )
 def test_gemv_peel_is_bitwise_the_loop(name, H, I, dtype, cfg):
     """down's first K tile loaded ahead (`GemvConfig.down_peel`: it waits for gate_up after its loads): bitwise
-    the loop's output (the same sums in the same order), a last tile past K (bf16 40 x 24), rows of one tile (the
-    half dot's down: int4 I = 64, NVFP4 I = 32 masked), host and unrouted pairs, beside the plan too; split K
-    programs do not peel."""
+    the loop's output (the same sums in the same order), a last tile past K (bf16 40 x 24; with tiles of 16 after
+    a whole one: 24 = 16 + 8), rows of one tile (the half dot's down: int4 I = 64, NVFP4 I = 32 masked), host and
+    unrouted pairs, beside the plan too; split K programs do not peel."""
     if cfg.half_dot and not name.startswith(("int4", "nvfp4")):
         pytest.skip("the half dot is int4's and NVFP4's")
     E, T, K = 7, 3, 3

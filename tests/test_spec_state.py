@@ -15,6 +15,8 @@ import logging
 import math
 import os
 import random
+import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -242,6 +244,7 @@ def test_another_fingerprint_starts_fresh_naming_the_keys(
             "does not fit these governors (KeyError",
         ),
         ('{"version": 1, "fingerprint": [], "family": {}}', "differs in the whole fingerprint"),
+        ("[" * 100_000 + "]" * 100_000, "cannot be read (RecursionError"),  # nested past the recursion limit
     ],
 )
 def test_a_corrupt_or_foreign_file_starts_fresh_with_a_warning(
@@ -308,6 +311,35 @@ def test_a_path_the_server_cannot_write_is_named(tmp_path: Path) -> None:
         assert state_path_problem(str(locked / "s.json")) == f"its directory {locked} is not writable"
 
 
+def test_an_infinite_depth_starts_fresh(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Python's json reads Infinity, and int() of it raises OverflowError (not ValueError): still a warning."""
+    state = {"version": 1, "fingerprint": FINGERPRINT, "family": learned_family().state_dict()}
+    state["family"]["governors"][0]["arms"][0]["carried_against"] = math.inf
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(state))
+    with caplog.at_level(logging.WARNING, logger="pooled_runner"):
+        assert load_family(str(path), FINGERPRINT) is None
+    assert "does not fit these governors (OverflowError" in caplog.text, caplog.text
+
+
+def test_a_save_keeps_the_file_mode_and_clears_killed_saves(tmp_path: Path) -> None:
+    """A new file is 0644 (not mkstemp's 0600), a saved one keeps its mode; a killed save's temporary file
+    older than STALE_TEMPORARY_SECONDS is removed at the next save, a younger one (a save in flight) is not."""
+    path = tmp_path / "state.json"
+    save_family(learned_family(), str(path), FINGERPRINT)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    path.chmod(0o640)
+    old, young = tmp_path / ".state.json.killed.tmp", tmp_path / ".state.json.inflight.tmp"
+    for leftover in (old, young):
+        leftover.write_text("{")
+    past = time.time() - spec_state.STALE_TEMPORARY_SECONDS - 5
+    os.utime(old, (past, past))
+    save_family(learned_family(), str(path), FINGERPRINT)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert not old.exists() and young.exists()
+    assert load_family(str(path), FINGERPRINT) is not None
+
+
 # -- configuration ----------------------------------------------------------------------------------------
 def test_the_flag_needs_the_cost_governor_and_a_writable_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -326,6 +358,11 @@ def test_the_flag_needs_the_cost_governor_and_a_writable_directory(
     config = PoolConfig.resolve(pool_rows=4, device="cpu", spec_governor="cost", spec_governor_state="s.json")
     assert config.spec_governor_state == str(tmp_path / "s.json")  # the children may run elsewhere
     assert PoolConfig.resolve(pool_rows=4, device="cpu").spec_governor_state == ""  # off by default
+    # only `resolve` asks the file system: a config rebuilt in a scheduler where the directory is gone still is
+    rebuilt = PoolConfig(
+        pool_rows=4, device="cpu", spec_governor="cost", spec_governor_state="/nowhere/s.json"
+    )
+    assert rebuilt.replace(pool_rows=5).spec_governor_state == "/nowhere/s.json"
 
 
 def test_the_cli_flag_derives_from_the_field(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ is large and otherwise averages out.
 
 Calibration across restarts (`--moe-expert-pool-spec-governor-state PATH`, `pooled_runner.spec_state`): the
 family is loaded from PATH at construction when the file's fingerprint (`serving_fingerprint`: model, pool,
-GPU, TP size, candidate depths, SGLang version) is this server's, else it starts fresh; it is saved every
+GPU, TP size, graphs, draft settings, candidate depths, SGLang's and this package's versions) is this server's, else it starts fresh; it is saved every
 `SAVE_EVERY` verify completions (and at 64, 128, ... before that, `save_due`) and at exit (atexit; SGLang's
 shutdown SIGKILLs its schedulers, whose last periodic save is then what the next start finds). Only one process
 writes (`writes_state`: TP rank 0 of data-parallel replica 0); every one reads.
@@ -70,8 +70,11 @@ SERVER_FACTS = (
     "dp_size",
     "attention_backend",
     "disable_cuda_graph",
+    "cuda_graph_backend_decode",  # the launcher's switch for decode graphs
     "speculative_algorithm",
     "speculative_draft_model_path",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
 )
 
 
@@ -304,10 +307,13 @@ def serving_fingerprint(candidates: dict[int, list[int]]) -> dict[str, Any]:
     import sglang
     import torch
 
+    import pooled_runner
+
     serve = ServeConfig.from_env()
     pool = serve.pool if serve is not None else None
     facts: dict[str, Any] = {
         "sglang": getattr(sglang, "__version__", None),
+        "pooled_runner": pooled_runner.__version__,  # its kernels' speed changes between releases
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "pool_rows": None if pool is None else pool.pool_rows,
         "weight_format": None if pool is None else pool.weight_format,
