@@ -65,6 +65,25 @@ def test_compiles_a_gemv_kernel_for_sm90_without_a_gpu():
 
 
 @pytest.mark.slow
+def test_down_with_its_first_tile_ahead_compiles():
+    """`--peel` (`GemvConfig.down_peel`: the first tile loaded before the wait) reaches the down kernel's PEEL and
+    compiles for sm_90 (a constexpr the script did not pass broke it once); its SASS differs from the kernel
+    without it (the peeled tile's loads and dot)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    outputs = {}
+    for peel in ((), ("--peel",)):
+        args = ["--fmt", "nvfp4", "--kernel", "down", "--block-n", "16", "--block-k", "128", *peel]
+        run = subprocess.run(
+            [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        ops = dict(re.findall(r"([A-Z][A-Z0-9]+) (\d+)", run.stdout.splitlines()[-1]))
+        assert int(ops["LDG"]) > 0 and int(ops["FFMA"]) > 0, run.stdout
+        outputs[bool(peel)] = run.stdout
+    assert outputs[True] != outputs[False], outputs
+
+
+@pytest.mark.slow
 def test_the_register_cap_reaches_ptxas():
     """`--max-registers 96` (as `GemvConfig.max_registers` launches it) compiles the NVFP4 down kernel of the
     DeepSeek-like default tile within 96 registers, with K split over 2 programs too (`split_k2`); without it the
