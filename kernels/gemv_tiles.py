@@ -354,7 +354,7 @@ def _down_tile(
         kw_lo, kw_hi = _split_words(split, tiles_per_split, I // VPW, BLOCK_K // VPW, SPLIT)
         y = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, offs_n, n_ok, I, kw_lo, kw_hi, w_sn, s_sn,
                       z_sn, c0, c1, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH,
-                      EVEN_K, X_CG, HALF_X, X_PACK, PEEL, PDL and PEEL)  # fmt: skip
+                      EVEN_K, X_CG, HALF_X, X_PACK, PEEL, PDL)  # fmt: skip
         if SPLIT == 1:
             tl.store(y_ptr + pair.to(tl.int64) * stride_y + offs_n, y.to(COMPUTE), mask=n_ok)
         else:

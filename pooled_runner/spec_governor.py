@@ -54,7 +54,6 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from pooled_runner.spec_acceptance import AcceptanceEstimate, expected_chain_tokens
 
@@ -240,18 +239,6 @@ class SpecGovernor:
     def probing(self) -> int | None:
         """The depth being probed, or None while the current depth runs."""
         return None if self._probe is None else self._probe.depth
-
-    def state_dict(self) -> dict[str, Any]:
-        """What its later decisions depend on, JSON-ready (`spec_state.governor_state`)."""
-        from pooled_runner import spec_state  # spec_state imports this module
-
-        return spec_state.governor_state(self)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state_dict()`'s `state`: steps counted from 0, a probe in flight dropped (`spec_state`)."""
-        from pooled_runner import spec_state
-
-        spec_state.load_governor_state(self, state)
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _running_step(self, arm: _Arm, seconds: float) -> None:

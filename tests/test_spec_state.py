@@ -65,11 +65,13 @@ def test_a_restored_governor_chooses_as_the_original_continuing(name: str, learn
         step(original, costs, 4, rng)
     while not quiet(original):
         step(original, costs, 4, rng)
-    state = through_json(original.state_dict())
+    state = through_json(spec_state.governor_state(original))
     restored = SpecGovernor(sorted(costs))
-    restored.load_state_dict(state)
+    spec_state.load_governor_state(restored, state)
     assert restored.num_steps == 0 and restored.current == original.current
-    assert restored.state_dict() == original.state_dict()  # dues relative to the step count: equal
+    assert spec_state.governor_state(restored) == spec_state.governor_state(
+        original
+    )  # dues relative to the step count: equal
     later = random.Random(learned)
     twin = random.Random(learned)
     ran = [step(original, costs, 4, later, timed=False)]
@@ -78,7 +80,7 @@ def test_a_restored_governor_chooses_as_the_original_continuing(name: str, learn
         ran.append(step(original, costs, 4, later))
         again.append(step(restored, costs, 4, twin))
     assert ran == again
-    assert restored.state_dict() == original.state_dict()
+    assert spec_state.governor_state(restored) == spec_state.governor_state(original)
     assert restored.steps_at == original.steps_at and restored.num_switches == original.num_switches
 
 
@@ -95,7 +97,7 @@ def test_undecided_probe_steps_carried_over_are_kept() -> None:
     carried = {d: (arm.carried, arm.carried_against) for d, arm in governor._arms.items() if arm.carried}
     assert carried, "no undecided probe carried its steps over"
     restored = SpecGovernor(sorted(costs))
-    restored.load_state_dict(through_json(governor.state_dict()))
+    spec_state.load_governor_state(restored, through_json(spec_state.governor_state(governor)))
     assert {d: (restored._arms[d].carried, restored._arms[d].carried_against) for d in carried} == carried
 
 
@@ -107,10 +109,10 @@ def test_a_probe_in_flight_is_dropped_and_its_depth_probed_at_once() -> None:
         step(governor, costs, 1, rng)
     probed = governor.probing
     assert probed is not None and probed != governor.current
-    state = through_json(governor.state_dict())
+    state = through_json(spec_state.governor_state(governor))
     assert next(a for a in state["arms"] if a["depth"] == probed)["due"] <= 0  # it was due when it started
     restored = SpecGovernor(sorted(costs))
-    restored.load_state_dict(state)
+    spec_state.load_governor_state(restored, state)
     assert restored.probing is None and restored.current == governor.current
     assert restored.choose() == probed  # the decision it was to make comes first, from fresh steps
     assert restored._probe is not None and restored._probe.timed == [] and restored._probe.seen == []
@@ -120,7 +122,7 @@ def test_the_initial_measurement_in_flight_starts_again() -> None:
     governor = SpecGovernor((0, 1, 3))
     governor.observe(0, [0], 1e-3)
     restored = SpecGovernor((0, 1, 3))
-    restored.load_state_dict(through_json(governor.state_dict()))
+    spec_state.load_governor_state(restored, through_json(spec_state.governor_state(governor)))
     assert restored._arms[0].seconds is None and restored.probing == 0 and restored.choose() == 0
     for _ in range(restored.probe_steps):
         restored.observe(0, [0], 1e-3)
@@ -177,26 +179,26 @@ def test_state_that_does_not_fit_is_refused_and_changes_nothing() -> None:
     rng = random.Random(3)
     for _ in range(300):
         step(governor, COSTS["depth1-wins"], 1, rng)
-    state = through_json(governor.state_dict())
+    state = through_json(spec_state.governor_state(governor))
     other = SpecGovernor((0, 1, 3))
-    before = other.state_dict()
+    before = spec_state.governor_state(other)
     with pytest.raises(ValueError, match=r"candidates \[0, 1, 3\], this governor's are \[0, 1\]"):
-        SpecGovernor((0, 1)).load_state_dict(state)
+        spec_state.load_governor_state(SpecGovernor((0, 1)), state)
     with pytest.raises(ValueError, match="'margin': 0.05"):
-        SpecGovernor((0, 1, 3), margin=0.05).load_state_dict(state)
+        spec_state.load_governor_state(SpecGovernor((0, 1, 3), margin=0.05), state)
     broken = json.loads(json.dumps(state))
     broken["arms"][2]["interval"] = 5000
     with pytest.raises(ValueError, match="depth 3's interval=5000 outside 32..1024"):
-        other.load_state_dict(broken)
+        spec_state.load_governor_state(other, broken)
     broken = json.loads(json.dumps(state))
     broken["arms"][1]["seconds"] = -1.0
     with pytest.raises(ValueError, match="depth 1's seconds=-1.0 must be a finite number > 0"):
-        other.load_state_dict(broken)
+        spec_state.load_governor_state(other, broken)
     broken = json.loads(json.dumps(state))
     del broken["steps_at"]
     with pytest.raises(KeyError):
-        other.load_state_dict(broken)
-    assert other.state_dict() == before  # checked whole before anything changed
+        spec_state.load_governor_state(other, broken)
+    assert spec_state.governor_state(other) == before  # checked whole before anything changed
     with pytest.raises(ValueError, match="share=True"):
         GovernorFamily.from_state(GovernorFamily().state_dict(), share=False)
 
