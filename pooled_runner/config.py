@@ -17,12 +17,14 @@ from typing import Any, ClassVar
 
 import torch
 
+from pooled_runner import envs
 from pooled_runner.formats import FORMATS
 from pooled_runner.spec_state import state_path_problem
 
 logger = logging.getLogger("pooled_runner")
 
 AUTO = "auto"
+OFF = "off"
 SPEC_GOVERNORS = ("off", "cost")  # PoolConfig.spec_governor
 # PoolConfig.planner_policy: the keys of `policies.POLICIES` (a test keeps them equal), the default first
 PLANNER_POLICIES = (
@@ -57,10 +59,14 @@ class PoolConfig:
       max_draft_misses: with draft pruning, unpaid routes a draft lane may have in one step and stay alive.
       spec_governor: "off" (SGLang's own speculation) or "cost": with SGLang's `--speculative-adaptive`, choose
         each verify step's depth (0 included) by measured tokens per request per second (`spec_governor.py`).
-      spec_governor_state: with spec_governor "cost", a JSON file keeping the governors' calibration across
+      spec_governor_state: with spec_governor "cost", where the governors' calibration is kept across
         restarts (`spec_state.py`): read at start (a missing, corrupt or foreign one: start fresh), written
-        after 64, 128, 256, 512 verify steps, then every 1024, and at exit; "" (the default): off. Resolved
-        to an absolute path; its directory must exist and be writable.
+        after 64, 128, 256, 512 verify steps, then every 1024, and at exit. A JSON file, or a directory that
+        holds one file per serving configuration (model, pool, GPU, versions: `spec_state.state_file`).
+        "auto" (the default, only accepted by `resolve`): the directory `spec_governor` under
+        POOLED_RUNNER_CACHE_DIR with the cost governor (off where it cannot be made), off without it; "off"
+        or "": off. Resolved to an absolute path or "" (off); a file's directory, or the directory, must
+        exist and be writable.
       planner_policy: the device planner's residency policy (CUDA decode steps; `policies.POLICIES`):
         "lru-cycle" (the default) and "lru" plan in one fused launch per layer (plan + copy), "adaptive" (LRU or
         hit-count frequency by set dueling), "adaptive-router" (the same, each layer ordered by its router's
@@ -81,7 +87,7 @@ class PoolConfig:
     draft_pruning: bool = False
     max_draft_misses: int = 0
     spec_governor: str = "off"
-    spec_governor_state: str = ""
+    spec_governor_state: str = AUTO
     planner_policy: str = PLANNER_POLICIES[0]
 
     # Help text for the CLI flag of each field; the flag name is `--moe-expert-pool-<field>` unless listed in
@@ -105,11 +111,12 @@ class PoolConfig:
         "lane may have in one verify step (all layers) and stay live.",
         "spec_governor": "cost: with --speculative-adaptive, choose each verify step's number of draft tokens "
         "(0 included) by measured tokens per request per second instead of by acceptance length alone.",
-        "spec_governor_state": "With --moe-expert-pool-spec-governor cost: a JSON file (PATH) keeping the "
-        "governors' calibration across restarts, read at start (a missing, corrupt or foreign one: start fresh, "
-        "with a log line) and written after 64, 128, 256, 512 verify steps, then every 1024, and at exit. Its "
-        "directory must exist and be "
-        "writable. Default: off.",
+        "spec_governor_state": "With --moe-expert-pool-spec-governor cost: where the governors' calibration is "
+        "kept across restarts, read at start (a missing, corrupt or foreign one: start fresh, with a log line) "
+        "and written after 64, 128, 256, 512 verify steps, then every 1024, and at exit: a JSON file (PATH; its "
+        "directory must exist and be writable), or a writable directory holding one file per serving "
+        "configuration (model, pool, GPU, versions). auto (default): the directory spec_governor under "
+        "POOLED_RUNNER_CACHE_DIR (default ~/.cache/pooled_runner); off: none.",
         "planner_policy": "Residency policy of the device planner (CUDA decode steps): lru-cycle (default) or "
         "lru, one fused launch per layer; adaptive (LRU or hit-count frequency, whichever misses less: fewer "
         "misses on skewed routing) or adaptive-router (adaptive, each layer ordered by the router's logits "
@@ -129,6 +136,12 @@ class PoolConfig:
         problems = self.problems()
         if self.device == AUTO:
             problems.append("device is 'auto': call PoolConfig.resolve() before use")
+        if self.spec_governor_state in (AUTO, OFF) and not problems:
+            # resolved here where nothing is to be decided: off (so no reader ever sees "auto" or "off")
+            if self.spec_governor_state == OFF or self.spec_governor != "cost":
+                object.__setattr__(self, "spec_governor_state", "")
+            else:
+                problems.append("spec_governor_state is 'auto': call PoolConfig.resolve() before use")
         if problems:
             raise ValueError("invalid PoolConfig: " + "; ".join(problems))
         if self.max_draft_misses and not self.draft_pruning:
@@ -196,8 +209,11 @@ class PoolConfig:
         if not str(device).startswith("cuda") and requested.get("prefill_staging", True) is True:
             logger.info("prefill staging disabled: device %s has nothing to stage into", device)
             requested["prefill_staging"] = False
-        state = requested.get("spec_governor_state")
-        if isinstance(state, str) and state:  # the children read it from another working directory, maybe
+        state = requested.get("spec_governor_state", AUTO)
+        if state == AUTO and requested.get("spec_governor") == "cost":
+            requested["spec_governor_state"] = default_state_directory()
+        elif isinstance(state, str) and state not in ("", OFF, AUTO):
+            # the children read it from another working directory, maybe
             requested["spec_governor_state"] = os.path.abspath(os.path.expanduser(state))
         config = cls(**requested)
         # the file system is asked here, once, not at every construction: a config rebuilt in a scheduler
@@ -206,7 +222,8 @@ class PoolConfig:
         if why is not None:
             flag = flag_name("spec_governor_state")
             raise ValueError(
-                f"{flag} {config.spec_governor_state}: {why}; name a file in an existing, writable directory"
+                f"{flag} {config.spec_governor_state}: {why}; name a file in an existing, writable directory "
+                f"(or such a directory, or off)"
             )
         return config
 
@@ -241,11 +258,11 @@ def device_problems(device: object) -> list[str]:
 def spec_governor_state_problems(path: object, governor: str) -> list[str]:
     """Problems with `--moe-expert-pool-spec-governor-state PATH` (empty when valid or off): it keeps the cost
     governor's state, so it needs that governor (whether the server can write it `resolve` asks, once)."""
-    if path == "":
+    if path in ("", OFF, AUTO):
         return []
     flag = flag_name("spec_governor_state")
     if not isinstance(path, str):
-        return [f"spec_governor_state={path!r} must be a path (str) or '' ({flag} PATH)"]
+        return [f"spec_governor_state={path!r} must be a path (str), 'auto' or 'off' ({flag} PATH)"]
     out = []
     if governor != "cost":
         out.append(
@@ -253,6 +270,29 @@ def spec_governor_state_problems(path: object, governor: str) -> list[str]:
             f"(got {governor!r}); drop {flag} or add the governor"
         )
     return out
+
+
+def default_state_directory() -> str:
+    """The cost governor's default state directory, `spec_governor` under POOLED_RUNNER_CACHE_DIR, made if
+    missing; "" (off, with a warning) where it cannot be made or written: the user asked for no file, so a
+    read-only home must not stop the server."""
+    directory = os.path.join(os.path.abspath(os.path.expanduser(envs.cache_dir())), "spec_governor")
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        why: str | None = f"cannot be made ({exc})"
+    else:
+        why = state_path_problem(directory)
+    if why is None:
+        return directory
+    logger.warning(
+        "cost-aware speculation: the default state directory %s %s; the governors' calibration is not kept "
+        "across restarts (set POOLED_RUNNER_CACHE_DIR or %s PATH)",
+        directory,
+        why,
+        flag_name("spec_governor_state"),
+    )
+    return ""
 
 
 def flag_name(field_name: str) -> str:

@@ -137,7 +137,8 @@ def moe_pdl() -> bool:
 
 
 def cache_dir() -> str:
-    """POOLED_RUNNER_CACHE_DIR: where generated checkpoints (the embedded model) are kept."""
+    """POOLED_RUNNER_CACHE_DIR: where generated checkpoints (the embedded model) and, in `spec_governor/`, the
+    cost governor's calibration (`--moe-expert-pool-spec-governor-state auto`) are kept."""
     return _get_str("CACHE_DIR", "~/.cache/pooled_runner")
 
 

@@ -34,7 +34,9 @@ must not stall a decode step on the disk; after a power loss the file may be emp
 refused as corrupt). `load_family` starts fresh (None) on a missing file (info), and on a corrupt or foreign
 file (wrong version, another fingerprint: the differing keys are named) with a warning: a server must not
 refuse to start over a stale calibration file. A path the server cannot write is refused earlier, at config
-resolution (`state_path_problem`).
+resolution (`state_path_problem`). Where the path is a directory (the default: `PoolConfig.resolve` makes one
+under POOLED_RUNNER_CACHE_DIR for the cost governor), each serving configuration keeps its own file in it
+(`state_file`), so a restart finds its state without a flag and two models never overwrite each other's.
 
 Host-side, plain Python.
 """
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import json
 import logging
 import math
@@ -342,16 +345,29 @@ def fingerprint_differences(saved: Any, now: Mapping[str, Any]) -> list[str]:
 
 
 def state_path_problem(path: str) -> str | None:
-    """Why the governors' state cannot be kept at `path`, or None: it is a directory, or its directory does
-    not exist or is not writable (a new file is created there at each save)."""
+    """Why the governors' state cannot be kept at `path`, or None: a directory that is not writable (a file per
+    serving configuration is created in it, `state_file`), or a file whose directory does not exist or is not
+    writable (a new file is created there at each save)."""
     if os.path.isdir(path):
-        return "is a directory (name a file in it)"
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        return f"its directory {directory} does not exist"
+        directory = os.path.abspath(path)
+    else:
+        directory = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(directory):
+            return f"its directory {directory} does not exist"
     if not os.access(directory, os.W_OK | os.X_OK):
         return f"its directory {directory} is not writable"
     return None
+
+
+def state_file(path: str, fingerprint: Mapping[str, Any]) -> str:
+    """The file that keeps the state of the serving configuration `fingerprint`: `path` itself, or where `path`
+    is a directory (the default one under POOLED_RUNNER_CACHE_DIR, or one the user named), a file in it named
+    by a digest of the fingerprint, so that servers of different models, pools or GPUs sharing the directory
+    keep one file each instead of overwriting one another's."""
+    if not os.path.isdir(path):
+        return path
+    text = json.dumps(_canonical(fingerprint), sort_keys=True)
+    return os.path.join(path, f"spec-governor-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json")
 
 
 def _canonical(fingerprint: Mapping[str, Any]) -> dict[str, Any]:

@@ -112,7 +112,10 @@ def test_half_dot_row_scale_extremes(name):
         ("nvfp4", dict(split_k1=2, split_k2=2)),  # programs pack disjoint shares of a row, each its own scale
         ("int4-g128-zp", dict(block_k2=512)),  # down K = 768: 1.5 tiles, the last masked (q - z != 0 there)
         ("int4-g32", dict(stages=3)),  # the pair loads in Triton's pipeline (cp.async)
-        ("nvfp4", dict(prefetch=True, down_peel=False)),  # the register prefetch (its own peel: none of down_peel)
+        (
+            "nvfp4",
+            dict(prefetch=True, down_peel=False),
+        ),  # the register prefetch (its own peel: none of down_peel)
     ],
 )
 def test_packed_x_in_split_masked_and_pipelined_loops(name, cfg, monkeypatch):

@@ -9,7 +9,6 @@ latter's noise (lognormal, 1% of steps 2.5x slow: outliers happen).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -24,14 +23,12 @@ import pytest
 from bench.spec_family_model import SCENARIOS, step_ms, wander
 from bench.spec_governor_model import COST_MODELS as H200_MODELS
 from pooled_runner import spec_state
-from pooled_runner.config import PoolConfig, add_cli_arguments, config_from_cli
 from pooled_runner.spec_family import GovernorFamily
 from pooled_runner.spec_governor import SpecGovernor
-from pooled_runner.spec_state import load_family, save_family, state_path_problem
+from pooled_runner.spec_state import load_family, save_family
 from tests.test_spec_governor import COST_MODELS, sample_accepted
 
 FINGERPRINT = {"model": "m", "pool_rows": 24, "gpu": "NVIDIA H200", "candidates": {"1": (0, 1, 3)}}
-FLAG = "--moe-expert-pool-spec-governor-state"
 
 
 def step(governor: SpecGovernor, costs_ms: dict[int, float], batch_size: int, rng: random.Random, timed: bool = True) -> int:  # fmt: skip
@@ -302,17 +299,6 @@ def test_the_file_is_replaced_whole_or_not_at_all(tmp_path: Path, monkeypatch: p
     assert sorted(os.listdir(tmp_path)) == ["state.json"]  # no temporary file left behind
 
 
-def test_a_path_the_server_cannot_write_is_named(tmp_path: Path) -> None:
-    assert state_path_problem(str(tmp_path / "state.json")) is None
-    assert state_path_problem(str(tmp_path)) == "is a directory (name a file in it)"
-    missing = tmp_path / "nowhere"
-    assert state_path_problem(str(missing / "state.json")) == f"its directory {missing} does not exist"
-    if os.geteuid() != 0:  # root writes anywhere
-        locked = tmp_path / "locked"
-        locked.mkdir(mode=0o500)
-        assert state_path_problem(str(locked / "s.json")) == f"its directory {locked} is not writable"
-
-
 def test_an_infinite_depth_starts_fresh(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Python's json reads Infinity, and int() of it raises OverflowError (not ValueError): still a warning."""
     state = {"version": 1, "fingerprint": FINGERPRINT, "family": learned_family().state_dict()}
@@ -340,55 +326,3 @@ def test_a_save_keeps_the_file_mode_and_clears_killed_saves(tmp_path: Path) -> N
     assert stat.S_IMODE(path.stat().st_mode) == 0o640
     assert not old.exists() and young.exists()
     assert load_family(str(path), FINGERPRINT) is not None
-
-
-# -- configuration ----------------------------------------------------------------------------------------
-def test_the_flag_needs_the_cost_governor_and_a_writable_directory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    with pytest.raises(
-        ValueError, match=f"{FLAG} .* it needs --moe-expert-pool-spec-governor cost \\(got 'off'\\)"
-    ):
-        PoolConfig.resolve(pool_rows=4, device="cpu", spec_governor_state=str(tmp_path / "s.json"))
-    with pytest.raises(ValueError, match=f"{FLAG} .*nowhere/s.json: its directory .* does not exist"):
-        PoolConfig.resolve(
-            pool_rows=4, device="cpu", spec_governor="cost", spec_governor_state="/nowhere/s.json"
-        )
-    with pytest.raises(ValueError, match="spec_governor_state=3 must be a path"):
-        PoolConfig.resolve(pool_rows=4, device="cpu", spec_governor="cost", spec_governor_state=3)
-    monkeypatch.chdir(tmp_path)
-    config = PoolConfig.resolve(pool_rows=4, device="cpu", spec_governor="cost", spec_governor_state="s.json")
-    assert config.spec_governor_state == str(tmp_path / "s.json")  # the children may run elsewhere
-    assert PoolConfig.resolve(pool_rows=4, device="cpu").spec_governor_state == ""  # off by default
-    # only `resolve` asks the file system: a config rebuilt in a scheduler where the directory is gone still is
-    rebuilt = PoolConfig(
-        pool_rows=4, device="cpu", spec_governor="cost", spec_governor_state="/nowhere/s.json"
-    )
-    assert rebuilt.replace(pool_rows=5).spec_governor_state == "/nowhere/s.json"
-
-
-def test_the_cli_flag_derives_from_the_field(tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser()
-    add_cli_arguments(parser)
-    path = str(tmp_path / "s.json")
-    args = parser.parse_args(
-        ["--moe-expert-pool-rows", "4", "--moe-expert-pool-spec-governor", "cost", FLAG, path]
-    )
-    assert config_from_cli(args).spec_governor_state == path
-    assert parser.parse_args(["--moe-expert-pool-rows", "4"]).spec_governor_state == ""
-
-
-def test_the_launcher_refuses_a_bad_state_path_and_hands_a_good_one_to_the_children(tmp_path: Path) -> None:
-    from pooled_runner.sglang.serve_config import ServeConfig
-    from tests.test_launch_plan import QWEN3_MOE, plan, write_model
-
-    model = write_model(tmp_path, QWEN3_MOE)
-    base = ["--model-path", str(model), "--moe-expert-pool-rows", "8", "--speculative-algorithm", "EAGLE"]
-    cost = [*base, "--speculative-adaptive", "--moe-expert-pool-spec-governor", "cost"]
-    with pytest.raises(ValueError, match=f"(?s)cannot launch:.*{FLAG} .*: its directory .* does not exist"):
-        plan([*cost, FLAG, str(tmp_path / "missing" / "s.json")])
-    with pytest.raises(ValueError, match=f"{FLAG} .* needs --moe-expert-pool-spec-governor cost"):
-        plan([*base, FLAG, str(tmp_path / "s.json")])
-    p = plan([*cost, FLAG, str(tmp_path / "s.json")])
-    assert p.serve.pool is not None and p.serve.pool.spec_governor_state == str(tmp_path / "s.json")
-    assert ServeConfig.from_json(p.serve.to_json()) == p.serve

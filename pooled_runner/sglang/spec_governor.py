@@ -21,8 +21,9 @@ that completes after a step of another batch size is not timed (the working set 
 What still inflates a sample (a prefill overlapped with a decode step) the governor drops as an outlier when it
 is large and otherwise averages out.
 
-Calibration across restarts (`--moe-expert-pool-spec-governor-state PATH`, `pooled_runner.spec_state`): the
-family is loaded from PATH at construction when the file's fingerprint (`serving_fingerprint`: model, pool,
+Calibration across restarts (`--moe-expert-pool-spec-governor-state`, by default a directory under
+POOLED_RUNNER_CACHE_DIR holding a file per serving configuration, `pooled_runner.spec_state`): the
+family is loaded from its file at construction when the file's fingerprint (`serving_fingerprint`: model, pool,
 GPU, TP size, graphs, draft settings, candidate depths, SGLang's and this package's versions) is this server's, else it starts fresh; it is saved every
 `SAVE_EVERY` verify completions (and at 64, 128, ... before that, `save_due`) and at exit (atexit; SGLang's
 shutdown SIGKILLs its schedulers, whose last periodic save is then what the next start finds). Only one process
@@ -43,7 +44,7 @@ from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParam
 from pooled_runner.sglang.serve_config import ServeConfig
 from pooled_runner.spec_family import GovernorFamily
 from pooled_runner.spec_governor import SpecGovernor
-from pooled_runner.spec_state import load_family, save_family
+from pooled_runner.spec_state import load_family, save_family, state_file
 
 logger = logging.getLogger("pooled_runner")
 
@@ -193,8 +194,8 @@ class CostAwareSpecParams(AdaptiveSpeculativeParams):
     later ones at their nearest neighbour's depth. `get_steps_for_batch` is called once per decode batch before
     its verify step (SGLang's `activate_step_by_batch`) and `on_verify_complete` once per verify result; the latter returns
     None: the next batch's `get_steps_for_batch` applies the governor's choice.
-    `state_path`: the governors' state file (module docstring); None: the launcher's
-    `--moe-expert-pool-spec-governor-state` (`ServeConfig.from_env`), "" : none. `fingerprint`: what the file
+    `state_path`: the governors' state file, or a directory holding one per serving configuration (module
+    docstring); None: the launcher's `--moe-expert-pool-spec-governor-state` (`ServeConfig.from_env`), "" : none. `fingerprint`: what the file
     must have been saved with (None: `serving_fingerprint`).
     """
 
@@ -210,10 +211,12 @@ class CostAwareSpecParams(AdaptiveSpeculativeParams):
         super().__init__(initial_steps=initial_steps, cfg_path=cfg_path)
         upstream: dict[int, Any] = self._slots  # type: ignore[has-type]
         candidates = {bs: with_depth_zero(slot.candidate_steps) for bs, slot in upstream.items()}
-        self.state_path = configured_state_path() if state_path is None else state_path
+        path = configured_state_path() if state_path is None else state_path
         self.fingerprint: dict[str, Any] = {}
-        if self.state_path:
+        if path:
             self.fingerprint = serving_fingerprint(candidates) if fingerprint is None else dict(fingerprint)
+        # a directory (the default one) holds a file per serving configuration
+        self.state_path = state_file(path, self.fingerprint) if path else ""
         restored = load_family(self.state_path, self.fingerprint) if self.state_path else None
         # one acceptance estimate; new batch sizes learn from their neighbours
         self.family = GovernorFamily() if restored is None else restored
@@ -295,7 +298,8 @@ def save_due(num_completions: int) -> bool:
 
 
 def configured_state_path() -> str:
-    """The launcher's `--moe-expert-pool-spec-governor-state` (an absolute path), or "" (none, or no launcher)."""
+    """The launcher's resolved `--moe-expert-pool-spec-governor-state` (an absolute path of a file or a
+    directory), or "" (off, or no launcher)."""
     serve = ServeConfig.from_env()
     return serve.pool.spec_governor_state if serve is not None and serve.pool is not None else ""
 

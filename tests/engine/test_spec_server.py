@@ -107,6 +107,7 @@ def _governed_server_outputs(model: Path, log_path: Path) -> tuple[list[dict], s
     args = [
         "--model-path", str(model), "--moe-expert-pool-rows", str(POOL_ROWS), "--dtype", "float32",
         *SPEC_ARGS, "--speculative-adaptive", "--moe-expert-pool-spec-governor", "cost",
+        "--moe-expert-pool-spec-governor-state", "off",  # a cold governor (no state from an earlier run)
     ]  # fmt: skip
     with launched(args, log_path) as server:
         outs = [_generate(server.url, ids, new_tokens=32) for ids in PROMPTS]

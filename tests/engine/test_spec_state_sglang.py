@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,48 @@ def test_the_path_comes_from_the_launcher_and_saves_at_exit(
     assert registered == []
     monkeypatch.delenv("POOLED_RUNNER_SERVE_CONFIG")
     assert adapter.CostAwareSpecParams(initial_steps=3).state_path == ""  # off
+
+
+def test_the_default_directory_keeps_a_file_per_configuration_across_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the cost governor and no state flag (auto), the scheduler's params keep their state in a file of
+    this configuration under POOLED_RUNNER_CACHE_DIR/spec_governor; a restart of the same configuration reads
+    it back, one of another pool size gets a file of its own and starts fresh."""
+    import pooled_runner.sglang.spec_governor as adapter
+    from pooled_runner.config import PoolConfig
+    from pooled_runner.sglang.serve_config import ServeConfig
+
+    monkeypatch.setenv("POOLED_RUNNER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(adapter.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(adapter.atexit, "unregister", lambda fn: None)
+    # the writing rank, as SGLang publishes it (see the test above)
+    from types import SimpleNamespace
+
+    from sglang.srt import runtime_context
+
+    monkeypatch.setattr(runtime_context, "get_parallel", lambda: SimpleNamespace(tp_rank=0, dp_rank=None))
+
+    def started(pool_rows: int) -> tuple[adapter.CostAwareSpecParams, FakeClock]:
+        pool = PoolConfig.resolve(pool_rows=pool_rows, device="cpu", spec_governor="cost")
+        serve_config = ServeConfig(pool=pool, cpu=True, speculative=True)
+        monkeypatch.setenv("POOLED_RUNNER_SERVE_CONFIG", serve_config.to_json())
+        clock = FakeClock()
+        return adapter.CostAwareSpecParams(initial_steps=3, clock=clock), clock
+
+    first, clock = started(8)
+    directory = tmp_path / "cache" / "spec_governor"
+    assert Path(first.state_path).parent == directory and first.saves_state, first.state_path
+    serve(first, clock, DRAFTING_LOSES, 100, batch_size=1, seed=1)
+    first.close()
+    assert os.listdir(directory) == [Path(first.state_path).name]
+    again, _ = started(8)
+    assert again.state_path == first.state_path
+    assert governor_state(again.governor(1)) == governor_state(first.governor(1))
+    again.close()
+    other, _ = started(9)
+    assert other.state_path != first.state_path and Path(other.state_path).parent == directory
+    assert other.family.governors == {}
 
 
 def test_a_failed_save_is_logged_once_and_never_raised(
