@@ -97,6 +97,9 @@ else
   # cost; the misses/step column tells the pool's part (bench.spec_pool_misses: no re-warm after a probe); and a
   # governor that decided 300 steps before its counted ones (a serving process's, past its first probes)
   step bench_spec_governed_rounds "${BENCH_SPEC_GOVERNED_ROUNDS_CAP:-300}" "$PY" -m bench.spec_governed --quick --pools 0.5 --batches 16 --fixed 0,1 --rounds 4 --governor-warm 300 --out "$OUT/bench_spec_governed_rounds.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  # every (pool, bs) cell with a governor restored from a saved state (kept across restarts by default since
+  # 2026-12-05): issue #9's "never below depth 0" at each pool size for a configuration that ran before
+  step bench_spec_governed_restored "${BENCH_SPEC_GOVERNED_RESTORED_CAP:-450}" "$PY" -m bench.spec_governed --quick --fixed 0 --governor-warm 300 --out "$OUT/bench_spec_governed_restored.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # PNGs from the decode JSON and the prefill table (needs matplotlib; the step fails alone without it; a
   # plot whose input a skipped or failed step did not write is left out with a note)
   step bench_plot "${BENCH_PLOT_CAP:-60}" "$PY" -m bench.plot --decode "$OUT/bench_decode.json" --prefill "$OUT/bench_prefill.md" --out-dir "$OUT"
