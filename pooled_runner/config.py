@@ -63,10 +63,12 @@ class PoolConfig:
         restarts (`spec_state.py`): read at start (a missing, corrupt or foreign one: start fresh), written
         after 64, 128, 256, 512 verify steps, then every 1024, and at exit. A JSON file, or a directory that
         holds one file per serving configuration (model, pool, GPU, versions: `spec_state.state_file`).
-        "auto" (the default, only accepted by `resolve`): the directory `spec_governor` under
-        POOLED_RUNNER_CACHE_DIR with the cost governor (off where it cannot be made), off without it; "off"
-        or "": off. Resolved to an absolute path or "" (off); a file's directory, or the directory, must
-        exist and be writable.
+        "auto" (the default): with the cost governor the directory `envs.spec_state_dir()` (`spec_governor`
+        under POOLED_RUNNER_CACHE_DIR; made by `resolve`, off with a warning where it cannot be), which only
+        `resolve` decides; off without it; "off" or "": off (keywords in any case). Resolved to "" (off), an
+        absolute file path, or an absolute directory path ending in a separator (a path naming an existing
+        directory, or ending in a separator; decided once, here). A file's directory, or the directory, must
+        exist and be writable. `replace` keeps a resolved value: resolve again to change the governor.
       planner_policy: the device planner's residency policy (CUDA decode steps; `policies.POLICIES`):
         "lru-cycle" (the default) and "lru" plan in one fused launch per layer (plan + copy), "adaptive" (LRU or
         hit-count frequency by set dueling), "adaptive-router" (the same, each layer ordered by its router's
@@ -136,9 +138,10 @@ class PoolConfig:
         problems = self.problems()
         if self.device == AUTO:
             problems.append("device is 'auto': call PoolConfig.resolve() before use")
-        if self.spec_governor_state in (AUTO, OFF) and not problems:
+        keyword = state_keyword(self.spec_governor_state)
+        if keyword in (AUTO, OFF) and not problems:
             # resolved here where nothing is to be decided: off (so no reader ever sees "auto" or "off")
-            if self.spec_governor_state == OFF or self.spec_governor != "cost":
+            if keyword == OFF or self.spec_governor != "cost":
                 object.__setattr__(self, "spec_governor_state", "")
             else:
                 problems.append("spec_governor_state is 'auto': call PoolConfig.resolve() before use")
@@ -210,11 +213,14 @@ class PoolConfig:
             logger.info("prefill staging disabled: device %s has nothing to stage into", device)
             requested["prefill_staging"] = False
         state = requested.get("spec_governor_state", AUTO)
-        if state == AUTO and requested.get("spec_governor") == "cost":
+        keyword = state_keyword(state)
+        if keyword == AUTO and requested.get("spec_governor") == "cost":
+            cls(
+                **{**requested, "spec_governor_state": ""}
+            )  # every other problem first: no directory made for it
             requested["spec_governor_state"] = default_state_directory()
-        elif isinstance(state, str) and state not in ("", OFF, AUTO):
-            # the children read it from another working directory, maybe
-            requested["spec_governor_state"] = os.path.abspath(os.path.expanduser(state))
+        elif keyword is None and isinstance(state, str):
+            requested["spec_governor_state"] = absolute_state_path(state)
         config = cls(**requested)
         # the file system is asked here, once, not at every construction: a config rebuilt in a scheduler
         # (another user, another node) must not fail over a file its loading only reads best-effort
@@ -258,7 +264,7 @@ def device_problems(device: object) -> list[str]:
 def spec_governor_state_problems(path: object, governor: str) -> list[str]:
     """Problems with `--moe-expert-pool-spec-governor-state PATH` (empty when valid or off): it keeps the cost
     governor's state, so it needs that governor (whether the server can write it `resolve` asks, once)."""
-    if path in ("", OFF, AUTO):
+    if state_keyword(path) is not None:
         return []
     flag = flag_name("spec_governor_state")
     if not isinstance(path, str):
@@ -272,24 +278,43 @@ def spec_governor_state_problems(path: object, governor: str) -> list[str]:
     return out
 
 
+def state_keyword(state: object) -> str | None:
+    """ "auto" or "off" ("" and any case included) for a state flag's keyword, None for a path (or a non-str)."""
+    if not isinstance(state, str):
+        return None
+    keyword = state.strip().lower()
+    return OFF if keyword in ("", OFF) else AUTO if keyword == AUTO else None
+
+
+def absolute_state_path(path: str) -> str:
+    """`path` made absolute (the children may run in another working directory), a directory (one that exists
+    now, or a path ending in a separator) ending in a separator: what it is is decided here, once
+    (`spec_state.state_file`)."""
+    expanded = os.path.expanduser(path)
+    is_directory = expanded.endswith((os.sep, "/")) or os.path.isdir(expanded)
+    absolute = os.path.abspath(expanded)
+    return absolute + os.sep if is_directory else absolute
+
+
 def default_state_directory() -> str:
-    """The cost governor's default state directory, `spec_governor` under POOLED_RUNNER_CACHE_DIR, made if
-    missing; "" (off, with a warning) where it cannot be made or written: the user asked for no file, so a
+    """The cost governor's default state directory (`envs.spec_state_dir()`, made if missing) ending in a
+    separator; "" (off, with a warning) where it cannot be made or written: the user named no file, so a
     read-only home must not stop the server."""
-    directory = os.path.join(os.path.abspath(os.path.expanduser(envs.cache_dir())), "spec_governor")
+    directory = os.path.abspath(os.path.expanduser(envs.spec_state_dir())) + os.sep
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as exc:
-        why: str | None = f"cannot be made ({exc})"
+        why: str | None = f"it cannot be made ({exc})"
     else:
         why = state_path_problem(directory)
     if why is None:
         return directory
     logger.warning(
-        "cost-aware speculation: the default state directory %s %s; the governors' calibration is not kept "
-        "across restarts (set POOLED_RUNNER_CACHE_DIR or %s PATH)",
+        "cost-aware speculation: the governors' calibration is not kept across restarts: the default state "
+        "directory %s: %s (set POOLED_RUNNER_SPEC_STATE_DIR, or %s PATH, or %s off)",
         directory,
         why,
+        flag_name("spec_governor_state"),
         flag_name("spec_governor_state"),
     )
     return ""

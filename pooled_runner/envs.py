@@ -15,7 +15,7 @@ PREFIX = "POOLED_RUNNER_"
 KNOWN = frozenset(
     {
         "LOG_LEVEL", "FORCE_TORCH_PATH", "DEBUG_CHECKS", "TORCH_PLANNER", "PLAN_SPLIT_COPY", "PLAN_COOPERATIVE",
-        "PLAN_PDL", "PLAN_OVERLAP", "MOE_PDL", "CACHE_DIR", "MOE_DECODE", "SERVE_CONFIG",
+        "PLAN_PDL", "PLAN_OVERLAP", "MOE_PDL", "CACHE_DIR", "SPEC_STATE_DIR", "MOE_DECODE", "SERVE_CONFIG",
         "TEST_WORKERS", "TEST_STARTUP_TIMEOUT",
     }
 )  # fmt: skip
@@ -137,9 +137,16 @@ def moe_pdl() -> bool:
 
 
 def cache_dir() -> str:
-    """POOLED_RUNNER_CACHE_DIR: where generated checkpoints (the embedded model) and, in `spec_governor/`, the
-    cost governor's calibration (`--moe-expert-pool-spec-governor-state auto`) are kept."""
+    """POOLED_RUNNER_CACHE_DIR: where generated checkpoints (the embedded model) and, by default, the cost
+    governor's calibration (`spec_state_dir`) are kept."""
     return _get_str("CACHE_DIR", "~/.cache/pooled_runner")
+
+
+def spec_state_dir() -> str:
+    """POOLED_RUNNER_SPEC_STATE_DIR: the directory of the cost governor's calibration files under
+    `--moe-expert-pool-spec-governor-state auto` (default: `spec_governor` in POOLED_RUNNER_CACHE_DIR). The tests
+    point it at a temporary directory, so no test reads what an earlier run left."""
+    return _get_str("SPEC_STATE_DIR", "") or os.path.join(cache_dir(), "spec_governor")
 
 
 def moe_decode_kernel() -> str:

@@ -34,8 +34,8 @@ must not stall a decode step on the disk; after a power loss the file may be emp
 refused as corrupt). `load_family` starts fresh (None) on a missing file (info), and on a corrupt or foreign
 file (wrong version, another fingerprint: the differing keys are named) with a warning: a server must not
 refuse to start over a stale calibration file. A path the server cannot write is refused earlier, at config
-resolution (`state_path_problem`). Where the path is a directory (the default: `PoolConfig.resolve` makes one
-under POOLED_RUNNER_CACHE_DIR for the cost governor), each serving configuration keeps its own file in it
+resolution (`state_path_problem`). Where the path is a directory (the default: `PoolConfig.resolve` makes
+`envs.spec_state_dir()` for the cost governor), each serving configuration keeps its own file in it
 (`state_file`), so a restart finds its state without a flag and two models never overwrite each other's.
 
 Host-side, plain Python.
@@ -345,15 +345,18 @@ def fingerprint_differences(saved: Any, now: Mapping[str, Any]) -> list[str]:
 
 
 def state_path_problem(path: str) -> str | None:
-    """Why the governors' state cannot be kept at `path`, or None: a directory that is not writable (a file per
-    serving configuration is created in it, `state_file`), or a file whose directory does not exist or is not
-    writable (a new file is created there at each save)."""
+    """Why the governors' state cannot be kept at `path`, or None. A path ending in a separator is a directory
+    (a file per serving configuration is made in it, `state_file`): it must exist and be writable; any other
+    path is a file, whose directory must exist and be writable (a new file is made there at each save)."""
+    if path.endswith(os.sep):
+        if not os.path.isdir(path):
+            return "the directory does not exist"
+        return None if os.access(path, os.W_OK | os.X_OK) else "the directory is not writable"
     if os.path.isdir(path):
-        directory = os.path.abspath(path)
-    else:
-        directory = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(directory):
-            return f"its directory {directory} does not exist"
+        return "is a directory (end it with a separator to keep a file per configuration in it)"
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        return f"its directory {directory} does not exist"
     if not os.access(directory, os.W_OK | os.X_OK):
         return f"its directory {directory} is not writable"
     return None
@@ -361,12 +364,18 @@ def state_path_problem(path: str) -> str | None:
 
 def state_file(path: str, fingerprint: Mapping[str, Any]) -> str:
     """The file that keeps the state of the serving configuration `fingerprint`: `path` itself, or where `path`
-    is a directory (the default one under POOLED_RUNNER_CACHE_DIR, or one the user named), a file in it named
+    ends in a separator (a directory: the default one, `envs.spec_state_dir`, or one the user named; resolved
+    once, by `PoolConfig.resolve`, so a directory removed since does not turn into a file), a file in it named
     by a digest of the fingerprint, so that servers of different models, pools or GPUs sharing the directory
-    keep one file each instead of overwriting one another's."""
-    if not os.path.isdir(path):
+    keep one file each instead of overwriting one another's. "" (off, with a warning) for a fingerprint JSON
+    cannot hold, since a server must not fail to start over its calibration."""
+    if not path.endswith(os.sep):
         return path
-    text = json.dumps(_canonical(fingerprint), sort_keys=True)
+    try:
+        text = json.dumps(_canonical(fingerprint), sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        logger.warning("spec governor state: off, the fingerprint %r is not JSON (%s)", fingerprint, exc)
+        return ""
     return os.path.join(path, f"spec-governor-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json")
 
 

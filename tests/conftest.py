@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -13,6 +14,9 @@ import torch
 # tests get an environment without it (tests/engine/server.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The cost governor keeps its calibration by default (`envs.spec_state_dir`): no test, nor a server an engine test
+# starts (it inherits this environment), may read what an earlier run left in the user's cache.
+os.environ.setdefault("POOLED_RUNNER_SPEC_STATE_DIR", tempfile.mkdtemp(prefix="pooled-runner-spec-state-"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -18,16 +18,18 @@ from tests.test_spec_state import FINGERPRINT, learned_family
 FLAG = "--moe-expert-pool-spec-governor-state"
 
 
-def test_a_path_the_server_cannot_write_is_named(tmp_path: Path) -> None:
+def test_a_path_the_server_cannot_write_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A path ending in a separator is a directory (a file per configuration in it), any other a file."""
     assert state_path_problem(str(tmp_path / "state.json")) is None
-    assert state_path_problem(str(tmp_path)) is None  # a directory holds a file per serving configuration
+    assert state_path_problem(str(tmp_path) + os.sep) is None
+    assert state_path_problem(str(tmp_path)).startswith("is a directory (end it with a separator")  # type: ignore[union-attr]
     missing = tmp_path / "nowhere"
     assert state_path_problem(str(missing / "state.json")) == f"its directory {missing} does not exist"
-    if os.geteuid() != 0:  # root writes anywhere
-        locked = tmp_path / "locked"
-        locked.mkdir(mode=0o500)
-        assert state_path_problem(str(locked / "s.json")) == f"its directory {locked} is not writable"
-        assert state_path_problem(str(locked)) == f"its directory {locked} is not writable"
+    assert state_path_problem(str(missing) + os.sep) == "the directory does not exist"
+    # not writable (os.access stood in for: root writes anywhere, and CI may run as root)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    assert state_path_problem(str(tmp_path / "s.json")) == f"its directory {tmp_path} is not writable"
+    assert state_path_problem(str(tmp_path) + os.sep) == "the directory is not writable"
 
 
 # -- configuration ----------------------------------------------------------------------------------------
@@ -89,42 +91,78 @@ def test_the_launcher_refuses_a_bad_state_path_and_hands_a_good_one_to_the_child
 def test_the_cost_governor_keeps_its_state_in_the_cache_directory_by_default(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """auto (the default) with the cost governor: `spec_governor` under POOLED_RUNNER_CACHE_DIR, made at
-    resolution; off (or "") and no governor: ""; a config built without `resolve` cannot decide auto."""
+    """auto (the default) with the cost governor: `spec_governor` under POOLED_RUNNER_CACHE_DIR (or
+    POOLED_RUNNER_SPEC_STATE_DIR), made at resolution and ending in a separator; off (any case, or "") and no
+    governor: ""; a config built without `resolve` cannot decide auto; an invalid request makes no directory."""
+    monkeypatch.delenv("POOLED_RUNNER_SPEC_STATE_DIR")  # tests/conftest.py's
     monkeypatch.setenv("POOLED_RUNNER_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="pool_rows=0"):
+        PoolConfig.resolve(pool_rows=0, device="cpu", spec_governor="cost")
+    assert not (tmp_path / "cache").exists()
     config = PoolConfig.resolve(pool_rows=4, device="cpu", spec_governor="cost")
-    assert config.spec_governor_state == str(tmp_path / "cache" / "spec_governor")
+    assert config.spec_governor_state == str(tmp_path / "cache" / "spec_governor") + os.sep
     assert os.path.isdir(config.spec_governor_state)
     assert config.replace(pool_rows=5).spec_governor_state == config.spec_governor_state
-    for off in ("off", ""):
+    assert (
+        PoolConfig.resolve(pool_rows=4, device="cpu", spec_governor="cost", spec_governor_state="AUTO")
+        == config
+    )
+    for off in ("off", "", "OFF", " Off "):
         resolved = PoolConfig.resolve(
             pool_rows=4, device="cpu", spec_governor="cost", spec_governor_state=off
         )
-        assert resolved.spec_governor_state == ""
+        assert resolved.spec_governor_state == "", off
     assert PoolConfig(pool_rows=4, device="cpu", spec_governor="off").spec_governor_state == ""
     assert PoolConfig(pool_rows=4, device="cpu", spec_governor="cost", spec_governor_state="off").spec_governor_state == ""  # fmt: skip
     with pytest.raises(ValueError, match=r"spec_governor_state is 'auto': call PoolConfig.resolve\(\)"):
         PoolConfig(pool_rows=4, device="cpu", spec_governor="cost")
-    # a named directory is taken as it is
+    monkeypatch.setenv("POOLED_RUNNER_SPEC_STATE_DIR", str(tmp_path / "elsewhere"))
+    moved = PoolConfig.resolve(pool_rows=4, device="cpu", spec_governor="cost")
+    assert moved.spec_governor_state == str(tmp_path / "elsewhere") + os.sep and os.path.isdir(
+        moved.spec_governor_state
+    )
+
+
+def test_a_named_directory_is_decided_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A path naming an existing directory, or ending in a separator, resolves to an absolute directory path
+    ending in one (so `state_file` never takes it for a file later, even once the directory is gone); a new
+    directory must exist, as a file's directory must."""
     mine = tmp_path / "mine"
     mine.mkdir()
-    named = PoolConfig.resolve(pool_rows=4, device="cpu", spec_governor="cost", spec_governor_state=str(mine))
-    assert named.spec_governor_state == str(mine)
+    monkeypatch.chdir(tmp_path)
+    for named in ("mine", "mine/", str(mine)):
+        config = PoolConfig.resolve(
+            pool_rows=4, device="cpu", spec_governor="cost", spec_governor_state=named
+        )
+        assert config.spec_governor_state == str(mine) + os.sep, named
+    mine.rmdir()
+    assert state_file(config.spec_governor_state, FINGERPRINT).startswith(str(mine) + os.sep)
+    with pytest.raises(ValueError, match=f"{FLAG} .*new/: the directory does not exist"):
+        PoolConfig.resolve(pool_rows=4, device="cpu", spec_governor="cost", spec_governor_state="new/")
 
 
 def test_a_default_directory_that_cannot_be_made_turns_the_state_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The user named no file: a cache directory that cannot be made (here a file is in the way) must not stop
-    the server; a warning names the directory and the two ways out."""
+    """The user named no file: a default directory that cannot be made (here a file is in the way) or written
+    must not stop the server; a warning names the directory, why, and the ways out."""
     blocker = tmp_path / "cache"
     blocker.write_text("not a directory")
-    monkeypatch.setenv("POOLED_RUNNER_CACHE_DIR", str(blocker))
+    monkeypatch.setenv("POOLED_RUNNER_SPEC_STATE_DIR", str(blocker / "spec_governor"))
     with caplog.at_level(logging.WARNING, logger="pooled_runner"):
         config = PoolConfig.resolve(pool_rows=4, device="cpu", spec_governor="cost")
     assert config.spec_governor_state == ""
-    assert f"{blocker / 'spec_governor'} cannot be made" in caplog.text, caplog.text
-    assert "POOLED_RUNNER_CACHE_DIR" in caplog.text and FLAG in caplog.text, caplog.text
+    assert f"directory {blocker / 'spec_governor'}{os.sep}: it cannot be made" in caplog.text, caplog.text
+    assert "POOLED_RUNNER_SPEC_STATE_DIR" in caplog.text and f"{FLAG} off" in caplog.text, caplog.text
+    caplog.clear()
+    monkeypatch.setenv("POOLED_RUNNER_SPEC_STATE_DIR", str(tmp_path / "locked"))
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # not writable (root writes anywhere)
+    with caplog.at_level(logging.WARNING, logger="pooled_runner"):
+        config = PoolConfig.resolve(pool_rows=4, device="cpu", spec_governor="cost")
+    assert config.spec_governor_state == ""
+    assert f"directory {tmp_path / 'locked'}{os.sep}: the directory is not writable" in caplog.text, (
+        caplog.text
+    )
 
 
 def test_a_directory_keeps_one_file_per_serving_configuration(tmp_path: Path) -> None:
@@ -134,15 +172,26 @@ def test_a_directory_keeps_one_file_per_serving_configuration(tmp_path: Path) ->
     assert state_file(str(tmp_path / "s.json"), FINGERPRINT) == str(tmp_path / "s.json")
     same = {k: FINGERPRINT[k] for k in reversed(list(FINGERPRINT))} | {"candidates": {"1": [0, 1, 3]}}
     other = {**FINGERPRINT, "pool_rows": 25}
-    mine, theirs = state_file(str(tmp_path), FINGERPRINT), state_file(str(tmp_path), other)
-    assert mine == state_file(str(tmp_path), same)
+    directory = str(tmp_path) + os.sep
+    mine, theirs = state_file(directory, FINGERPRINT), state_file(directory, other)
+    assert mine == state_file(directory, same)
     assert mine != theirs and os.path.dirname(mine) == os.path.dirname(theirs) == str(tmp_path)
     assert os.path.basename(mine).startswith("spec-governor-") and mine.endswith(".json"), mine
     save_family(learned_family(), mine, FINGERPRINT)
     save_family(GovernorFamily(), theirs, other)
     learned = learned_family()
-    restored = load_family(state_file(str(tmp_path), same), same)
+    restored = load_family(state_file(directory, same), same)
     assert restored is not None and sorted(restored.governors) == sorted(learned.governors) != []
     fresh = load_family(theirs, other)
     assert fresh is not None and fresh.governors == {}
     assert load_family(theirs, FINGERPRINT) is None  # another configuration's file is foreign
+
+
+def test_a_fingerprint_json_cannot_hold_turns_the_state_off(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server must not fail to start over its calibration: a fingerprint that names no file is logged, off."""
+    with caplog.at_level(logging.WARNING, logger="pooled_runner"):
+        assert state_file(str(tmp_path) + os.sep, {**FINGERPRINT, "odd": object()}) == ""
+        assert state_file(str(tmp_path) + os.sep, {1: "a", "b": 2}) == ""
+    assert caplog.text.count("spec governor state: off, the fingerprint") == 2, caplog.text

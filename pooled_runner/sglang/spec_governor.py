@@ -33,7 +33,9 @@ writes (`writes_state`: TP rank 0 of data-parallel replica 0); every one reads.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -217,6 +219,11 @@ class CostAwareSpecParams(AdaptiveSpeculativeParams):
             self.fingerprint = serving_fingerprint(candidates) if fingerprint is None else dict(fingerprint)
         # a directory (the default one) holds a file per serving configuration
         self.state_path = state_file(path, self.fingerprint) if path else ""
+        if self.state_path and self.state_path != path and writes_state():
+            # the directory was there at launch: made again if removed since (best-effort: a failed save is
+            # logged once, `save_state`)
+            with contextlib.suppress(OSError):
+                os.makedirs(path, exist_ok=True)
         restored = load_family(self.state_path, self.fingerprint) if self.state_path else None
         # one acceptance estimate; new batch sizes learn from their neighbours
         self.family = GovernorFamily() if restored is None else restored

@@ -201,7 +201,13 @@ def test_scheduler_process_applies_the_patch_for_cost_only(monkeypatch: pytest.M
     monkeypatch.setattr(layer, "install_layer_hook", lambda: None)  # the model-building hooks: not under test
     monkeypatch.setattr(spec, "install_lanes_hook", lambda: None)
     for governor, expected in (("off", AdaptiveSpeculativeParams), ("cost", CostAwareSpecParams)):
-        pool = PoolConfig(pool_rows=8, device="cpu", prefill_staging=False, spec_governor=governor)
+        pool = PoolConfig(
+            pool_rows=8,
+            device="cpu",
+            prefill_staging=False,
+            spec_governor=governor,
+            spec_governor_state="off",
+        )
         monkeypatch.setenv(
             "POOLED_RUNNER_SERVE_CONFIG", ServeConfig(pool=pool, cpu=False, speculative=True).to_json()
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,9 @@ def test_the_default_directory_keeps_a_file_per_configuration_across_restarts(
     from pooled_runner.config import PoolConfig
     from pooled_runner.sglang.serve_config import ServeConfig
 
+    monkeypatch.delenv(
+        "POOLED_RUNNER_SPEC_STATE_DIR"
+    )  # tests/conftest.py's: the default under the cache here
     monkeypatch.setenv("POOLED_RUNNER_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(adapter.atexit, "register", lambda fn: None)
     monkeypatch.setattr(adapter.atexit, "unregister", lambda fn: None)
@@ -167,10 +171,12 @@ def test_the_default_directory_keeps_a_file_per_configuration_across_restarts(
 
     monkeypatch.setattr(runtime_context, "get_parallel", lambda: SimpleNamespace(tp_rank=0, dp_rank=None))
 
-    def started(pool_rows: int) -> tuple[adapter.CostAwareSpecParams, FakeClock]:
+    def started(pool_rows: int, cleaned: bool = False) -> tuple[adapter.CostAwareSpecParams, FakeClock]:
         pool = PoolConfig.resolve(pool_rows=pool_rows, device="cpu", spec_governor="cost")
         serve_config = ServeConfig(pool=pool, cpu=True, speculative=True)
         monkeypatch.setenv("POOLED_RUNNER_SERVE_CONFIG", serve_config.to_json())
+        if cleaned:  # the directory removed between the launcher's resolution and the scheduler's start
+            shutil.rmtree(pool.spec_governor_state)
         clock = FakeClock()
         return adapter.CostAwareSpecParams(initial_steps=3, clock=clock), clock
 
@@ -184,9 +190,18 @@ def test_the_default_directory_keeps_a_file_per_configuration_across_restarts(
     assert again.state_path == first.state_path
     assert governor_state(again.governor(1)) == governor_state(first.governor(1))
     again.close()
-    other, _ = started(9)
+    other, clock = started(9)
     assert other.state_path != first.state_path and Path(other.state_path).parent == directory
-    assert other.family.governors == {}
+    assert other.saves_state and other.family.governors == {}
+    serve(other, clock, DRAFTING_LOSES, 70, batch_size=1, seed=2)
+    other.close()
+    assert sorted(os.listdir(directory)) == sorted([Path(first.state_path).name, Path(other.state_path).name])
+    # the directory removed after launch (a cache cleanup): still a directory, made again, the state saved in it
+    again, clock = started(8, cleaned=True)
+    assert again.state_path == first.state_path and again.family.governors == {}
+    serve(again, clock, DRAFTING_LOSES, 70, batch_size=1, seed=3)
+    again.close()
+    assert os.listdir(directory) == [Path(first.state_path).name]
 
 
 def test_a_failed_save_is_logged_once_and_never_raised(
