@@ -116,9 +116,9 @@ class PoolConfig:
         "spec_governor_state": "With --moe-expert-pool-spec-governor cost: where the governors' calibration is "
         "kept across restarts, read at start (a missing, corrupt or foreign one: start fresh, with a log line) "
         "and written after 64, 128, 256, 512 verify steps, then every 1024, and at exit: a JSON file (PATH; its "
-        "directory must exist and be writable), or a writable directory holding one file per serving "
-        "configuration (model, pool, GPU, versions). auto (default): the directory spec_governor under "
-        "POOLED_RUNNER_CACHE_DIR (default ~/.cache/pooled_runner); off: none.",
+        "directory must exist and be writable), or a writable directory (one that exists, or a path ending in /) "
+        "holding one file per serving configuration (model, pool, GPU, versions). auto (default): "
+        "POOLED_RUNNER_SPEC_STATE_DIR (default ~/.cache/pooled_runner/spec_governor); off: none.",
         "planner_policy": "Residency policy of the device planner (CUDA decode steps): lru-cycle (default) or "
         "lru, one fused launch per layer; adaptive (LRU or hit-count frequency, whichever misses less: fewer "
         "misses on skewed routing) or adaptive-router (adaptive, each layer ordered by the router's logits "
@@ -215,9 +215,8 @@ class PoolConfig:
         state = requested.get("spec_governor_state", AUTO)
         keyword = state_keyword(state)
         if keyword == AUTO and requested.get("spec_governor") == "cost":
-            cls(
-                **{**requested, "spec_governor_state": ""}
-            )  # every other problem first: no directory made for it
+            # every other problem first: no directory is made for a request that is refused
+            cls(**{**requested, "spec_governor_state": ""})
             requested["spec_governor_state"] = default_state_directory()
         elif keyword is None and isinstance(state, str):
             requested["spec_governor_state"] = absolute_state_path(state)
@@ -279,7 +278,8 @@ def spec_governor_state_problems(path: object, governor: str) -> list[str]:
 
 
 def state_keyword(state: object) -> str | None:
-    """ "auto" or "off" ("" and any case included) for a state flag's keyword, None for a path (or a non-str)."""
+    """The keyword a state flag's value names, AUTO or OFF ("" and any case included); None for a path or a
+    non-str."""
     if not isinstance(state, str):
         return None
     keyword = state.strip().lower()
