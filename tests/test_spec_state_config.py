@@ -12,7 +12,7 @@ import pytest
 
 from pooled_runner.config import PoolConfig, add_cli_arguments, config_from_cli
 from pooled_runner.spec_family import GovernorFamily
-from pooled_runner.spec_state import load_family, save_family, state_file, state_path_problem
+from pooled_runner.spec_state import code_digest, load_family, save_family, state_file, state_path_problem
 from tests.test_spec_state import FINGERPRINT, learned_family
 
 FLAG = "--moe-expert-pool-spec-governor-state"
@@ -195,3 +195,28 @@ def test_a_fingerprint_json_cannot_hold_turns_the_state_off(
         assert state_file(str(tmp_path) + os.sep, {**FINGERPRINT, "odd": object()}) == ""
         assert state_file(str(tmp_path) + os.sep, {1: "a", "b": 2}) == ""
     assert caplog.text.count("spec governor state: off, the fingerprint") == 2, caplog.text
+
+
+def test_the_code_digest_changes_with_the_code(tmp_path: Path) -> None:
+    """`code_digest` (the fingerprint's `pooled_runner_code`): the same sources give the same digest wherever
+    they lie; a changed, added or renamed module, in a subpackage too, gives another; other files do not count."""
+
+    def package(root: Path, files: dict[str, str]) -> str:
+        for name, text in files.items():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(text)
+        return str(root / "__init__.py")
+
+    base = {"__init__.py": "", "a.py": "x = 1\n", "sub/b.py": "y = 2\n"}
+    first = code_digest([package(tmp_path / "one", base)])
+    assert len(first) == 16 and int(first, 16) >= 0
+    assert code_digest([package(tmp_path / "two", base)]) == first
+    (tmp_path / "two" / "notes.txt").write_text("not code")
+    assert code_digest([str(tmp_path / "two" / "__init__.py")]) == first
+    variants = [
+        {**base, "sub/b.py": "y = 3\n"},
+        {**base, "c.py": ""},
+        {"__init__.py": "", "a2.py": "x = 1\n", "sub/b.py": "y = 2\n"},
+    ]
+    digests = {code_digest([package(tmp_path / f"v{i}", files)]) for i, files in enumerate(variants)}
+    assert len(digests) == 3 and first not in digests

@@ -24,7 +24,7 @@ is large and otherwise averages out.
 Calibration across restarts (`--moe-expert-pool-spec-governor-state`, by default a directory under
 POOLED_RUNNER_CACHE_DIR holding a file per serving configuration, `pooled_runner.spec_state`): the
 family is loaded from its file at construction when the file's fingerprint (`serving_fingerprint`: model, pool,
-GPU, TP size, graphs, draft settings, candidate depths, SGLang's and this package's versions) is this server's, else it starts fresh; it is saved every
+GPU, TP size, graphs, draft settings, candidate depths, SGLang's and this package's versions, this package's code digest) is this server's, else it starts fresh; it is saved every
 `SAVE_EVERY` verify completions (and at 64, 128, ... before that, `save_due`) and at exit (atexit; SGLang's
 shutdown SIGKILLs its schedulers, whose last periodic save is then what the next start finds). Only one process
 writes (`writes_state`: TP rank 0 of data-parallel replica 0); every one reads.
@@ -46,7 +46,7 @@ from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParam
 from pooled_runner.sglang.serve_config import ServeConfig
 from pooled_runner.spec_family import GovernorFamily
 from pooled_runner.spec_governor import SpecGovernor
-from pooled_runner.spec_state import load_family, save_family, state_file
+from pooled_runner.spec_state import code_digest, load_family, save_family, state_file
 
 logger = logging.getLogger("pooled_runner")
 
@@ -312,19 +312,23 @@ def configured_state_path() -> str:
 
 
 def serving_fingerprint(candidates: dict[int, list[int]]) -> dict[str, Any]:
-    """What makes this server's verify step times comparable with a saved state's: SGLang's version, the GPU,
-    the pool (rows, weight format, planner policy), SGLang's `SERVER_FACTS` (None where unknown: outside a
-    server) and the candidate depths of each slot. All read cheaply at construction."""
+    """What makes this server's verify step times comparable with a saved state's: SGLang's version, this
+    package's version and code digest, the GPU, the pool (rows, weight format, planner policy), SGLang's
+    `SERVER_FACTS` (None where unknown: outside a server) and the candidate depths of each slot. All read
+    cheaply at construction (the digest reads this package's sources: about 2 ms)."""
     import sglang
     import torch
 
     import pooled_runner
+    import pooled_runner.kernels
 
     serve = ServeConfig.from_env()
     pool = serve.pool if serve is not None else None
     facts: dict[str, Any] = {
         "sglang": getattr(sglang, "__version__", None),
         "pooled_runner": pooled_runner.__version__,  # its kernels' speed changes between releases
+        # and within one version in a checkout being worked on: its code's digest (a release's is fixed)
+        "pooled_runner_code": code_digest([pooled_runner.__file__, pooled_runner.kernels.__file__]),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "pool_rows": None if pool is None else pool.pool_rows,
         "weight_format": None if pool is None else pool.weight_format,

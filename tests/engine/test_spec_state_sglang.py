@@ -138,6 +138,7 @@ def test_the_path_comes_from_the_launcher_and_saves_at_exit(
     assert fingerprint["sglang"] == "0.5.23" and fingerprint["pool_rows"] == 8 and fingerprint["gpu"]
     assert fingerprint["candidates"] == {"1": [0, 1, 3, 5, 7], "8": [0, 1, 3], "32": [0, 1], "64": [0]}
     assert "model_path" in fingerprint  # None outside a server
+    assert len(fingerprint["pooled_runner_code"]) == 16  # this checkout's code (spec_state.code_digest)
     params.get_steps_for_batch(1)
     params.on_verify_complete([0], 1)
     registered[0]()  # what atexit runs
