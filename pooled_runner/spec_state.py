@@ -380,10 +380,9 @@ def state_file(path: str, fingerprint: Mapping[str, Any]) -> str:
 
 
 def code_digest(packages: list[str]) -> str:
-    """16 hex digits of the SHA-256 of the Python sources of `packages` (each an `__init__.py` path: its
-    directory's `*.py`, recursively, by relative path and content): a fingerprint key that changes with the
-    code, so a checkout whose kernels changed within one version does not restore step times measured on the
-    old ones. About 100 small files read once per scheduler start."""
+    """16 hex digits of the SHA-256 of `packages`' sources (each an `__init__.py`: its directory's `*.py`,
+    recursively, by relative path and content): a checkout whose kernels changed within one version then
+    restores no step times measured on the old ones."""
     digest = hashlib.sha256()
     for package in packages:
         root = os.path.dirname(os.path.abspath(package))
