@@ -192,5 +192,5 @@ def check_all() -> list[str]:
 # every knob reader above (tests/test_launch_refusals.py checks that none is missing)
 READERS: tuple[Callable[[], object], ...] = (
     log_level, force_torch_path, debug_checks, torch_planner, plan_split_copy, plan_cooperative, plan_pdl,
-    plan_overlap, moe_pdl, cache_dir, moe_decode_kernel, serve_config,
+    plan_overlap, moe_pdl, cache_dir, spec_state_dir, moe_decode_kernel, serve_config,
 )  # fmt: skip
