@@ -214,13 +214,14 @@ class PoolConfig:
             requested["prefill_staging"] = False
         state = requested.get("spec_governor_state", AUTO)
         keyword = state_keyword(state)
-        if keyword == AUTO and requested.get("spec_governor") == "cost":
-            # every other problem first: no directory is made for a request that is refused
-            cls(**{**requested, "spec_governor_state": ""})
-            requested["spec_governor_state"] = default_state_directory()
+        default_directory = keyword == AUTO and requested.get("spec_governor") == "cost"
+        if default_directory:  # decided once the rest is valid: no directory is made for a refused request
+            requested["spec_governor_state"] = OFF
         elif keyword is None and isinstance(state, str):
             requested["spec_governor_state"] = absolute_state_path(state)
         config = cls(**requested)
+        if default_directory:
+            config = config.replace(spec_governor_state=default_state_directory())
         # the file system is asked here, once, not at every construction: a config rebuilt in a scheduler
         # (another user, another node) must not fail over a file its loading only reads best-effort
         why = state_path_problem(config.spec_governor_state) if config.spec_governor_state else None

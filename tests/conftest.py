@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import tempfile
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,9 +14,6 @@ import torch
 # tests get an environment without it (tests/engine/server.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# The cost governor keeps its calibration by default (`envs.spec_state_dir`): no test, nor a server an engine test
-# starts (it inherits this environment), may read what an earlier run left in the user's cache.
-os.environ.setdefault("POOLED_RUNNER_SPEC_STATE_DIR", tempfile.mkdtemp(prefix="pooled-runner-spec-state-"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -37,6 +34,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if marker is not None:
             where = marker.kwargs.get("gpu", "the *_gpu.py tests")
             item.add_marker(pytest.mark.skip(reason=f"interpreter tests; the GPU runs {where}"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _spec_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The cost governor keeps its calibration by default (`envs.spec_state_dir`): no test, nor a server an engine
+    test starts (it inherits this environment), may read what an earlier run left in the user's cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("POOLED_RUNNER_SPEC_STATE_DIR", str(tmp_path_factory.mktemp("spec-state")))
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -219,7 +219,8 @@ class CostAwareSpecParams(AdaptiveSpeculativeParams):
             self.fingerprint = serving_fingerprint(candidates) if fingerprint is None else dict(fingerprint)
         # a directory (the default one) holds a file per serving configuration
         self.state_path = state_file(path, self.fingerprint) if path else ""
-        if self.state_path and self.state_path != path and writes_state():
+        self.saves_state = bool(self.state_path) and writes_state()
+        if self.saves_state and self.state_path != path:
             # the directory was there at launch: made again if removed since (best-effort: a failed save is
             # logged once, `save_state`)
             with contextlib.suppress(OSError):
@@ -235,7 +236,6 @@ class CostAwareSpecParams(AdaptiveSpeculativeParams):
         self.num_completions = 0
         self._saved_at: int | None = None  # num_completions at the last save
         self._save_failed = False
-        self.saves_state = bool(self.state_path) and writes_state()
         if self.saves_state:
             atexit.register(self.save_state)
         logger.info(

@@ -80,21 +80,25 @@ def test_another_fingerprint_starts_fresh(tmp_path: Path, caplog: pytest.LogCapt
     second.close()
 
 
-def test_only_the_writing_rank_saves_and_every_rank_loads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def publish_ranks(monkeypatch: pytest.MonkeyPatch, tp_rank: int, dp_rank: int | None) -> None:
     """Ranks as SGLang publishes them (`runtime_context.get_parallel`; stood in for here: SGLang's own override
     validates a whole topology, and what earlier tests in the process left there decides what it accepts)."""
     from types import SimpleNamespace
 
     from sglang.srt import runtime_context
 
+    monkeypatch.setattr(
+        runtime_context, "get_parallel", lambda: SimpleNamespace(tp_rank=tp_rank, dp_rank=dp_rank)
+    )
+
+
+def test_only_the_writing_rank_saves_and_every_rank_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from pooled_runner.sglang.spec_governor import writes_state
 
     def ranks(tp_rank: int, dp_rank: int | None) -> None:
-        monkeypatch.setattr(
-            runtime_context, "get_parallel", lambda: SimpleNamespace(tp_rank=tp_rank, dp_rank=dp_rank)
-        )
+        publish_ranks(monkeypatch, tp_rank, dp_rank)
 
     ranks(0, None)
     assert writes_state()  # TP rank 0, no data parallelism
@@ -159,18 +163,12 @@ def test_the_default_directory_keeps_a_file_per_configuration_across_restarts(
     from pooled_runner.config import PoolConfig
     from pooled_runner.sglang.serve_config import ServeConfig
 
-    monkeypatch.delenv(
-        "POOLED_RUNNER_SPEC_STATE_DIR"
-    )  # tests/conftest.py's: the default under the cache here
+    # not tests/conftest.py's directory: the default one, under the cache
+    monkeypatch.delenv("POOLED_RUNNER_SPEC_STATE_DIR")
     monkeypatch.setenv("POOLED_RUNNER_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(adapter.atexit, "register", lambda fn: None)
     monkeypatch.setattr(adapter.atexit, "unregister", lambda fn: None)
-    # the writing rank, as SGLang publishes it (see the test above)
-    from types import SimpleNamespace
-
-    from sglang.srt import runtime_context
-
-    monkeypatch.setattr(runtime_context, "get_parallel", lambda: SimpleNamespace(tp_rank=0, dp_rank=None))
+    publish_ranks(monkeypatch, 0, None)
 
     def started(pool_rows: int, cleaned: bool = False) -> tuple[adapter.CostAwareSpecParams, FakeClock]:
         pool = PoolConfig.resolve(pool_rows=pool_rows, device="cpu", spec_governor="cost")
