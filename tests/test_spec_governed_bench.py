@@ -122,7 +122,8 @@ def test_rounds_sum_each_policy_and_report_every_rounds_ratio() -> None:
 def test_a_warmed_governor_counts_only_the_steps_after_its_learning(monkeypatch: pytest.MonkeyPatch) -> None:
     """`governor_warm`: a row "governed, warmed N, reloaded" whose governor observed N steps (its learning), was
     saved to a JSON file and loaded into a fresh family (`spec_state`), and the loaded governor counted as many
-    steps as the other policies, its steps at each depth summing to them; negative N refused."""
+    steps as the other policies, its steps at each depth summing to them, over the same trace window (its learning
+    run and its counted run each start at the trace's start, as every other row does); negative N refused."""
     from pooled_runner import spec_family
 
     observed: list[int] = []
@@ -143,8 +144,16 @@ def test_a_warmed_governor_counts_only_the_steps_after_its_learning(monkeypatch:
         loads.append((path, family))
         return family
 
+    launched: list[tuple[int, torch.Tensor]] = []
+    launch = spec_governed.DepthGraphs.launch
+
+    def recording(self, d, ids):  # type: ignore[no-untyped-def]
+        launched.append((d, ids.clone()))
+        return launch(self, d, ids)
+
     monkeypatch.setattr(spec_family, "SpecGovernor", Counting)
     monkeypatch.setattr(spec_governed, "load_family", load_family)
+    monkeypatch.setattr(spec_governed.DepthGraphs, "launch", recording)
     _, rows = spec_governed.run(
         SHAPE,
         torch.device("cpu"),
@@ -165,6 +174,16 @@ def test_a_warmed_governor_counts_only_the_steps_after_its_learning(monkeypatch:
     counts = [int(part.split(": ")[1]) for part in warmed[9].split(", ")]
     assert sum(counts) == warmed[3]
     assert warmed[7] == warmed[6] / rows[0][6] and 0 < warmed[10] <= SHAPE.L * SHAPE.E
+    # launches: depth 0's 24, the cold governor's 24, the warmed one's learning 2 + 40, then its counted 24; each
+    # run's first steps (the uncounted warm-up at depth 0) read the trace's first tokens
+    assert len(launched) == 24 + 24 + 42 + 24, len(launched)
+    for first in (24, 48, 90):
+        for k in range(2):
+            assert launched[first + k][0] == 0 and torch.equal(launched[first + k][1], launched[k][1]), (
+                first,
+                k,
+            )
+    assert not torch.equal(launched[90][1], launched[47][1])  # the trace moves on within a run
     with pytest.raises(ValueError, match="governor_warm=-1"):
         spec_governed.run(
             SHAPE,
