@@ -19,7 +19,7 @@ import torch
 
 from pooled_runner import envs
 from pooled_runner.formats import FORMATS
-from pooled_runner.spec_state import state_path_problem
+from pooled_runner.spec_state_paths import state_path_problem
 
 logger = logging.getLogger("pooled_runner")
 
@@ -62,7 +62,7 @@ class PoolConfig:
       spec_governor_state: with spec_governor "cost", where the governors' calibration is kept across
         restarts (`spec_state.py`): read at start (a missing, corrupt or foreign one: start fresh), written
         after 64, 128, 256, 512 verify steps, then every 1024, and at exit. A JSON file, or a directory that
-        holds one file per serving configuration (model, pool, GPU, versions: `spec_state.state_file`).
+        holds one file per serving configuration (model, pool, GPU, versions: `spec_state_paths.state_file`).
         "auto" (the default): with the cost governor the directory `envs.spec_state_dir()` (`spec_governor`
         under POOLED_RUNNER_CACHE_DIR; made by `resolve`, off with a warning where it cannot be), which only
         `resolve` decides; off without it; "off" or "": off (keywords in any case). Resolved to "" (off), an
@@ -290,7 +290,7 @@ def state_keyword(state: object) -> str | None:
 def absolute_state_path(path: str) -> str:
     """`path` made absolute (the children may run in another working directory), a directory (one that exists
     now, or a path ending in a separator) ending in a separator: what it is is decided here, once
-    (`spec_state.state_file`)."""
+    (`spec_state_paths.state_file`)."""
     expanded = os.path.expanduser(path)
     is_directory = expanded.endswith((os.sep, "/")) or os.path.isdir(expanded)
     absolute = os.path.abspath(expanded)

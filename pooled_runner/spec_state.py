@@ -34,9 +34,9 @@ must not stall a decode step on the disk; after a power loss the file may be emp
 refused as corrupt). `load_family` starts fresh (None) on a missing file (info), and on a corrupt or foreign
 file (wrong version, another fingerprint: the differing keys are named) with a warning: a server must not
 refuse to start over a stale calibration file. A path the server cannot write is refused earlier, at config
-resolution (`state_path_problem`). Where the path is a directory (the default: `PoolConfig.resolve` makes
+resolution (`spec_state_paths.state_path_problem`). Where the path is a directory (the default: `PoolConfig.resolve` makes
 `envs.spec_state_dir()` for the cost governor), each serving configuration keeps its own file in it
-(`state_file`), so a restart finds its state without a flag and two models never overwrite each other's.
+(`spec_state_paths.state_file`), so a restart finds its state without a flag and two models never overwrite each other's.
 
 Host-side, plain Python.
 """
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import hashlib
 import json
 import logging
 import math
@@ -260,7 +259,7 @@ def save_family(family: GovernorFamily, path: str, fingerprint: Mapping[str, Any
     built first, then written to a temporary file beside `path` and renamed over it; on any error the
     temporary file is removed and `path` is left as it was (the error is raised)."""
     text = json.dumps(
-        {"version": STATE_VERSION, "fingerprint": _canonical(fingerprint), "family": family_state(family)},
+        {"version": STATE_VERSION, "fingerprint": canonical(fingerprint), "family": family_state(family)},
         allow_nan=False,
         sort_keys=True,
     )
@@ -327,7 +326,7 @@ def _restore(
     if not isinstance(saved, dict) or saved.get("version") != STATE_VERSION:
         found = saved.get("version") if isinstance(saved, dict) else type(saved).__name__
         return None, f"is of version {found!r}, not {STATE_VERSION}"
-    differ = fingerprint_differences(saved.get("fingerprint"), _canonical(fingerprint))
+    differ = fingerprint_differences(saved.get("fingerprint"), canonical(fingerprint))
     if differ:
         return None, "was learned elsewhere: its fingerprint differs in " + "; ".join(differ)
     try:
@@ -344,57 +343,8 @@ def fingerprint_differences(saved: Any, now: Mapping[str, Any]) -> list[str]:
     return [f"{k} (saved {saved.get(k)!r}, now {now.get(k)!r})" for k in keys if saved.get(k) != now.get(k)]
 
 
-def state_path_problem(path: str) -> str | None:
-    """Why the governors' state cannot be kept at `path`, or None. A path ending in a separator is a directory
-    (a file per serving configuration is made in it, `state_file`): it must exist and be writable; any other
-    path is a file, whose directory must exist and be writable (a new file is made there at each save)."""
-    if path.endswith(os.sep):
-        if not os.path.isdir(path):
-            return "the directory does not exist"
-        return None if os.access(path, os.W_OK | os.X_OK) else "the directory is not writable"
-    if os.path.isdir(path):
-        return "is a directory (end it with a separator to keep a file per configuration in it)"
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        return f"its directory {directory} does not exist"
-    if not os.access(directory, os.W_OK | os.X_OK):
-        return f"its directory {directory} is not writable"
-    return None
-
-
-def state_file(path: str, fingerprint: Mapping[str, Any]) -> str:
-    """The file that keeps the state of the serving configuration `fingerprint`: `path` itself, or where `path`
-    ends in a separator (a directory: the default one, `envs.spec_state_dir`, or one the user named; resolved
-    once, by `PoolConfig.resolve`, so a directory removed since does not turn into a file), a file in it named
-    by a digest of the fingerprint, so that servers of different models, pools or GPUs sharing the directory
-    keep one file each instead of overwriting one another's. "" (off, with a warning) for a fingerprint JSON
-    cannot hold, since a server must not fail to start over its calibration."""
-    if not path.endswith(os.sep):
-        return path
-    try:
-        text = json.dumps(_canonical(fingerprint), sort_keys=True)
-    except (TypeError, ValueError) as exc:
-        logger.warning("spec governor state: off, the fingerprint %r is not JSON (%s)", fingerprint, exc)
-        return ""
-    return os.path.join(path, f"spec-governor-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json")
-
-
-def code_digest(packages: list[str]) -> str:
-    """16 hex digits of the SHA-256 of `packages`' sources (each an `__init__.py`: its directory's `*.py`,
-    recursively, by relative path and content): a checkout whose kernels changed within one version then
-    restores no step times measured on the old ones."""
-    digest = hashlib.sha256()
-    for package in packages:
-        root = os.path.dirname(os.path.abspath(package))
-        for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
-            digest.update(os.path.relpath(path, root).encode() + b"\0")
-            with open(path, "rb") as f:
-                digest.update(f.read() + b"\0")
-    return digest.hexdigest()[:16]
-
-
-def _canonical(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
+def canonical(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
     """`fingerprint` as it reads back from JSON (tuples as lists, keys as strings), so a saved one compares
     equal to the one it was made from."""
-    canonical: dict[str, Any] = json.loads(json.dumps(dict(fingerprint), sort_keys=True))
-    return canonical
+    out: dict[str, Any] = json.loads(json.dumps(dict(fingerprint), sort_keys=True))
+    return out

@@ -1,18 +1,26 @@
 """`--moe-expert-pool-spec-governor-state`: the path checks, the default directory under POOLED_RUNNER_CACHE_DIR
-(one file per serving configuration, `spec_state.state_file`), the CLI flag and the launcher's hand-over."""
+(one file per serving configuration, `spec_state_paths.state_file`), the CLI flag and the launcher's hand-over."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
 
 from pooled_runner.config import PoolConfig, add_cli_arguments, config_from_cli
 from pooled_runner.spec_family import GovernorFamily
-from pooled_runner.spec_state import code_digest, load_family, save_family, state_file, state_path_problem
+from pooled_runner.spec_state import load_family, save_family
+from pooled_runner.spec_state_paths import (
+    MAX_STATE_AGE_DAYS,
+    code_digest,
+    prune_states,
+    state_file,
+    state_path_problem,
+)
 from tests.test_spec_state import FINGERPRINT, learned_family
 
 FLAG = "--moe-expert-pool-spec-governor-state"
@@ -220,3 +228,36 @@ def test_the_code_digest_changes_with_the_code(tmp_path: Path) -> None:
     ]
     digests = {code_digest([package(tmp_path / f"v{i}", files)]) for i, files in enumerate(variants)}
     assert len(digests) == 3 and first not in digests
+
+
+def test_prune_states_removes_only_old_state_files_of_other_configurations(tmp_path: Path) -> None:
+    """`prune_states`: in a directory, the state files (`state_file`'s names) last written more than the age
+    ago go, except the one kept; younger ones, files of other names and other directories' files stay."""
+    directory = str(tmp_path) + os.sep
+    mine = state_file(directory, FINGERPRINT)
+    theirs = state_file(directory, {**FINGERPRINT, "pool_rows": 7})
+    young = state_file(directory, {**FINGERPRINT, "pool_rows": 5})
+    others = [
+        tmp_path / n
+        for n in ("notes.json", "spec-governor-0123.json", "spec-governor-0123456789abcdef.json.bak")
+    ]
+    nested = tmp_path / "sub" / Path(theirs).name
+    nested.parent.mkdir()
+    paths = [Path(mine), Path(theirs), Path(young), *others, nested]
+    for path in paths:
+        path.write_text("{}")
+    old = time.time() - (MAX_STATE_AGE_DAYS + 0.5) * 86400
+    for path in paths:
+        if path != Path(young):
+            os.utime(path, (old, old))
+    assert prune_states(directory, keep=mine) == [theirs]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [Path(mine).name, Path(young).name, "sub", *(p.name for p in others)]
+    )
+    assert nested.exists()
+    # a shorter age takes the younger one too (written 0 days ago: not yet); the kept one never
+    os.utime(young, (old, old))
+    assert prune_states(directory, keep=mine, max_age_days=1.0) == [young]
+    assert prune_states(directory, keep=mine) == [] and Path(mine).exists()
+    with pytest.raises(ValueError, match="max_age_days=0"):
+        prune_states(directory, keep=mine, max_age_days=0)

@@ -46,7 +46,8 @@ from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParam
 from pooled_runner.sglang.serve_config import ServeConfig
 from pooled_runner.spec_family import GovernorFamily
 from pooled_runner.spec_governor import SpecGovernor
-from pooled_runner.spec_state import code_digest, load_family, save_family, state_file
+from pooled_runner.spec_state import load_family, save_family
+from pooled_runner.spec_state_paths import code_digest, prune_states, state_file
 
 logger = logging.getLogger("pooled_runner")
 
@@ -225,6 +226,7 @@ class CostAwareSpecParams(AdaptiveSpeculativeParams):
             # logged once, `save_state`)
             with contextlib.suppress(OSError):
                 os.makedirs(path, exist_ok=True)
+            prune_states(path, keep=self.state_path)  # configurations not served for a month
         restored = load_family(self.state_path, self.fingerprint) if self.state_path else None
         # one acceptance estimate; new batch sizes learn from their neighbours
         self.family = GovernorFamily() if restored is None else restored

@@ -20,7 +20,7 @@ from tests.engine.test_spec_governor_sglang import DRAFTING_LOSES, FakeClock, se
 FINGERPRINT = {"model": "m", "gpu": "cpu", "pool_rows": 12}
 
 
-def params_at(path: Path, fingerprint: dict | None = None, **kwargs):  # type: ignore[no-untyped-def]
+def params_at(path: Path | str, fingerprint: dict | None = None, **kwargs):  # type: ignore[no-untyped-def]
     from pooled_runner.sglang.spec_governor import CostAwareSpecParams
 
     clock = FakeClock()
@@ -142,7 +142,7 @@ def test_the_path_comes_from_the_launcher_and_saves_at_exit(
     assert fingerprint["sglang"] == "0.5.23" and fingerprint["pool_rows"] == 8 and fingerprint["gpu"]
     assert fingerprint["candidates"] == {"1": [0, 1, 3, 5, 7], "8": [0, 1, 3], "32": [0, 1], "64": [0]}
     assert "model_path" in fingerprint  # None outside a server
-    assert len(fingerprint["pooled_runner_code"]) == 16  # this checkout's code (spec_state.code_digest)
+    assert len(fingerprint["pooled_runner_code"]) == 16  # this checkout's code (spec_state_paths.code_digest)
     params.get_steps_for_batch(1)
     params.on_verify_complete([0], 1)
     registered[0]()  # what atexit runs
@@ -217,3 +217,41 @@ def test_a_failed_save_is_logged_once_and_never_raised(
         assert not params.save_state()
     assert caplog.text.count("cannot save the state") == 1
     params.close()
+
+
+def test_a_start_removes_other_state_files_not_written_for_a_month(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a state directory the writing rank's params remove other configurations' state files last written
+    more than `MAX_STATE_AGE_DAYS` ago (`spec_state_paths.prune_states`) and keep their own however old, the
+    younger ones and files of other names; a reading rank removes nothing."""
+    import time
+
+    import pooled_runner.sglang.spec_governor as adapter
+    from pooled_runner.spec_state_paths import MAX_STATE_AGE_DAYS
+
+    monkeypatch.setattr(adapter.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(adapter.atexit, "unregister", lambda fn: None)
+    directory = tmp_path / "states"
+    directory.mkdir()
+    publish_ranks(monkeypatch, 0, None)
+    first, clock = params_at(str(directory) + os.sep)
+    serve(first, clock, DRAFTING_LOSES, 70, batch_size=1, seed=1)
+    first.close()
+    mine = Path(first.state_path)
+    assert mine.parent == directory and mine.exists(), mine
+    old, young, notes = (directory / n for n in ("spec-governor-0123456789abcdef.json", "spec-governor-fedcba9876543210.json", "notes.json"))  # fmt: skip
+    for path in (old, young, notes):
+        path.write_text("{}")
+    past = time.time() - (MAX_STATE_AGE_DAYS + 1) * 86400
+    for path in (old, notes, mine):
+        os.utime(path, (past, past))
+    publish_ranks(monkeypatch, 1, None)  # a reading rank: nothing removed
+    reader, _ = params_at(str(directory) + os.sep)
+    reader.close()
+    assert sorted(os.listdir(directory)) == sorted(p.name for p in (mine, old, young, notes))
+    publish_ranks(monkeypatch, 0, None)
+    again, _ = params_at(str(directory) + os.sep)
+    assert governor_state(again.governor(1)) == governor_state(first.governor(1))  # its own old file, read
+    again.close()
+    assert sorted(os.listdir(directory)) == sorted(p.name for p in (mine, young, notes))

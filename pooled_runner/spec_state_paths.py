@@ -1,0 +1,103 @@
+"""Where the speculative-depth governors' state lives (issue #9): the path checks at config resolution
+(`state_path_problem`), a file per serving configuration in a directory (`state_file`), the code digest a
+fingerprint carries (`code_digest`), and the removal of state files no server has written for a month
+(`prune_states`), so that the default directory under the cache does not grow with every configuration and
+every checkout a user ever served.
+
+The file's contents, and saving and loading it, are `spec_state`'s. Host-side, plain Python.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from pooled_runner.spec_state import canonical
+
+logger = logging.getLogger("pooled_runner")
+
+# a state file in a directory not written for this long is removed at a server's start (`prune_states`): a
+# serving server saves its own every 1024 verify steps and at exit, so only configurations not served for a
+# month go (another model, pool size or GPU; a checkout's older code, whose digest no server asks for again)
+MAX_STATE_AGE_DAYS = 30.0
+STATE_NAME = re.compile(r"spec-governor-[0-9a-f]{16}\.json")  # `state_file`'s names, and no other file
+
+
+def state_path_problem(path: str) -> str | None:
+    """Why the governors' state cannot be kept at `path`, or None. A path ending in a separator is a directory
+    (a file per serving configuration is made in it, `state_file`): it must exist and be writable; any other
+    path is a file, whose directory must exist and be writable (a new file is made there at each save)."""
+    if path.endswith(os.sep):
+        if not os.path.isdir(path):
+            return "the directory does not exist"
+        return None if os.access(path, os.W_OK | os.X_OK) else "the directory is not writable"
+    if os.path.isdir(path):
+        return "is a directory (end it with a separator to keep a file per configuration in it)"
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        return f"its directory {directory} does not exist"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"its directory {directory} is not writable"
+    return None
+
+
+def state_file(path: str, fingerprint: Mapping[str, Any]) -> str:
+    """The file that keeps the state of the serving configuration `fingerprint`: `path` itself, or where `path`
+    ends in a separator (a directory: the default one, `envs.spec_state_dir`, or one the user named; resolved
+    once, by `PoolConfig.resolve`, so a directory removed since does not turn into a file), a file in it named
+    by a digest of the fingerprint, so that servers of different models, pools or GPUs sharing the directory
+    keep one file each instead of overwriting one another's. "" (off, with a warning) for a fingerprint JSON
+    cannot hold, since a server must not fail to start over its calibration."""
+    if not path.endswith(os.sep):
+        return path
+    try:
+        text = json.dumps(canonical(fingerprint), sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        logger.warning("spec governor state: off, the fingerprint %r is not JSON (%s)", fingerprint, exc)
+        return ""
+    return os.path.join(path, f"spec-governor-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json")
+
+
+def code_digest(packages: list[str]) -> str:
+    """16 hex digits of the SHA-256 of `packages`' sources (each an `__init__.py`: its directory's `*.py`,
+    recursively, by relative path and content): a checkout whose kernels changed within one version then
+    restores no step times measured on the old ones."""
+    digest = hashlib.sha256()
+    for package in packages:
+        root = os.path.dirname(os.path.abspath(package))
+        for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+            digest.update(os.path.relpath(path, root).encode() + b"\0")
+            with open(path, "rb") as f:
+                digest.update(f.read() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def prune_states(directory: str, keep: str, max_age_days: float = MAX_STATE_AGE_DAYS) -> list[str]:
+    """Remove the state files of `directory` (`state_file`'s names only: no other file is touched) last
+    written more than `max_age_days` days ago, except `keep` (the caller's own); returns the removed paths.
+    Best effort: a file that cannot be read or removed (another user's, one removed meanwhile) is left, and
+    nothing is raised (a server must not fail to start over its cache)."""
+    if max_age_days <= 0:
+        raise ValueError(f"max_age_days={max_age_days}: the age past which a state file is removed, > 0")
+    cutoff = time.time() - max_age_days * 86400.0
+    removed = []
+    for path in glob.glob(os.path.join(glob.escape(directory), "spec-governor-*.json")):
+        if not STATE_NAME.fullmatch(os.path.basename(path)) or os.path.abspath(path) == os.path.abspath(keep):
+            continue
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_mtime < cutoff:
+                os.unlink(path)
+                removed.append(path)
+    if removed:
+        logger.info(
+            "spec governor state: removed %d state files not written for %g days", len(removed), max_age_days
+        )
+    return removed
