@@ -28,8 +28,8 @@ machine over the cell, e.g. the host link's speed, weighs on every policy alike)
 before its counted ones, as a restarted server has it with `--moe-expert-pool-spec-governor-state`: its family
 is saved to a temporary JSON file after those N steps and a fresh family loaded from it counts (the real
 persistence path, `pooled_runner.spec_state`: a probe in flight dropped, the first step after the load untimed),
-over the same trace window from the trace's start as every other row (the learning run reads the trace from its
-start too, before); the "governed" row counts from the governor's start. Governors are those of a one-batch-size `GovernorFamily`
+over the same trace window from the trace's start as every other row (the learning run reads a later stretch
+of the trace, under other acceptance draws: a previous run saw other traffic); the "governed" row counts from the governor's start. Governors are those of a one-batch-size `GovernorFamily`
 (the same decisions as a lone `SpecGovernor`).
 
 Usage: python -m bench.spec_governed [--quick] [--accept 0.6] [--rounds 1] [--governor-warm 0] [--out results.md]
@@ -185,11 +185,13 @@ def reloaded(family: GovernorFamily, bs: int, depths: tuple[int, ...]) -> SpecGo
 def run_policy(graphs: DepthGraphs, lanes: torch.Tensor, policy: str, num_steps: int, warm: int, accept: float, seed: int) -> PolicyRun:  # fmt: skip
     """`policy` "depth N" (fixed), "governed", or `warmed_policy(N)` over `num_steps` verify steps from the
     trace's start (the first `warm` not counted, at the policy's first depth). A warmed governor first decides N
-    steps of the same trace from its start (after the same `warm`), observed but not counted (a server's previous
-    run), is saved and loaded back (`reloaded`, a restart), and then runs the counted steps from the trace's start
-    again under the same acceptance draws as the other rows: every row is counted over the same trace window (a
-    learning phase that moved the counted window past the others' measured another stretch of the trace: pool
-    75%, bs 4 read 0.965x depth 0 for a governor that ran depth 0 on 1152 of 1168 steps, H100, 2026-12-06)."""
+    steps (after its own `warm`), observed but not counted (a server's previous run), on the stretch of the
+    trace past any counted run's reach and under other acceptance draws (a previous run saw other traffic than
+    the one it is counted on), is saved and loaded back (`reloaded`, a restart), and then runs the counted steps
+    from the trace's start under the same acceptance draws as the other rows: every row is counted over the same
+    trace window (a learning phase that moved the counted window past the others' measured another stretch of
+    the trace: pool 75%, bs 4 read 0.965x depth 0 for a governor that ran depth 0 on 1152 of 1168 steps, H100,
+    2026-12-06)."""
     depths = tuple(sorted(graphs.static))
     bs = lanes.shape[2] // 2
     family = GovernorFamily() if policy.startswith("governed") else None
@@ -199,21 +201,29 @@ def run_policy(graphs: DepthGraphs, lanes: torch.Tensor, policy: str, num_steps:
     out = PolicyRun(policy)
     if learn:
         assert family is not None and governor is not None
-        run_steps(graphs, lanes, governor, fixed, warm + learn, warm, accept, seed, None)
+        beyond = num_steps * (1 + max(depths))  # no counted run reads this far
+        ran = run_steps(
+            graphs, lanes, governor, fixed, warm + learn, warm, accept, seed + 1, None, start=beyond
+        )
+        if ran < warm + learn:
+            raise ValueError(
+                f"{policy}: the lanes held {ran} learning steps of {warm + learn} (`request_lanes`)"
+            )
         governor = reloaded(family, bs, depths)
     run_steps(graphs, lanes, governor, fixed, num_steps, warm, accept, seed, out)
     return out
 
 
-def run_steps(graphs: DepthGraphs, lanes: torch.Tensor, governor: SpecGovernor | None, fixed: int | None, num_steps: int, warm: int, accept: float, seed: int, out: PolicyRun | None) -> None:  # fmt: skip
-    """`num_steps` verify steps from the trace's start at `fixed` or the governor's choice (the first `warm` at
-    the smallest depth, not observed); the later ones observed by the governor and, with `out`, counted there.
-    Stops early when a request's lanes have fewer than 1 + max depth tokens left. Each step's time is read
-    after the next step is enqueued (the governor's overlapped-caller contract)."""
+def run_steps(graphs: DepthGraphs, lanes: torch.Tensor, governor: SpecGovernor | None, fixed: int | None, num_steps: int, warm: int, accept: float, seed: int, out: PolicyRun | None, start: int = 0) -> int:  # fmt: skip
+    """`num_steps` verify steps from trace position `start` at `fixed` or the governor's choice (the first
+    `warm` at the smallest depth, not observed); the later ones observed by the governor and, with `out`,
+    counted there. Stops early when a request's lanes have fewer than 1 + max depth tokens left; returns the
+    steps run. Each step's time is read after the next step is enqueued (the governor's overlapped-caller
+    contract)."""
     depths = tuple(sorted(graphs.static))
     bs = lanes.shape[2] // 2
     rng = random.Random(seed)
-    positions = [0] * bs
+    positions = [start] * bs
     pending: tuple[int, int, list[int], Callable[[], float]] | None = None
     misses_before = graphs.system.traffic().misses  # uncounted steps, if any, are taken off below
 
@@ -229,6 +239,7 @@ def run_steps(graphs: DepthGraphs, lanes: torch.Tensor, governor: SpecGovernor |
             out.ms += ms
             out.at_depth[d] = out.at_depth.get(d, 0) + 1
 
+    ran = 0
     for step in range(num_steps):
         if step == warm and warm > 0:
             if pending is not None:  # the last uncounted step's time before the boundary read
@@ -248,10 +259,12 @@ def run_steps(graphs: DepthGraphs, lanes: torch.Tensor, governor: SpecGovernor |
         if pending is not None:
             finish(*pending)
         pending = (step, d, accepted, elapsed)
+        ran += 1
     if pending is not None:
         finish(*pending)
     if out is not None:
         out.misses += graphs.system.traffic().misses - misses_before
+    return ran
 
 
 def run_cell(graphs: DepthGraphs, lanes: torch.Tensor, policies: list[str], num_steps: int, warm: int, accept: float, rounds: int, label: str) -> tuple[dict[str, PolicyRun], dict[str, list[float]]]:  # fmt: skip
@@ -302,8 +315,8 @@ def run(
     bank = make_bank(shape, device, g)
     if governor_warm < 0:
         raise ValueError(f"governor_warm={governor_warm}: steps a governor learns before it is counted, >= 0")
-    lanes = {  # each run reads from the trace's start; a warmed governor's learning run as far as its own
-        bs: request_lanes(shape, bs, max(steps[bs], warm + governor_warm) * (1 + max(DEPTHS)) + 1)
+    lanes = {  # each run reads from the trace's start; a warmed governor's learning run past their reach
+        bs: request_lanes(shape, bs, (steps[bs] + warm + governor_warm) * (1 + max(DEPTHS)) + 1)
         for bs in batches
     }
     rows = []

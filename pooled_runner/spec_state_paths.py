@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -24,9 +25,11 @@ from pooled_runner.spec_state import canonical
 
 logger = logging.getLogger("pooled_runner")
 
-# a state file in a directory not written for this long is removed at a server's start (`prune_states`): a
-# serving server saves its own every 1024 verify steps and at exit, so only configurations not served for a
-# month go (another model, pool size or GPU; a checkout's older code, whose digest no server asks for again)
+# a state file in a directory not written nor loaded for this long is removed at a server's start
+# (`prune_states`): a serving server saves its own every 1024 verify steps and at exit, and a start that loads
+# one marks it used (`mark_used`), so only configurations not served for a month go (another model, pool size or
+# GPU; a checkout's older code, whose digest no server asks for again). Not removed: a link, a file of another
+# name. A server whose file another server's start removed writes it again at its next save.
 MAX_STATE_AGE_DAYS = 30.0
 STATE_NAME = re.compile(r"spec-governor-[0-9a-f]{16}\.json")  # `state_file`'s names, and no other file
 
@@ -81,8 +84,9 @@ def code_digest(packages: list[str]) -> str:
 
 
 def prune_states(directory: str, keep: str, max_age_days: float = MAX_STATE_AGE_DAYS) -> list[str]:
-    """Remove the state files of `directory` (`state_file`'s names only: no other file is touched) last
-    written more than `max_age_days` days ago, except `keep` (the caller's own); returns the removed paths.
+    """Remove the state files of `directory` (`state_file`'s names only, regular files only: no link and no
+    other file is touched) last modified more than `max_age_days` days ago, except `keep` (the caller's own);
+    returns the removed paths.
     Best effort: a file that cannot be read or removed (another user's, one removed meanwhile) is left, and
     nothing is raised (a server must not fail to start over its cache)."""
     if max_age_days <= 0:
@@ -93,7 +97,8 @@ def prune_states(directory: str, keep: str, max_age_days: float = MAX_STATE_AGE_
         if not STATE_NAME.fullmatch(os.path.basename(path)) or os.path.abspath(path) == os.path.abspath(keep):
             continue
         with contextlib.suppress(OSError):
-            if os.stat(path).st_mtime < cutoff:
+            info = os.lstat(path)  # a link is not ours to remove, whatever it points at
+            if stat.S_ISREG(info.st_mode) and info.st_mtime < cutoff:
                 os.unlink(path)
                 removed.append(path)
     if removed:
@@ -101,3 +106,11 @@ def prune_states(directory: str, keep: str, max_age_days: float = MAX_STATE_AGE_
             "spec governor state: removed %d state files not written for %g days", len(removed), max_age_days
         )
     return removed
+
+
+def mark_used(path: str) -> None:
+    """Set `path`'s modification time to now (a state file just loaded: `prune_states` reads the time as its
+    last use, so a copy that kept an old time, or a server idle since its last save, keeps its state). Best
+    effort, like the pruning."""
+    with contextlib.suppress(OSError):
+        os.utime(path)

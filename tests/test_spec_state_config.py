@@ -250,9 +250,16 @@ def test_prune_states_removes_only_old_state_files_of_other_configurations(tmp_p
     for path in paths:
         if path != Path(young):
             os.utime(path, (old, old))
+    # a link named as a state file, to an old file elsewhere, itself old: not ours to remove
+    pinned = tmp_path / "sub" / "pinned.json"
+    pinned.write_text("{}")
+    link = tmp_path / "spec-governor-00000000000000aa.json"
+    link.symlink_to(pinned)
+    for path in (pinned, link):
+        os.utime(path, (old, old), follow_symlinks=False)
     assert prune_states(directory, keep=mine) == [theirs]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [Path(mine).name, Path(young).name, "sub", *(p.name for p in others)]
+        [Path(mine).name, Path(young).name, "sub", link.name, *(p.name for p in others)]
     )
     assert nested.exists()
     # a shorter age takes the younger one too (written 0 days ago: not yet); the kept one never

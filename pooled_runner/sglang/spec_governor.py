@@ -47,7 +47,7 @@ from pooled_runner.sglang.serve_config import ServeConfig
 from pooled_runner.spec_family import GovernorFamily
 from pooled_runner.spec_governor import SpecGovernor
 from pooled_runner.spec_state import load_family, save_family
-from pooled_runner.spec_state_paths import code_digest, prune_states, state_file
+from pooled_runner.spec_state_paths import code_digest, mark_used, prune_states, state_file
 
 logger = logging.getLogger("pooled_runner")
 
@@ -228,6 +228,8 @@ class CostAwareSpecParams(AdaptiveSpeculativeParams):
                 os.makedirs(path, exist_ok=True)
             prune_states(path, keep=self.state_path)  # configurations not served for a month
         restored = load_family(self.state_path, self.fingerprint) if self.state_path else None
+        if restored is not None and self.saves_state:
+            mark_used(self.state_path)  # its time is its last use for other servers' pruning
         # one acceptance estimate; new batch sizes learn from their neighbours
         self.family = GovernorFamily() if restored is None else restored
         governed = {bs: GovernedStepSlot(steps, self.family) for bs, steps in candidates.items()}

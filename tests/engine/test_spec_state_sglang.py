@@ -223,8 +223,8 @@ def test_a_start_removes_other_state_files_not_written_for_a_month(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In a state directory the writing rank's params remove other configurations' state files last written
-    more than `MAX_STATE_AGE_DAYS` ago (`spec_state_paths.prune_states`) and keep their own however old, the
-    younger ones and files of other names; a reading rank removes nothing."""
+    more than `MAX_STATE_AGE_DAYS` ago (`spec_state_paths.prune_states`) and keep their own however old (and
+    mark it used at the load), the younger ones and files of other names; a reading rank removes nothing."""
     import time
 
     import pooled_runner.sglang.spec_governor as adapter
@@ -253,5 +253,6 @@ def test_a_start_removes_other_state_files_not_written_for_a_month(
     publish_ranks(monkeypatch, 0, None)
     again, _ = params_at(str(directory) + os.sep)
     assert governor_state(again.governor(1)) == governor_state(first.governor(1))  # its own old file, read
+    assert mine.stat().st_mtime > past + 86400  # and marked used (`mark_used`): its time is its last use
     again.close()
     assert sorted(os.listdir(directory)) == sorted(p.name for p in (mine, young, notes))
