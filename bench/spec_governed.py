@@ -29,8 +29,9 @@ before its counted ones, as a restarted server has it with `--moe-expert-pool-sp
 is saved to a temporary JSON file after those N steps and a fresh family loaded from it counts (the real
 persistence path, `pooled_runner.spec_state`: a probe in flight dropped, the first step after the load untimed),
 over the same trace window from the trace's start as every other row (the learning run reads a later stretch
-of the trace, under other acceptance draws: a previous run saw other traffic); the "governed" row counts from the governor's start. Governors are those of a one-batch-size `GovernorFamily`
-(the same decisions as a lone `SpecGovernor`).
+of the trace, under other acceptance draws: a previous run saw other traffic); the "governed" row counts from
+the governor's start. Governors are those of a one-batch-size `GovernorFamily` (the same decisions as a lone
+`SpecGovernor`).
 
 Usage: python -m bench.spec_governed [--quick] [--accept 0.6] [--rounds 1] [--governor-warm 0] [--out results.md]
 """

@@ -34,9 +34,10 @@ must not stall a decode step on the disk; after a power loss the file may be emp
 refused as corrupt). `load_family` starts fresh (None) on a missing file (info), and on a corrupt or foreign
 file (wrong version, another fingerprint: the differing keys are named) with a warning: a server must not
 refuse to start over a stale calibration file. A path the server cannot write is refused earlier, at config
-resolution (`spec_state_paths.state_path_problem`). Where the path is a directory (the default: `PoolConfig.resolve` makes
-`envs.spec_state_dir()` for the cost governor), each serving configuration keeps its own file in it
-(`spec_state_paths.state_file`), so a restart finds its state without a flag and two models never overwrite each other's.
+resolution (`spec_state_paths.state_path_problem`). Where the path is a directory (the default:
+`PoolConfig.resolve` makes `envs.spec_state_dir()` for the cost governor), each serving configuration keeps its
+own file in it (`spec_state_paths.state_file`), so a restart finds its state without a flag and two models never
+overwrite each other's.
 
 Host-side, plain Python.
 """

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import re
-import stat
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -31,7 +30,8 @@ logger = logging.getLogger("pooled_runner")
 # GPU; a checkout's older code, whose digest no server asks for again). Not removed: a link, a file of another
 # name. A server whose file another server's start removed writes it again at its next save.
 MAX_STATE_AGE_DAYS = 30.0
-STATE_NAME = re.compile(r"spec-governor-[0-9a-f]{16}\.json")  # `state_file`'s names, and no other file
+STATE_NAME = "spec-governor-{}.json"  # `state_file`'s names: the fingerprint's digest in the braces
+_STATE_NAME_RE = re.compile(re.escape(STATE_NAME).replace(r"\{\}", "[0-9a-f]{16}"))  # those names, no other
 
 
 def state_path_problem(path: str) -> str | None:
@@ -66,7 +66,7 @@ def state_file(path: str, fingerprint: Mapping[str, Any]) -> str:
     except (TypeError, ValueError) as exc:
         logger.warning("spec governor state: off, the fingerprint %r is not JSON (%s)", fingerprint, exc)
         return ""
-    return os.path.join(path, f"spec-governor-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json")
+    return os.path.join(path, STATE_NAME.format(hashlib.sha256(text.encode()).hexdigest()[:16]))
 
 
 def code_digest(packages: list[str]) -> str:
@@ -93,14 +93,19 @@ def prune_states(directory: str, keep: str, max_age_days: float = MAX_STATE_AGE_
         raise ValueError(f"max_age_days={max_age_days}: the age past which a state file is removed, > 0")
     cutoff = time.time() - max_age_days * 86400.0
     removed = []
-    for path in glob.glob(os.path.join(glob.escape(directory), "spec-governor-*.json")):
-        if not STATE_NAME.fullmatch(os.path.basename(path)) or os.path.abspath(path) == os.path.abspath(keep):
-            continue
-        with contextlib.suppress(OSError):
-            info = os.lstat(path)  # a link is not ours to remove, whatever it points at
-            if stat.S_ISREG(info.st_mode) and info.st_mtime < cutoff:
-                os.unlink(path)
-                removed.append(path)
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            if not _STATE_NAME_RE.fullmatch(entry.name) or os.path.abspath(entry.path) == os.path.abspath(
+                keep
+            ):
+                continue
+            with contextlib.suppress(OSError):  # a link is not ours to remove, whatever it points at
+                if (
+                    entry.is_file(follow_symlinks=False)
+                    and entry.stat(follow_symlinks=False).st_mtime < cutoff
+                ):
+                    os.unlink(entry.path)
+                    removed.append(entry.path)
     if removed:
         logger.info(
             "spec governor state: removed %d state files not written for %g days", len(removed), max_age_days
