@@ -12,6 +12,7 @@ uncaptured steps); the device planner mirrors the same policy.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 
@@ -68,17 +69,12 @@ class ExpertPool:
         self.bank = bank
         self.max_experts = max(num_experts_per_layer)
         # Rows on the pool device (the GPU; the CPU in CPU runs).
-        self.rows_gpu: dict[str, torch.Tensor] = (
-            {
-                spec.name: torch.empty((num_rows, *spec.row_shape), dtype=spec.dtype, device=device)
-                for spec in operands
-            }
-            if allocate_rows
-            else {}
-        )
-        self.l2p_host = torch.full((self.num_layers, self.max_experts), NOT_ROUTED, dtype=torch.int32)
-        for layer, num_experts in enumerate(num_experts_per_layer):
-            self.l2p_host[layer, :num_experts] = num_rows + torch.arange(num_experts, dtype=torch.int32)
+        self.rows_gpu: dict[str, torch.Tensor] = {}
+        for spec in operands if allocate_rows else ():
+            self.rows_gpu[spec.name] = torch.empty(
+                (num_rows, *spec.row_shape), dtype=spec.dtype, device=device
+            )
+        self.l2p_host = self._host_view_codes()
         self.l2p_gpu = self.l2p_host.to(device, copy=True)
         self.row_owner: list[tuple[int, int] | None] = [None] * num_rows  # row -> (layer, expert)
         self._lru: OrderedDict[int, None] = OrderedDict()  # rows in use, least recently used first
@@ -132,6 +128,13 @@ class ExpertPool:
     def nbytes(self) -> int:
         return self.num_rows * self.row_bytes
 
+    def _host_view_codes(self) -> torch.Tensor:
+        """`[L, E_max]` int32 codes with every expert on its host row (R + e) and padding -1."""
+        l2p = torch.full((self.num_layers, self.max_experts), NOT_ROUTED, dtype=torch.int32)
+        for layer, num_experts in enumerate(self.num_experts_per_layer):
+            l2p[layer, :num_experts] = self.num_rows + torch.arange(num_experts, dtype=torch.int32)
+        return l2p
+
     def _check_expert(self, layer: int, expert: int) -> None:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
@@ -165,16 +168,7 @@ class ExpertPool:
 
     def stats(self) -> PoolStats:
         """A copy of the counters, with the current rows in use per layer."""
-        s = self.stats_counters
-        return PoolStats(
-            s.hits,
-            s.misses,
-            s.admissions,
-            s.evictions,
-            s.bytes_copied_to_rows,
-            s.bytes_read_host_view,
-            self.rows_in_use_per_layer(),
-        )
+        return dataclasses.replace(self.stats_counters, rows_in_use_per_layer=self.rows_in_use_per_layer())
 
     def reset_stats(self) -> None:
         self.stats_counters = PoolStats()
@@ -362,9 +356,7 @@ class ExpertPool:
         used = [r for r, o in enumerate(row_owner) if o is not None]
         if sorted(lru_rows) != used:
             raise ValueError(f"lru_rows {sorted(lru_rows)} != rows in use {used}")
-        l2p = torch.full_like(self.l2p_host, NOT_ROUTED)
-        for layer, num_experts in enumerate(self.num_experts_per_layer):
-            l2p[layer, :num_experts] = self.num_rows + torch.arange(num_experts, dtype=torch.int32)
+        l2p = self._host_view_codes()
         for row in used:
             layer, expert = row_owner[row]  # type: ignore[misc]
             self._check_expert(layer, expert)
