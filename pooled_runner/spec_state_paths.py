@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -28,7 +29,8 @@ logger = logging.getLogger("pooled_runner")
 # (`prune_states`): a serving server saves its own every 1024 verify steps and at exit, and a start that loads
 # one marks it used (`mark_used`), so only configurations not served for a month go (another model, pool size or
 # GPU; a checkout's older code, whose digest no server asks for again). Not removed: a link, a file of another
-# name. A server whose file another server's start removed writes it again at its next save.
+# name, nor a file a server replaced while the pruning looked at it (`_remove_if_old`). A server idle for a
+# month whose file was removed writes it again at its next save.
 MAX_STATE_AGE_DAYS = 30.0
 STATE_NAME = "spec-governor-{}.json"  # `state_file`'s names: the fingerprint's digest in the braces
 _STATE_NAME_RE = re.compile(re.escape(STATE_NAME).replace(r"\{\}", "[0-9a-f]{16}"))  # those names, no other
@@ -99,18 +101,41 @@ def prune_states(directory: str, keep: str, max_age_days: float = MAX_STATE_AGE_
                 keep
             ):
                 continue
-            with contextlib.suppress(OSError):  # a link is not ours to remove, whatever it points at
-                if (
-                    entry.is_file(follow_symlinks=False)
-                    and entry.stat(follow_symlinks=False).st_mtime < cutoff
-                ):
-                    os.unlink(entry.path)
+            with contextlib.suppress(OSError):
+                if _remove_if_old(entry.path, cutoff):
                     removed.append(entry.path)
     if removed:
         logger.info(
             "spec governor state: removed %d state files not written for %g days", len(removed), max_age_days
         )
     return removed
+
+
+def _is_old_file(path: str, cutoff: float) -> bool:
+    """`path` is a regular file (a link is not ours to remove, whatever it points at) modified before `cutoff`."""
+    st = os.lstat(path)
+    return stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff
+
+
+def _remove_if_old(path: str, cutoff: float) -> bool:
+    """Remove `path` if `_is_old_file`; whether it did. The file is renamed aside first and its age read again on
+    the renamed file: a server that replaced it (a save's `os.replace`) after the first look would otherwise lose
+    its fresh state to the unlink. One that did is linked back, unless a still newer file took the name meanwhile
+    (`os.link` never overwrites). The aside name is a save's temporary name, so a save of that configuration
+    clears one left by a pruner that died in between (`spec_state._remove_stale_temporaries`)."""
+    if not _is_old_file(path, cutoff):
+        return False
+    directory, name = os.path.split(path)
+    aside = os.path.join(directory, f".{name}.prune{os.getpid()}.tmp")
+    os.rename(path, aside)
+    try:
+        if _is_old_file(aside, cutoff):
+            return True
+        with contextlib.suppress(FileExistsError):
+            os.link(aside, path, follow_symlinks=False)
+        return False
+    finally:
+        os.unlink(aside)
 
 
 def mark_used(path: str) -> None:

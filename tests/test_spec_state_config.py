@@ -8,6 +8,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -268,3 +269,47 @@ def test_prune_states_removes_only_old_state_files_of_other_configurations(tmp_p
     assert prune_states(directory, keep=mine) == [] and Path(mine).exists()
     with pytest.raises(ValueError, match="max_age_days=0"):
         prune_states(directory, keep=mine, max_age_days=0)
+
+
+@pytest.mark.parametrize("newer_meanwhile", [False, True])
+def test_prune_states_keeps_a_file_replaced_while_it_prunes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, newer_meanwhile: bool
+) -> None:
+    """A server that replaces its old state file (a save: write beside, `os.replace`) just after the pruner saw
+    it old keeps the fresh file: the pruner reads the age again on the file it took aside and puts a young one
+    back. Where a still newer save took the name in between, that one stays. No aside file is left over."""
+    directory = str(tmp_path) + os.sep
+    theirs = state_file(directory, {**FINGERPRINT, "pool_rows": 7})
+    Path(theirs).write_text('{"old": true}')
+    old = time.time() - (MAX_STATE_AGE_DAYS + 0.5) * 86400
+    os.utime(theirs, (old, old))
+
+    def owner_saves(text: str) -> None:
+        fresh = tmp_path / f"fresh-{len(text)}"
+        fresh.write_text(text)
+        real_replace(fresh, theirs)
+
+    real_replace, real_unlink, real_rename, real_link = os.replace, os.unlink, os.rename, os.link
+    saved = []
+
+    def first_touch(real: Any) -> Any:
+        def wrapped(src: Any, *args: Any, **kwargs: Any) -> Any:
+            if os.fspath(src) == theirs and not saved:  # the pruner acts on the file it saw old
+                saved.append(True)
+                owner_saves('{"fresh": 1}')
+            return real(src, *args, **kwargs)
+
+        return wrapped
+
+    def link(src: Any, dst: Any, **kwargs: Any) -> Any:
+        if newer_meanwhile:
+            owner_saves('{"newer": 22}')
+        return real_link(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", first_touch(real_unlink))
+    monkeypatch.setattr(os, "rename", first_touch(real_rename))
+    monkeypatch.setattr(os, "link", link)
+    assert prune_states(directory, keep=state_file(directory, FINGERPRINT)) == []
+    assert saved == [True]
+    assert Path(theirs).read_text() == ('{"newer": 22}' if newer_meanwhile else '{"fresh": 1}')
+    assert sorted(p.name for p in tmp_path.iterdir()) == [Path(theirs).name]
