@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from bench.decode_steps import Shape
-from bench.spec_governed import request_lanes, sample_accepted, verify_ids
+from bench.spec_steps import request_lanes, sample_accepted, verify_ids
 from pooled_runner.bank import ExpertBank
 from pooled_runner.formats.base import OperandSpec
 from pooled_runner.planner_twin import HostTwin

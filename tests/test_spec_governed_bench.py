@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from bench import spec_governed
+from bench import spec_governed, spec_steps
 from bench.decode_steps import Shape
 from pooled_runner import spec_state
 
@@ -20,7 +20,7 @@ def test_verify_ids_take_right_drafts_from_the_true_lane_and_wrong_ones_from_the
     lanes = torch.randint(0, 12, (23, 2, 6, 3), generator=g)  # [tokens, L, 2 x bs, K], bs 3
     positions = [0, 5, 17]
     for depth, accepted in ((0, [0, 0, 0]), (1, [1, 0, 1]), (3, [0, 3, 2])):
-        got = spec_governed.verify_ids(lanes, positions, depth, accepted)
+        got = spec_steps.verify_ids(lanes, positions, depth, accepted)
         assert got.shape == (2, 3 * (1 + depth), 3)
         for layer in range(2):
             want = [
@@ -33,11 +33,11 @@ def test_verify_ids_take_right_drafts_from_the_true_lane_and_wrong_ones_from_the
 
 def test_sampled_acceptance_is_a_chain() -> None:
     rng = random.Random(5)
-    draws = [spec_governed.sample_accepted(3, 0.6, rng) for _ in range(20000)]
+    draws = [spec_steps.sample_accepted(3, 0.6, rng) for _ in range(20000)]
     assert set(draws) == {0, 1, 2, 3}
     mean = sum(draws) / len(draws)
     assert abs(mean - (0.6 + 0.36 + 0.216)) < 0.03, mean
-    assert all(spec_governed.sample_accepted(0, 0.9, rng) == 0 for _ in range(50))
+    assert all(spec_steps.sample_accepted(0, 0.9, rng) == 0 for _ in range(50))
 
 
 def test_fixed_depths_and_the_governor_on_one_pool() -> None:
@@ -145,7 +145,7 @@ def test_a_warmed_governor_counts_only_the_steps_after_its_learning(monkeypatch:
         return family
 
     launched: list[tuple[int, torch.Tensor]] = []
-    launch = spec_governed.DepthGraphs.launch
+    launch = spec_steps.DepthGraphs.launch
 
     def recording(self, d, ids):  # type: ignore[no-untyped-def]
         launched.append((d, ids.clone()))
@@ -153,7 +153,7 @@ def test_a_warmed_governor_counts_only_the_steps_after_its_learning(monkeypatch:
 
     monkeypatch.setattr(spec_family, "SpecGovernor", Counting)
     monkeypatch.setattr(spec_governed, "load_family", load_family)
-    monkeypatch.setattr(spec_governed.DepthGraphs, "launch", recording)
+    monkeypatch.setattr(spec_steps.DepthGraphs, "launch", recording)
     _, rows = spec_governed.run(
         SHAPE,
         torch.device("cpu"),

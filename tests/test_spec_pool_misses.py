@@ -10,7 +10,7 @@ import pytest
 
 from bench import spec_pool_misses as spm
 from bench.decode_steps import Shape
-from bench.spec_governed import request_lanes
+from bench.spec_steps import request_lanes
 from pooled_runner.planner_twin import HostTwin
 from pooled_runner.policies import make_policy
 
