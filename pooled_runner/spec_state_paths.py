@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import stat
 import time
 from collections.abc import Mapping
@@ -30,10 +31,12 @@ logger = logging.getLogger("pooled_runner")
 # one marks it used (`mark_used`), so only configurations not served for a month go (another model, pool size or
 # GPU; a checkout's older code, whose digest no server asks for again). Not removed: a link, a file of another
 # name, nor a file a server replaced while the pruning looked at it (`_remove_if_old`). A server idle for a
-# month whose file was removed writes it again at its next save.
+# month whose file was removed writes it again at its next save. Old temporaries of those names go too.
 MAX_STATE_AGE_DAYS = 30.0
 STATE_NAME = "spec-governor-{}.json"  # `state_file`'s names: the fingerprint's digest in the braces
 _STATE_NAME_RE = re.compile(re.escape(STATE_NAME).replace(r"\{\}", "[0-9a-f]{16}"))  # those names, no other
+# their temporary files: a save's (`spec_state.save_family`: `.NAME.<random>.tmp`) or a pruning's aside name
+_TEMPORARY_RE = re.compile(r"\." + _STATE_NAME_RE.pattern + r"\..+\.tmp")
 
 
 def state_path_problem(path: str) -> str | None:
@@ -87,8 +90,9 @@ def code_digest(packages: list[str]) -> str:
 
 def prune_states(directory: str, keep: str, max_age_days: float = MAX_STATE_AGE_DAYS) -> list[str]:
     """Remove the state files of `directory` (`state_file`'s names only, regular files only: no link and no
-    other file is touched) last modified more than `max_age_days` days ago, except `keep` (the caller's own);
-    returns the removed paths.
+    other file is touched) last modified more than `max_age_days` days ago, except `keep` (the caller's own), and
+    the temporary files of those names (`.NAME.*.tmp`: a save or a pruning killed midway) as old; returns the
+    removed paths.
     Best effort: a file that cannot be read or removed (another user's, one removed meanwhile) is left, and
     nothing is raised (a server must not fail to start over its cache)."""
     if max_age_days <= 0:
@@ -97,12 +101,18 @@ def prune_states(directory: str, keep: str, max_age_days: float = MAX_STATE_AGE_
     removed = []
     with contextlib.suppress(OSError), os.scandir(directory) as entries:
         for entry in entries:
-            if not _STATE_NAME_RE.fullmatch(entry.name) or os.path.abspath(entry.path) == os.path.abspath(
-                keep
-            ):
-                continue
             with contextlib.suppress(OSError):
-                if _remove_if_old(entry.path, cutoff):
+                if _TEMPORARY_RE.fullmatch(entry.name):  # nobody replaces a temporary: no aside needed
+                    gone = _is_old_file(entry.path, cutoff)
+                    if gone:
+                        os.unlink(entry.path)
+                else:
+                    gone = (
+                        _STATE_NAME_RE.fullmatch(entry.name) is not None
+                        and os.path.abspath(entry.path) != os.path.abspath(keep)
+                        and _remove_if_old(entry.path, cutoff)
+                    )
+                if gone:
                     removed.append(entry.path)
     if removed:
         logger.info(
@@ -120,22 +130,35 @@ def _is_old_file(path: str, cutoff: float) -> bool:
 def _remove_if_old(path: str, cutoff: float) -> bool:
     """Remove `path` if `_is_old_file`; whether it did. The file is renamed aside first and its age read again on
     the renamed file: a server that replaced it (a save's `os.replace`) after the first look would otherwise lose
-    its fresh state to the unlink. One that did is linked back, unless a still newer file took the name meanwhile
-    (`os.link` never overwrites). The aside name is a save's temporary name, so a save of that configuration
-    clears one left by a pruner that died in between (`spec_state._remove_stale_temporaries`)."""
+    its fresh state to the unlink; such a file is put back (`_put_back`). The aside name is a temporary name of
+    the file's own (`.NAME.*.tmp`, unique to this call: pruners in containers sharing the directory can have
+    the same pid), so one left by a pruner killed in between goes with the saves' stale temporaries."""
     if not _is_old_file(path, cutoff):
         return False
     directory, name = os.path.split(path)
-    aside = os.path.join(directory, f".{name}.prune{os.getpid()}.tmp")
+    aside = os.path.join(directory, f".{name}.prune{os.getpid()}-{secrets.token_hex(4)}.tmp")
     os.rename(path, aside)
-    try:
-        if _is_old_file(aside, cutoff):
-            return True
-        with contextlib.suppress(FileExistsError):
-            os.link(aside, path, follow_symlinks=False)
-        return False
-    finally:
+    if _is_old_file(aside, cutoff):
         os.unlink(aside)
+        return True
+    _put_back(aside, path)
+    return False
+
+
+def _put_back(aside: str, path: str) -> None:
+    """Give `path` back the file a server saved there just before the pruning took it `aside`, unless a still newer
+    save took the name meanwhile: `os.link` never overwrites. On a filesystem without hard links, a rename where
+    the name is still free (a save landing between the check and the rename is then replaced by this one, a
+    moment older: better than removing both)."""
+    try:
+        os.link(aside, path, follow_symlinks=False)
+    except FileExistsError:
+        pass  # a newer save holds the name
+    except OSError:
+        if not os.path.lexists(path):
+            os.rename(aside, path)
+            return
+    os.unlink(aside)
 
 
 def mark_used(path: str) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import time
@@ -271,45 +272,70 @@ def test_prune_states_removes_only_old_state_files_of_other_configurations(tmp_p
         prune_states(directory, keep=mine, max_age_days=0)
 
 
+@pytest.mark.parametrize("hard_links", [True, False])
 @pytest.mark.parametrize("newer_meanwhile", [False, True])
 def test_prune_states_keeps_a_file_replaced_while_it_prunes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, newer_meanwhile: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, newer_meanwhile: bool, hard_links: bool
 ) -> None:
     """A server that replaces its old state file (a save: write beside, `os.replace`) just after the pruner saw
     it old keeps the fresh file: the pruner reads the age again on the file it took aside and puts a young one
-    back. Where a still newer save took the name in between, that one stays. No aside file is left over."""
+    back. Where a still newer save took the name while the pruner held the file aside, that one stays. On a
+    filesystem without hard links too. No aside file is left over."""
     directory = str(tmp_path) + os.sep
     theirs = state_file(directory, {**FINGERPRINT, "pool_rows": 7})
     Path(theirs).write_text('{"old": true}')
     old = time.time() - (MAX_STATE_AGE_DAYS + 0.5) * 86400
     os.utime(theirs, (old, old))
+    real_replace, real_unlink, real_rename, real_lstat = os.replace, os.unlink, os.rename, os.lstat
+    saves: list[str] = []
 
     def owner_saves(text: str) -> None:
-        fresh = tmp_path / f"fresh-{len(text)}"
+        fresh = tmp_path / f"fresh-{len(saves)}"
         fresh.write_text(text)
         real_replace(fresh, theirs)
-
-    real_replace, real_unlink, real_rename, real_link = os.replace, os.unlink, os.rename, os.link
-    saved = []
+        saves.append(text)
 
     def first_touch(real: Any) -> Any:
         def wrapped(src: Any, *args: Any, **kwargs: Any) -> Any:
-            if os.fspath(src) == theirs and not saved:  # the pruner acts on the file it saw old
-                saved.append(True)
+            if os.fspath(src) == theirs and not saves:  # the pruner acts on the file it saw old
                 owner_saves('{"fresh": 1}')
             return real(src, *args, **kwargs)
 
         return wrapped
 
-    def link(src: Any, dst: Any, **kwargs: Any) -> Any:
-        if newer_meanwhile:
+    def lstat(path: Any, *args: Any, **kwargs: Any) -> Any:
+        aside = os.path.basename(os.fspath(path)).startswith("." + Path(theirs).name)
+        if aside and newer_meanwhile and len(saves) == 1:  # the pruner holds the fresh file aside
             owner_saves('{"newer": 22}')
-        return real_link(src, dst, **kwargs)
+        return real_lstat(path, *args, **kwargs)
+
+    def no_link(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EPERM, "no hard links here")
 
     monkeypatch.setattr(os, "unlink", first_touch(real_unlink))
     monkeypatch.setattr(os, "rename", first_touch(real_rename))
-    monkeypatch.setattr(os, "link", link)
+    monkeypatch.setattr(os, "lstat", lstat)
+    if not hard_links:
+        monkeypatch.setattr(os, "link", no_link)
     assert prune_states(directory, keep=state_file(directory, FINGERPRINT)) == []
-    assert saved == [True]
-    assert Path(theirs).read_text() == ('{"newer": 22}' if newer_meanwhile else '{"fresh": 1}')
+    assert saves == ['{"fresh": 1}', '{"newer": 22}'] if newer_meanwhile else ['{"fresh": 1}']
+    assert Path(theirs).read_text() == saves[-1]
     assert sorted(p.name for p in tmp_path.iterdir()) == [Path(theirs).name]
+
+
+def test_prune_states_removes_old_temporaries_of_state_files(tmp_path: Path) -> None:
+    """The temporary files of state files (a save or a pruning killed midway, `.NAME.*.tmp`) go when as old as a
+    state file that goes, whatever their state file's fate: an abandoned configuration's are never cleared by a
+    save. Young ones (a save in flight) and other temporaries stay."""
+    directory = str(tmp_path) + os.sep
+    name = Path(state_file(directory, {**FINGERPRINT, "pool_rows": 7})).name
+    old_ones = [f".{name}.k3j_x9.tmp", f".{name}.prune12-0a1b2c3d.tmp"]
+    kept = [f".{name}.young.tmp", f".{name}.tmp", ".notes.json.k3j_x9.tmp", f"{name}.k3j_x9.tmp"]
+    old = time.time() - (MAX_STATE_AGE_DAYS + 0.5) * 86400
+    for n in old_ones + kept:
+        (tmp_path / n).write_text("{")
+        if n != f".{name}.young.tmp":
+            os.utime(tmp_path / n, (old, old))
+    removed = prune_states(directory, keep=state_file(directory, FINGERPRINT))
+    assert sorted(removed) == sorted(str(tmp_path / n) for n in old_ones)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
