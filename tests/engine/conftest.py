@@ -6,13 +6,16 @@ tokens are comparable exactly (bf16 near-ties flip on random weights).
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("sglang", reason="engine tests need the serve extra (sglang==0.5.23)")
 
+from pooled_runner import PoolConfig
 from tests.engine.server import Server, launched
 
 # Pool rows far below the embedded model's 4 x 16 = 64 experts, so the pool misses and evicts.
@@ -128,3 +131,37 @@ def pooled_ids(
         with launched(args, log) as server:
             greedy_cache["pooled"] = [generate_ids(server.url, p, NEW_TOKENS) for p in prompt_ids]
     return greedy_cache["pooled"]
+
+
+# The layer tests (test_layer*.py): SGLang's runtime context in this process, a pool runtime, the checkpoint.
+@pytest.fixture(scope="session")
+def sglang_context() -> None:
+    """World-size-1 gloo groups and SGLang's runtime context in this process (as SGLang's own layer UTs do);
+    once per process: the groups cannot be made twice."""
+    from pooled_runner.patches import apply_cpu_patches
+
+    apply_cpu_patches()
+    from sglang.test.layer_ut_utils import init_single_process_dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_single_process_dist(master_port=port)
+
+
+@pytest.fixture
+def runtime(sglang_context: None):  # type: ignore[no-untyped-def]
+    from pooled_runner.sglang.runtime import PoolRuntime, set_runtime
+    from pooled_runner.sglang.serve_config import ServeConfig
+
+    rt = PoolRuntime(ServeConfig(pool=PoolConfig.resolve(pool_rows=6, device="cpu"), cpu=True))
+    set_runtime(rt)
+    yield rt
+    set_runtime(None)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(embedded_model: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(embedded_model / "model.safetensors"))
