@@ -68,7 +68,7 @@ CLEAR_LOSS = 0.9
 # step times: a quarter of the proof a deeper probe's win needs at the default confidence of 2. Zero (a loss as
 # soon as the estimate is behind) made a young, noisy estimate end close races, and the doubled intervals kept
 # a depth that wins by 6-12% from being reached for hundreds of steps; a full standard error let a depth that
-# loses by 3% run probes long enough to cost more than the races won (cost models: tests/test_spec_governor.py)
+# loses by 3% run probes long enough to cost more than the races won (cost models: tests/test_spec_governor*.py)
 LOSS_PROOF = 0.5
 
 

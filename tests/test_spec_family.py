@@ -15,7 +15,7 @@ from bench.spec_family_model import SCENARIOS, replay, wander
 from pooled_runner.spec_acceptance import AcceptanceEstimate, expected_chain_tokens
 from pooled_runner.spec_family import GovernorFamily
 from pooled_runner.spec_governor import SpecGovernor
-from tests.test_spec_governor import COST_MODELS, run
+from tests.spec_cost_models import COST_MODELS, run
 
 LOSES = COST_MODELS["drafting-loses"]  # step ms: 0: 1.13, 1: 2.31, 3: 4.27
 WINS = COST_MODELS["depth3-wins"]

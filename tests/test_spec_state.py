@@ -3,7 +3,7 @@
 The reference for a restored governor (or family) is the original continuing: driven by the same later
 observations (the same noise and acceptance draws for the same chosen depths, the first step after the save
 untimed, as a server's first verify step after start), both must choose the same depth at every step and end
-in the same state. Cost models: `tests.test_spec_governor`'s and `bench.spec_governor_model`'s, with the
+in the same state. Cost models: `tests.spec_cost_models`'s and `bench.spec_governor_model`'s, with the
 latter's noise (lognormal, 1% of steps 2.5x slow: outliers happen).
 """
 
@@ -26,7 +26,7 @@ from pooled_runner import spec_state
 from pooled_runner.spec_family import GovernorFamily
 from pooled_runner.spec_governor import SpecGovernor
 from pooled_runner.spec_state import load_family, save_family
-from tests.test_spec_governor import COST_MODELS, sample_accepted
+from tests.spec_cost_models import COST_MODELS, sample_accepted
 
 FINGERPRINT = {"model": "m", "pool_rows": 24, "gpu": "NVIDIA H200", "candidates": {"1": (0, 1, 3)}}
 

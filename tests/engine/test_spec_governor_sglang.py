@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.test_spec_governor import sample_accepted
+from tests.spec_cost_models import sample_accepted
 
 ACCEPT = 0.6
 

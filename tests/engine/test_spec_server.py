@@ -168,7 +168,7 @@ def test_cost_aware_speculation_stops_drafting_where_no_draft_is_accepted(
     # back at growing intervals); the slot's own log names the moves. Step times on a loaded 2-core CI
     # machine are noisy, and the first decode steps are slow: before 2f2a71b a probe of depth 1 could win on them
     # (seen in CI: 0 -> 1 won, 1 -> 0 then lost). A deeper probe is now judged at the shallower depth's step time
-    # at best, so with no draft accepted it cannot win (tests/test_spec_governor.py has the cost model)
+    # at best, so with no draft accepted it cannot win (tests/test_spec_governor_costs.py has the cost model)
     moves = [(int(a), int(b)) for b, a in re.findall(r"batch size 1 now runs depth (\d+) \(was (\d+)\)", log)]
     print(f"moves of the running depth: {moves}")
     assert not moves, moves
