@@ -6,9 +6,9 @@ Stack and bank as bench/decode.py (Qwen3-30B-like, bf16, 8 layers with `--quick`
 (each policy starts with `--warm` uncounted steps at its first depth, so the pool follows its working set; the
 governor starts after them, and every step it decides is counted). The trace, the graphs per depth and the
 stepping are `bench/spec_steps.py`'s (CUDA events read one step late). tok/s/req = accepted tokens per request
-over the counted steps / the sum of their times. The governed row counts its climb and its probes. misses/step: the pool's misses (distinct
-expert reads over PCIe, the planner's counters) over the counted steps, read at the run's two ends (a boundary
-read: syncs, outside the timed steps).
+over the counted steps / the sum of their times. The governed row counts its climb and its probes.
+misses/step: the pool's misses (distinct expert reads over PCIe, the planner's counters) over the counted
+steps, read at the run's two ends (a boundary read: syncs, outside the timed steps).
 
 `--rounds N` runs every policy of a cell N times, in the listed order and then reversed (ABBA: a drift of the
 machine over the cell, e.g. the host link's speed, weighs on every policy alike); a row sums its rounds, and

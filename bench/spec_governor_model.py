@@ -66,9 +66,10 @@ def tokens_at(depth: int) -> float:
     return sum(ACCEPT**i for i in range(depth + 1))
 
 
-def sample_accepted(depth: int, rng: random.Random) -> int:
+def sample_accepted(depth: int, rng: random.Random, accept: float = ACCEPT) -> int:
+    """Accepted drafts of one request: a chain, each draft accepted with `accept` while the chain lasts."""
     n = 0
-    while n < depth and rng.random() < ACCEPT:
+    while n < depth and rng.random() < accept:
         n += 1
     return n
 

@@ -23,7 +23,8 @@ from collections.abc import Callable
 import torch
 
 from bench.decode_steps import Shape
-from bench.spec_steps import request_lanes, sample_accepted, verify_ids
+from bench.spec_governor_model import sample_accepted
+from bench.spec_steps import request_lanes, verify_ids
 from pooled_runner.bank import ExpertBank
 from pooled_runner.formats.base import OperandSpec
 from pooled_runner.planner_twin import HostTwin
@@ -61,7 +62,7 @@ def replay(
     for d in depths:
         if max(positions) + 1 + d > lanes.shape[0]:
             raise ValueError(f"the trace has {lanes.shape[0]} tokens: too few for {len(depths)} steps")
-        accepted = [sample_accepted(d, accept, rng) for _ in range(bs)]
+        accepted = [sample_accepted(d, rng, accept) for _ in range(bs)]
         ids = verify_ids(lanes, positions, d, accepted)  # [L, bs * (1 + d), K]
         before = misses()
         for layer in range(L):

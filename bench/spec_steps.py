@@ -28,6 +28,7 @@ import torch
 from bench.baselines import Ours
 from bench.decode_steps import Shape, sync
 from bench.decode_traces import PER_LAYER, SYNTHETIC
+from bench.spec_governor_model import sample_accepted
 from bench.traces import synthetic_trace
 from pooled_runner.spec_governor import SpecGovernor
 
@@ -122,13 +123,6 @@ class PolicyRun:
         return self.tokens / (self.ms * 1e-3) if self.ms > 0 else math.nan
 
 
-def sample_accepted(depth: int, accept: float, rng: random.Random) -> int:
-    n = 0
-    while n < depth and rng.random() < accept:
-        n += 1
-    return n
-
-
 def run_steps(graphs: DepthGraphs, lanes: torch.Tensor, governor: SpecGovernor | None, fixed: int | None, num_steps: int, warm: int, accept: float, seed: int, out: PolicyRun | None, start: int = 0) -> int:  # fmt: skip
     """`num_steps` verify steps from trace position `start` at `fixed` or the governor's choice (the first
     `warm` at the smallest depth, not observed); the later ones observed by the governor and, with `out`,
@@ -167,7 +161,7 @@ def run_steps(graphs: DepthGraphs, lanes: torch.Tensor, governor: SpecGovernor |
         if max(positions) + 1 + max(depths) > lanes.shape[0]:
             break
         accepted = [
-            sample_accepted(d, accept, rng) for _ in range(bs)
+            sample_accepted(d, rng, accept) for _ in range(bs)
         ]  # known to the trace, not to the governor
         elapsed = graphs.launch(d, verify_ids(lanes, positions, d, accepted))
         positions = [p + 1 + a for p, a in zip(positions, accepted)]

@@ -7,22 +7,11 @@ from __future__ import annotations
 
 import random
 
+# per-draft acceptance (chain, 0.6 as the decode bench), expected and sampled accepted drafts: the CPU models' own
+from bench.spec_governor_model import ACCEPT as ACCEPT
+from bench.spec_governor_model import sample_accepted as sample_accepted
+from bench.spec_governor_model import tokens_at as tokens_at
 from pooled_runner.spec_governor import SpecGovernor
-
-ACCEPT = 0.6  # per-draft acceptance (chain), as the decode bench
-
-
-def tokens_at(depth: int) -> float:
-    """Expected accepted tokens per request of a verify step with `depth` drafts (chain, ACCEPT each)."""
-    return sum(ACCEPT**i for i in range(depth + 1))
-
-
-def sample_accepted(depth: int, rng: random.Random, accept: float = ACCEPT) -> int:
-    """Accepted drafts of one request: a chain, each draft accepted with `accept` while the chain lasts."""
-    n = 0
-    while n < depth and rng.random() < accept:
-        n += 1
-    return n
 
 
 def run(

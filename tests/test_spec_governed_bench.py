@@ -10,6 +10,7 @@ import torch
 
 from bench import spec_governed, spec_steps
 from bench.decode_steps import Shape
+from bench.spec_governor_model import sample_accepted
 from pooled_runner import spec_state
 
 SHAPE = Shape(H=16, I=8, E=12, K=3, L=2)
@@ -33,11 +34,11 @@ def test_verify_ids_take_right_drafts_from_the_true_lane_and_wrong_ones_from_the
 
 def test_sampled_acceptance_is_a_chain() -> None:
     rng = random.Random(5)
-    draws = [spec_steps.sample_accepted(3, 0.6, rng) for _ in range(20000)]
+    draws = [sample_accepted(3, rng, 0.6) for _ in range(20000)]
     assert set(draws) == {0, 1, 2, 3}
     mean = sum(draws) / len(draws)
     assert abs(mean - (0.6 + 0.36 + 0.216)) < 0.03, mean
-    assert all(spec_steps.sample_accepted(0, 0.9, rng) == 0 for _ in range(50))
+    assert all(sample_accepted(0, rng, 0.9) == 0 for _ in range(50))
 
 
 def test_fixed_depths_and_the_governor_on_one_pool() -> None:
