@@ -45,7 +45,7 @@ step() {  # step NAME CAP_SECONDS COMMAND...   (SKIP="name ..." leaves steps out
 # faulthandler_timeout: a test still running after 45 s (the longest took 34 s on the H200) prints every thread's
 # Python stack into the log, before the step's cap stops it (one gpu_tests_stack run stopped at its cap on
 # 2026-12-02, after 36 tests, with no way to tell where it stood; hence also its cap of 360 s for ~270 s of tests)
-KERNEL_TESTS="tests/test_kernels_gpu.py tests/test_kernels_swap_gpu.py tests/test_pdl_gpu.py tests/test_splitk_gpu.py tests/test_gemv_words_gpu.py tests/test_gemv_half_gpu.py tests/test_gemv_schedule_gpu.py"
+KERNEL_TESTS="tests/test_kernels_gpu.py tests/test_decode_variants_gpu.py tests/test_kernels_swap_gpu.py tests/test_pdl_gpu.py tests/test_splitk_gpu.py tests/test_gemv_words_gpu.py tests/test_gemv_half_gpu.py tests/test_gemv_schedule_gpu.py"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || true
 if [ "${QUICK:-0}" = 1 ]; then
   # ~330 + ~90 + ~130 s measured (2026-12-01): the caps leave the call's 10 minutes little room, and on

@@ -14,7 +14,7 @@ from tests.test_kernels_gemv import CONFIGS, GemvConfig, _layer, gemv, pooled_fu
 with interpreter_imports():
     from pooled_runner.kernels import gemv_one
 
-pytestmark = pytest.mark.interpreter(gpu="tests/test_kernels_gpu.py")
+pytestmark = pytest.mark.interpreter(gpu="tests/test_decode_variants_gpu.py")
 
 
 def test_int4_k_tiles_hold_whole_groups():

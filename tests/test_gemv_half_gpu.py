@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
+from tests.kernel_gpu_helpers import SHAPES, poison_allocator, pooled_reference, routing
 from tests.kernel_helpers import assert_close, build_layer, packed_x_pairs, record_x_pairs_workspaces
-from tests.test_kernels_gpu import SHAPES, poison_allocator, pooled_reference, routing
 
 pytestmark = pytest.mark.gpu
 

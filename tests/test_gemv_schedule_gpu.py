@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 import torch
 
+from tests.kernel_gpu_helpers import SHAPES, poison_allocator, pooled_reference, routing
 from tests.kernel_helpers import assert_close
 from tests.test_gemv_half_gpu import _layer
-from tests.test_kernels_gpu import SHAPES, poison_allocator, pooled_reference, routing
 
 pytestmark = pytest.mark.gpu
 

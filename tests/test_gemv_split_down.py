@@ -20,7 +20,7 @@ from tests.test_kernels_gemv import (
     pooled_fused_moe_ref,
 )
 
-pytestmark = pytest.mark.interpreter(gpu="tests/test_kernels_gpu.py")
+pytestmark = pytest.mark.interpreter(gpu="tests/test_decode_variants_gpu.py")
 SEED = 3
 
 

@@ -41,7 +41,7 @@ from tests.kernel_helpers import (
     random_routing,
 )
 
-pytestmark = pytest.mark.interpreter(gpu="tests/test_kernels_gpu.py")
+pytestmark = pytest.mark.interpreter(gpu="tests/test_decode_variants_gpu.py")
 
 
 # (format, H, I, dtype): H and I both multiples of the 32-value test tiles (EVEN_K) or not

@@ -1,5 +1,5 @@
 """GPU tests of the swapped-operand decode GEMMs (`GemmConfig.swap_ab`) at the real shapes (run by
-scripts/gpu_check.sh; skipped without CUDA). Helpers and shapes from test_kernels_gpu.py."""
+scripts/gpu_check.sh; skipped without CUDA). Helpers and shapes from kernel_gpu_helpers.py."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import dataclasses
 import pytest
 import torch
 
-from tests.kernel_helpers import assert_close, build_layer
-from tests.test_kernels_gpu import (
+from tests.kernel_gpu_helpers import (
     SHAPES,
-    _kernels,
+    kernel_modules,
     poison_allocator,
     pooled_reference,
     routing,
 )
+from tests.kernel_helpers import assert_close, build_layer
 
 pytestmark = pytest.mark.gpu
 
@@ -36,7 +36,7 @@ def test_swapped_operand_gemms_real_shapes(name, shape, M, variant):
     reference's output, and the unswapped tiles' within rounding."""
     from pooled_runner.kernels.fused_moe import pick_configs
 
-    fused_moe, operands = _kernels()
+    fused_moe, operands = kernel_modules()
     H, I, E, K = SHAPES[shape]
     E = 8 if M == 1 else 16  # experts quantized on the CPU: few, at the real H and I
     cpu = torch.Generator().manual_seed(len(name) + M + H)

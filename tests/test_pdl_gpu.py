@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernel_helpers import assert_close, build_layer
-from tests.test_kernels_gpu import (
+from tests.kernel_gpu_helpers import (
     SHAPES,
-    _kernels,
+    kernel_modules,
     poison_allocator,
     pooled_reference,
     routing,
 )
+from tests.kernel_helpers import assert_close, build_layer
 
 pytestmark = pytest.mark.gpu
 
@@ -36,7 +36,7 @@ PDL_CASES = [
 
 
 def _layer(name: str):
-    fused_moe, operands = _kernels()
+    fused_moe, operands = kernel_modules()
     H, I, E, K = SHAPES["qwen3"]
     E = 24  # quantized on the CPU: a few at the real H and I
     cpu = torch.Generator().manual_seed(len(name) + 11)
@@ -53,7 +53,7 @@ def test_pdl_gemm2_equals_plain_launches(monkeypatch, name, M, variant):
     route) give bitwise the output of the launches without PDL, which match the fp32 reference."""
     from pooled_runner.kernels import pdl
 
-    fused_moe, _ = _kernels()
+    fused_moe, _ = kernel_modules()
     fmt, p13, p2, l2p, H, E, K = _layer(name)
     g = torch.Generator(device="cuda").manual_seed(M + 3)
     x = torch.randn(M, H, generator=g, device="cuda").bfloat16()

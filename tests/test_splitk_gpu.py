@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernel_gpu_helpers import SHAPES, gpu_reference, poison_allocator, pooled_reference, routing
 from tests.kernel_helpers import assert_close
-from tests.test_kernels_gpu import SHAPES, gpu_reference, poison_allocator, pooled_reference, routing
 
 pytestmark = pytest.mark.gpu
 
