@@ -36,17 +36,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"interpreter tests; the GPU runs {where}"))
 
 
-@pytest.fixture(scope="module")
-def resident_layers() -> Iterator[dict]:
-    """bf16 layers of both real shapes on the GPU, every expert in a pool row (`kernel_gpu_helpers`)."""
-    from tests.kernel_gpu_helpers import resident_layer_set
-
-    out = resident_layer_set()
-    yield out
-    out.clear()
-    torch.cuda.empty_cache()
-
-
 @pytest.fixture(autouse=True, scope="session")
 def _spec_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The cost governor keeps its calibration by default (`envs.spec_state_dir`): no test, nor a server an engine

@@ -70,7 +70,8 @@ def poison_allocator():
 
 
 def resident_layer_set() -> dict:
-    """bf16 layers of both shapes (the `resident_layers` fixture of tests/conftest.py), every expert in a pool row (codes = a random permutation of rows)."""
+    """bf16 layers of both shapes (the `resident_layers` fixture of test_kernels_gpu.py), every expert in a pool
+    row (codes = a random permutation of rows)."""
     fused_moe, operands = kernel_modules()
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cuda").manual_seed(0)

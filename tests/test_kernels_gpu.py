@@ -1,10 +1,12 @@
-"""GPU tests of the pooled MoE kernels' align path at real sizes (run by scripts/gpu_check.sh; skipped without
-CUDA): every expert resident, graph replay, every format over pool and pinned host rows, the bank's limits.
-The decode variants (GEMV, inline, combine fused into gemm2) are in `test_decode_variants_gpu.py`; shapes and
-references in `kernel_gpu_helpers.py`.
+"""GPU tests of the pooled MoE kernels at real sizes (run by scripts/gpu_check.sh; skipped without CUDA): every
+expert resident at both real shapes (align path, GEMV, combine fused into gemm2), graph replay, every format over
+pool and pinned host rows, the bank's limits. The decode variants of every format and the GEMV graph replay are
+in `test_decode_variants_gpu.py`; shapes and references in `kernel_gpu_helpers.py`.
 """
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from tests.kernel_gpu_helpers import (
     gpu_reference,
     kernel_modules,
     poison_allocator,
+    resident_layer_set,
     routing,
 )
 from tests.kernel_helpers import assert_close
@@ -22,6 +25,18 @@ from tests.kernel_helpers import assert_close
 pytestmark = pytest.mark.gpu
 
 MS = [1, 2, 4, 8, 16, 64, 512, 4096]
+
+
+@pytest.fixture(scope="module")
+def resident_layers():
+    """bf16 layers of both real shapes, every expert in a pool row (`kernel_gpu_helpers.resident_layer_set`). Every
+    test that reads them is in this module, so they are built once per run (tens of GiB at the DeepSeek-like
+    shape: a second module building them while the first one's were still held ran out of memory on an H100)."""
+    out = resident_layer_set()
+    yield out
+    out.clear()
+    gc.collect()  # graphs and closures of the tests may sit in reference cycles that hold the weights
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("M", MS)
@@ -73,6 +88,42 @@ def test_graph_replay_with_new_routing_equals_eager(resident_layers):
         eager = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt)
         assert torch.equal(out, eager), f"step {step}: replay differs from eager"
         del busy
+
+
+@pytest.mark.parametrize("M", [1, 2, 8])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gemv_bf16_resident_real_shapes(resident_layers, shape, M):
+    fused_moe, _ = kernel_modules()
+    H, _, E, K = SHAPES[shape]
+    w13, w2, l2p, fmt, p13, p2 = resident_layers[shape]
+    g = torch.Generator(device="cuda").manual_seed(100 + M)
+    x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+    ids, w = routing(M, K, E, g)
+    poison_allocator()
+    out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv")
+    ref = gpu_reference(x, ids, w, lambda e: w13[e], lambda e: w2[e])
+    assert_close(out, ref, f"gemv {shape} M={M}")
+
+
+@pytest.mark.parametrize("variant", ["align-fc", "inline"])
+@pytest.mark.parametrize("M", [1, 4, 8])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_fused_combine_variants_real_shapes(resident_layers, shape, M, variant):
+    """Combine fused into gemm2 (and the align inside the gemm programs): the align path's output."""
+    fused_moe, _ = kernel_modules()
+    H, _, E, K = SHAPES[shape]
+    w13, w2, l2p, fmt, p13, p2 = resident_layers[shape]
+    g = torch.Generator(device="cuda").manual_seed(200 + M)
+    x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+    ids, w = routing(M, K, E, g)
+    if M > 1:
+        ids[1] = -1  # a token with no pair here: its row is zeros
+    poison_allocator()
+    out = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant=variant)
+    align = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="align")
+    assert_close(out, align, f"{variant} vs align {shape} M={M}", rel=1e-3)
+    ref = gpu_reference(x, ids, w, lambda e: w13[e], lambda e: w2[e])
+    assert_close(out, ref, f"{variant} {shape} M={M}")
 
 
 MIXED_CASES = [(n, M) for n in QUANT_FORMATS for M in ([1, 8, 64, 512] if n == "bf16" else [1, 64])]
