@@ -136,8 +136,9 @@ def pool_problems(
     if facts.quantization is not None and not facts.native_format:
         out.append(
             f"quantization {facts.quantization!r}: the pool takes unquantized (bf16/fp16/fp32) experts, and fp8 "
-            "e4m3 ones in square blocks of 16, 32, 64 or 128 (DeepSeek-style weight_block_size); use such a "
-            "checkpoint or pass --no-moe-expert-pool"
+            "e4m3 ones in square blocks of 16, 32, 64 or 128 (DeepSeek-style weight_block_size) or with one "
+            "scale per tensor (quant_method fp8 without weight_block_size); use such a checkpoint or pass "
+            "--no-moe-expert-pool"
         )
     elif facts.native_format and weight_format != facts.native_format:
         out.append(
@@ -180,7 +181,7 @@ def format_problems(
         return None
 
     why = why_not(weight_format, dtype)
-    if why is None and weight_format == facts.native_format:
+    if why is None and weight_format == facts.native_format and weight_format.startswith("fp8-b"):
         block = int(weight_format.removeprefix("fp8-b"))
         if per_rank % block:  # the checkpoint's blocks must not straddle gate and up, nor two ranks
             why = f"the checkpoint's {block}x{block} blocks do not divide the expert intermediate size"
@@ -250,7 +251,8 @@ def argv_problems(argv: list[str], pooled: bool, our_flags: list[str]) -> list[s
     if pooled and flag_value(argv, "--quantization") not in (None, "unquant"):
         out.append(
             "--quantization: the pool quantizes experts itself (--moe-expert-pool-weight-format) and reads a "
-            "checkpoint's own fp8 blocks from its config.json; drop --quantization or pass --no-moe-expert-pool"
+            "checkpoint's own fp8 (blocks or per-tensor scales) from its config.json; drop --quantization or pass "
+            "--no-moe-expert-pool"
         )
     return out
 

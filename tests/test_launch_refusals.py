@@ -129,7 +129,7 @@ def test_fp8_block_checkpoints_are_served_in_their_own_format(tmp_path: Path) ->
     assert "formats that fit" not in message  # no other format takes this checkpoint
     for name, quant in (
         ("rect", {**deepseek, "weight_block_size": [128, 64]}),
-        ("per-tensor", {"quant_method": "fp8", "activation_scheme": "static"}),
+        ("e5m2", {**deepseek, "fmt": "e5m2"}),
         ("awq", {"quant_method": "awq", "bits": 4}),
     ):
         message = refusal([*folder(name, quant), "--moe-expert-pool-weight-format", "fp8-b128"])
@@ -137,6 +137,31 @@ def test_fp8_block_checkpoints_are_served_in_their_own_format(tmp_path: Path) ->
             "the pool takes unquantized (bf16/fp16/fp32) experts, and fp8 e4m3 ones in square blocks"
             in message
         ), name
+
+
+def test_fp8_tensor_checkpoints_are_served_in_the_fp8_format(tmp_path: Path) -> None:
+    """An fp8 checkpoint with one scale per tensor (quant_method fp8, no weight_block_size; static or dynamic
+    activations) is served as it is with --moe-expert-pool-weight-format fp8 (per-channel scales hold it exactly),
+    under any --tp-size whose shards exist; other pool formats are refused naming that one."""
+    config = {**QWEN3_MOE, "hidden_size": 2048, "moe_intermediate_size": 768, "torch_dtype": "bfloat16"}
+    for scheme in ("static", "dynamic"):
+        path = tmp_path / scheme
+        path.mkdir()
+        quant = {"quant_method": "fp8", "activation_scheme": scheme}
+        (path / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+        base = ["--model", str(path), "--moe-expert-pool-rows", "8"]
+        served = plan([*base, "--moe-expert-pool-weight-format", "fp8"])
+        assert served.serve.pool is not None and served.serve.pool.weight_format == "fp8"
+        assert served.facts is not None and served.facts.native_format == "fp8"
+        # no blocks to straddle ranks: 768 / 4 = 192 rows per rank take their shard's scale
+        tp = plan([*base, "--moe-expert-pool-weight-format", "fp8", "--tp-size", "4"], cuda=True)
+        assert tp.serve.pool is not None
+        for other in ("bf16", "fp8-b128", "int4-g128"):
+            message = refusal([*base, "--moe-expert-pool-weight-format", other])
+            assert (
+                f"--moe-expert-pool-weight-format {other}: the checkpoint's experts are fp8 already "
+                "(quantization 'fp8'); the pool serves them as they are with --moe-expert-pool-weight-format fp8"
+            ) in message, message
 
 
 def test_pool_formats_are_checked_against_the_experts(tmp_path: Path) -> None:

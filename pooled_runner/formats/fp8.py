@@ -17,6 +17,13 @@ PROJECTIONS = ("w13", "w2")
 FP8_BLOCKS = (16, 32, 64, 128)
 
 
+def checkpoint_format(block: object) -> str:
+    """The pool format an fp8 e4m3 checkpoint's experts already are, given its `weight_block_size` `block`: square
+    blocks of a size the pool has are fp8-b{block} (`block_format`), and no blocks (None: one scale per tensor,
+    per shard) is "fp8", whose per-channel scales hold each shard's one scale on every row exactly. "" otherwise."""
+    return "fp8" if block is None else block_format(block)
+
+
 def block_format(block: object) -> str:
     """The fp8 format whose rows an fp8 e4m3 checkpoint with `weight_block_size` `block` already is
     ("fp8-b128" for DeepSeek-V3's [128, 128]), or "" when the pool has no such format (not square, another size)."""

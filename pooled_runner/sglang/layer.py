@@ -30,16 +30,17 @@ _SIGNATURE = inspect.signature(_FusedMoE.__init__)
 
 def native_quant_format(quant_config: Any) -> str:
     """The pool format a layer's quantized experts already are, or "": SGLang's `Fp8Config` of a checkpoint
-    serialized in fp8 e4m3 with square blocks of a size the pool's fp8 format has (DeepSeek-V3, Qwen3-*-FP8)."""
+    serialized in fp8 e4m3 with square blocks of a size the pool's fp8 format has (DeepSeek-V3, Qwen3-*-FP8), or
+    with one scale per tensor (the per-channel "fp8" format)."""
     from sglang.srt.layers.quantization.fp8 import Fp8Config
 
-    from pooled_runner.formats.fp8 import block_format
+    from pooled_runner.formats.fp8 import checkpoint_format
 
     if not isinstance(quant_config, Fp8Config) or not quant_config.is_checkpoint_fp8_serialized:
         return ""
     if getattr(quant_config, "use_mxfp8", False) or getattr(quant_config, "is_fp4_experts", False):
         return ""
-    return block_format(quant_config.weight_block_size)
+    return checkpoint_format(quant_config.weight_block_size)
 
 
 def not_pooled_reason(args: dict[str, Any], weight_format: str = "bf16") -> str | None:
@@ -53,7 +54,7 @@ def not_pooled_reason(args: dict[str, Any], weight_format: str = "bf16") -> str 
     if quant_config is not None:
         native = native_quant_format(quant_config)
         if not native:
-            return f"quantization {quant_config.get_name()} (the pool takes unquantized or fp8-block experts)"
+            return f"quantization {quant_config.get_name()} (the pool takes unquantized experts, fp8 in blocks or per tensor)"
         if native != weight_format:
             return f"quantization {native} (serve it with --moe-expert-pool-weight-format {native})"
     if args.get("with_bias"):
@@ -98,8 +99,8 @@ def _quant_config_of(args: dict[str, Any]) -> Any:
 
 def _base_method(quant_config: Any) -> Any:
     """The method that creates a pooled layer's one-expert placeholders (the loader's layout and tags):
-    SGLang's fp8 method for an fp8-block checkpoint (weights and `weight_scale_inv` blocks), else the
-    unquantized one."""
+    SGLang's fp8 method for an fp8 checkpoint (weights, and `weight_scale_inv` blocks or `weight_scale` per
+    tensor), else the unquantized one."""
     if quant_config is not None:
         from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod
 

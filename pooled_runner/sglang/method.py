@@ -5,7 +5,8 @@ layer's parameters (with ONE expert: a placeholder that gives the loader its lay
 parameter's `weight_loader` is replaced by one that runs the layer's native per-expert loader
 (`FusedMoE._weight_loader_impl`: TP sharding, w1/w3 placement) on a one-row view of the expert's dense rows
 (`pooled_runner.dense_load`): its storage in the pool's bank where the checkpoint's layout is the format's (bf16;
-an fp8-block checkpoint's weights and `weight_scale_inv` blocks into fp8-b{block}), so bank rows have exactly the
+an fp8-block checkpoint's weights and `weight_scale_inv` blocks into fp8-b{block}; an fp8 checkpoint with one
+`weight_scale` per tensor into fp8, each scale written on every row of its shard), so bank rows have exactly the
 layout the device weights would have, or a dense buffer that a quantized format (`--moe-expert-pool-weight-format`
 int4/fp8/NVFP4) quantizes into the bank when the expert's last shard is in. `apply` runs the pooled forward
 (`PooledMoE.forward`). Only `pooled_runner.sglang` imports SGLang.
@@ -14,6 +15,7 @@ int4/fp8/NVFP4) quantizes into the bank when the expert's last shard is in. `app
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -32,6 +34,13 @@ PARAMS = {
     "w2": "w2_weight",
     "w2_s": "w2_weight_scale_inv",
 }
+# An fp8 checkpoint with one scale per tensor: SGLang's fp8 method keeps them as `w13_weight_scale` [E, 2] (gate,
+# up) and `w2_weight_scale` [E]; the "fp8" format's per-channel scales (w13_s [2I], w2_s [H]) hold each on every
+# row of its shard, exactly
+TENSOR_SCALES = {"w13_s": "w13_weight_scale", "w2_s": "w2_weight_scale"}
+# a static-activation fp8 checkpoint's input scales: the pool computes W8A16 (activations stay in the model's
+# dtype), so they are read, checked and not used
+INPUT_SCALES = ("w13_input_scale", "w2_input_scale")
 
 
 def method_scales_routed_output(layer: Any) -> bool:
@@ -48,8 +57,9 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
     """Experts of one `FusedMoE` layer served from the pool (an `nn.Module`, like the methods it wraps).
 
     Args:
-      base_method: the layer's own method (SGLang's unquantized one, or its fp8 one for an fp8-block
-        checkpoint); it creates the placeholder parameters and the runner, and decides the loader's layout.
+      base_method: the layer's own method (SGLang's unquantized one, or its fp8 one for an fp8 checkpoint in
+        blocks or per tensor); it creates the placeholder parameters and the runner, and decides the loader's
+        layout.
       runtime: the process's pool runtime (`pooled_runner.sglang.runtime`).
     """
 
@@ -62,6 +72,8 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         self.layer_name = ""
         self.routed_scaling_factor = 1.0
         self.operands: tuple[str, ...] = ()  # the PARAMS operands the layer's placeholders have
+        self.params = dict(PARAMS)  # operand -> the layer's parameter (TENSOR_SCALES for per-tensor fp8)
+        self.tensor_scales = False  # an fp8 checkpoint with one scale per tensor (widened on load)
 
     def create_weights(
         self,
@@ -95,23 +107,37 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         layer._derived_weight_cache_error = (
             "Online weight updates are not supported for pooled MoE layers: pool rows would keep old weights."
         )
-        self.operands = tuple(op for op, name in PARAMS.items() if hasattr(layer, name))
+        self.tensor_scales = hasattr(layer, TENSOR_SCALES["w13_s"]) and not hasattr(layer, PARAMS["w13_s"])
+        if self.tensor_scales:
+            self.params.update(TENSOR_SCALES)
+        self.operands = tuple(op for op, name in self.params.items() if hasattr(layer, name))
         self._check_placeholders(layer, hidden_size, intermediate_size_per_partition, params_dtype)
         for operand in self.operands:
-            param = getattr(layer, PARAMS[operand])
-            param.weight_loader = self._make_bank_loader(layer, operand)
+            param = getattr(layer, self.params[operand])
+            if self.tensor_scales and operand in TENSOR_SCALES:
+                param.weight_loader = self._make_tensor_scale_loader(operand)
+            else:
+                param.weight_loader = self._make_bank_loader(layer, operand)
+        for name in INPUT_SCALES:
+            if isinstance(getattr(layer, name, None), torch.nn.Parameter):
+                getattr(layer, name).weight_loader = self._make_input_scale_check(name)
 
     def _check_placeholders(self, layer: Any, hidden: int, inter: int, dtype: torch.dtype) -> None:
         """The base method's one-expert placeholders must have the layout the bank rows are written in: the
-        pool format's rows (an fp8-block checkpoint in place), or the dense `w13 [2I, H]`, `w2 [H, I]` in the
-        model's dtype (quantized on load). A layout the pool does not know is refused here, with both."""
+        pool format's rows (an fp8-block checkpoint in place; per-tensor fp8 scales [2] and [] widened to fp8's
+        per-channel ones on load), or the dense `w13 [2I, H]`, `w2 [H, I]` in the model's dtype (quantized on
+        load). A layout the pool does not know is refused here, with both."""
         moe = self.runtime.require_moe()
         row_specs = {spec.name: (spec.row_shape, spec.dtype) for spec in moe.operands}
         dense_specs = {"w13": ((2 * inter, hidden), dtype), "w2": ((hidden, inter), dtype)}
         got = {
-            op: (tuple(getattr(layer, PARAMS[op]).shape[1:]), getattr(layer, PARAMS[op]).dtype)
+            op: (tuple(getattr(layer, self.params[op]).shape[1:]), getattr(layer, self.params[op]).dtype)
             for op in self.operands
         }
+        if self.tensor_scales:  # one scale per shard, widened to the format's per-channel rows on load
+            per_tensor = {"w13_s": ((2,), torch.float32), "w2_s": ((), torch.float32)}
+            if moe.format.name == "fp8" and all(got.get(op) == spec for op, spec in per_tensor.items()):
+                got.update({op: row_specs.get(op, spec) for op, spec in per_tensor.items()})
         if got != row_specs and got != dense_specs:
             raise ValueError(
                 f"{self.layer_name}: the {type(self.base_method).__name__} placeholders {got} are neither the "
@@ -128,22 +154,7 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             *rest: Any,
             **kwargs: Any,
         ) -> None:
-            expert_id = kwargs.get("expert_id", rest[0] if rest else None)
-            if expert_id is None:
-                raise ValueError(
-                    f"{weight_name}: a stacked tensor of all experts (no expert_id) is not supported by the "
-                    "expert pool; pooled layers load one expert at a time: use a checkpoint with per-expert "
-                    "tensors, or serve without the pool (--no-moe-expert-pool)"
-                )
-            if not 0 <= expert_id < self.num_experts:
-                raise ValueError(
-                    f"{weight_name}: expert id {expert_id} out of range [0, {self.num_experts}) of {self.layer_name}"
-                )
-            if shard_id not in operand_shards(operand):
-                raise ValueError(
-                    f"{weight_name}: shard {shard_id!r} for the {PARAMS[operand]} parameter of {self.layer_name}, "
-                    f"which takes shards {list(operand_shards(operand))}"
-                )
+            expert_id = self._expert_id(weight_name, shard_id, operand, rest, kwargs)
             loader = self.runtime.ensure_loader()
             loader.set_operands(self.index, self.operands)
             storage = loader.expert_views(self.index, expert_id)[operand]
@@ -168,6 +179,73 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
 
         return weight_loader
 
+    def _expert_id(
+        self, weight_name: str, shard_id: str, operand: str, rest: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> int:
+        """The expert a loader call writes (SGLang passes it positionally or as `expert_id`), checked: one expert
+        at a time, in range, and a shard the operand takes."""
+        expert_id = kwargs.get("expert_id", rest[0] if rest else None)
+        if expert_id is None:
+            raise ValueError(
+                f"{weight_name}: a stacked tensor of all experts (no expert_id) is not supported by the "
+                "expert pool; pooled layers load one expert at a time: use a checkpoint with per-expert "
+                "tensors, or serve without the pool (--no-moe-expert-pool)"
+            )
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(
+                f"{weight_name}: expert id {expert_id} out of range [0, {self.num_experts}) of {self.layer_name}"
+            )
+        if shard_id not in operand_shards(operand):
+            raise ValueError(
+                f"{weight_name}: shard {shard_id!r} for the {self.params.get(operand, operand)} parameter of "
+                f"{self.layer_name}, which takes shards {list(operand_shards(operand))}"
+            )
+        return int(expert_id)
+
+    def _make_tensor_scale_loader(self, operand: str) -> Any:
+        """The loader of a per-tensor fp8 scale (`w13_s` per shard, `w2_s`): the one value goes on every row of
+        its shard in the bank's per-channel scales (gate rows [0, I), up rows [I, 2I) of this rank's w13)."""
+
+        def weight_loader(
+            param: torch.nn.Parameter,
+            loaded_weight: torch.Tensor,
+            weight_name: str,
+            shard_id: str,
+            *rest: Any,
+            **kwargs: Any,
+        ) -> None:
+            expert_id = self._expert_id(weight_name, shard_id, operand, rest, kwargs)
+            value = _one_scale(weight_name, loaded_weight, expert_id)
+            loader = self.runtime.ensure_loader()
+            loader.set_operands(self.index, self.operands)
+            storage = loader.expert_views(self.index, expert_id)[operand]  # [2I] or [H]
+            if operand == "w13_s":
+                half = storage.shape[0] // 2
+                storage = storage[:half] if shard_id == "w1" else storage[half:]
+            storage.fill_(value)
+            loader.written(self.index, expert_id, shard_id, operand)
+
+        return weight_loader
+
+    def _make_input_scale_check(self, name: str) -> Any:
+        """The loader of a static-activation checkpoint's input scale: checked (one positive finite value per
+        shard) and dropped, since the pooled experts take activations in the model's dtype (W8A16)."""
+
+        def weight_loader(
+            param: torch.nn.Parameter,
+            loaded_weight: torch.Tensor,
+            weight_name: str,
+            shard_id: str,
+            *rest: Any,
+            **kwargs: Any,
+        ) -> None:
+            operand = "w13" if name.startswith("w13") else "w2"
+            _one_scale(
+                weight_name, loaded_weight, self._expert_id(weight_name, shard_id, operand, rest, kwargs)
+            )
+
+        return weight_loader
+
     def create_moe_runner(self, layer: Any, moe_runner_config: Any) -> None:
         self.base_method.create_moe_runner(layer, moe_runner_config)
         self.runner = self.base_method.runner
@@ -187,7 +265,7 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             raise ValueError(f"{self.layer_name}: the checkpoint did not provide {shown}")
         # The placeholders are no longer needed: the experts live in the bank and the pool rows.
         for operand in self.operands:
-            param = getattr(layer, PARAMS[operand])
+            param = getattr(layer, self.params[operand])
             param.data = param.data.new_empty((0, *param.shape[1:]))
         self.runtime.layer_loaded(self.index)
 
@@ -213,3 +291,16 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             out = out * self.routed_scaling_factor
         self.runtime.after_forward(self.index, hidden.shape[0])
         return StandardCombineInput(hidden_states=out)
+
+
+def _one_scale(weight_name: str, loaded_weight: torch.Tensor, expert_id: int) -> float:
+    """The value of a per-tensor scale from a checkpoint: one positive finite number (shape [] or [1])."""
+    if loaded_weight.numel() != 1:
+        raise ValueError(
+            f"{weight_name} (expert {expert_id}): a per-tensor fp8 scale is one value, got shape "
+            f"{tuple(loaded_weight.shape)}; per-channel or grouped scales are not this checkpoint format's"
+        )
+    value = float(loaded_weight.reshape(()).float())
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{weight_name} (expert {expert_id}): scale {value} is not a positive finite number")
+    return value

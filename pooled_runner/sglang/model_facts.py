@@ -83,12 +83,13 @@ def _router_logits_differ(text: dict[str, Any]) -> str:
 
 def _native_format(quant: dict[str, Any]) -> str:
     """The pool format of a quantization_config's experts, or "": fp8 e4m3 in square blocks the pool's fp8
-    format has (DeepSeek-V3, Qwen3-*-FP8: `weight_block_size` [128, 128], scales `weight_scale_inv` per block)."""
-    from pooled_runner.formats.fp8 import block_format
+    format has (DeepSeek-V3, Qwen3-*-FP8: `weight_block_size` [128, 128], scales `weight_scale_inv` per block),
+    or with one scale per tensor (no `weight_block_size`: the per-channel "fp8" format)."""
+    from pooled_runner.formats.fp8 import checkpoint_format
 
     if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
         return ""
-    return block_format(quant.get("weight_block_size"))
+    return checkpoint_format(quant.get("weight_block_size"))
 
 
 def facts_from_config(config: dict[str, Any]) -> ModelFacts:

@@ -1,7 +1,7 @@
 """A server whose pool quantizes the embedded model's experts while they load (`--moe-expert-pool-weight-format
-int4-g32`, bf16), and one serving an fp8 checkpoint of it in 16x16 blocks as it is (fp8-b16), each serve exactly
-what a bf16 pool serves from a checkpoint whose experts already hold the dequantized weights: the same greedy
-tokens and the same log-probabilities, prompt and output.
+int4-g32`, bf16), and ones serving fp8 checkpoints of it as they are (16x16 blocks: fp8-b16; one scale per
+tensor: fp8), each serve exactly what a bf16 pool serves from a checkpoint whose experts already hold the
+dequantized weights: the same greedy tokens and the same log-probabilities, prompt and output.
 
 (Both servers run SGLang's attention and our torch path on the same bf16 values, so any difference is the
 quantized load itself. The bank rows' bytes are checked against the format's converter in test_layer.py; here
@@ -25,10 +25,11 @@ NEW_TOKENS = 12
 EXPERT_TENSOR = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.\d+)\.(gate|up|down)_proj\.weight$")
 
 
-def _fp8_checkpoint(embedded_model: Path, folder: Path, block: int) -> tuple[Path, Path]:
-    """A DeepSeek-style fp8 copy of the embedded checkpoint (experts e4m3 with `weight_scale_inv` per
-    [block, block] tile, attention left unquantized through `ignored_layers`), and a copy whose experts hold
-    its dequantized weights in bf16."""
+def _fp8_checkpoint(embedded_model: Path, folder: Path, block: int | None) -> tuple[Path, Path]:
+    """An fp8 copy of the embedded checkpoint, attention left unquantized through `ignored_layers`, and a copy
+    whose experts hold its dequantized weights in bf16. `block`: DeepSeek-style e4m3 with `weight_scale_inv` per
+    [block, block] tile, dynamic activations; None: e4m3 with one `weight_scale` per tensor (amax / 448, in
+    plain torch) and static activations (an `input_scale` per tensor, which the pool checks and does not use)."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -41,8 +42,17 @@ def _fp8_checkpoint(embedded_model: Path, folder: Path, block: int) -> tuple[Pat
     sd = load_file(str(embedded_model / "model.safetensors"))
     fp8, dense = dict(sd), dict(sd)
     for name, w in sd.items():
-        if EXPERT_TENSOR.match(name):
-            q, scale = quantize_fp8(w.to(torch.bfloat16), block)
+        if not EXPERT_TENSOR.match(name):
+            continue
+        w = w.to(torch.bfloat16)
+        if block is None:
+            scale = w.float().abs().amax() / 448.0
+            q = (w.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            fp8[name], fp8[name + "_scale"] = q, scale.reshape(())
+            fp8[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.05)
+            dense[name] = (q.float() * scale).to(torch.bfloat16).float()
+        else:
+            q, scale = quantize_fp8(w, block)
             fp8[name], fp8[name + "_scale_inv"] = q, scale
             dense[name] = dequantize_fp8(q, scale, block, torch.bfloat16).float()
     save_file(fp8, str(fp8_folder / "model.safetensors"))
@@ -51,9 +61,9 @@ def _fp8_checkpoint(embedded_model: Path, folder: Path, block: int) -> tuple[Pat
     attention = sorted({n.rsplit(".", 1)[0] for n in sd if ".self_attn." in n and n.endswith("_proj.weight")})
     config["quantization_config"] = {
         "quant_method": "fp8",
-        "activation_scheme": "dynamic",
+        "activation_scheme": "dynamic" if block else "static",
         "fmt": "e4m3",
-        "weight_block_size": [block, block],
+        **({"weight_block_size": [block, block]} if block else {}),
         "ignored_layers": attention,
     }
     (fp8_folder / "config.json").write_text(json.dumps(config, indent=2))
@@ -127,16 +137,21 @@ def test_int4_pool_serves_what_bf16_serves_of_the_dequantized_experts(
         assert got_lp == ref_lp, f"prompt {ids[:4]}...: log-probabilities {got_lp} != {ref_lp}"
 
 
-def test_fp8_block_checkpoint_serves_what_bf16_serves_of_its_dequantized_experts(
-    embedded_model: Path, prompt_ids: list[list[int]], tmp_path_factory: pytest.TempPathFactory
+@pytest.mark.parametrize("block", [16, None], ids=["blocks", "per-tensor"])
+def test_fp8_checkpoint_serves_what_bf16_serves_of_its_dequantized_experts(
+    embedded_model: Path,
+    prompt_ids: list[list[int]],
+    tmp_path_factory: pytest.TempPathFactory,
+    block: int | None,
 ) -> None:
     tmp = tmp_path_factory.mktemp("fp8")
-    fp8, dense = _fp8_checkpoint(embedded_model, tmp, block=16)
+    fp8, dense = _fp8_checkpoint(embedded_model, tmp, block=block)
+    fmt = f"fp8-b{block}" if block else "fp8"
     served, log = _serve(
-        ["--model-path", str(fp8), "--moe-expert-pool-weight-format", "fp8-b16"], tmp / "fp8.log", prompt_ids
+        ["--model-path", str(fp8), "--moe-expert-pool-weight-format", fmt], tmp / "fp8.log", prompt_ids
     )
-    assert "4 MoE layers pooled (64 experts, fp8-b16), 0 not pooled" in log
-    assert "quantized to" not in log  # the checkpoint's fp8 blocks are the rows: nothing quantized on load
+    assert f"4 MoE layers pooled (64 experts, {fmt}), 0 not pooled" in log
+    assert "quantized to" not in log  # the checkpoint's fp8 weights are the rows: nothing quantized on load
     reference, log = _serve(["--model-path", str(dense)], tmp / "bf16.log", prompt_ids)
     assert "4 MoE layers pooled (64 experts, bf16), 0 not pooled" in log
     for ids, (got_ids, got_lp), (ref_ids, ref_lp) in zip(prompt_ids, served, reference, strict=True):
