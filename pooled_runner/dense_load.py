@@ -3,7 +3,8 @@
 An engine's loader (SGLang's per-expert `weight_loader`) writes each checkpoint shard of an expert (`w1`, `w3`
 into `w13 [2I, H]`, `w2` into `w2 [H, I]`) in its own call. Where the checkpoint's layout IS the expert's row
 (the bf16 format; an fp8 checkpoint in square blocks, whose weights and `weight_scale_inv` blocks are the
-fp8-b{block} format's `w13`, `w13_s`, `w2`, `w2_s`), the shards land in place. A quantized format's row of a
+fp8-b{block} format's `w13`, `w13_s`, `w2`, `w2_s`; an fp8 checkpoint per channel or per tensor in the fp8
+format, a per-tensor scale written on every row of its shard by the engine's loader), the shards land in place. A quantized format's row of a
 dense checkpoint (int4, fp8, NVFP4) can only be computed from the whole projection (a global scale, or groups
 spanning gate and up): the shards go to a dense buffer of that expert, and the expert is quantized into its row
 (`WeightFormat.quantize`) when its last shard arrives, then the buffer is freed. Host memory beyond the bank:
@@ -47,8 +48,8 @@ class DenseLoader:
     """Shard-by-shard loading of one `PooledMoE` (between its `allocate()` and `finalize()`).
 
     Each layer's engine writes either the dense `("w13", "w2")` of an expert (quantized into its rows when the
-    format is not bf16), or exactly the format's operands (in place: an fp8-block checkpoint's weights and
-    scales into its fp8-b{block} format); `set_operands(layer, operands)` says which (default: dense). Use:
+    format is not bf16), or exactly the format's operands (in place: an fp8 checkpoint's weights and scales into
+    its fp8-b{block} or fp8 format); `set_operands(layer, operands)` says which (default: dense). Use:
     `expert_views(layer, expert)[operand]` is where the engine writes a shard of `operand`, then
     `written(layer, expert, shard, operand)`; `missing(layer)` names what never arrived.
     """

@@ -137,8 +137,9 @@ def pool_problems(
         out.append(
             f"quantization {facts.quantization!r}: the pool takes unquantized (bf16/fp16/fp32) experts, and fp8 "
             "e4m3 ones in square blocks of 16, 32, 64 or 128 (DeepSeek-style weight_block_size) or with one "
-            "scale per tensor (quant_method fp8 without weight_block_size); use such a checkpoint or pass "
-            "--no-moe-expert-pool"
+            "scale per tensor (quant_method fp8 without weight_block_size), and llm-compressor's fp8 "
+            "(compressed-tensors: fp8 weights and activations, per tensor, channel or square block, one scheme); "
+            "use such a checkpoint or pass --no-moe-expert-pool"
         )
     elif facts.native_format and weight_format != facts.native_format:
         out.append(

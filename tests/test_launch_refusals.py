@@ -164,6 +164,58 @@ def test_fp8_tensor_checkpoints_are_served_in_the_fp8_format(tmp_path: Path) -> 
             ) in message, message
 
 
+def test_compressed_tensors_fp8_checkpoints_are_served_in_their_format(tmp_path: Path) -> None:
+    """llm-compressor fp8 checkpoints (quant_method compressed-tensors): strategy tensor or channel is served with
+    --moe-expert-pool-weight-format fp8, square blocks with fp8-b{block}; int4 groups, fp8 weights without fp8
+    activations and several different groups are refused."""
+    config = {**QWEN3_MOE, "hidden_size": 2048, "moe_intermediate_size": 768, "torch_dtype": "bfloat16"}
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+    dynamic = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+
+    def folder(name: str, *groups: dict) -> list[str]:
+        path = tmp_path / name
+        path.mkdir()
+        quant = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {f"group_{i}": {"targets": ["Linear"], **g} for i, g in enumerate(groups)},
+            "ignore": ["lm_head"],
+        }
+        (path / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+        return ["--model", str(path), "--moe-expert-pool-rows", "8"]
+
+    served = {
+        "channel": ({"weights": {**fp8, "strategy": "channel"}, "input_activations": dynamic}, "fp8"),
+        "tensor": (
+            {"weights": {**fp8, "strategy": "tensor"}, "input_activations": {**fp8, "strategy": "tensor"}},
+            "fp8",
+        ),
+        "block": (
+            {
+                "weights": {**fp8, "strategy": "block", "block_structure": [128, 128]},
+                "input_activations": dynamic,
+            },
+            "fp8-b128",
+        ),
+    }
+    for name, (group, fmt) in served.items():
+        base = folder(name, group)
+        got = plan([*base, "--moe-expert-pool-weight-format", fmt])
+        assert got.facts is not None and got.facts.native_format == fmt, name
+        assert got.serve.pool is not None and got.serve.pool.weight_format == fmt
+        assert f"the checkpoint's experts are {fmt} already" in refusal(base), name  # the default bf16 pool
+    int4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
+    refused = {
+        "int4": ({"weights": int4},),
+        "fp8 weights only": ({"weights": {**fp8, "strategy": "channel"}},),
+        "two schemes": (served["channel"][0], served["block"][0]),
+    }
+    for name, groups in refused.items():
+        message = refusal([*folder(name, *groups), "--moe-expert-pool-weight-format", "fp8"])
+        assert "quantization 'compressed-tensors': the pool takes unquantized" in message, (name, message)
+        assert "llm-compressor's fp8 (compressed-tensors" in message
+
+
 def test_pool_formats_are_checked_against_the_experts(tmp_path: Path) -> None:
     """A quantized pool format quantizes an unquantized checkpoint while it loads: its groups must divide each
     rank's K dimensions (H for w13, I for w2) and the model must compute in bf16/fp16; the refusal lists the

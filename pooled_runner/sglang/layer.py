@@ -16,9 +16,9 @@ from typing import Any
 from sglang.srt.layers.moe import get_moe_runner_backend
 from sglang.srt.layers.moe.fused_moe_triton import layer as fused_moe_layer
 from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE as _FusedMoE
-from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
 from sglang.srt.runtime_context import get_flags, get_parallel
 
+from pooled_runner.sglang.checkpoint_quant import base_method, layer_quant, native_quant_format
 from pooled_runner.sglang.method import PooledMoEMethod
 from pooled_runner.sglang.runtime import get_runtime
 
@@ -28,21 +28,6 @@ TARGET = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE"
 _SIGNATURE = inspect.signature(_FusedMoE.__init__)
 
 
-def native_quant_format(quant_config: Any) -> str:
-    """The pool format a layer's quantized experts already are, or "": SGLang's `Fp8Config` of a checkpoint
-    serialized in fp8 e4m3 with square blocks of a size the pool's fp8 format has (DeepSeek-V3, Qwen3-*-FP8), or
-    with one scale per tensor (the per-channel "fp8" format)."""
-    from sglang.srt.layers.quantization.fp8 import Fp8Config
-
-    from pooled_runner.formats.fp8 import checkpoint_format
-
-    if not isinstance(quant_config, Fp8Config) or not quant_config.is_checkpoint_fp8_serialized:
-        return ""
-    if getattr(quant_config, "use_mxfp8", False) or getattr(quant_config, "is_fp4_experts", False):
-        return ""
-    return checkpoint_format(quant_config.weight_block_size)
-
-
 def not_pooled_reason(args: dict[str, Any], weight_format: str = "bf16") -> str | None:
     """Why the pool cannot handle a layer built with these `FusedMoE.__init__` arguments (None: it can), its
     rows being in `weight_format`."""
@@ -50,11 +35,20 @@ def not_pooled_reason(args: dict[str, Any], weight_format: str = "bf16") -> str 
         return "draft-model layer"
     if args.get("quant_method") is not None:
         return f"explicit quant method {type(args['quant_method']).__name__}"
-    quant_config = _quant_config_of(args)
+    try:
+        quant_config, scheme = layer_quant(args)
+    except (ValueError, NotImplementedError) as exc:  # SGLang raises it again when it builds the layer itself
+        return f"quantization scheme refused by SGLang: {exc}"
+    if quant_config is None and args.get("quant_config") is not None and weight_format != "bf16":
+        # a layer the checkpoint's ignore list leaves in bf16: SGLang serves it so, and the pool would quantize it
+        return f"experts the checkpoint leaves unquantized (its ignore list): the {weight_format} pool would quantize them"
     if quant_config is not None:
-        native = native_quant_format(quant_config)
+        native = native_quant_format(quant_config, scheme)
         if not native:
-            return f"quantization {quant_config.get_name()} (the pool takes unquantized experts, fp8 in blocks or per tensor)"
+            return (
+                f"quantization {quant_config.get_name()} (the pool takes unquantized experts, and fp8 ones in "
+                "blocks, per channel or per tensor)"
+            )
         if native != weight_format:
             return f"quantization {native} (serve it with --moe-expert-pool-weight-format {native})"
     if args.get("with_bias"):
@@ -83,36 +77,6 @@ def not_pooled_reason(args: dict[str, Any], weight_format: str = "bf16") -> str 
     return None
 
 
-def _quant_config_of(args: dict[str, Any]) -> Any:
-    """The layer's quant config, None for a layer its checkpoint leaves unquantized (`ignored_layers` /
-    `modules_to_not_convert`: SGLang's `Fp8Config.get_quant_method` gives those the unquantized method)."""
-    quant_config = args.get("quant_config")
-    if quant_config is None or not hasattr(quant_config, "ignored_layers"):
-        return quant_config
-    from sglang.srt.layers.quantization.utils import is_layer_skipped
-
-    mapping = getattr(quant_config, "packed_modules_mapping", None) or {}
-    if is_layer_skipped(args.get("prefix", ""), quant_config.ignored_layers, fused_mapping=mapping):
-        return None
-    return quant_config
-
-
-def _base_method(quant_config: Any) -> Any:
-    """The method that creates a pooled layer's one-expert placeholders (the loader's layout and tags):
-    SGLang's fp8 method for an fp8 checkpoint (weights, and `weight_scale_inv` blocks or `weight_scale` per
-    tensor), else the unquantized one."""
-    if quant_config is not None:
-        from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod
-
-        return Fp8MoEMethod(quant_config)
-    backend = get_moe_runner_backend()
-    return UnquantizedFusedMoEMethod(
-        backend.is_triton_kernels(),
-        backend.is_flashinfer_trtllm() or backend.is_flashinfer_trtllm_routed(),
-        backend.is_deep_gemm() or backend.is_lora(),
-    )
-
-
 class PooledFusedMoE(_FusedMoE):
     """`FusedMoE` whose routed experts live in the shared pool when the pool handles the layer."""
 
@@ -125,7 +89,7 @@ class PooledFusedMoE(_FusedMoE):
         if runtime is not None:
             reason = not_pooled_reason(values, runtime.config.weight_format)
             if reason is None:
-                values["quant_method"] = PooledMoEMethod(_base_method(_quant_config_of(values)), runtime)
+                values["quant_method"] = PooledMoEMethod(base_method(*layer_quant(values)), runtime)
             else:
                 runtime.note_not_pooled(values.get("prefix", "") or f"layer {values['layer_id']}", reason)
         super().__init__(**values)

@@ -34,10 +34,11 @@ PARAMS = {
     "w2": "w2_weight",
     "w2_s": "w2_weight_scale_inv",
 }
-# An fp8 checkpoint with one scale per tensor: SGLang's fp8 method keeps them as `w13_weight_scale` [E, 2] (gate,
-# up) and `w2_weight_scale` [E]; the "fp8" format's per-channel scales (w13_s [2I], w2_s [H]) hold each on every
-# row of its shard, exactly
-TENSOR_SCALES = {"w13_s": "w13_weight_scale", "w2_s": "w2_weight_scale"}
+# Scales named `weight_scale` (SGLang's fp8 method per tensor; compressed-tensors per tensor, channel or block):
+# one per tensor is `w13_weight_scale` [E, 2] (gate, up) and `w2_weight_scale` [E], which the "fp8" format's
+# per-channel scales (w13_s [2I], w2_s [H]) hold on every row of each shard, exactly; per channel [E, N, 1] and
+# per block [E, N/b, K/b] are the format's own scales
+SCALES = {"w13_s": "w13_weight_scale", "w2_s": "w2_weight_scale"}
 # a static-activation fp8 checkpoint's input scales: the pool computes W8A16 (activations stay in the model's
 # dtype), so they are read, checked and not used
 INPUT_SCALES = ("w13_input_scale", "w2_input_scale")
@@ -72,7 +73,9 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         self.layer_name = ""
         self.routed_scaling_factor = 1.0
         self.operands: tuple[str, ...] = ()  # the PARAMS operands the layer's placeholders have
-        self.params = dict(PARAMS)  # operand -> the layer's parameter (TENSOR_SCALES for per-tensor fp8)
+        self.params = dict(
+            PARAMS
+        )  # operand -> the layer's parameter (SCALES where scales are `weight_scale`)
         self.tensor_scales = False  # an fp8 checkpoint with one scale per tensor (widened on load)
 
     def create_weights(
@@ -107,14 +110,14 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         layer._derived_weight_cache_error = (
             "Online weight updates are not supported for pooled MoE layers: pool rows would keep old weights."
         )
-        self.tensor_scales = hasattr(layer, TENSOR_SCALES["w13_s"]) and not hasattr(layer, PARAMS["w13_s"])
-        if self.tensor_scales:
-            self.params.update(TENSOR_SCALES)
+        if hasattr(layer, SCALES["w13_s"]) and not hasattr(layer, PARAMS["w13_s"]):
+            self.params.update(SCALES)
+            self.tensor_scales = tuple(getattr(layer, SCALES["w13_s"]).shape[1:]) == (2,)
         self.operands = tuple(op for op, name in self.params.items() if hasattr(layer, name))
         self._check_placeholders(layer, hidden_size, intermediate_size_per_partition, params_dtype)
         for operand in self.operands:
             param = getattr(layer, self.params[operand])
-            if self.tensor_scales and operand in TENSOR_SCALES:
+            if self.tensor_scales and operand in SCALES:
                 param.weight_loader = self._make_tensor_scale_loader(operand)
             else:
                 param.weight_loader = self._make_bank_loader(layer, operand)
@@ -134,10 +137,19 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             op: (tuple(getattr(layer, self.params[op]).shape[1:]), getattr(layer, self.params[op]).dtype)
             for op in self.operands
         }
-        if self.tensor_scales:  # one scale per shard, widened to the format's per-channel rows on load
-            per_tensor = {"w13_s": ((2,), torch.float32), "w2_s": ((), torch.float32)}
-            if moe.format.name == "fp8" and all(got.get(op) == spec for op, spec in per_tensor.items()):
-                got.update({op: row_specs.get(op, spec) for op, spec in per_tensor.items()})
+        if moe.format.name == "fp8" and self.params["w13_s"] == SCALES["w13_s"]:
+            if self.tensor_scales:  # one scale per shard, widened to the format's per-channel rows on load
+                per_tensor = {"w13_s": ((2,), torch.float32), "w2_s": ((), torch.float32)}
+                if all(got.get(op) == spec for op, spec in per_tensor.items()):
+                    got.update({op: row_specs[op] for op in per_tensor})
+            else:  # per channel, [N, 1]: the rows' [N] seen with the trailing 1 (the loader writes that view)
+                got.update(
+                    {
+                        op: (shape[:-1], dt)
+                        for op, (shape, dt) in got.items()
+                        if op in SCALES and shape[-1:] == (1,)
+                    }
+                )
         if got != row_specs and got != dense_specs:
             raise ValueError(
                 f"{self.layer_name}: the {type(self.base_method).__name__} placeholders {got} are neither the "
@@ -159,8 +171,9 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             loader.set_operands(self.index, self.operands)
             storage = loader.expert_views(self.index, expert_id)[operand]
             # The native loader writes into expert 0 of a one-row view of the dense row, so the row gets the
-            # layout (and the TP shard) the device weight would have. The view carries the parameter's tags.
-            row = torch.nn.Parameter(storage.unsqueeze(0), requires_grad=False)
+            # layout (and the TP shard) the device weight would have; per-channel scales [N] are seen as the
+            # parameter's [N, 1]. The view carries the parameter's tags.
+            row = torch.nn.Parameter(storage.view(param.shape[1:]).unsqueeze(0), requires_grad=False)
             row.__dict__.update(param.__dict__)
             try:
                 layer._weight_loader_impl(
@@ -228,8 +241,9 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         return weight_loader
 
     def _make_input_scale_check(self, name: str) -> Any:
-        """The loader of a static-activation checkpoint's input scale: checked (one positive finite value per
-        shard) and dropped, since the pooled experts take activations in the model's dtype (W8A16)."""
+        """The loader of a static-activation checkpoint's input scale: checked (one value per shard; SGLang takes
+        the largest, so an unused 0 is allowed) and dropped, since the pooled experts take activations in the
+        model's dtype (W8A16)."""
 
         def weight_loader(
             param: torch.nn.Parameter,
@@ -240,9 +254,12 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             **kwargs: Any,
         ) -> None:
             operand = "w13" if name.startswith("w13") else "w2"
-            _one_scale(
-                weight_name, loaded_weight, self._expert_id(weight_name, shard_id, operand, rest, kwargs)
-            )
+            expert_id = self._expert_id(weight_name, shard_id, operand, rest, kwargs)
+            if loaded_weight.numel() != 1:  # its value is not checked: some checkpoints leave 0 where unused
+                raise ValueError(
+                    f"{weight_name} (expert {expert_id}): an input scale is one value, got shape "
+                    f"{tuple(loaded_weight.shape)}"
+                )
 
         return weight_loader
 

@@ -84,12 +84,41 @@ def _router_logits_differ(text: dict[str, Any]) -> str:
 def _native_format(quant: dict[str, Any]) -> str:
     """The pool format of a quantization_config's experts, or "": fp8 e4m3 in square blocks the pool's fp8
     format has (DeepSeek-V3, Qwen3-*-FP8: `weight_block_size` [128, 128], scales `weight_scale_inv` per block),
-    or with one scale per tensor (no `weight_block_size`: the per-channel "fp8" format)."""
+    or with one scale per tensor (no `weight_block_size`: the per-channel "fp8" format); llm-compressor's fp8
+    (compressed-tensors) per tensor, channel or square block."""
     from pooled_runner.formats.fp8 import checkpoint_format
 
+    if quant.get("quant_method") == "compressed-tensors":
+        return _compressed_tensors_format(quant)
     if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
         return ""
     return checkpoint_format(quant.get("weight_block_size"))
+
+
+def _compressed_tensors_format(quant: dict[str, Any]) -> str:
+    """The pool format of an llm-compressor checkpoint's experts: its config groups must all be fp8 e4m3 weights
+    (8-bit float, symmetric, static) with fp8 activations (SGLang's W8A8 fp8 MoE scheme), strategy tensor or
+    channel ("fp8") or square blocks (fp8-b{block}). Several different groups: "" (which one the experts get
+    depends on targets the launcher does not resolve)."""
+    from pooled_runner.formats.fp8 import block_format
+
+    groups = [
+        g for g in (quant.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")
+    ]
+    formats = set()
+    for group in groups:
+        weights, inputs = group["weights"], group.get("input_activations")
+        fp8_weights = weights.get("num_bits") == 8 and weights.get("type") == "float"
+        fp8_inputs = (
+            isinstance(inputs, dict) and inputs.get("num_bits") == 8 and inputs.get("type") == "float"
+        )
+        if not (fp8_weights and fp8_inputs and weights.get("symmetric", True) and not weights.get("dynamic")):
+            return ""
+        strategy = weights.get("strategy")
+        formats.add(
+            "fp8" if strategy in ("tensor", "channel") else block_format(weights.get("block_structure"))
+        )
+    return formats.pop() if len(formats) == 1 else ""
 
 
 def facts_from_config(config: dict[str, Any]) -> ModelFacts:

@@ -4,8 +4,8 @@ Lifecycle inside the scheduler process (the one that builds the model):
   1. model construction: each pooled `FusedMoE` registers its layer (`register_layer`); layers the pool does
      not handle are noted (`note_not_pooled`), with ONE warning for the whole model;
   2. weight loading: the first expert weight allocates the bank (every layer is registered by then) and each
-     expert shard is written through `DenseLoader`: into its bank row in place (bf16; an fp8-block checkpoint's
-     weights and scales into fp8-b{block}), or into a dense buffer that is quantized into the row when the
+     expert shard is written through `DenseLoader`: into its bank row in place (bf16; an fp8 checkpoint's
+     weights and scales into fp8-b{block} or fp8, per-tensor scales widened to its rows), or into a dense buffer that is quantized into the row when the
      expert's last shard is in (int4, fp8, NVFP4 from an unquantized checkpoint);
   3. after loading: when every pooled layer has finished loading, the pool is filled (`finalize`) and the
      startup summary is logged (bank size, pinned or not, rows, layers pooled and not pooled);

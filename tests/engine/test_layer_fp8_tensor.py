@@ -154,8 +154,9 @@ def test_fp8_tensor_checkpoint_under_tensor_parallelism(sglang_context, checkpoi
 
 
 def test_fp8_tensor_checkpoint_refuses_other_scales(sglang_context, checkpoint) -> None:  # type: ignore[no-untyped-def]
-    """A scale that is not one positive finite value (per-channel scales under a per-tensor config, a zero) is
-    refused while it loads, naming the tensor and the expert."""
+    """A weight scale that is not one positive finite value (per-channel scales under a per-tensor config, a
+    zero) and an input scale of more than one value are refused while they load, naming the tensor and the
+    expert. An input scale of 0 (left so for experts calibration never routed) loads: it is not used."""
     from pooled_runner.sglang.layer import PooledFusedMoE
     from pooled_runner.sglang.runtime import set_runtime
 
@@ -167,10 +168,10 @@ def test_fp8_tensor_checkpoint_refuses_other_scales(sglang_context, checkpoint) 
             "a per-tensor fp8 scale is one value, got shape (32, 1)",
         ),
         "zero": (torch.zeros(()), "scale 0.0 is not a positive finite number"),
-        "nan input": (torch.tensor(float("nan")), "scale nan is not a positive finite number"),
+        "two input scales": (torch.ones(2), "an input scale is one value, got shape (2,)"),
     }
     for what, (bad, message) in cases.items():
-        key = name if what != "nan input" else name.replace("weight_scale", "input_scale")
+        key = name if "input" not in what else name.replace("weight_scale", "input_scale")
         fp8_runtime()
         try:
             layer = build(PooledFusedMoE, 0, torch.bfloat16, quant_config=quant_config())
@@ -191,3 +192,42 @@ def test_fp8_tensor_checkpoint_needs_the_fp8_pool_format(runtime) -> None:  # ty
     assert runtime.not_pooled == {
         "quantization fp8 (serve it with --moe-expert-pool-weight-format fp8)": ["model.layers.0.mlp.experts"]
     }
+
+
+def test_fp8_tensor_checkpoint_takes_an_unused_zero_input_scale(sglang_context, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """SGLang serves a static checkpoint whose input scale is 0 for an expert (the largest is used), so the pool
+    loads it too: the rows are the checkpoint's."""
+    from pooled_runner.sglang.layer import PooledFusedMoE
+    from pooled_runner.sglang.runtime import set_runtime
+
+    fp8 = fp8_tensor_checkpoint(checkpoint, seed=9)
+    fp8["model.layers.0.mlp.experts.3.up_proj.input_scale"] = torch.zeros(())
+    rt = fp8_runtime()
+    try:
+        layer = build(PooledFusedMoE, 0, torch.bfloat16, quant_config=quant_config())
+        load(layer, 0, fp8)
+        layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+        bank = rt.require_moe().bank
+        assert bank is not None
+        assert_row(bank.row(0, 3), expected_rows(fp8, 0, 3, slice(None)), "expert 3")
+    finally:
+        set_runtime(None)
+
+
+def test_layers_the_checkpoint_leaves_unquantized_stay_on_the_device(runtime) -> None:  # type: ignore[no-untyped-def]
+    """An fp8 checkpoint whose ignore list holds a MoE layer stores its experts in bf16, and SGLang serves them
+    so: in an fp8 pool they would be quantized on load, so the layer keeps its experts on the device."""
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    from pooled_runner.sglang.layer import not_pooled_reason
+
+    config = Fp8Config(
+        is_checkpoint_fp8_serialized=True,
+        activation_scheme="dynamic",
+        ignored_layers=["model.layers.1.mlp.experts"],
+    )
+    args = {"quant_config": config, "prefix": "model.layers.1.mlp.experts"}
+    reason = "experts the checkpoint leaves unquantized (its ignore list): the fp8 pool would quantize them"
+    assert not_pooled_reason(args, "fp8") == reason
+    assert not_pooled_reason({**args, "prefix": "model.layers.0.mlp.experts"}, "fp8") is None
+    assert not_pooled_reason(args, "bf16") is None  # a bf16 pool holds them as they are

@@ -1,6 +1,6 @@
 """A server whose pool quantizes the embedded model's experts while they load (`--moe-expert-pool-weight-format
 int4-g32`, bf16), and ones serving fp8 checkpoints of it as they are (16x16 blocks: fp8-b16; one scale per
-tensor: fp8), each serve exactly what a bf16 pool serves from a checkpoint whose experts already hold the
+tensor, or llm-compressor's per channel: fp8), each serve exactly what a bf16 pool serves from a checkpoint whose experts already hold the
 dequantized weights: the same greedy tokens and the same log-probabilities, prompt and output.
 
 (Both servers run SGLang's attention and our torch path on the same bf16 values, so any difference is the
@@ -25,11 +25,13 @@ NEW_TOKENS = 12
 EXPERT_TENSOR = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.\d+)\.(gate|up|down)_proj\.weight$")
 
 
-def _fp8_checkpoint(embedded_model: Path, folder: Path, block: int | None) -> tuple[Path, Path]:
-    """An fp8 copy of the embedded checkpoint, attention left unquantized through `ignored_layers`, and a copy
-    whose experts hold its dequantized weights in bf16. `block`: DeepSeek-style e4m3 with `weight_scale_inv` per
-    [block, block] tile, dynamic activations; None: e4m3 with one `weight_scale` per tensor (amax / 448, in
-    plain torch) and static activations (an `input_scale` per tensor, which the pool checks and does not use)."""
+def _fp8_checkpoint(embedded_model: Path, folder: Path, kind: str) -> tuple[Path, Path]:
+    """An fp8 copy of the embedded checkpoint, attention left unquantized, and a copy whose experts hold its
+    dequantized weights in bf16. `kind`: "blocks" (DeepSeek-style e4m3 with `weight_scale_inv` per 16x16 tile,
+    dynamic activations); "per-tensor" (quant_method fp8 without blocks: one `weight_scale` per tensor, static
+    activations with an `input_scale` per tensor, which the pool checks and does not use); "compressed-channel"
+    (llm-compressor's FP8-dynamic: compressed-tensors, a `weight_scale` [N, 1] per output channel). Scales per
+    tensor and channel are amax / 448, in plain torch."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -45,27 +47,46 @@ def _fp8_checkpoint(embedded_model: Path, folder: Path, block: int | None) -> tu
         if not EXPERT_TENSOR.match(name):
             continue
         w = w.to(torch.bfloat16)
-        if block is None:
-            scale = w.float().abs().amax() / 448.0
-            q = (w.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-            fp8[name], fp8[name + "_scale"] = q, scale.reshape(())
-            fp8[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.05)
-            dense[name] = (q.float() * scale).to(torch.bfloat16).float()
-        else:
-            q, scale = quantize_fp8(w, block)
+        if kind == "blocks":
+            q, scale = quantize_fp8(w, 16)
             fp8[name], fp8[name + "_scale_inv"] = q, scale
-            dense[name] = dequantize_fp8(q, scale, block, torch.bfloat16).float()
+            dense[name] = dequantize_fp8(q, scale, 16, torch.bfloat16).float()
+            continue
+        per_channel = kind == "compressed-channel"
+        amax = w.float().abs().amax(dim=1, keepdim=True) if per_channel else w.float().abs().amax()
+        scale = amax / 448.0
+        q = (w.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        fp8[name], fp8[name + "_scale"] = q, scale
+        if kind == "per-tensor":
+            fp8[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.05)
+        dense[name] = (q.float() * scale).to(torch.bfloat16).float()
     save_file(fp8, str(fp8_folder / "model.safetensors"))
     save_file(dense, str(dense_folder / "model.safetensors"))
     config = json.loads((embedded_model / "config.json").read_text())
     attention = sorted({n.rsplit(".", 1)[0] for n in sd if ".self_attn." in n and n.endswith("_proj.weight")})
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic" if block else "static",
-        "fmt": "e4m3",
-        **({"weight_block_size": [block, block]} if block else {}),
-        "ignored_layers": attention,
-    }
+    if kind == "compressed-channel":
+        e4m3 = {"num_bits": 8, "type": "float", "symmetric": True}
+        group = {
+            "targets": ["Linear"],
+            "weights": {**e4m3, "dynamic": False, "strategy": "channel"},
+            "input_activations": {**e4m3, "dynamic": True, "strategy": "token"},
+        }
+        quant = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": group},
+            "ignore": ["lm_head", *attention],
+        }
+    else:
+        quant = {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic" if kind == "blocks" else "static",
+            "fmt": "e4m3",
+            **({"weight_block_size": [16, 16]} if kind == "blocks" else {}),
+            "ignored_layers": attention,
+        }
+    config["quantization_config"] = quant
     (fp8_folder / "config.json").write_text(json.dumps(config, indent=2))
     return fp8_folder, dense_folder
 
@@ -137,16 +158,13 @@ def test_int4_pool_serves_what_bf16_serves_of_the_dequantized_experts(
         assert got_lp == ref_lp, f"prompt {ids[:4]}...: log-probabilities {got_lp} != {ref_lp}"
 
 
-@pytest.mark.parametrize("block", [16, None], ids=["blocks", "per-tensor"])
+@pytest.mark.parametrize("kind", ["blocks", "per-tensor", "compressed-channel"])
 def test_fp8_checkpoint_serves_what_bf16_serves_of_its_dequantized_experts(
-    embedded_model: Path,
-    prompt_ids: list[list[int]],
-    tmp_path_factory: pytest.TempPathFactory,
-    block: int | None,
+    embedded_model: Path, prompt_ids: list[list[int]], tmp_path_factory: pytest.TempPathFactory, kind: str
 ) -> None:
     tmp = tmp_path_factory.mktemp("fp8")
-    fp8, dense = _fp8_checkpoint(embedded_model, tmp, block=block)
-    fmt = f"fp8-b{block}" if block else "fp8"
+    fp8, dense = _fp8_checkpoint(embedded_model, tmp, kind)
+    fmt = "fp8-b16" if kind == "blocks" else "fp8"
     served, log = _serve(
         ["--model-path", str(fp8), "--moe-expert-pool-weight-format", fmt], tmp / "fp8.log", prompt_ids
     )

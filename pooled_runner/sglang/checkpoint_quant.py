@@ -1,0 +1,120 @@
+"""A MoE layer's quantized checkpoint, seen from the pool: which pool format its experts already are, and which
+SGLang method lays out the one-expert placeholders its loader writes through (`PooledMoEMethod`).
+
+Served as they are (the e4m3 weights are the rows; W8A16, activations stay in the model's dtype):
+- SGLang's `Fp8Config` of an fp8-serialized checkpoint: square blocks (`weight_block_size`, scales
+  `weight_scale_inv`) are fp8-b{block}; one `weight_scale` per tensor is fp8 (each scale on every row of the
+  per-channel scales);
+- `CompressedTensorsConfig` whose MoE scheme is `CompressedTensorsW8A8Fp8MoE` (llm-compressor's FP8 /
+  FP8-dynamic / FP8-block checkpoints): strategy tensor or channel (`weight_scale` [N, 1]) is fp8, block is
+  fp8-b{block} (`weight_scale` per tile).
+Anything else quantized is not pooled (the layer keeps SGLang's own method).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang.srt.layers.moe import get_moe_runner_backend
+from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
+
+from pooled_runner.formats.fp8 import block_format, checkpoint_format
+
+
+class _FusedMoEName:
+    """Matches a compressed-tensors target "FusedMoE" (its class name is what the config compares)."""
+
+
+_FusedMoEName.__name__ = "FusedMoE"
+
+
+def layer_quant(args: dict[str, Any]) -> tuple[Any, Any]:
+    """`(quant_config, scheme)` of a layer built with these `FusedMoE.__init__` arguments: `(None, None)` for a
+    layer its checkpoint leaves unquantized (Fp8Config's `ignored_layers`, compressed-tensors' `ignore`), and
+    for compressed-tensors the MoE scheme SGLang would give the layer (else None)."""
+    quant_config = args.get("quant_config")
+    if quant_config is None:
+        return None, None
+    prefix = args.get("prefix", "") or ""
+    if hasattr(quant_config, "ignored_layers"):
+        from sglang.srt.layers.quantization.utils import is_layer_skipped
+
+        mapping = getattr(quant_config, "packed_modules_mapping", None) or {}
+        if is_layer_skipped(prefix, quant_config.ignored_layers, fused_mapping=mapping):
+            return None, None
+    if not _is_compressed_tensors(quant_config):
+        return quant_config, None
+    # SGLang decides the scheme with the layer built (`get_quant_method(layer, prefix)`); the config's targets
+    # read only its class name, so a stand-in of that name takes its place before the layer exists
+    scheme = quant_config.get_moe_scheme(layer=_FusedMoEName(), layer_name=prefix)
+    return (quant_config, scheme) if scheme is not None else (None, None)
+
+
+def native_quant_format(quant_config: Any, scheme: Any = None) -> str:
+    """The pool format a layer's quantized experts already are (see the module docstring), or ""."""
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    if isinstance(quant_config, Fp8Config):
+        if not quant_config.is_checkpoint_fp8_serialized:
+            return ""
+        if getattr(quant_config, "use_mxfp8", False) or getattr(quant_config, "is_fp4_experts", False):
+            return ""
+        return checkpoint_format(quant_config.weight_block_size)
+    if _is_compressed_tensors(quant_config) and scheme is not None:
+        return _compressed_tensors_format(scheme)
+    return ""
+
+
+def base_method(quant_config: Any, scheme: Any = None) -> Any:
+    """The method that creates a pooled layer's one-expert placeholders (the loader's layout and tags): SGLang's
+    fp8 method for an fp8 checkpoint, the compressed-tensors method with the layer's scheme, else the
+    unquantized one."""
+    if quant_config is None:
+        backend = get_moe_runner_backend()
+        return UnquantizedFusedMoEMethod(
+            backend.is_triton_kernels(),
+            backend.is_flashinfer_trtllm() or backend.is_flashinfer_trtllm_routed(),
+            backend.is_deep_gemm() or backend.is_lora(),
+        )
+    if _is_compressed_tensors(quant_config):
+        return _scheme_method(quant_config, scheme)
+    from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod
+
+    return Fp8MoEMethod(quant_config)
+
+
+def _is_compressed_tensors(quant_config: Any) -> bool:
+    from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+
+    return isinstance(quant_config, CompressedTensorsConfig)
+
+
+def _compressed_tensors_format(scheme: Any) -> str:
+    from compressed_tensors.quantization import QuantizationStrategy
+    from sglang.srt.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A8Fp8MoE
+
+    if type(scheme) is not CompressedTensorsW8A8Fp8MoE:
+        return ""
+    weights = scheme.weight_quant
+    if weights.num_bits != 8 or not weights.symmetric or weights.dynamic:
+        return ""
+    if weights.strategy in (QuantizationStrategy.TENSOR, QuantizationStrategy.CHANNEL):
+        return "fp8"
+    if weights.strategy == QuantizationStrategy.BLOCK:
+        return block_format(scheme.weight_block_size)
+    return ""
+
+
+def _scheme_method(quant_config: Any, scheme: Any) -> Any:
+    """SGLang's `CompressedTensorsFusedMoEMethod`, which reads the layer's scheme from `layer.scheme` (set by
+    `get_quant_method` for a layer SGLang builds itself): set here before the placeholders are made."""
+    from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsFusedMoEMethod,
+    )
+
+    class SchemeMethod(CompressedTensorsFusedMoEMethod):
+        def create_weights(self, layer: Any, *args: Any, **kwargs: Any) -> None:
+            layer.scheme = scheme
+            super().create_weights(layer, *args, **kwargs)
+
+    return SchemeMethod(quant_config)
