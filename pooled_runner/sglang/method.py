@@ -157,7 +157,11 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
                 "--no-moe-expert-pool"
             )
 
-    def _make_bank_loader(self, layer: Any, operand: str) -> Any:
+    def _weight_loader(self, operand: str, load: Any) -> Any:
+        """A `weight_loader` with SGLang's signature (`param, loaded_weight, weight_name, shard_id`, the expert
+        positional or as `expert_id`) that checks the expert and the shard, then runs
+        `load(param, loaded_weight, weight_name, shard_id, expert_id)`."""
+
         def weight_loader(
             param: torch.nn.Parameter,
             loaded_weight: torch.Tensor,
@@ -167,28 +171,7 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             **kwargs: Any,
         ) -> None:
             expert_id = self._expert_id(weight_name, shard_id, operand, rest, kwargs)
-            loader = self.runtime.ensure_loader()
-            loader.set_operands(self.index, self.operands)
-            storage = loader.expert_views(self.index, expert_id)[operand]
-            # The native loader writes into expert 0 of a one-row view of the dense row, so the row gets the
-            # layout (and the TP shard) the device weight would have; per-channel scales [N] are seen as the
-            # parameter's [N, 1]. The view carries the parameter's tags.
-            row = torch.nn.Parameter(storage.view(param.shape[1:]).unsqueeze(0), requires_grad=False)
-            row.__dict__.update(param.__dict__)
-            try:
-                layer._weight_loader_impl(
-                    param=row,
-                    loaded_weight=loaded_weight,
-                    weight_name=weight_name,
-                    shard_id=shard_id,
-                    expert_id=0,
-                )
-            except (RuntimeError, ValueError, AssertionError) as exc:
-                raise ValueError(
-                    f"{weight_name} (expert {expert_id}, shard {shard_id}, shape {tuple(loaded_weight.shape)}) "
-                    f"does not fit {operand} rows of shape {tuple(storage.shape)}: {exc}"
-                ) from exc
-            loader.written(self.index, expert_id, shard_id, operand)
+            load(param, loaded_weight, weight_name, shard_id, expert_id)
 
         return weight_loader
 
@@ -215,19 +198,45 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             )
         return int(expert_id)
 
+    def _make_bank_loader(self, layer: Any, operand: str) -> Any:
+        """The loader of an operand whose rows have the parameter's layout: SGLang's own per-expert loader
+        (`FusedMoE._weight_loader_impl`: TP sharding, w1/w3 placement) run on the expert's bank view."""
+
+        def load(
+            param: Any, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int
+        ) -> None:
+            loader = self.runtime.ensure_loader()
+            loader.set_operands(self.index, self.operands)
+            storage = loader.expert_views(self.index, expert_id)[operand]
+            # The native loader writes into expert 0 of a one-row view of the dense row, so the row gets the
+            # layout (and the TP shard) the device weight would have; per-channel scales [N] are seen as the
+            # parameter's [N, 1]. The view carries the parameter's tags.
+            row = torch.nn.Parameter(storage.view(param.shape[1:]).unsqueeze(0), requires_grad=False)
+            row.__dict__.update(param.__dict__)
+            try:
+                layer._weight_loader_impl(
+                    param=row,
+                    loaded_weight=loaded_weight,
+                    weight_name=weight_name,
+                    shard_id=shard_id,
+                    expert_id=0,
+                )
+            except (RuntimeError, ValueError, AssertionError) as exc:
+                raise ValueError(
+                    f"{weight_name} (expert {expert_id}, shard {shard_id}, shape {tuple(loaded_weight.shape)}) "
+                    f"does not fit {operand} rows of shape {tuple(storage.shape)}: {exc}"
+                ) from exc
+            loader.written(self.index, expert_id, shard_id, operand)
+
+        return self._weight_loader(operand, load)
+
     def _make_tensor_scale_loader(self, operand: str) -> Any:
         """The loader of a per-tensor fp8 scale (`w13_s` per shard, `w2_s`): the one value goes on every row of
         its shard in the bank's per-channel scales (gate rows [0, I), up rows [I, 2I) of this rank's w13)."""
 
-        def weight_loader(
-            param: torch.nn.Parameter,
-            loaded_weight: torch.Tensor,
-            weight_name: str,
-            shard_id: str,
-            *rest: Any,
-            **kwargs: Any,
+        def load(
+            param: Any, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int
         ) -> None:
-            expert_id = self._expert_id(weight_name, shard_id, operand, rest, kwargs)
             value = _one_scale(weight_name, loaded_weight, expert_id)
             loader = self.runtime.ensure_loader()
             loader.set_operands(self.index, self.operands)
@@ -238,30 +247,23 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             storage.fill_(value)
             loader.written(self.index, expert_id, shard_id, operand)
 
-        return weight_loader
+        return self._weight_loader(operand, load)
 
     def _make_input_scale_check(self, name: str) -> Any:
         """The loader of a static-activation checkpoint's input scale: checked (one value per shard; SGLang takes
         the largest, so an unused 0 is allowed) and dropped, since the pooled experts take activations in the
         model's dtype (W8A16)."""
 
-        def weight_loader(
-            param: torch.nn.Parameter,
-            loaded_weight: torch.Tensor,
-            weight_name: str,
-            shard_id: str,
-            *rest: Any,
-            **kwargs: Any,
+        def load(
+            param: Any, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int
         ) -> None:
-            operand = "w13" if name.startswith("w13") else "w2"
-            expert_id = self._expert_id(weight_name, shard_id, operand, rest, kwargs)
             if loaded_weight.numel() != 1:  # its value is not checked: some checkpoints leave 0 where unused
                 raise ValueError(
                     f"{weight_name} (expert {expert_id}): an input scale is one value, got shape "
                     f"{tuple(loaded_weight.shape)}"
                 )
 
-        return weight_loader
+        return self._weight_loader("w13" if name.startswith("w13") else "w2", load)
 
     def create_moe_runner(self, layer: Any, moe_runner_config: Any) -> None:
         self.base_method.create_moe_runner(layer, moe_runner_config)

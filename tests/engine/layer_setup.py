@@ -10,15 +10,13 @@ NUM_LAYERS = 2
 
 
 def build(cls: type, layer_id: int, dtype: torch.dtype, **kwargs: object) -> torch.nn.Module:
+    """A layer of the embedded model's sizes, as its model code builds it (`kwargs` add to or override them)."""
+    sizes: dict[str, object] = {"num_experts": E, "hidden_size": H, "intermediate_size": I, "top_k": K}
     return cls(
-        num_experts=E,
-        hidden_size=H,
-        intermediate_size=I,
         layer_id=layer_id,
-        top_k=K,
         params_dtype=dtype,
         prefix=f"model.layers.{layer_id}.mlp.experts",
-        **kwargs,
+        **{**sizes, **kwargs},
     )
 
 
@@ -44,6 +42,45 @@ def load(layer: torch.nn.Module, layer_id: int, sd: dict[str, torch.Tensor], ski
                 param = params[local]
                 param.weight_loader(param, weight, local, shard_id=shard_id, expert_id=expert_id)  # type: ignore[operator]
                 break
+
+
+def pooled_and_reference(
+    quant_config: object,
+    checkpoint: dict[str, torch.Tensor],
+    dequantized: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """NUM_LAYERS pooled layers built with `quant_config` and loaded from the quantized `checkpoint` (the runtime
+    set), and SGLang's unquantized `FusedMoE` layers loaded from its `dequantized` weights, both processed after
+    loading as SGLang's model loader does."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    from pooled_runner.sglang.layer import PooledFusedMoE
+
+    ref = [build(FusedMoE, i, dtype) for i in range(NUM_LAYERS)]
+    pooled = [build(PooledFusedMoE, i, dtype, quant_config=quant_config) for i in range(NUM_LAYERS)]
+    assert all(p.is_pooled for p in pooled)  # type: ignore[attr-defined]
+    with set_default_torch_dtype(dtype):
+        for i in range(NUM_LAYERS):
+            load(ref[i], i, dequantized)
+            load(pooled[i], i, checkpoint)
+            for layer in (ref[i], pooled[i]):
+                layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+    return pooled, ref
+
+
+def tp_rank_loaded(quant_config: object, checkpoint: dict[str, torch.Tensor], rank: int) -> torch.nn.Module:
+    """Layer 0 as rank `rank` of TP=2 builds it (half of I; the layer's moe_tp_rank/size, which SGLang's loader
+    narrows by), pooled with `quant_config` and loaded from `checkpoint` (the runtime set)."""
+    from pooled_runner.sglang.layer import PooledFusedMoE
+
+    layer = build(PooledFusedMoE, 0, torch.bfloat16, quant_config=quant_config, intermediate_size=I // 2)
+    assert layer.is_pooled  # type: ignore[attr-defined]
+    layer.moe_tp_size, layer.moe_tp_rank = 2, rank
+    load(layer, 0, checkpoint)
+    layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+    return layer
 
 
 def assert_layers_agree(

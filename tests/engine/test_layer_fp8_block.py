@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from pooled_runner import PoolConfig
-from tests.engine.layer_setup import NUM_LAYERS, E, H, I, K, assert_layers_agree, build, load
+from tests.engine.layer_setup import (
+    NUM_LAYERS,
+    E,
+    I,
+    assert_layers_agree,
+    build,
+    pooled_and_reference,
+    tp_rank_loaded,
+)
 
 
 def fp8_block_checkpoint(sd: dict[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
@@ -30,12 +38,9 @@ def test_fp8_block_checkpoint_is_pooled_as_it_is(sglang_context, checkpoint) -> 
     method lays out the placeholders and its loader writes weights and block scales straight into the bank rows
     (no dequantize, no requantize); the pooled layer equals SGLang's unquantized `FusedMoE` on the dequantized
     weights."""
-    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from sglang.srt.layers.quantization.fp8 import Fp8Config
     from sglang.srt.layers.quantization.fp8_utils import block_quant_dequant
-    from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-    from pooled_runner.sglang.layer import PooledFusedMoE
     from pooled_runner.sglang.runtime import PoolRuntime, set_runtime
     from pooled_runner.sglang.serve_config import ServeConfig
 
@@ -58,15 +63,7 @@ def test_fp8_block_checkpoint_is_pooled_as_it_is(sglang_context, checkpoint) -> 
     )
     set_runtime(rt)
     try:
-        ref = [build(FusedMoE, i, dtype) for i in range(NUM_LAYERS)]
-        pooled = [build(PooledFusedMoE, i, dtype, quant_config=quant_config) for i in range(NUM_LAYERS)]
-        assert all(p.is_pooled for p in pooled)
-        with set_default_torch_dtype(dtype):
-            for i in range(NUM_LAYERS):
-                load(ref[i], i, dequantized)
-                load(pooled[i], i, fp8)
-                for layer in (ref[i], pooled[i]):
-                    layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+        pooled, ref = pooled_and_reference(quant_config, fp8, dequantized, dtype)
         moe = rt.require_moe()
         assert moe.bank is not None and moe.format.name == f"fp8-b{block}" and rt.loader is None
         for i in range(NUM_LAYERS):
@@ -100,7 +97,6 @@ def test_fp8_block_checkpoint_under_tensor_parallelism_takes_each_ranks_blocks(
     columns of the `weight_scale_inv` tiles, byte for byte."""
     from sglang.srt.layers.quantization.fp8 import Fp8Config
 
-    from pooled_runner.sglang.layer import PooledFusedMoE
     from pooled_runner.sglang.runtime import PoolRuntime, set_runtime
     from pooled_runner.sglang.serve_config import ServeConfig
 
@@ -114,19 +110,7 @@ def test_fp8_block_checkpoint_under_tensor_parallelism_takes_each_ranks_blocks(
     )
     set_runtime(rt)
     try:
-        layer = PooledFusedMoE(
-            num_experts=E,
-            hidden_size=H,
-            intermediate_size=half,  # this rank's share, as SGLang sizes the layer under TP=2
-            layer_id=0,
-            top_k=K,
-            params_dtype=torch.bfloat16,
-            prefix="model.layers.0.mlp.experts",
-            quant_config=config,
-        )
-        layer.moe_tp_size, layer.moe_tp_rank = 2, rank
-        load(layer, 0, fp8)
-        layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+        tp_rank_loaded(config, fp8, rank)
         bank = rt.require_moe().bank
         assert bank is not None
         rows, blocks = (

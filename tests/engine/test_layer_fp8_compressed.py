@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from pooled_runner import PoolConfig
-from tests.engine.layer_setup import NUM_LAYERS, E, H, I, assert_layers_agree, build, load
+from tests.engine.layer_setup import (
+    NUM_LAYERS,
+    E,
+    H,
+    I,
+    assert_layers_agree,
+    build,
+    pooled_and_reference,
+    tp_rank_loaded,
+)
 
 E4M3_MAX = 448.0
 BLOCK = 16
@@ -99,10 +108,7 @@ def dequantized(ckpt: dict[str, torch.Tensor], strategy: str, dtype: torch.dtype
 
 @pytest.mark.parametrize("strategy", list(SCHEMES))
 def test_compressed_tensors_fp8_is_pooled_as_it_is(sglang_context, checkpoint, strategy: str) -> None:  # type: ignore[no-untyped-def]
-    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
-    from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-    from pooled_runner.sglang.layer import PooledFusedMoE
     from pooled_runner.sglang.runtime import PoolRuntime, set_runtime
     from pooled_runner.sglang.serve_config import ServeConfig
 
@@ -114,16 +120,7 @@ def test_compressed_tensors_fp8_is_pooled_as_it_is(sglang_context, checkpoint, s
     )
     set_runtime(rt)
     try:
-        ref = [build(FusedMoE, i, dtype) for i in range(NUM_LAYERS)]
-        config = compressed_config(strategy)
-        pooled = [build(PooledFusedMoE, i, dtype, quant_config=config) for i in range(NUM_LAYERS)]
-        assert all(p.is_pooled for p in pooled), rt.not_pooled
-        with set_default_torch_dtype(dtype):
-            for i in range(NUM_LAYERS):
-                load(ref[i], i, reference)
-                load(pooled[i], i, ckpt)
-                for layer in (ref[i], pooled[i]):
-                    layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+        pooled, ref = pooled_and_reference(compressed_config(strategy), ckpt, reference, dtype)
         moe = rt.require_moe()
         assert moe.bank is not None and moe.format.name == fmt and rt.loader is None
         for i in range(NUM_LAYERS):
@@ -172,7 +169,6 @@ def test_compressed_tensors_fp8_under_tensor_parallelism(
 ) -> None:  # type: ignore[no-untyped-def]
     """Rank r of TP=2: gate/up rows [r*I/2, (r+1)*I/2) and the same columns of down, byte for byte, with the
     matching slice of the per-channel scales (down's [H, 1] whole) or of the block scales."""
-    from pooled_runner.sglang.layer import PooledFusedMoE
     from pooled_runner.sglang.runtime import PoolRuntime, set_runtime
     from pooled_runner.sglang.serve_config import ServeConfig
 
@@ -183,20 +179,7 @@ def test_compressed_tensors_fp8_under_tensor_parallelism(
     )
     set_runtime(rt)
     try:
-        layer = PooledFusedMoE(
-            num_experts=E,
-            hidden_size=H,
-            intermediate_size=half,  # this rank's share, as SGLang sizes the layer under TP=2
-            layer_id=0,
-            top_k=4,
-            params_dtype=torch.bfloat16,
-            prefix="model.layers.0.mlp.experts",
-            quant_config=compressed_config(strategy),
-        )
-        assert layer.is_pooled
-        layer.moe_tp_size, layer.moe_tp_rank = 2, rank
-        load(layer, 0, ckpt)
-        layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+        tp_rank_loaded(compressed_config(strategy), ckpt, rank)
         bank = rt.require_moe().bank
         assert bank is not None
         rows = slice(rank * half, (rank + 1) * half)

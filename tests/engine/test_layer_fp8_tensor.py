@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from pooled_runner import PoolConfig
-from tests.engine.layer_setup import NUM_LAYERS, E, H, I, K, assert_layers_agree, build, load
+from tests.engine.layer_setup import (
+    NUM_LAYERS,
+    E,
+    I,
+    assert_layers_agree,
+    build,
+    load,
+    pooled_and_reference,
+    tp_rank_loaded,
+)
 
 E4M3_MAX = 448.0
 
@@ -86,10 +95,7 @@ def test_fp8_tensor_checkpoint_is_pooled_as_it_is(sglang_context, checkpoint, ac
     """Served with --moe-expert-pool-weight-format fp8: SGLang's fp8 method lays out the placeholders, the e4m3
     weights land in the bank rows byte for byte and each shard's scale on each of its rows; the pooled layer
     equals SGLang's unquantized `FusedMoE` on the dequantized weights."""
-    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
-    from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-    from pooled_runner.sglang.layer import PooledFusedMoE
     from pooled_runner.sglang.runtime import set_runtime
 
     dtype = torch.bfloat16
@@ -99,16 +105,7 @@ def test_fp8_tensor_checkpoint_is_pooled_as_it_is(sglang_context, checkpoint, ac
     reference = dequantized(fp8, dtype)
     rt = fp8_runtime()
     try:
-        ref = [build(FusedMoE, i, dtype) for i in range(NUM_LAYERS)]
-        config = quant_config(activation_scheme)
-        pooled = [build(PooledFusedMoE, i, dtype, quant_config=config) for i in range(NUM_LAYERS)]
-        assert all(p.is_pooled for p in pooled)
-        with set_default_torch_dtype(dtype):
-            for i in range(NUM_LAYERS):
-                load(ref[i], i, reference)
-                load(pooled[i], i, fp8)
-                for layer in (ref[i], pooled[i]):
-                    layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+        pooled, ref = pooled_and_reference(quant_config(activation_scheme), fp8, reference, dtype)
         moe = rt.require_moe()
         assert moe.bank is not None and moe.format.name == "fp8" and rt.loader is None
         for i in range(NUM_LAYERS):
@@ -124,26 +121,13 @@ def test_fp8_tensor_checkpoint_is_pooled_as_it_is(sglang_context, checkpoint, ac
 def test_fp8_tensor_checkpoint_under_tensor_parallelism(sglang_context, checkpoint, rank: int) -> None:  # type: ignore[no-untyped-def]
     """Rank r of TP=2: its bank rows are the checkpoint's gate/up rows [r*I/2, (r+1)*I/2) and the same columns of
     down, byte for byte, and every per-channel scale of a shard is that shard's one scale."""
-    from pooled_runner.sglang.layer import PooledFusedMoE
     from pooled_runner.sglang.runtime import set_runtime
 
     half = I // 2
     fp8 = fp8_tensor_checkpoint(checkpoint, seed=5)
     rt = fp8_runtime()
     try:
-        layer = PooledFusedMoE(
-            num_experts=E,
-            hidden_size=H,
-            intermediate_size=half,  # this rank's share, as SGLang sizes the layer under TP=2
-            layer_id=0,
-            top_k=K,
-            params_dtype=torch.bfloat16,
-            prefix="model.layers.0.mlp.experts",
-            quant_config=quant_config(),
-        )
-        layer.moe_tp_size, layer.moe_tp_rank = 2, rank
-        load(layer, 0, fp8)
-        layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+        tp_rank_loaded(quant_config(), fp8, rank)
         bank = rt.require_moe().bank
         assert bank is not None
         for e in range(E):
