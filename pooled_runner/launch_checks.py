@@ -133,12 +133,14 @@ def pool_problems(
             "the model has no MoE layer (no routed experts in config.json): serve it with SGLang directly"
         )
         return out
-    if facts.quantization is not None and not facts.native_format:
+    if facts.native_format_per_layer:
+        pass  # each MoE layer decides (and the startup log names the layers kept on the device, and why)
+    elif facts.quantization is not None and not facts.native_format:
         out.append(
             f"quantization {facts.quantization!r}: the pool takes unquantized (bf16/fp16/fp32) experts, and fp8 "
             "e4m3 ones in square blocks of 16, 32, 64 or 128 (DeepSeek-style weight_block_size) or with one "
             "scale per tensor (quant_method fp8 without weight_block_size), and llm-compressor's fp8 "
-            "(compressed-tensors: fp8 weights and activations, per tensor, channel or square block, one scheme); "
+            "(compressed-tensors: fp8 weights and activations, per tensor, channel or square block); "
             "use such a checkpoint or pass --no-moe-expert-pool"
         )
     elif facts.native_format and weight_format != facts.native_format:

@@ -166,8 +166,10 @@ def test_fp8_tensor_checkpoints_are_served_in_the_fp8_format(tmp_path: Path) -> 
 
 def test_compressed_tensors_fp8_checkpoints_are_served_in_their_format(tmp_path: Path) -> None:
     """llm-compressor fp8 checkpoints (quant_method compressed-tensors): strategy tensor or channel is served with
-    --moe-expert-pool-weight-format fp8, square blocks with fp8-b{block}; int4 groups, fp8 weights without fp8
-    activations and several different groups are refused."""
+    --moe-expert-pool-weight-format fp8, square blocks with fp8-b{block} (groups normalised as compressed-tensors
+    does); int4 groups, fp8 weights without fp8 activations and pairs SGLang refuses are refused; where config.json
+    does not settle the experts' format (several groups, an ignore entry that may name experts, no weight group),
+    the launcher leaves it to the layers."""
     config = {**QWEN3_MOE, "hidden_size": 2048, "moe_intermediate_size": 768, "torch_dtype": "bfloat16"}
     fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
     dynamic = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
@@ -204,16 +206,51 @@ def test_compressed_tensors_fp8_checkpoints_are_served_in_their_format(tmp_path:
         assert got.facts is not None and got.facts.native_format == fmt, name
         assert got.serve.pool is not None and got.serve.pool.weight_format == fmt
         assert f"the checkpoint's experts are {fmt} already" in refusal(base), name  # the default bf16 pool
+    # what compressed-tensors normalises: a "128x128" block string, an upper-case strategy, a default strategy
+    normalised = {
+        "block string": (
+            {
+                "weights": {**fp8, "strategy": "block", "block_structure": "128x128"},
+                "input_activations": dynamic,
+            },
+            "fp8-b128",
+        ),
+        "upper case": ({"weights": {**fp8, "strategy": "CHANNEL"}, "input_activations": dynamic}, "fp8"),
+        "default strategy": ({"weights": fp8, "input_activations": {**fp8, "strategy": "tensor"}}, "fp8"),
+    }
+    for name, (group, fmt) in normalised.items():
+        got = plan([*folder(name, group), "--moe-expert-pool-weight-format", fmt])
+        assert got.facts is not None and got.facts.native_format == fmt, name
     int4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
     refused = {
         "int4": ({"weights": int4},),
         "fp8 weights only": ({"weights": {**fp8, "strategy": "channel"}},),
-        "two schemes": (served["channel"][0], served["block"][0]),
+        # pairs SGLang's fp8 MoE scheme does not take (it asserts): per-tensor weights with per-token inputs,
+        # per-channel weights with static inputs
+        "tensor-token": ({"weights": {**fp8, "strategy": "tensor"}, "input_activations": dynamic},),
+        "channel-static": (
+            {"weights": {**fp8, "strategy": "channel"}, "input_activations": {**fp8, "strategy": "tensor"}},
+        ),
     }
     for name, groups in refused.items():
         message = refusal([*folder(name, *groups), "--moe-expert-pool-weight-format", "fp8"])
         assert "quantization 'compressed-tensors': the pool takes unquantized" in message, (name, message)
         assert "llm-compressor's fp8 (compressed-tensors" in message
+    # config.json alone does not settle the experts' format: no refusal on it, the layers decide
+    ignore_experts = folder("ignore experts", served["channel"][0])
+    config_path = Path(ignore_experts[1]) / "config.json"
+    data = json.loads(config_path.read_text())
+    data["quantization_config"]["ignore"] = ["lm_head", "re:.*mlp.experts.*"]
+    config_path.write_text(json.dumps(data))
+    per_layer = {
+        "two schemes": folder("two schemes", served["channel"][0], served["block"][0]),
+        "ignore experts": ignore_experts,
+        "kv cache only": folder("kv cache only"),
+    }
+    for name, base in per_layer.items():
+        got = plan(base)  # the default bf16 pool
+        assert got.facts is not None and got.facts.native_format_per_layer, name
+        assert got.serve.pool is not None and got.serve.pool.weight_format == "bf16", name
 
 
 def test_pool_formats_are_checked_against_the_experts(tmp_path: Path) -> None:

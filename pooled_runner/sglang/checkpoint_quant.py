@@ -44,6 +44,8 @@ def layer_quant(args: dict[str, Any]) -> tuple[Any, Any]:
             return None, None
     if not _is_compressed_tensors(quant_config):
         return quant_config, None
+    if quant_config._is_mxfp4_moe(layer_name=prefix):  # SGLang gives these its Mxfp4MoEMethod, no scheme
+        return quant_config, None
     # SGLang decides the scheme with the layer built (`get_quant_method(layer, prefix)`); the config's targets
     # read only its class name, so a stand-in of that name takes its place before the layer exists
     scheme = quant_config.get_moe_scheme(layer=_FusedMoEName(), layer_name=prefix)

@@ -37,7 +37,9 @@ def not_pooled_reason(args: dict[str, Any], weight_format: str = "bf16") -> str 
         return f"explicit quant method {type(args['quant_method']).__name__}"
     try:
         quant_config, scheme = layer_quant(args)
-    except (ValueError, NotImplementedError) as exc:  # SGLang raises it again when it builds the layer itself
+    # SGLang's scheme choice refuses some configurations (ValueError, NotImplementedError) and asserts or trips
+    # on others; it raises again, in its own words, when it builds the layer itself
+    except (ValueError, NotImplementedError, AssertionError, AttributeError) as exc:
         return f"quantization scheme refused by SGLang: {exc}"
     if quant_config is None and args.get("quant_config") is not None and weight_format != "bf16":
         # a layer the checkpoint's ignore list leaves in bf16: SGLang serves it so, and the pool would quantize it

@@ -33,6 +33,9 @@ class ModelFacts:
     # the pool format a quantized checkpoint's experts already are ("fp8-b128" for DeepSeek-style fp8 blocks),
     # "" when the pool cannot take them as they are
     native_format: str = ""
+    # config.json does not settle the experts' format (compressed-tensors groups or ignore entries that could
+    # name experts): each layer decides, and the launcher does not refuse on the format
+    native_format_per_layer: bool = False
 
     @property
     def num_total_experts(self) -> int:
@@ -89,36 +92,20 @@ def _native_format(quant: dict[str, Any]) -> str:
     from pooled_runner.formats.fp8 import checkpoint_format
 
     if quant.get("quant_method") == "compressed-tensors":
-        return _compressed_tensors_format(quant)
+        from pooled_runner.sglang.compressed_facts import compressed_tensors_facts
+
+        return compressed_tensors_facts(quant).native_format
     if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
         return ""
     return checkpoint_format(quant.get("weight_block_size"))
 
 
-def _compressed_tensors_format(quant: dict[str, Any]) -> str:
-    """The pool format of an llm-compressor checkpoint's experts: its config groups must all be fp8 e4m3 weights
-    (8-bit float, symmetric, static) with fp8 activations (SGLang's W8A8 fp8 MoE scheme), strategy tensor or
-    channel ("fp8") or square blocks (fp8-b{block}). Several different groups: "" (which one the experts get
-    depends on targets the launcher does not resolve)."""
-    from pooled_runner.formats.fp8 import block_format
+def _per_layer(quant: dict[str, Any]) -> bool:
+    if quant.get("quant_method") != "compressed-tensors":
+        return False
+    from pooled_runner.sglang.compressed_facts import compressed_tensors_facts
 
-    groups = [
-        g for g in (quant.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")
-    ]
-    formats = set()
-    for group in groups:
-        weights, inputs = group["weights"], group.get("input_activations")
-        fp8_weights = weights.get("num_bits") == 8 and weights.get("type") == "float"
-        fp8_inputs = (
-            isinstance(inputs, dict) and inputs.get("num_bits") == 8 and inputs.get("type") == "float"
-        )
-        if not (fp8_weights and fp8_inputs and weights.get("symmetric", True) and not weights.get("dynamic")):
-            return ""
-        strategy = weights.get("strategy")
-        formats.add(
-            "fp8" if strategy in ("tensor", "channel") else block_format(weights.get("block_structure"))
-        )
-    return formats.pop() if len(formats) == 1 else ""
+    return compressed_tensors_facts(quant).per_layer
 
 
 def facts_from_config(config: dict[str, Any]) -> ModelFacts:
@@ -142,6 +129,7 @@ def facts_from_config(config: dict[str, Any]) -> ModelFacts:
         dtype=str(dtype),
         router_logits_differ=_router_logits_differ(text),
         native_format=_native_format(quant) if isinstance(quant, dict) else "",
+        native_format_per_layer=_per_layer(quant) if isinstance(quant, dict) else False,
     )
 
 

@@ -37,7 +37,7 @@ SCHEMES = {
 FORMATS = {"tensor": "fp8", "channel": "fp8", "block": f"fp8-b{BLOCK}"}
 
 
-def compressed_config(strategy: str):  # type: ignore[no-untyped-def]
+def compressed_config(strategy: str, ignore: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
     from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
     weights, inputs = SCHEMES[strategy]
@@ -53,7 +53,7 @@ def compressed_config(strategy: str):  # type: ignore[no-untyped-def]
             "format": "float-quantized",
             "quantization_status": "compressed",
             "config_groups": {"group_0": group},
-            "ignore": ["lm_head"],
+            "ignore": ["lm_head", *ignore],
         }
     )
 
@@ -206,3 +206,31 @@ def test_compressed_tensors_fp8_under_tensor_parallelism(
                 )
     finally:
         set_runtime(None)
+
+
+def test_compressed_tensors_layers_left_unquantized_or_mxfp4(runtime) -> None:  # type: ignore[no-untyped-def]
+    """A MoE layer the `ignore` list leaves in bf16 stays on the device in an fp8 pool (it would be quantized)
+    and is pooled in a bf16 one; an MXFP4 checkpoint (SGLang's own Mxfp4MoEMethod, no scheme) is not pooled,
+    with its reason, rather than failing in the scheme choice."""
+    from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+
+    from pooled_runner.sglang.layer import not_pooled_reason
+
+    config = compressed_config("channel", ignore=("re:model.layers.1.mlp.experts.*",))
+    layer1 = {"quant_config": config, "prefix": "model.layers.1.mlp.experts"}
+    assert not_pooled_reason(layer1, "fp8") == (
+        "experts the checkpoint leaves unquantized (its ignore list): the fp8 pool would quantize them"
+    )
+    assert not_pooled_reason(layer1, "bf16") is None
+    assert not_pooled_reason({**layer1, "prefix": "model.layers.0.mlp.experts"}, "fp8") is None
+    mxfp4 = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32}
+    mx_config = CompressedTensorsConfig.from_config(
+        {
+            "quant_method": "compressed-tensors",
+            "format": "mxfp4-pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": mxfp4}},
+            "ignore": ["lm_head"],
+        }
+    )
+    reason = not_pooled_reason({"quant_config": mx_config, "prefix": "model.layers.0.mlp.experts"}, "fp8")
+    assert reason is not None and reason.startswith("quantization compressed_tensors"), reason
