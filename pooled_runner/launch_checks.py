@@ -133,9 +133,10 @@ def pool_problems(
             "the model has no MoE layer (no routed experts in config.json): serve it with SGLang directly"
         )
         return out
-    if facts.native_format_per_layer:
-        pass  # each MoE layer decides (and the startup log names the layers kept on the device, and why)
-    elif facts.quantization is not None and not facts.native_format:
+    # where config.json does not settle the experts' format, each MoE layer decides (the startup log names the
+    # layers kept on the device, and why)
+    decided = not facts.native_format_per_layer
+    if decided and facts.quantization is not None and not facts.native_format:
         out.append(
             f"quantization {facts.quantization!r}: the pool takes unquantized (bf16/fp16/fp32) experts, and fp8 "
             "e4m3 ones in square blocks of 16, 32, 64 or 128 (DeepSeek-style weight_block_size) or with one "
@@ -143,7 +144,7 @@ def pool_problems(
             "(compressed-tensors: fp8 weights and activations, per tensor, channel or square block); "
             "use such a checkpoint or pass --no-moe-expert-pool"
         )
-    elif facts.native_format and weight_format != facts.native_format:
+    elif decided and facts.native_format and weight_format != facts.native_format:
         out.append(
             f"{flag_name('weight_format')} {weight_format}: the checkpoint's experts are {facts.native_format} "
             f"already (quantization {facts.quantization!r}); the pool serves them as they are with "
@@ -254,7 +255,7 @@ def argv_problems(argv: list[str], pooled: bool, our_flags: list[str]) -> list[s
     if pooled and flag_value(argv, "--quantization") not in (None, "unquant"):
         out.append(
             "--quantization: the pool quantizes experts itself (--moe-expert-pool-weight-format) and reads a "
-            "checkpoint's own fp8 (blocks or per-tensor scales) from its config.json; drop --quantization or pass "
+            "checkpoint's own fp8 (blocks, per tensor or per channel) from its config.json; drop --quantization or pass "
             "--no-moe-expert-pool"
         )
     return out

@@ -6,8 +6,8 @@ Served as they are (the e4m3 weights are the rows; W8A16, activations stay in th
   `weight_scale_inv`) are fp8-b{block}; one `weight_scale` per tensor is fp8 (each scale on every row of the
   per-channel scales);
 - `CompressedTensorsConfig` whose MoE scheme is `CompressedTensorsW8A8Fp8MoE` (llm-compressor's FP8 /
-  FP8-dynamic / FP8-block checkpoints): strategy tensor or channel (`weight_scale` [N, 1]) is fp8, block is
-  fp8-b{block} (`weight_scale` per tile).
+  FP8-dynamic / FP8-block checkpoints): strategy tensor (`weight_scale` [1]) or channel ([N, 1]) is fp8, block
+  is fp8-b{block} (`weight_scale` per tile).
 Anything else quantized is not pooled (the layer keeps SGLang's own method).
 """
 

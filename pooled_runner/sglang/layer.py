@@ -31,19 +31,32 @@ _SIGNATURE = inspect.signature(_FusedMoE.__init__)
 def not_pooled_reason(args: dict[str, Any], weight_format: str = "bf16") -> str | None:
     """Why the pool cannot handle a layer built with these `FusedMoE.__init__` arguments (None: it can), its
     rows being in `weight_format`."""
+    return _decide(args, weight_format)[0]
+
+
+def _decide(args: dict[str, Any], weight_format: str) -> tuple[str | None, tuple[Any, Any]]:
+    """`(not_pooled_reason, layer_quant(args))`, the layer's quantization looked up once."""
     if get_flags().moe.in_speculative_scope:
-        return "draft-model layer"
+        return "draft-model layer", (None, None)
     if args.get("quant_method") is not None:
-        return f"explicit quant method {type(args['quant_method']).__name__}"
+        return f"explicit quant method {type(args['quant_method']).__name__}", (None, None)
     try:
-        quant_config, scheme = layer_quant(args)
+        quant = layer_quant(args)
     # SGLang's scheme choice refuses some configurations (ValueError, NotImplementedError) and asserts or trips
     # on others; it raises again, in its own words, when it builds the layer itself
     except (ValueError, NotImplementedError, AssertionError, AttributeError) as exc:
-        return f"quantization scheme refused by SGLang: {exc}"
+        return f"quantization scheme refused by SGLang: {exc}", (None, None)
+    return _reason(args, weight_format, *quant), quant
+
+
+def _reason(args: dict[str, Any], weight_format: str, quant_config: Any, scheme: Any) -> str | None:
+    """`not_pooled_reason` given the layer's `(quant_config, scheme)`."""
     if quant_config is None and args.get("quant_config") is not None and weight_format != "bf16":
         # a layer the checkpoint's ignore list leaves in bf16: SGLang serves it so, and the pool would quantize it
-        return f"experts the checkpoint leaves unquantized (its ignore list): the {weight_format} pool would quantize them"
+        return (
+            f"experts the checkpoint leaves unquantized (its ignore list): the {weight_format} pool would "
+            "quantize them"
+        )
     if quant_config is not None:
         native = native_quant_format(quant_config, scheme)
         if not native:
@@ -89,9 +102,9 @@ class PooledFusedMoE(_FusedMoE):
         values.pop("self")
         runtime = get_runtime()
         if runtime is not None:
-            reason = not_pooled_reason(values, runtime.config.weight_format)
+            reason, quant = _decide(values, runtime.config.weight_format)
             if reason is None:
-                values["quant_method"] = PooledMoEMethod(base_method(*layer_quant(values)), runtime)
+                values["quant_method"] = PooledMoEMethod(base_method(*quant), runtime)
             else:
                 runtime.note_not_pooled(values.get("prefix", "") or f"layer {values['layer_id']}", reason)
         super().__init__(**values)

@@ -73,9 +73,8 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         self.layer_name = ""
         self.routed_scaling_factor = 1.0
         self.operands: tuple[str, ...] = ()  # the PARAMS operands the layer's placeholders have
-        self.params = dict(
-            PARAMS
-        )  # operand -> the layer's parameter (SCALES where scales are `weight_scale`)
+        # operand -> the layer's parameter (SCALES where the scales are named `weight_scale`)
+        self.params = dict(PARAMS)
         self.tensor_scales = False  # an fp8 checkpoint with one scale per tensor (widened on load)
 
     def create_weights(
@@ -138,18 +137,13 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             for op in self.operands
         }
         if moe.format.name == "fp8" and self.params["w13_s"] == SCALES["w13_s"]:
-            if self.tensor_scales:  # one scale per shard, widened to the format's per-channel rows on load
-                per_tensor = {"w13_s": ((2,), torch.float32), "w2_s": ((), torch.float32)}
-                if all(got.get(op) == spec for op, spec in per_tensor.items()):
-                    got.update({op: row_specs[op] for op in per_tensor})
-            else:  # per channel, [N, 1]: the rows' [N] seen with the trailing 1 (the loader writes that view)
-                got.update(
-                    {
-                        op: (shape[:-1], dt)
-                        for op, (shape, dt) in got.items()
-                        if op in SCALES and shape[-1:] == (1,)
-                    }
-                )
+            # fp8's per-channel scale rows [N] take one scale per shard (w13 [2], w2 [], widened on load) or
+            # per-channel scales [N, 1] (the loader writes the rows seen with that trailing 1)
+            per_tensor = {"w13_s": (2,), "w2_s": ()} if self.tensor_scales else {}
+            for op in SCALES:
+                shape, dt = row_specs[op]
+                if got.get(op) in ((per_tensor.get(op), dt), ((*shape, 1), dt)):
+                    got[op] = row_specs[op]
         if got != row_specs and got != dense_specs:
             raise ValueError(
                 f"{self.layer_name}: the {type(self.base_method).__name__} placeholders {got} are neither the "
@@ -205,9 +199,7 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         def load(
             param: Any, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int
         ) -> None:
-            loader = self.runtime.ensure_loader()
-            loader.set_operands(self.index, self.operands)
-            storage = loader.expert_views(self.index, expert_id)[operand]
+            storage = self._expert_view(expert_id, operand)
             # The native loader writes into expert 0 of a one-row view of the dense row, so the row gets the
             # layout (and the TP shard) the device weight would have; per-channel scales [N] are seen as the
             # parameter's [N, 1]. The view carries the parameter's tags.
@@ -226,9 +218,16 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
                     f"{weight_name} (expert {expert_id}, shard {shard_id}, shape {tuple(loaded_weight.shape)}) "
                     f"does not fit {operand} rows of shape {tuple(storage.shape)}: {exc}"
                 ) from exc
-            loader.written(self.index, expert_id, shard_id, operand)
+            self.runtime.ensure_loader().written(self.index, expert_id, shard_id, operand)
 
         return self._weight_loader(operand, load)
+
+    def _expert_view(self, expert_id: int, operand: str) -> torch.Tensor:
+        """Where a loader writes `operand` of an expert (`DenseLoader.expert_views`: its bank row in place, or a
+        dense buffer quantized once the expert is complete)."""
+        loader = self.runtime.ensure_loader()
+        loader.set_operands(self.index, self.operands)
+        return loader.expert_views(self.index, expert_id)[operand]
 
     def _make_tensor_scale_loader(self, operand: str) -> Any:
         """The loader of a per-tensor fp8 scale (`w13_s` per shard, `w2_s`): the one value goes on every row of
@@ -238,14 +237,12 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             param: Any, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int
         ) -> None:
             value = _one_scale(weight_name, loaded_weight, expert_id)
-            loader = self.runtime.ensure_loader()
-            loader.set_operands(self.index, self.operands)
-            storage = loader.expert_views(self.index, expert_id)[operand]  # [2I] or [H]
+            storage = self._expert_view(expert_id, operand)  # [2I] or [H]
             if operand == "w13_s":
                 half = storage.shape[0] // 2
                 storage = storage[:half] if shard_id == "w1" else storage[half:]
             storage.fill_(value)
-            loader.written(self.index, expert_id, shard_id, operand)
+            self.runtime.ensure_loader().written(self.index, expert_id, shard_id, operand)
 
         return self._weight_loader(operand, load)
 

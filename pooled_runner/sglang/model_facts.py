@@ -84,28 +84,21 @@ def _router_logits_differ(text: dict[str, Any]) -> str:
     return "; ".join(reasons)
 
 
-def _native_format(quant: dict[str, Any]) -> str:
-    """The pool format of a quantization_config's experts, or "": fp8 e4m3 in square blocks the pool's fp8
-    format has (DeepSeek-V3, Qwen3-*-FP8: `weight_block_size` [128, 128], scales `weight_scale_inv` per block),
-    or with one scale per tensor (no `weight_block_size`: the per-channel "fp8" format); llm-compressor's fp8
-    (compressed-tensors) per tensor, channel or square block."""
+def _native_format(quant: dict[str, Any]) -> tuple[str, bool]:
+    """(the pool format of a quantization_config's experts or "", whether only the layers can tell): fp8 e4m3
+    in square blocks the pool's fp8 format has (DeepSeek-V3, Qwen3-*-FP8: `weight_block_size` [128, 128], scales
+    `weight_scale_inv` per block), or with one scale per tensor (no `weight_block_size`: the per-channel "fp8"
+    format); llm-compressor's fp8 (compressed-tensors) per tensor, channel or square block."""
     from pooled_runner.formats.fp8 import checkpoint_format
 
     if quant.get("quant_method") == "compressed-tensors":
         from pooled_runner.sglang.compressed_facts import compressed_tensors_facts
 
-        return compressed_tensors_facts(quant).native_format
+        facts = compressed_tensors_facts(quant)
+        return facts.native_format, facts.per_layer
     if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
-        return ""
-    return checkpoint_format(quant.get("weight_block_size"))
-
-
-def _per_layer(quant: dict[str, Any]) -> bool:
-    if quant.get("quant_method") != "compressed-tensors":
-        return False
-    from pooled_runner.sglang.compressed_facts import compressed_tensors_facts
-
-    return compressed_tensors_facts(quant).per_layer
+        return "", False
+    return checkpoint_format(quant.get("weight_block_size")), False
 
 
 def facts_from_config(config: dict[str, Any]) -> ModelFacts:
@@ -119,6 +112,7 @@ def facts_from_config(config: dict[str, Any]) -> ModelFacts:
     if isinstance(quant, dict):
         quant_name = str(quant.get("quant_method") or quant.get("quant_algo") or "unknown")
     dtype = text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or ""
+    native, per_layer = _native_format(quant) if isinstance(quant, dict) else ("", False)
     return ModelFacts(
         num_moe_layers,
         num_experts,
@@ -128,8 +122,8 @@ def facts_from_config(config: dict[str, Any]) -> ModelFacts:
         moe_intermediate_size=_first(text, _EXPERT_INTERMEDIATE_KEYS),
         dtype=str(dtype),
         router_logits_differ=_router_logits_differ(text),
-        native_format=_native_format(quant) if isinstance(quant, dict) else "",
-        native_format_per_layer=_per_layer(quant) if isinstance(quant, dict) else False,
+        native_format=native,
+        native_format_per_layer=per_layer,
     )
 
 
