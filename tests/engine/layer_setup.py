@@ -83,6 +83,13 @@ def tp_rank_loaded(quant_config: object, checkpoint: dict[str, torch.Tensor], ra
     return layer
 
 
+def assert_bank_row(row: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    """A bank row holds `expected` (operand -> tensor) byte for byte, shapes included."""
+    for name, tensor in expected.items():
+        assert row[name].shape == tensor.shape, (what, name, tuple(row[name].shape), tuple(tensor.shape))
+        assert torch.equal(row[name].view(torch.uint8), tensor.contiguous().view(torch.uint8)), (what, name)
+
+
 def assert_layers_agree(
     pooled: list[torch.nn.Module],
     ref: list[torch.nn.Module],

@@ -12,6 +12,7 @@ from tests.engine.layer_setup import (
     NUM_LAYERS,
     E,
     I,
+    assert_bank_row,
     assert_layers_agree,
     build,
     pooled_and_reference,
@@ -77,11 +78,7 @@ def test_fp8_block_checkpoint_is_pooled_as_it_is(sglang_context, checkpoint) -> 
                     "w2": fp8[prefix + "down_proj.weight"],
                     "w2_s": fp8[prefix + "down_proj.weight_scale_inv"],
                 }
-                row = moe.bank.row(i, e)
-                for name, tensor in expected.items():
-                    assert torch.equal(row[name].view(torch.uint8), tensor.view(torch.uint8)), (
-                        f"layer {i} expert {e} {name}"
-                    )
+                assert_bank_row(moe.bank.row(i, e), expected, f"layer {i} expert {e}")
         assert_layers_agree(pooled, ref, checkpoint, dtype, seed=13, what="fp8 checkpoint")
         assert moe.stats().misses > 0
     finally:
@@ -129,12 +126,7 @@ def test_fp8_block_checkpoint_under_tensor_parallelism_takes_each_ranks_blocks(
                 "w2": down[:, rows],
                 "w2_s": down_s[:, blocks],
             }
-            row = bank.row(0, e)
-            for name, tensor in expected.items():
-                assert torch.equal(row[name].view(torch.uint8), tensor.contiguous().view(torch.uint8)), (
-                    e,
-                    name,
-                )
+            assert_bank_row(bank.row(0, e), expected, f"rank {rank} expert {e}")
     finally:
         set_runtime(None)
 

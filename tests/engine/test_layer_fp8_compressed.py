@@ -14,6 +14,7 @@ from tests.engine.layer_setup import (
     E,
     H,
     I,
+    assert_bank_row,
     assert_layers_agree,
     build,
     pooled_and_reference,
@@ -138,11 +139,7 @@ def test_compressed_tensors_fp8_is_pooled_as_it_is(sglang_context, checkpoint, s
                     "w2": down,
                     "w2_s": down_s.reshape(moe.bank.row(i, e)["w2_s"].shape),
                 }
-                row = moe.bank.row(i, e)
-                for name, tensor in expected.items():
-                    assert torch.equal(row[name].view(torch.uint8), tensor.contiguous().view(torch.uint8)), (
-                        f"layer {i} expert {e} {name}"
-                    )
+                assert_bank_row(moe.bank.row(i, e), expected, f"layer {i} expert {e}")
         assert_layers_agree(
             pooled, ref, checkpoint, dtype, seed=19, what=f"compressed-tensors fp8 {strategy}"
         )
@@ -199,11 +196,7 @@ def test_compressed_tensors_fp8_under_tensor_parallelism(
                     row["w2_s"].shape
                 ),
             }
-            for name, tensor in expected.items():
-                assert torch.equal(row[name].view(torch.uint8), tensor.contiguous().view(torch.uint8)), (
-                    e,
-                    name,
-                )
+            assert_bank_row(row, expected, f"rank {rank} expert {e}")
     finally:
         set_runtime(None)
 

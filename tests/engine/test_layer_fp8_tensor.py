@@ -14,6 +14,7 @@ from tests.engine.layer_setup import (
     NUM_LAYERS,
     E,
     I,
+    assert_bank_row,
     assert_layers_agree,
     build,
     load,
@@ -84,12 +85,6 @@ def expected_rows(fp8: dict[str, torch.Tensor], layer: int, e: int, rows: slice)
     }
 
 
-def assert_row(row: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
-    for name, tensor in expected.items():
-        assert row[name].shape == tensor.shape, (what, name, tuple(row[name].shape), tuple(tensor.shape))
-        assert torch.equal(row[name].view(torch.uint8), tensor.contiguous().view(torch.uint8)), (what, name)
-
-
 @pytest.mark.parametrize("activation_scheme", ["static", "dynamic"])
 def test_fp8_tensor_checkpoint_is_pooled_as_it_is(sglang_context, checkpoint, activation_scheme: str) -> None:  # type: ignore[no-untyped-def]
     """Served with --moe-expert-pool-weight-format fp8: SGLang's fp8 method lays out the placeholders, the e4m3
@@ -110,7 +105,9 @@ def test_fp8_tensor_checkpoint_is_pooled_as_it_is(sglang_context, checkpoint, ac
         assert moe.bank is not None and moe.format.name == "fp8" and rt.loader is None
         for i in range(NUM_LAYERS):
             for e in range(E):
-                assert_row(moe.bank.row(i, e), expected_rows(fp8, i, e, slice(None)), f"layer {i} expert {e}")
+                assert_bank_row(
+                    moe.bank.row(i, e), expected_rows(fp8, i, e, slice(None)), f"layer {i} expert {e}"
+                )
         assert_layers_agree(pooled, ref, checkpoint, dtype, seed=17, what="fp8 per-tensor checkpoint")
         assert moe.stats().misses > 0
     finally:
@@ -132,7 +129,7 @@ def test_fp8_tensor_checkpoint_under_tensor_parallelism(sglang_context, checkpoi
         assert bank is not None
         for e in range(E):
             rows = slice(rank * half, (rank + 1) * half)
-            assert_row(bank.row(0, e), expected_rows(fp8, 0, e, rows), f"rank {rank} expert {e}")
+            assert_bank_row(bank.row(0, e), expected_rows(fp8, 0, e, rows), f"rank {rank} expert {e}")
     finally:
         set_runtime(None)
 
@@ -193,7 +190,7 @@ def test_fp8_tensor_checkpoint_takes_an_unused_zero_input_scale(sglang_context, 
         layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
         bank = rt.require_moe().bank
         assert bank is not None
-        assert_row(bank.row(0, 3), expected_rows(fp8, 0, 3, slice(None)), "expert 3")
+        assert_bank_row(bank.row(0, 3), expected_rows(fp8, 0, 3, slice(None)), "expert 3")
     finally:
         set_runtime(None)
 
