@@ -141,7 +141,8 @@ def pool_problems(
             f"quantization {facts.quantization!r}: the pool takes unquantized (bf16/fp16/fp32) experts, and fp8 "
             "e4m3 ones in square blocks of 16, 32, 64 or 128 (DeepSeek-style weight_block_size) or with one "
             "scale per tensor (quant_method fp8 without weight_block_size), and llm-compressor's fp8 "
-            "(compressed-tensors: fp8 weights and activations, per tensor, channel or square block); "
+            "(compressed-tensors: fp8 weights and activations, per tensor, channel or square block), and NVIDIA "
+            f"ModelOpt NVFP4 (quant_algo NVFP4 or W4A16_NVFP4, group 16) with {flag_name('weight_format')} nvfp4; "
             "use such a checkpoint or pass --no-moe-expert-pool"
         )
     elif decided and facts.native_format and weight_format != facts.native_format:
@@ -197,10 +198,11 @@ def format_problems(
         f"{per_rank} per rank, {str(dtype).removeprefix('torch.')})"
     )
     if weight_format == facts.native_format:  # the checkpoint's own format: the fix is elsewhere
+        units = "groups of 16" if weight_format == "nvfp4" else "blocks"  # nvfp4's scale groups along K
         fix = (
             "serve in bf16 (--dtype bfloat16)"
             if not half
-            else "use a --tp-size whose shard of it is whole blocks"
+            else f"use a --tp-size whose shard of it is whole {units}"
         )
         return [f"{where}; {fix}"]
     # a float32 model fits bf16 rows only: list what would fit it served in bf16
@@ -255,8 +257,8 @@ def argv_problems(argv: list[str], pooled: bool, our_flags: list[str]) -> list[s
     if pooled and flag_value(argv, "--quantization") not in (None, "unquant"):
         out.append(
             "--quantization: the pool quantizes experts itself (--moe-expert-pool-weight-format) and reads a "
-            "checkpoint's own fp8 (blocks, per tensor or per channel) from its config.json; drop --quantization or pass "
-            "--no-moe-expert-pool"
+            "checkpoint's own fp8 (blocks, per tensor or per channel) or ModelOpt NVFP4 from its config.json (or "
+            "hf_quant_config.json); drop --quantization or pass --no-moe-expert-pool"
         )
     return out
 

@@ -253,6 +253,138 @@ def test_compressed_tensors_fp8_checkpoints_are_served_in_their_format(tmp_path:
         assert got.serve.pool is not None and got.serve.pool.weight_format == "bf16", name
 
 
+NVFP4_CONFIG = {**QWEN3_MOE, "hidden_size": 2048, "moe_intermediate_size": 768, "torch_dtype": "bfloat16"}
+
+
+def nvfp4_folder(
+    tmp_path: Path, name: str, quant: dict | None = None, legacy: dict | None = None
+) -> list[str]:
+    """A ModelOpt checkpoint folder: `quant` as config.json's quantization_config, `legacy` as the separate
+    hf_quant_config.json file."""
+    path = tmp_path / name
+    path.mkdir()
+    config = {**NVFP4_CONFIG, **({"quantization_config": quant} if quant is not None else {})}
+    (path / "config.json").write_text(json.dumps(config))
+    if legacy is not None:
+        (path / "hf_quant_config.json").write_text(json.dumps(legacy))
+    return ["--model", str(path), "--moe-expert-pool-rows", "8"]
+
+
+def test_modelopt_nvfp4_checkpoints_are_served_in_the_nvfp4_format(tmp_path: Path) -> None:
+    """NVIDIA ModelOpt NVFP4 checkpoints (quant_algo NVFP4 or W4A16_NVFP4, groups of 16; config.json's flat
+    quantization_config with quant_method modelopt or none, or the legacy hf_quant_config.json SGLang reads when
+    config.json has none) are served as they are with --moe-expert-pool-weight-format nvfp4; NVFP4_AWQ, other
+    group sizes and ModelOpt FP8 are refused naming what the pool takes."""
+    flat = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": ["lm_head"]}
+    legacy = {
+        "producer": {"name": "modelopt", "version": "0.29.0"},
+        "quantization": {
+            "quant_algo": "NVFP4",
+            "kv_cache_quant_algo": None,
+            "group_size": 16,
+            "exclude_modules": ["lm_head", "model.layers.*.self_attn*"],
+        },
+    }
+    no_method = {k: v for k, v in flat.items() if k != "quant_method"}
+    w4a16 = {**flat, "quant_algo": "W4A16_NVFP4"}
+    served = {
+        "flat": (nvfp4_folder(tmp_path, "flat", flat), "modelopt"),
+        "no quant_method": (nvfp4_folder(tmp_path, "no method", no_method), "NVFP4"),
+        "no group_size": (nvfp4_folder(tmp_path, "no group", {**flat, "group_size": None}), "modelopt"),
+        "w4a16": (nvfp4_folder(tmp_path, "w4a16", w4a16), "modelopt"),
+        "legacy file": (nvfp4_folder(tmp_path, "legacy", legacy=legacy), "NVFP4"),
+    }
+    for name, (base, quantization) in served.items():
+        got = plan([*base, "--moe-expert-pool-weight-format", "nvfp4"])
+        assert got.facts is not None and got.facts.native_format == "nvfp4", name
+        assert got.facts.quantization == quantization and not got.facts.native_format_per_layer, name
+        assert got.serve.pool is not None and got.serve.pool.weight_format == "nvfp4", name
+        message = refusal(base)  # the default bf16 pool
+        assert (
+            f"--moe-expert-pool-weight-format bf16: the checkpoint's experts are nvfp4 already (quantization "
+            f"{quantization!r}); the pool serves them as they are with --moe-expert-pool-weight-format nvfp4"
+        ) in message, (name, message)
+    # config.json's own quantization_config wins over the file (SGLang reads the file only without one)
+    both = nvfp4_folder(tmp_path, "both", {"quant_method": "fp8", "weight_block_size": [128, 128]}, legacy)
+    assert plan([*both, "--moe-expert-pool-weight-format", "fp8-b128"]).facts.native_format == "fp8-b128"
+    # a file whose quant_algo SGLang does not know is not a quantization to it: an unquantized checkpoint
+    kv_only = {**legacy, "quantization": {"quant_algo": None, "kv_cache_quant_algo": "FP8"}}
+    got = plan(nvfp4_folder(tmp_path, "kv only", legacy=kv_only))
+    assert got.facts is not None and got.facts.quantization is None and got.serve.pool is not None
+    refused = {
+        "awq": nvfp4_folder(tmp_path, "awq", {**flat, "quant_algo": "NVFP4_AWQ"}),
+        "group 32": nvfp4_folder(tmp_path, "group 32", {**flat, "group_size": 32}),
+        "legacy group 32": nvfp4_folder(
+            tmp_path,
+            "legacy 32",
+            legacy={**legacy, "quantization": {**legacy["quantization"], "group_size": 32}},
+        ),
+        "no legacy group": nvfp4_folder(
+            tmp_path, "legacy none", legacy={"quantization": {"quant_algo": "NVFP4", "exclude_modules": []}}
+        ),
+        "modelopt fp8": nvfp4_folder(tmp_path, "fp8", {**flat, "quant_algo": "FP8"}),
+        "mixed": nvfp4_folder(tmp_path, "mixed", {**flat, "quant_algo": "MIXED_PRECISION"}),
+        "null ignore": nvfp4_folder(tmp_path, "null ignore", {**flat, "ignore": None}),
+    }
+    for name, base in refused.items():
+        message = refusal([*base, "--moe-expert-pool-weight-format", "nvfp4"])
+        assert "the pool takes unquantized (bf16/fp16/fp32) experts" in message, (name, message)
+        assert (
+            "NVIDIA ModelOpt NVFP4 (quant_algo NVFP4 or W4A16_NVFP4, group 16) with "
+            "--moe-expert-pool-weight-format nvfp4" in message
+        ), name
+    # the checkpoint's groups of 16 must not straddle ranks: 768 / 16 = 48 per rank on CUDA is not whole groups
+    base = served["flat"][0]
+    assert plan([*base, "--moe-expert-pool-weight-format", "nvfp4", "--tp-size", "4"], cuda=True).serve.pool
+    message = refusal([*base, "--moe-expert-pool-weight-format", "nvfp4", "--tp-size", "32"], cuda=True)
+    assert "nvfp4 format: w2 has K=24, not a multiple of 16" in message, message
+    assert "use a --tp-size whose shard of it is whole groups of 16" in message
+    message = refusal([*base, "--moe-expert-pool-weight-format", "nvfp4", "--dtype", "float32"])
+    assert "serve in bf16 (--dtype bfloat16)" in message
+
+
+def test_modelopt_exclude_patterns_naming_experts_leave_the_format_to_the_layers(tmp_path: Path) -> None:
+    """An exclude pattern that SGLang's `is_layer_excluded` would match against an MoE layer's experts (glob-style,
+    whole prefix or one dotted part) keeps those experts unquantized: the layers decide, no refusal on the
+    format. Patterns that cannot (lm_head, attention, the router gate, a dense or MTP layer) leave it nvfp4."""
+    flat = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+    # QWEN3_MOE: 6 layers, layer 2 dense (mlp_only_layers), no MTP layer
+    naming = {
+        "experts": ["lm_head", "*experts*"],
+        "one moe layer": ["model.layers.3.*"],
+        "a dotted part": ["mlp*"],
+        "a layer index part": ["4"],
+        "wrapped model": ["language_model.model.layers.1.mlp.experts"],
+        "exclude_modules key": None,
+        "legacy file": None,
+    }
+    for name, patterns in naming.items():
+        if name == "exclude_modules key":
+            base = nvfp4_folder(tmp_path, name, {**flat, "exclude_modules": ["*.mlp.experts"]})
+        elif name == "legacy file":
+            legacy = {
+                "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["*experts"]}
+            }
+            base = nvfp4_folder(tmp_path, name, legacy=legacy)
+        else:
+            base = nvfp4_folder(tmp_path, name, {**flat, "ignore": patterns})
+        got = plan(base)  # the default bf16 pool: not refused
+        assert got.facts is not None and got.facts.native_format_per_layer, name
+        assert got.facts.native_format == "" and got.serve.pool is not None, name
+    not_naming = {
+        "plain": ["lm_head", "*self_attn*", "*.mlp.gate", "model.layers.*.mlp.gate"],
+        "dense layer": ["model.layers.2.*"],
+        "mtp layer": ["model.layers.6*"],
+        "shared expert": ["*shared_expert*"],
+    }
+    for name, patterns in not_naming.items():
+        base = nvfp4_folder(tmp_path, name, {**flat, "ignore": patterns})
+        got = plan([*base, "--moe-expert-pool-weight-format", "nvfp4"])
+        assert got.facts is not None and not got.facts.native_format_per_layer, name
+        assert got.facts.native_format == "nvfp4", name
+        assert "nvfp4 already" in refusal(base), name
+
+
 def test_pool_formats_are_checked_against_the_experts(tmp_path: Path) -> None:
     """A quantized pool format quantizes an unquantized checkpoint while it loads: its groups must divide each
     rank's K dimensions (H for w13, I for w2) and the model must compute in bf16/fp16; the refusal lists the
