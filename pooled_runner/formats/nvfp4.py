@@ -7,6 +7,7 @@ cores: the kernels dequantize to the compute dtype and use bf16/fp16 MMA.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -48,3 +49,33 @@ class Nvfp4Format:
         for p, w in zip(PROJECTIONS, (w13, w2)):
             rows[p], rows[f"{p}_s"], rows[f"{p}_g"] = quantize_nvfp4(w)
         return rows
+
+
+def share_gate_up_global(w13_s: torch.Tensor, gate_global: float, up_global: float) -> tuple[float, float]:
+    """One global scale for an expert's gate and up halves, which a checkpoint may quantize with two
+    (ModelOpt's `weight_scale_2` per projection; the format has one `w13_g` per expert).
+
+    `w13_s`: the expert's block scales `[2I, K/16]` e4m3, gate rows `[0, I)`, up rows `[I, 2I)`, rewritten in
+    place. Returns `(g, change)`: `g = max(gate_global, up_global)`, and the half with the smaller global gets
+    its block scales multiplied by `its global / g` (<= 1: no overflow) and rounded to e4m3, as TensorRT-LLM
+    and vLLM fold divergent gate/up scales. Equal globals, or a power-of-two ratio whose products stay normal
+    e4m3, change nothing but `g`; `change` is the largest relative change of a nonzero block's effective scale
+    (`s * global`), 1.0 where a block scale rounded to zero.
+    """
+    if w13_s.dim() != 2 or w13_s.shape[0] % 2 or w13_s.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"w13_s: expected [2I, K/16] float8_e4m3fn, got {tuple(w13_s.shape)} {w13_s.dtype}")
+    for name, value in (("gate", gate_global), ("up", up_global)):
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} global scale {value} is not a positive finite number")
+    g = max(gate_global, up_global)
+    if gate_global == up_global:
+        return g, 0.0
+    half = w13_s.shape[0] // 2
+    rows, own = (w13_s[:half], gate_global) if gate_global < up_global else (w13_s[half:], up_global)
+    before = rows.float() * own
+    rows.copy_((rows.float() * (own / g)).to(torch.float8_e4m3fn))
+    nonzero = before != 0
+    if not bool(nonzero.any()):
+        return g, 0.0
+    change = ((rows.float() * g - before).abs()[nonzero] / before[nonzero].abs()).max()
+    return g, float(change)

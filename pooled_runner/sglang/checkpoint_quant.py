@@ -7,7 +7,12 @@ Served as they are (the e4m3 weights are the rows; W8A16, activations stay in th
   per-channel scales);
 - `CompressedTensorsConfig` whose MoE scheme is `CompressedTensorsW8A8Fp8MoE` (llm-compressor's FP8 /
   FP8-dynamic / FP8-block checkpoints): strategy tensor (`weight_scale` [1]) or channel ([N, 1]) is fp8, block
-  is fp8-b{block} (`weight_scale` per tile).
+  is fp8-b{block} (`weight_scale` per tile);
+- NVIDIA ModelOpt's `ModelOptFp4Config` of an NVFP4 checkpoint (quant_algo NVFP4 or W4A16_NVFP4, groups of 16):
+  nvfp4, its packed e2m1 `weight`, e4m3 `weight_scale` per 16 values and fp32 `weight_scale_2` are the format's
+  `w`, `w_s` and `w_g` (W4A16: activations stay in the model's dtype, input scales are checked and not used).
+  SGLang's own NVFP4 method refuses to be built on Hopper with the triton runner, so `Nvfp4Placeholders` lays
+  out the one-expert placeholders in its layout.
 Anything else quantized is not pooled (the layer keeps SGLang's own method).
 """
 
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from sglang.srt.layers.moe import get_moe_runner_backend
 from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
 
@@ -42,6 +48,8 @@ def layer_quant(args: dict[str, Any]) -> tuple[Any, Any]:
         mapping = getattr(quant_config, "packed_modules_mapping", None) or {}
         if is_layer_skipped(prefix, quant_config.ignored_layers, fused_mapping=mapping):
             return None, None
+    if _is_modelopt(quant_config) and quant_config.is_layer_excluded(prefix):  # its exclude_modules
+        return None, None
     if not _is_compressed_tensors(quant_config):
         return quant_config, None
     if quant_config._is_mxfp4_moe(layer_name=prefix):  # SGLang gives these its Mxfp4MoEMethod, no scheme
@@ -64,6 +72,8 @@ def native_quant_format(quant_config: Any, scheme: Any = None) -> str:
         return checkpoint_format(quant_config.weight_block_size)
     if _is_compressed_tensors(quant_config) and scheme is not None:
         return _compressed_tensors_format(scheme)
+    if _is_modelopt_nvfp4(quant_config):
+        return "nvfp4"
     return ""
 
 
@@ -72,17 +82,91 @@ def base_method(quant_config: Any, scheme: Any = None) -> Any:
     fp8 method for an fp8 checkpoint, the compressed-tensors method with the layer's scheme, else the
     unquantized one."""
     if quant_config is None:
-        backend = get_moe_runner_backend()
-        return UnquantizedFusedMoEMethod(
-            backend.is_triton_kernels(),
-            backend.is_flashinfer_trtllm() or backend.is_flashinfer_trtllm_routed(),
-            backend.is_deep_gemm() or backend.is_lora(),
-        )
+        return UnquantizedFusedMoEMethod(*_unquantized_args())
+    if _is_modelopt_nvfp4(quant_config):
+        return Nvfp4Placeholders(quant_config.group_size)
     if _is_compressed_tensors(quant_config):
         return _scheme_method(quant_config, scheme)
     from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod
 
     return Fp8MoEMethod(quant_config)
+
+
+class Nvfp4Placeholders(UnquantizedFusedMoEMethod):
+    """One-expert placeholders in SGLang's ModelOpt NVFP4 layout (`ModelOptNvFp4FusedMoEMethod.create_weights`,
+    which cannot be built on Hopper with the triton runner): `w13_weight [1, 2I, H/2]` and `w2_weight
+    [1, H, I/2]` uint8, block scales `w13_weight_scale [1, 2I, H/16]` and `w2_weight_scale [1, H, I/16]` e4m3
+    (tagged BLOCK: SGLang's loader shards them as the weights), globals `w13_weight_scale_2 [1, 2]` (gate, up)
+    and `w2_weight_scale_2 [1]`, input scales `w13_input_scale [1, 2]` and `w2_input_scale [1]` fp32. The rest
+    (the runner) is the unquantized method's; the pooled forward does not use it."""
+
+    def __init__(self, group_size: int):
+        super().__init__(*_unquantized_args())
+        self.group_size = group_size
+
+    def create_weights(
+        self,
+        layer: Any,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        from sglang.srt.layers.moe.fused_moe_triton import FusedMoeWeightScaleSupported
+        from sglang.srt.utils import set_weight_attrs
+
+        two_i, h, i, g = (
+            2 * intermediate_size_per_partition,
+            hidden_size,
+            intermediate_size_per_partition,
+            self.group_size,
+        )
+        block = FusedMoeWeightScaleSupported.BLOCK.value
+        shapes = {
+            "w13_weight": ((num_experts, two_i, h // 2), torch.uint8, None),
+            "w2_weight": ((num_experts, h, i // 2), torch.uint8, None),
+            "w13_weight_scale": ((num_experts, two_i, h // g), torch.float8_e4m3fn, block),
+            "w2_weight_scale": ((num_experts, h, i // g), torch.float8_e4m3fn, block),
+            "w13_weight_scale_2": ((num_experts, 2), torch.float32, None),
+            "w2_weight_scale_2": ((num_experts,), torch.float32, None),
+            "w13_input_scale": ((num_experts, 2), torch.float32, None),
+            "w2_input_scale": ((num_experts,), torch.float32, None),
+        }
+        for name, (shape, dtype, quant_method) in shapes.items():
+            param = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            layer.register_parameter(name, param)
+            set_weight_attrs(
+                param, {**extra_weight_attrs, **({"quant_method": quant_method} if quant_method else {})}
+            )
+
+
+def _unquantized_args() -> tuple[bool, bool, bool]:
+    backend = get_moe_runner_backend()
+    return (
+        backend.is_triton_kernels(),
+        backend.is_flashinfer_trtllm() or backend.is_flashinfer_trtllm_routed(),
+        backend.is_deep_gemm() or backend.is_lora(),
+    )
+
+
+def _is_modelopt(quant_config: Any) -> bool:
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptQuantConfig
+
+    return isinstance(quant_config, ModelOptQuantConfig)
+
+
+def _is_modelopt_nvfp4(quant_config: Any) -> bool:
+    """A pre-quantized ModelOpt NVFP4 checkpoint in the pool's layout: serialized e2m1 with groups of 16 and no
+    AWQ pre-quant scales (the nvfp4_online subclass quantizes a bf16/fp8 checkpoint on load: not served)."""
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config
+
+    return (
+        type(quant_config) is ModelOptFp4Config
+        and bool(quant_config.is_checkpoint_nvfp4_serialized)
+        and not quant_config.is_awq
+        and quant_config.group_size == 16
+    )
 
 
 def _is_compressed_tensors(quant_config: Any) -> bool:

@@ -6,7 +6,9 @@ parameter's `weight_loader` is replaced by one that runs the layer's native per-
 (`FusedMoE._weight_loader_impl`: TP sharding, w1/w3 placement) on a one-row view of the expert's dense rows
 (`pooled_runner.dense_load`): its storage in the pool's bank where the checkpoint's layout is the format's (bf16;
 an fp8-block checkpoint's weights and `weight_scale_inv` blocks into fp8-b{block}; an fp8 checkpoint with one
-`weight_scale` per tensor into fp8, each scale written on every row of its shard), so bank rows have exactly the
+`weight_scale` per tensor into fp8, each scale written on every row of its shard; a ModelOpt NVFP4 checkpoint's
+packed weights, `weight_scale` and `weight_scale_2` into nvfp4, gate and up sharing one global scale after
+loading), so bank rows have exactly the
 layout the device weights would have, or a dense buffer that a quantized format (`--moe-expert-pool-weight-format`
 int4/fp8/NVFP4) quantizes into the bank when the expert's last shard is in. `apply` runs the pooled forward
 (`PooledMoE.forward`). Only `pooled_runner.sglang` imports SGLang.
@@ -39,6 +41,9 @@ PARAMS = {
 # per-channel scales (w13_s [2I], w2_s [H]) hold on every row of each shard, exactly; per channel [E, N, 1] and
 # per block [E, N/b, K/b] are the format's own scales
 SCALES = {"w13_s": "w13_weight_scale", "w2_s": "w2_weight_scale"}
+# a ModelOpt NVFP4 checkpoint's global scales (`weight_scale_2`, one per projection: w13 [E, 2] gate and up,
+# w2 [E]), the nvfp4 format's `w13_g` [1] and `w2_g` [1]; gate and up share one when the layer is loaded
+GLOBALS = {"w13_g": "w13_weight_scale_2", "w2_g": "w2_weight_scale_2"}
 # a static-activation fp8 checkpoint's input scales: the pool computes W8A16 (activations stay in the model's
 # dtype), so they are read, checked and not used
 INPUT_SCALES = ("w13_input_scale", "w2_input_scale")
@@ -76,6 +81,9 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         # operand -> the layer's parameter (SCALES where the scales are named `weight_scale`)
         self.params = dict(PARAMS)
         self.tensor_scales = False  # an fp8 checkpoint with one scale per tensor (widened on load)
+        # an NVFP4 checkpoint's gate and up global scales per expert [E, 2] (nan: not loaded), joined into the
+        # rows' one w13_g after loading (`_share_gate_up_globals`)
+        self.gate_up_globals: torch.Tensor | None = None
 
     def create_weights(
         self,
@@ -112,12 +120,18 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         if hasattr(layer, SCALES["w13_s"]) and not hasattr(layer, PARAMS["w13_s"]):
             self.params.update(SCALES)
             self.tensor_scales = tuple(getattr(layer, SCALES["w13_s"]).shape[1:]) == (2,)
+        if hasattr(layer, GLOBALS["w13_g"]):
+            self.params.update(GLOBALS)
+            # fp32 whatever the default dtype (SGLang builds the model under the model's, e.g. bf16)
+            self.gate_up_globals = torch.full((num_experts, 2), math.nan, dtype=torch.float32)
         self.operands = tuple(op for op, name in self.params.items() if hasattr(layer, name))
         self._check_placeholders(layer, hidden_size, intermediate_size_per_partition, params_dtype)
         for operand in self.operands:
             param = getattr(layer, self.params[operand])
             if self.tensor_scales and operand in SCALES:
                 param.weight_loader = self._make_tensor_scale_loader(operand)
+            elif operand in GLOBALS:
+                param.weight_loader = self._make_global_loader(operand)
             else:
                 param.weight_loader = self._make_bank_loader(layer, operand)
         for name in INPUT_SCALES:
@@ -143,6 +157,11 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             for op in SCALES:
                 shape, dt = row_specs[op]
                 if got.get(op) in ((per_tensor.get(op), dt), ((*shape, 1), dt)):
+                    got[op] = row_specs[op]
+        if moe.format.name == "nvfp4" and self.gate_up_globals is not None:
+            # nvfp4's global rows [1] take a global per shard (w13 [2] gate and up, w2 [])
+            for op, shape in (("w13_g", (2,)), ("w2_g", ())):
+                if got.get(op) == (shape, torch.float32):
                     got[op] = row_specs[op]
         if got != row_specs and got != dense_specs:
             raise ValueError(
@@ -246,6 +265,48 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
 
         return self._weight_loader(operand, load)
 
+    def _make_global_loader(self, operand: str) -> Any:
+        """The loader of an NVFP4 global scale (`weight_scale_2`, one value per shard): w2's goes into its row;
+        gate's and up's are kept until the layer is loaded, when `_share_gate_up_globals` joins them."""
+
+        def load(
+            param: Any, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int
+        ) -> None:
+            value = _one_scale(weight_name, loaded_weight, expert_id)
+            if operand == "w2_g":
+                self._expert_view(expert_id, operand).fill_(value)
+            else:
+                assert self.gate_up_globals is not None
+                self.gate_up_globals[expert_id, 0 if shard_id == "w1" else 1] = value
+            self.runtime.ensure_loader().written(self.index, expert_id, shard_id, operand)
+
+        return self._weight_loader(operand, load)
+
+    def _share_gate_up_globals(self) -> None:
+        """Each expert's gate and up global scales become its row's one `w13_g`, the larger of the two; the other
+        half's block scales are rescaled onto it (`formats.nvfp4.share_gate_up_global`: exact where they are
+        equal, else rounded to e4m3, as TensorRT-LLM and vLLM fold them). Logged where any differed."""
+        from pooled_runner.formats.nvfp4 import share_gate_up_global
+
+        assert self.gate_up_globals is not None
+        num_rescaled, worst = 0, 0.0
+        for expert_id, (gate, up) in enumerate(self.gate_up_globals.tolist()):
+            rows = self._expert_view(expert_id, "w13_s")
+            g, change = share_gate_up_global(rows, gate, up)
+            self._expert_view(expert_id, "w13_g").fill_(g)
+            num_rescaled += gate != up
+            worst = max(worst, change)
+        if num_rescaled:
+            logger.info(
+                "pooled_runner: %s: %d of %d experts have different gate and up global scales (weight_scale_2); "
+                "the smaller one's block scales were rescaled onto the larger, rounded to e4m3 (largest relative "
+                "change of a block's scale: %.3g)",
+                self.layer_name,
+                num_rescaled,
+                self.num_experts,
+                worst,
+            )
+
     def _make_input_scale_check(self, name: str) -> Any:
         """The loader of a static-activation checkpoint's input scale: checked (one value per shard; SGLang takes
         the largest, so an unused 0 is allowed) and dropped, since the pooled experts take activations in the
@@ -279,6 +340,8 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"{self.layer_name}: the checkpoint did not provide {shown}")
+        if self.gate_up_globals is not None:
+            self._share_gate_up_globals()
         # The placeholders are no longer needed: the experts live in the bank and the pool rows.
         for operand in self.operands:
             param = getattr(layer, self.params[operand])
@@ -313,7 +376,7 @@ def _one_scale(weight_name: str, loaded_weight: torch.Tensor, expert_id: int) ->
     """The value of a per-tensor scale from a checkpoint: one positive finite number (shape [] or [1])."""
     if loaded_weight.numel() != 1:
         raise ValueError(
-            f"{weight_name} (expert {expert_id}): a per-tensor fp8 scale is one value, got shape "
+            f"{weight_name} (expert {expert_id}): a per-tensor scale is one value, got shape "
             f"{tuple(loaded_weight.shape)}; per-channel or grouped scales are not this checkpoint format's"
         )
     value = float(loaded_weight.reshape(()).float())

@@ -1,6 +1,6 @@
 """A server whose pool quantizes the embedded model's experts while they load (`--moe-expert-pool-weight-format
 int4-g32`, bf16), and ones serving fp8 checkpoints of it as they are (16x16 blocks: fp8-b16; one scale per
-tensor, or llm-compressor's per channel: fp8), each serve exactly what a bf16 pool serves from a checkpoint whose experts already hold the
+tensor, or llm-compressor's per channel: fp8) and a ModelOpt NVFP4 one (nvfp4), each serve exactly what a bf16 pool serves from a checkpoint whose experts already hold the
 dequantized weights: the same greedy tokens and the same log-probabilities, prompt and output.
 
 (Both servers run SGLang's attention and our torch path on the same bf16 values, so any difference is the
@@ -91,6 +91,51 @@ def _fp8_checkpoint(embedded_model: Path, folder: Path, kind: str) -> tuple[Path
     return fp8_folder, dense_folder
 
 
+def _nvfp4_checkpoint(embedded_model: Path, folder: Path) -> tuple[Path, Path]:
+    """A ModelOpt NVFP4 copy of the embedded checkpoint (config.json's flat `quantization_config`, quant_method
+    modelopt, quant_algo NVFP4; attention and lm_head excluded), quantized in plain torch
+    (`test_layer_nvfp4_modelopt.quantize`, gate and up sharing one global as ModelOpt's export syncs them), and
+    a copy whose experts hold its dequantized weights in bf16."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.engine.test_layer_nvfp4_modelopt import E2M1_MAX, E4M3_MAX, dequantize, quantize
+
+    nvfp4_folder, dense_folder = folder / "nvfp4", folder / "dequantized"
+    shutil.copytree(embedded_model, nvfp4_folder)
+    shutil.copytree(embedded_model, dense_folder)
+    sd = load_file(str(embedded_model / "model.safetensors"))
+    nvfp4, dense = dict(sd), dict(sd)
+    experts = sorted({m.group(1) for k in sd if (m := EXPERT_TENSOR.match(k))})
+    for prefix in experts:
+        w = {p: sd[f"{prefix}.{p}_proj.weight"].to(torch.bfloat16).float() for p in ("gate", "up", "down")}
+        shared = max(w["gate"].abs().amax(), w["up"].abs().amax()) / (E2M1_MAX * E4M3_MAX)
+        for p, g in (
+            ("gate", shared),
+            ("up", shared),
+            ("down", w["down"].abs().amax() / (E2M1_MAX * E4M3_MAX)),
+        ):
+            name = f"{prefix}.{p}_proj."
+            q, scale = quantize(w[p], g)
+            del nvfp4[name + "weight"]
+            nvfp4[name + "weight"], nvfp4[name + "weight_scale"] = q, scale
+            nvfp4[name + "weight_scale_2"] = g.reshape(()).clone()  # gate's and up's: one tensor each
+            nvfp4[name + "input_scale"] = torch.tensor(0.05)
+            dense[name + "weight"] = dequantize(q, scale, float(g)).to(torch.bfloat16).float()
+    save_file(nvfp4, str(nvfp4_folder / "model.safetensors"))
+    save_file(dense, str(dense_folder / "model.safetensors"))
+    config = json.loads((embedded_model / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "group_size": 16,
+        "ignore": ["lm_head", "*self_attn*"],
+    }
+    (nvfp4_folder / "config.json").write_text(json.dumps(config, indent=2))
+    return nvfp4_folder, dense_folder
+
+
 def _dequantized_checkpoint(embedded_model: Path, folder: Path) -> Path:
     """A copy of the embedded checkpoint whose expert tensors hold dequantize(quantize(w)) in bf16, quantized
     as the pool does: w13 = [gate; up] as one projection, after the bf16 cast SGLang's loader makes."""
@@ -158,20 +203,25 @@ def test_int4_pool_serves_what_bf16_serves_of_the_dequantized_experts(
         assert got_lp == ref_lp, f"prompt {ids[:4]}...: log-probabilities {got_lp} != {ref_lp}"
 
 
-@pytest.mark.parametrize("kind", ["blocks", "per-tensor", "compressed-channel"])
-def test_fp8_checkpoint_serves_what_bf16_serves_of_its_dequantized_experts(
+@pytest.mark.parametrize("kind", ["blocks", "per-tensor", "compressed-channel", "modelopt-nvfp4"])
+def test_checkpoint_served_as_it_is_serves_what_bf16_serves_of_its_dequantized_experts(
     embedded_model: Path, prompt_ids: list[list[int]], tmp_path_factory: pytest.TempPathFactory, kind: str
 ) -> None:
-    tmp = tmp_path_factory.mktemp("fp8")
-    fp8, dense = _fp8_checkpoint(embedded_model, tmp, kind)
-    fmt = "fp8-b16" if kind == "blocks" else "fp8"
+    tmp = tmp_path_factory.mktemp("as-it-is")
+    if kind == "modelopt-nvfp4":
+        quantized, dense = _nvfp4_checkpoint(embedded_model, tmp)
+    else:
+        quantized, dense = _fp8_checkpoint(embedded_model, tmp, kind)
+    fmt = {"blocks": "fp8-b16", "modelopt-nvfp4": "nvfp4"}.get(kind, "fp8")
     served, log = _serve(
-        ["--model-path", str(fp8), "--moe-expert-pool-weight-format", fmt], tmp / "fp8.log", prompt_ids
+        ["--model-path", str(quantized), "--moe-expert-pool-weight-format", fmt],
+        tmp / f"{kind}.log",
+        prompt_ids,
     )
     assert f"4 MoE layers pooled (64 experts, {fmt}), 0 not pooled" in log
-    assert "quantized to" not in log  # the checkpoint's fp8 weights are the rows: nothing quantized on load
+    assert "quantized to" not in log  # the checkpoint's weights are the rows: nothing quantized on load
     reference, log = _serve(["--model-path", str(dense)], tmp / "bf16.log", prompt_ids)
     assert "4 MoE layers pooled (64 experts, bf16), 0 not pooled" in log
     for ids, (got_ids, got_lp), (ref_ids, ref_lp) in zip(prompt_ids, served, reference, strict=True):
-        assert got_ids == ref_ids, f"prompt {ids[:4]}...: fp8 pool {got_ids} != bf16 pool {ref_ids}"
+        assert got_ids == ref_ids, f"prompt {ids[:4]}...: {fmt} pool {got_ids} != bf16 pool {ref_ids}"
         assert got_lp == ref_lp, f"prompt {ids[:4]}...: log-probabilities {got_lp} != {ref_lp}"
