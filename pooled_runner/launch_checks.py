@@ -141,8 +141,9 @@ def pool_problems(
             f"quantization {facts.quantization!r}: the pool takes unquantized (bf16/fp16/fp32) experts, and fp8 "
             "e4m3 ones in square blocks of 16, 32, 64 or 128 (DeepSeek-style weight_block_size) or with one "
             "scale per tensor (quant_method fp8 without weight_block_size), and llm-compressor's fp8 "
-            "(compressed-tensors: fp8 weights and activations, per tensor, channel or square block), and NVIDIA "
-            f"ModelOpt NVFP4 (quant_algo NVFP4 or W4A16_NVFP4, group 16) with {flag_name('weight_format')} nvfp4; "
+            "(compressed-tensors: fp8 weights and activations, per tensor, channel or square block), NVIDIA "
+            f"ModelOpt FP8 (quant_algo FP8) with {flag_name('weight_format')} fp8, and ModelOpt NVFP4 (quant_algo "
+            f"NVFP4 or W4A16_NVFP4, group 16) with {flag_name('weight_format')} nvfp4; "
             "use such a checkpoint or pass --no-moe-expert-pool"
         )
     elif decided and facts.native_format and weight_format != facts.native_format:
@@ -257,7 +258,7 @@ def argv_problems(argv: list[str], pooled: bool, our_flags: list[str]) -> list[s
     if pooled and flag_value(argv, "--quantization") not in (None, "unquant"):
         out.append(
             "--quantization: the pool quantizes experts itself (--moe-expert-pool-weight-format) and reads a "
-            "checkpoint's own fp8 (blocks, per tensor or per channel) or ModelOpt NVFP4 from its config.json (or "
+            "checkpoint's own fp8 (blocks, per tensor or per channel) or ModelOpt FP8/NVFP4 from its config.json (or "
             "hf_quant_config.json); drop --quantization or pass --no-moe-expert-pool"
         )
     return out

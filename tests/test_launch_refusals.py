@@ -274,7 +274,7 @@ def test_modelopt_nvfp4_checkpoints_are_served_in_the_nvfp4_format(tmp_path: Pat
     """NVIDIA ModelOpt NVFP4 checkpoints (quant_algo NVFP4 or W4A16_NVFP4, groups of 16; config.json's flat
     quantization_config with quant_method modelopt or none, or the legacy hf_quant_config.json SGLang reads when
     config.json has none) are served as they are with --moe-expert-pool-weight-format nvfp4; NVFP4_AWQ, other
-    group sizes and ModelOpt FP8 are refused naming what the pool takes."""
+    group sizes and mixed precision are refused naming what the pool takes."""
     flat = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": ["lm_head"]}
     legacy = {
         "producer": {"name": "modelopt", "version": "0.29.0"},
@@ -322,7 +322,6 @@ def test_modelopt_nvfp4_checkpoints_are_served_in_the_nvfp4_format(tmp_path: Pat
         "no legacy group": nvfp4_folder(
             tmp_path, "legacy none", legacy={"quantization": {"quant_algo": "NVFP4", "exclude_modules": []}}
         ),
-        "modelopt fp8": nvfp4_folder(tmp_path, "fp8", {**flat, "quant_algo": "FP8"}),
         "mixed": nvfp4_folder(tmp_path, "mixed", {**flat, "quant_algo": "MIXED_PRECISION"}),
         "null ignore": nvfp4_folder(tmp_path, "null ignore", {**flat, "ignore": None}),
     }
@@ -330,7 +329,7 @@ def test_modelopt_nvfp4_checkpoints_are_served_in_the_nvfp4_format(tmp_path: Pat
         message = refusal([*base, "--moe-expert-pool-weight-format", "nvfp4"])
         assert "the pool takes unquantized (bf16/fp16/fp32) experts" in message, (name, message)
         assert (
-            "NVIDIA ModelOpt NVFP4 (quant_algo NVFP4 or W4A16_NVFP4, group 16) with "
+            "ModelOpt NVFP4 (quant_algo NVFP4 or W4A16_NVFP4, group 16) with "
             "--moe-expert-pool-weight-format nvfp4" in message
         ), name
     # the checkpoint's groups of 16 must not straddle ranks: 768 / 16 = 48 per rank on CUDA is not whole groups
@@ -341,6 +340,40 @@ def test_modelopt_nvfp4_checkpoints_are_served_in_the_nvfp4_format(tmp_path: Pat
     assert "use a --tp-size whose shard of it is whole groups of 16" in message
     message = refusal([*base, "--moe-expert-pool-weight-format", "nvfp4", "--dtype", "float32"])
     assert "serve in bf16 (--dtype bfloat16)" in message
+
+
+def test_modelopt_fp8_checkpoints_are_served_in_the_fp8_format(tmp_path: Path) -> None:
+    """NVIDIA ModelOpt FP8 checkpoints (quant_algo FP8: one weight_scale and input_scale per tensor), in
+    config.json or the legacy hf_quant_config.json, are served as they are with --moe-expert-pool-weight-format
+    fp8; other pool formats are refused naming it; an exclude pattern naming experts leaves it to the layers."""
+    flat = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head", "*self_attn*"]}
+    legacy = {
+        "producer": {"name": "modelopt"},
+        "quantization": {"quant_algo": "FP8", "exclude_modules": None},
+    }
+    served = {
+        "flat": (nvfp4_folder(tmp_path, "flat", flat), "modelopt"),
+        "no ignore": (
+            nvfp4_folder(tmp_path, "no ignore", {"quant_method": "modelopt", "quant_algo": "FP8"}),
+            "modelopt",
+        ),
+        "legacy file": (nvfp4_folder(tmp_path, "legacy", legacy=legacy), "FP8"),
+    }
+    for name, (base, quantization) in served.items():
+        got = plan([*base, "--moe-expert-pool-weight-format", "fp8"])
+        assert got.facts is not None and got.facts.native_format == "fp8", name
+        assert got.facts.quantization == quantization and not got.facts.native_format_per_layer, name
+        for other in ("bf16", "nvfp4"):
+            message = refusal([*base, "--moe-expert-pool-weight-format", other])
+            assert (
+                f"--moe-expert-pool-weight-format {other}: the checkpoint's experts are fp8 already (quantization "
+                f"{quantization!r}); the pool serves them as they are with --moe-expert-pool-weight-format fp8"
+            ) in message, (name, message)
+    naming = nvfp4_folder(tmp_path, "naming", {**flat, "ignore": ["*experts*"]})
+    got = plan(naming)
+    assert got.facts is not None and got.facts.native_format_per_layer and got.facts.native_format == ""
+    bad = nvfp4_folder(tmp_path, "bad", {**flat, "ignore": "lm_head"})  # not a list: not read as patterns
+    assert "quantization 'modelopt': the pool takes unquantized" in refusal(bad)
 
 
 def test_modelopt_exclude_patterns_naming_experts_leave_the_format_to_the_layers(tmp_path: Path) -> None:

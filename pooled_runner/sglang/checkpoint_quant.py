@@ -12,7 +12,9 @@ Served as they are (the e4m3 weights are the rows; W8A16, activations stay in th
   nvfp4, its packed e2m1 `weight`, e4m3 `weight_scale` per 16 values and fp32 `weight_scale_2` are the format's
   `w`, `w_s` and `w_g` (W4A16: activations stay in the model's dtype, input scales are checked and not used).
   SGLang's own NVFP4 method refuses to be built on Hopper with the triton runner, so `Nvfp4Placeholders` lays
-  out the one-expert placeholders in its layout.
+  out the one-expert placeholders in its layout;
+- ModelOpt's `ModelOptFp8Config` (quant_algo FP8): fp8, as an fp8 checkpoint per tensor (its tensors are the
+  same: e4m3 `weight`, `weight_scale` and `input_scale` per tensor).
 Anything else quantized is not pooled (the layer keeps SGLang's own method).
 """
 
@@ -74,6 +76,8 @@ def native_quant_format(quant_config: Any, scheme: Any = None) -> str:
         return _compressed_tensors_format(scheme)
     if _is_modelopt_nvfp4(quant_config):
         return "nvfp4"
+    if _is_modelopt_fp8(quant_config):
+        return "fp8"
     return ""
 
 
@@ -85,6 +89,12 @@ def base_method(quant_config: Any, scheme: Any = None) -> Any:
         return UnquantizedFusedMoEMethod(*_unquantized_args())
     if _is_modelopt_nvfp4(quant_config):
         return Nvfp4Placeholders(quant_config.group_size)
+    if _is_modelopt_fp8(quant_config):
+        # the same tensors as an fp8 checkpoint per tensor with static activations (weight_scale [2] and [],
+        # input_scale per shard): SGLang's fp8 method lays them out without ModelOpt's read-only loader property
+        from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8MoEMethod
+
+        return Fp8MoEMethod(Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="static"))
     if _is_compressed_tensors(quant_config):
         return _scheme_method(quant_config, scheme)
     from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod
@@ -167,6 +177,13 @@ def _is_modelopt_nvfp4(quant_config: Any) -> bool:
         and not quant_config.is_awq
         and quant_config.group_size == 16
     )
+
+
+def _is_modelopt_fp8(quant_config: Any) -> bool:
+    """A ModelOpt FP8 checkpoint: e4m3 weights with one `weight_scale` and one `input_scale` per tensor."""
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp8Config
+
+    return type(quant_config) is ModelOptFp8Config and bool(quant_config.is_checkpoint_fp8_serialized)
 
 
 def _is_compressed_tensors(quant_config: Any) -> bool:

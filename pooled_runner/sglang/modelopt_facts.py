@@ -8,7 +8,9 @@ It reads the config as SGLang 0.5.23 does (`ModelConfig._parse_quant_hf_config` 
 `hf_quant_config.json` beside it (`{"producer": ..., "quantization": {"quant_algo", "group_size",
 "exclude_modules", ...}}`). A pre-quantized NVFP4 checkpoint (quant_algo NVFP4 or W4A16_NVFP4, groups of 16: packed
 e2m1 `weight`, e4m3 `weight_scale` per 16 values, fp32 `weight_scale_2`) is the pool's "nvfp4" as it is.
-NVFP4_AWQ (pre-quant scales), ModelOpt FP8, MIXED_PRECISION and other group sizes are not served. An
+ModelOpt FP8 (quant_algo FP8: e4m3 weights with one `weight_scale` and `input_scale` per tensor) is the pool's
+"fp8" as it is (per-tensor scales widened to its per-channel ones on load). NVFP4_AWQ (pre-quant scales),
+MIXED_PRECISION, MXFP8 and other NVFP4 group sizes are not served. An
 `exclude_modules` pattern that could name an MoE layer's experts (matched as `ModelOptQuantConfig.is_layer_excluded`
 matches a FusedMoE prefix) leaves the format to the layers.
 """
@@ -64,18 +66,36 @@ def modelopt_facts(quant: dict[str, Any], moe_layers: Sequence[int]) -> ModelOpt
     `hf_quant_config.json`); `moe_layers`: the main model's MoE layer indices, whose experts' prefixes the exclude
     patterns are tested against."""
     algo = sglang_quant_algo(quant)
-    if algo is None or "FP4" not in algo:  # SGLang's modelopt_fp8, modelopt_mixed, w4afp8 or mxfp8
+    if algo == "FP8":  # SGLang's modelopt_fp8: e4m3 weights, one weight_scale and input_scale per tensor
+        read = _fp8_config(quant)
+        native = "fp8"
+    elif algo is not None and "FP4" in algo:
+        read = _fp4_config(quant)
+        native = "nvfp4"
+    else:  # modelopt_mixed, w4afp8 or mxfp8
         return ModelOptFacts(algo, "")
-    read = _fp4_config(quant)
-    if read is None:  # ModelOptFp4Config.from_config raises
+    if read is None:  # SGLang's from_config raises
         return ModelOptFacts(algo, "")
     algo, group_size, exclude = read
-    if algo not in SERVED_ALGOS or group_size != GROUP:
+    if native == "nvfp4" and (algo not in SERVED_ALGOS or group_size != GROUP):
         return ModelOptFacts(algo, "")
     names = _expert_names(moe_layers)
     if any(_may_name_experts(str(pattern), names) for pattern in exclude):
         return ModelOptFacts(algo, "", per_layer=True)
-    return ModelOptFacts(algo, "nvfp4")
+    return ModelOptFacts(algo, native)
+
+
+def _fp8_config(config: dict[str, Any]) -> tuple[str, object, list[Any]] | None:
+    """("FP8", None, exclude patterns) as `ModelOptFp8Config.from_config` reads them: `ignore` of the flat form,
+    `quantization.exclude_modules` of the nested one (absent or null: none); None for a list that is not one."""
+    if config.get("quant_algo") is not None:
+        exclude = config.get("ignore")
+    else:
+        nested = config.get("quantization")
+        exclude = nested.get("exclude_modules") if isinstance(nested, dict) else None
+    if exclude is None:
+        exclude = []
+    return ("FP8", None, exclude) if isinstance(exclude, list) else None
 
 
 def _fp4_config(config: dict[str, Any]) -> tuple[str, object, list[Any]] | None:

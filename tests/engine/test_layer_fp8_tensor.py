@@ -1,5 +1,5 @@
 """fp8 checkpoints with one scale per tensor (quant_method fp8 without weight_block_size, e.g. static-activation
-FP8 Mixtral/Qwen checkpoints) at layer level, against the real SGLang classes on CPU: the e4m3 weights go into the
+FP8 Mixtral/Qwen checkpoints; NVIDIA ModelOpt FP8, whose tensors are the same) at layer level, against the real SGLang classes on CPU: the e4m3 weights go into the
 "fp8" format's rows as they are and each shard's one scale onto every row of its per-channel scales; the
 activation input scales are checked and not used (W8A16). Shared pieces in `layer_setup.py`, fixtures in
 conftest.py."""
@@ -53,9 +53,15 @@ def dequantized(fp8: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, t
     return out
 
 
-def quant_config(activation_scheme: str = "static"):  # type: ignore[no-untyped-def]
+def quant_config(activation_scheme: str = "static", exclude: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
+    """SGLang's `Fp8Config` of a per-tensor checkpoint with static or dynamic activations, or "modelopt": the
+    `ModelOptFp8Config` of a ModelOpt FP8 checkpoint (static activations; `exclude` its exclude patterns)."""
     from sglang.srt.layers.quantization.fp8 import Fp8Config
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp8Config
 
+    if activation_scheme == "modelopt":
+        config = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head", *exclude]}
+        return ModelOptFp8Config.from_config(config)
     return Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme=activation_scheme)
 
 
@@ -85,7 +91,7 @@ def expected_rows(fp8: dict[str, torch.Tensor], layer: int, e: int, rows: slice)
     }
 
 
-@pytest.mark.parametrize("activation_scheme", ["static", "dynamic"])
+@pytest.mark.parametrize("activation_scheme", ["static", "dynamic", "modelopt"])
 def test_fp8_tensor_checkpoint_is_pooled_as_it_is(sglang_context, checkpoint, activation_scheme: str) -> None:  # type: ignore[no-untyped-def]
     """Served with --moe-expert-pool-weight-format fp8: SGLang's fp8 method lays out the placeholders, the e4m3
     weights land in the bank rows byte for byte and each shard's scale on each of its rows; the pooled layer
@@ -114,8 +120,11 @@ def test_fp8_tensor_checkpoint_is_pooled_as_it_is(sglang_context, checkpoint, ac
         set_runtime(None)
 
 
+@pytest.mark.parametrize("kind", ["static", "modelopt"])
 @pytest.mark.parametrize("rank", [0, 1])
-def test_fp8_tensor_checkpoint_under_tensor_parallelism(sglang_context, checkpoint, rank: int) -> None:  # type: ignore[no-untyped-def]
+def test_fp8_tensor_checkpoint_under_tensor_parallelism(
+    sglang_context, checkpoint, rank: int, kind: str
+) -> None:  # type: ignore[no-untyped-def]
     """Rank r of TP=2: its bank rows are the checkpoint's gate/up rows [r*I/2, (r+1)*I/2) and the same columns of
     down, byte for byte, and every per-channel scale of a shard is that shard's one scale."""
     from pooled_runner.sglang.runtime import set_runtime
@@ -124,7 +133,7 @@ def test_fp8_tensor_checkpoint_under_tensor_parallelism(sglang_context, checkpoi
     fp8 = fp8_tensor_checkpoint(checkpoint, seed=5)
     rt = fp8_runtime()
     try:
-        tp_rank_loaded(quant_config(), fp8, rank)
+        tp_rank_loaded(quant_config(kind), fp8, rank)
         bank = rt.require_moe().bank
         assert bank is not None
         for e in range(E):
@@ -164,11 +173,12 @@ def test_fp8_tensor_checkpoint_refuses_other_scales(sglang_context, checkpoint) 
             set_runtime(None)
 
 
-def test_fp8_tensor_checkpoint_needs_the_fp8_pool_format(runtime) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("kind", ["static", "modelopt"])
+def test_fp8_tensor_checkpoint_needs_the_fp8_pool_format(runtime, kind: str) -> None:  # type: ignore[no-untyped-def]
     """The default bf16 pool cannot take fp8 experts as they are: the layer stays on the device, saying the flag."""
     from pooled_runner.sglang.layer import PooledFusedMoE
 
-    layer = build(PooledFusedMoE, 0, torch.bfloat16, quant_config=quant_config())
+    layer = build(PooledFusedMoE, 0, torch.bfloat16, quant_config=quant_config(kind))
     assert not layer.is_pooled
     assert runtime.not_pooled == {
         "quantization fp8 (serve it with --moe-expert-pool-weight-format fp8)": ["model.layers.0.mlp.experts"]
@@ -212,3 +222,6 @@ def test_layers_the_checkpoint_leaves_unquantized_stay_on_the_device(runtime) ->
     assert not_pooled_reason(args, "fp8") == reason
     assert not_pooled_reason({**args, "prefix": "model.layers.0.mlp.experts"}, "fp8") is None
     assert not_pooled_reason(args, "bf16") is None  # a bf16 pool holds them as they are
+    modelopt = {**args, "quant_config": quant_config("modelopt", exclude=("model.layers.1.*",))}
+    assert not_pooled_reason(modelopt, "fp8") == reason  # ModelOpt's exclude_modules
+    assert not_pooled_reason({**modelopt, "prefix": "model.layers.0.mlp.experts"}, "fp8") is None

@@ -29,7 +29,8 @@ def _fp8_checkpoint(embedded_model: Path, folder: Path, kind: str) -> tuple[Path
     """An fp8 copy of the embedded checkpoint, attention left unquantized, and a copy whose experts hold its
     dequantized weights in bf16. `kind`: "blocks" (DeepSeek-style e4m3 with `weight_scale_inv` per 16x16 tile,
     dynamic activations); "per-tensor" (quant_method fp8 without blocks: one `weight_scale` per tensor, static
-    activations with an `input_scale` per tensor, which the pool checks and does not use); "compressed-channel"
+    activations with an `input_scale` per tensor, which the pool checks and does not use; "modelopt-fp8": the
+    same tensors under NVIDIA ModelOpt's quant_algo FP8); "compressed-channel"
     (llm-compressor's FP8-dynamic: compressed-tensors, a `weight_scale` [N, 1] per output channel). Scales per
     tensor and channel are amax / 448, in plain torch."""
     import json
@@ -57,7 +58,7 @@ def _fp8_checkpoint(embedded_model: Path, folder: Path, kind: str) -> tuple[Path
         scale = amax / 448.0
         q = (w.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
         fp8[name], fp8[name + "_scale"] = q, scale
-        if kind == "per-tensor":
+        if kind in ("per-tensor", "modelopt-fp8"):
             fp8[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.05)
         dense[name] = (q.float() * scale).to(torch.bfloat16).float()
     save_file(fp8, str(fp8_folder / "model.safetensors"))
@@ -78,6 +79,8 @@ def _fp8_checkpoint(embedded_model: Path, folder: Path, kind: str) -> tuple[Path
             "config_groups": {"group_0": group},
             "ignore": ["lm_head", *attention],
         }
+    elif kind == "modelopt-fp8":
+        quant = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head", "*self_attn*"]}
     else:
         quant = {
             "quant_method": "fp8",
@@ -203,7 +206,9 @@ def test_int4_pool_serves_what_bf16_serves_of_the_dequantized_experts(
         assert got_lp == ref_lp, f"prompt {ids[:4]}...: log-probabilities {got_lp} != {ref_lp}"
 
 
-@pytest.mark.parametrize("kind", ["blocks", "per-tensor", "compressed-channel", "modelopt-nvfp4"])
+@pytest.mark.parametrize(
+    "kind", ["blocks", "per-tensor", "compressed-channel", "modelopt-fp8", "modelopt-nvfp4"]
+)
 def test_checkpoint_served_as_it_is_serves_what_bf16_serves_of_its_dequantized_experts(
     embedded_model: Path, prompt_ids: list[list[int]], tmp_path_factory: pytest.TempPathFactory, kind: str
 ) -> None:
