@@ -376,46 +376,66 @@ def test_modelopt_fp8_checkpoints_are_served_in_the_fp8_format(tmp_path: Path) -
     assert "quantization 'modelopt': the pool takes unquantized" in refusal(bad)
 
 
-def test_modelopt_exclude_patterns_naming_experts_leave_the_format_to_the_layers(tmp_path: Path) -> None:
+def test_modelopt_exclude_patterns_naming_experts(tmp_path: Path) -> None:
     """An exclude pattern that SGLang's `is_layer_excluded` would match against an MoE layer's experts (glob-style,
-    whole prefix or one dotted part) keeps those experts unquantized: the layers decide, no refusal on the
-    format. Patterns that cannot (lm_head, attention, the router gate, a dense or MTP layer) leave it nvfp4."""
+    whole prefix or one dotted part) keeps those experts unquantized. NVFP4: SGLang's own NVFP4 experts cannot be
+    built on Hopper with the pool's triton runner, so the nvfp4 pool is still required (it keeps the excluded
+    layers on the device), unless every MoE layer is excluded: then the layers decide. FP8: the layers decide
+    as soon as one layer may be excluded. Patterns that name no MoE layer's experts (lm_head, attention, the
+    router gate, a dense or MTP layer, shared experts) change nothing."""
     flat = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
     # QWEN3_MOE: 6 layers, layer 2 dense (mlp_only_layers), no MTP layer
-    naming = {
-        "experts": ["lm_head", "*experts*"],
-        "one moe layer": ["model.layers.3.*"],
-        "a dotted part": ["mlp*"],
-        "a layer index part": ["4"],
-        "wrapped model": ["language_model.model.layers.1.mlp.experts"],
-        "exclude_modules key": None,
+    every_layer = {
+        "experts": {**flat, "ignore": ["lm_head", "*experts*"]},
+        "a dotted part": {**flat, "ignore": ["mlp*"]},
+        "mixtral's container": {**flat, "ignore": ["*block_sparse_moe*"]},
+        "exclude_modules key": {**flat, "exclude_modules": ["*.mlp.experts"]},
         "legacy file": None,
     }
-    for name, patterns in naming.items():
-        if name == "exclude_modules key":
-            base = nvfp4_folder(tmp_path, name, {**flat, "exclude_modules": ["*.mlp.experts"]})
-        elif name == "legacy file":
-            legacy = {
-                "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["*experts"]}
-            }
-            base = nvfp4_folder(tmp_path, name, legacy=legacy)
-        else:
-            base = nvfp4_folder(tmp_path, name, {**flat, "ignore": patterns})
+    for name, quant in every_layer.items():
+        legacy = {"quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["*experts"]}}
+        base = nvfp4_folder(tmp_path, name, quant, legacy=None if quant else legacy)
         got = plan(base)  # the default bf16 pool: not refused
         assert got.facts is not None and got.facts.native_format_per_layer, name
         assert got.facts.native_format == "" and got.serve.pool is not None, name
+    some_layers = {
+        "one moe layer": ["model.layers.3.*"],
+        "a layer index part": ["4"],
+        "wrapped model": ["language_model.model.layers.1.mlp.experts"],
+        "gemma-style wrapper": ["model.language_model.layers.1.*"],
+    }
     not_naming = {
         "plain": ["lm_head", "*self_attn*", "*.mlp.gate", "model.layers.*.mlp.gate"],
         "dense layer": ["model.layers.2.*"],
         "mtp layer": ["model.layers.6*"],
         "shared expert": ["*shared_expert*"],
     }
-    for name, patterns in not_naming.items():
+    for name, patterns in {**some_layers, **not_naming}.items():
         base = nvfp4_folder(tmp_path, name, {**flat, "ignore": patterns})
         got = plan([*base, "--moe-expert-pool-weight-format", "nvfp4"])
         assert got.facts is not None and not got.facts.native_format_per_layer, name
         assert got.facts.native_format == "nvfp4", name
         assert "nvfp4 already" in refusal(base), name
+        fp8_quant = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": patterns}
+        fp8 = plan(
+            [*nvfp4_folder(tmp_path, f"fp8 {name}", fp8_quant), "--moe-expert-pool-weight-format", "fp8"]
+        )
+        assert fp8.facts is not None and fp8.facts.native_format_per_layer == (name in some_layers), name
+
+
+def test_hybrid_fp8_nvfp4_checkpoints_are_not_read_as_fp8(tmp_path: Path) -> None:
+    """SGLang's hybrid FP8 + NVFP4 checkpoints (quant_method fp8 with moe_quant_algo NVFP4, e.g.
+    DeepSeek-V4-Pro-NVFP4) have NVFP4 experts: not the fp8-b128 format their quant_method suggests."""
+    quant = {
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+        "quant_algo": "MIXED_PRECISION",
+        "moe_quant_algo": "NVFP4",
+        "group_size": 16,
+    }
+    base = nvfp4_folder(tmp_path, "hybrid", quant)
+    message = refusal([*base, "--moe-expert-pool-weight-format", "fp8-b128"])
+    assert "quantization 'fp8': the pool takes unquantized" in message, message
 
 
 def test_pool_formats_are_checked_against_the_experts(tmp_path: Path) -> None:

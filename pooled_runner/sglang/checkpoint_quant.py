@@ -67,6 +67,8 @@ def native_quant_format(quant_config: Any, scheme: Any = None) -> str:
     from sglang.srt.layers.quantization.fp8 import Fp8Config
 
     if isinstance(quant_config, Fp8Config):
+        if hasattr(quant_config, "nvfp4_config"):  # HybridFp8NvFp4Config: fp8 layers, NVFP4 experts
+            return ""
         if not quant_config.is_checkpoint_fp8_serialized:
             return ""
         if getattr(quant_config, "use_mxfp8", False) or getattr(quant_config, "is_fp4_experts", False):

@@ -101,13 +101,24 @@ class PooledFusedMoE(_FusedMoE):
         values = dict(bound.arguments)
         values.pop("self")
         runtime = get_runtime()
+        reason = None
         if runtime is not None:
             reason, quant = _decide(values, runtime.config.weight_format)
             if reason is None:
                 values["quant_method"] = PooledMoEMethod(base_method(*quant), runtime)
             else:
                 runtime.note_not_pooled(values.get("prefix", "") or f"layer {values['layer_id']}", reason)
-        super().__init__(**values)
+        try:
+            super().__init__(**values)
+        except ValueError as exc:
+            if reason is None or native_quant_format(values.get("quant_config")) != "nvfp4":
+                raise
+            # SGLang's own NVFP4 experts need Blackwell or the marlin runner; the pool runs triton
+            raise ValueError(
+                f"{values.get('prefix') or 'a MoE layer'}: not pooled ({reason}), and SGLang's own NVFP4 experts "
+                f"refused it: {exc}. Serve the checkpoint's NVFP4 experts from the pool (--moe-expert-pool-weight-"
+                "format nvfp4, with settings the pool takes), or pass --no-moe-expert-pool"
+            ) from exc
 
     @property
     def is_pooled(self) -> bool:

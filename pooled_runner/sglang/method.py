@@ -122,8 +122,9 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             self.tensor_scales = tuple(getattr(layer, SCALES["w13_s"]).shape[1:]) == (2,)
         if hasattr(layer, GLOBALS["w13_g"]):
             self.params.update(GLOBALS)
-            # fp32 whatever the default dtype (SGLang builds the model under the model's, e.g. bf16)
-            self.gate_up_globals = torch.full((num_experts, 2), math.nan, dtype=torch.float32)
+            # fp32 on the host whatever the default dtype and device (SGLang builds the model under the model's
+            # dtype, e.g. bf16, and its device)
+            self.gate_up_globals = torch.full((num_experts, 2), math.nan, dtype=torch.float32, device="cpu")
         self.operands = tuple(op for op, name in self.params.items() if hasattr(layer, name))
         self._check_placeholders(layer, hidden_size, intermediate_size_per_partition, params_dtype)
         for operand in self.operands:
@@ -297,7 +298,8 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             num_rescaled += gate != up
             worst = max(worst, change)
         if num_rescaled:
-            logger.info(
+            # a rescaled block scale below e4m3's normal range (2^-6) keeps fewer bits, or none: say so louder
+            (logger.warning if worst > 1 / 16 else logger.info)(
                 "pooled_runner: %s: %d of %d experts have different gate and up global scales (weight_scale_2); "
                 "the smaller one's block scales were rescaled onto the larger, rounded to e4m3 (largest relative "
                 "change of a block's scale: %.3g)",

@@ -113,6 +113,8 @@ def _native_format(quant: dict[str, Any], moe_layers: list[int]) -> tuple[str, b
         return modelopt.native_format, modelopt.per_layer
     if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
         return "", False
+    if quant.get("moe_quant_algo"):  # SGLang's hybrid fp8 + NVFP4 experts (DeepSeek-V4-Pro-NVFP4): not fp8
+        return "", False
     return checkpoint_format(quant.get("weight_block_size")), False
 
 

@@ -10,9 +10,11 @@ It reads the config as SGLang 0.5.23 does (`ModelConfig._parse_quant_hf_config` 
 e2m1 `weight`, e4m3 `weight_scale` per 16 values, fp32 `weight_scale_2`) is the pool's "nvfp4" as it is.
 ModelOpt FP8 (quant_algo FP8: e4m3 weights with one `weight_scale` and `input_scale` per tensor) is the pool's
 "fp8" as it is (per-tensor scales widened to its per-channel ones on load). NVFP4_AWQ (pre-quant scales),
-MIXED_PRECISION, MXFP8 and other NVFP4 group sizes are not served. An
-`exclude_modules` pattern that could name an MoE layer's experts (matched as `ModelOptQuantConfig.is_layer_excluded`
-matches a FusedMoE prefix) leaves the format to the layers.
+MIXED_PRECISION, MXFP8 and other NVFP4 group sizes are not served. For FP8, an `exclude_modules` pattern that
+could name an MoE layer's experts (matched as `ModelOptQuantConfig.is_layer_excluded` matches a FusedMoE prefix)
+leaves the format to the layers; for NVFP4 it does only where every MoE layer is excluded, since a layer left
+to SGLang's own NVFP4 method fails to build on Hopper with the pool's triton runner (the nvfp4 pool keeps the
+excluded layers' bf16 experts on the device).
 """
 
 from __future__ import annotations
@@ -79,6 +81,17 @@ def modelopt_facts(quant: dict[str, Any], moe_layers: Sequence[int]) -> ModelOpt
     algo, group_size, exclude = read
     if native == "nvfp4" and (algo not in SERVED_ALGOS or group_size != GROUP):
         return ModelOptFacts(algo, "")
+    if native == "nvfp4":
+        # SGLang's own NVFP4 experts cannot be built on Hopper with the pool's triton runner: a layer left to
+        # them fails at build, so the pool must take every NVFP4 layer (the layers an exclude pattern leaves in
+        # bf16 stay on the device); only a checkpoint whose every MoE layer is excluded has no NVFP4 experts
+        every = all(
+            any(_may_name_experts(str(pattern), _expert_names([i])) for pattern in exclude)
+            for i in moe_layers
+        )
+        return (
+            ModelOptFacts(algo, "", per_layer=True) if moe_layers and every else ModelOptFacts(algo, native)
+        )
     names = _expert_names(moe_layers)
     if any(_may_name_experts(str(pattern), names) for pattern in exclude):
         return ModelOptFacts(algo, "", per_layer=True)

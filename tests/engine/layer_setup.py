@@ -20,7 +20,13 @@ def build(cls: type, layer_id: int, dtype: torch.dtype, **kwargs: object) -> tor
     )
 
 
-def load(layer: torch.nn.Module, layer_id: int, sd: dict[str, torch.Tensor], skip: str | None = None) -> None:
+def load(
+    layer: torch.nn.Module,
+    layer_id: int,
+    sd: dict[str, torch.Tensor],
+    skip: str | None = None,
+    num_experts: int = E,
+) -> None:
     """Feed the layer's expert tensors through `param.weight_loader`, as Qwen3MoeForCausalLM.load_weights does."""
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
@@ -28,7 +34,7 @@ def load(layer: torch.nn.Module, layer_id: int, sd: dict[str, torch.Tensor], ski
         ckpt_gate_proj_name="gate_proj",
         ckpt_down_proj_name="down_proj",
         ckpt_up_proj_name="up_proj",
-        num_experts=E,
+        num_experts=num_experts,
     )
     params = dict(layer.named_parameters())
     prefix = f"model.layers.{layer_id}.mlp."

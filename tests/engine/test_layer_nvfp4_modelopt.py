@@ -102,18 +102,22 @@ def quant_config(exclude: tuple[str, ...] = (), quant_algo: str = "NVFP4"):  # t
     )
 
 
-def nvfp4_runtime(weight_format: str = "nvfp4"):  # type: ignore[no-untyped-def]
+def nvfp4_runtime(weight_format: str = "nvfp4", pool_rows: int = 6):  # type: ignore[no-untyped-def]
     from pooled_runner.sglang.runtime import PoolRuntime, set_runtime
     from pooled_runner.sglang.serve_config import ServeConfig
 
     rt = PoolRuntime(
-        ServeConfig(pool=PoolConfig.resolve(pool_rows=6, device="cpu", weight_format=weight_format), cpu=True)
+        ServeConfig(
+            pool=PoolConfig.resolve(pool_rows=pool_rows, device="cpu", weight_format=weight_format), cpu=True
+        )
     )
     set_runtime(rt)
     return rt
 
 
-def expected_rows(ckpt: dict[str, torch.Tensor], layer: int, e: int, rank: int = 0, tp: int = 1) -> dict:
+def expected_rows(
+    ckpt: dict[str, torch.Tensor], layer: int, e: int, rank: int = 0, tp: int = 1, inter: int = I
+) -> dict:
     """One expert's nvfp4 bank row from the checkpoint, as rank `rank` of `tp` holds it: its gate and up rows,
     its columns of down (packed bytes and scale groups); w13_g the larger of gate's and up's globals, and the
     smaller one's half of the block scales times (its global / that), rounded to e4m3."""
@@ -122,7 +126,7 @@ def expected_rows(ckpt: dict[str, torch.Tensor], layer: int, e: int, rank: int =
         {p: ckpt[f"{prefix}{p}_proj.{t}"] for p in PROJECTIONS}
         for t in ("weight", "weight_scale", "weight_scale_2")
     )
-    n, k2 = I // tp, I // tp // 2
+    n, k2 = inter // tp, inter // tp // 2
     rows, packed_cols, groups = (
         slice(rank * n, (rank + 1) * n),
         slice(rank * k2, (rank + 1) * k2),
@@ -175,10 +179,9 @@ def test_nvfp4_checkpoint_is_pooled_as_it_is(sglang_context, checkpoint, globals
 
 def test_nvfp4_checkpoint_with_unsynced_gate_up_globals(sglang_context, checkpoint, caplog) -> None:  # type: ignore[no-untyped-def]
     """Gate and up quantized with their own globals: the smaller one's block scales are rescaled onto the larger
-    and rounded to e4m3 (each block's scale within e4m3's half step, 1/16, of the checkpoint's), which is logged;
-    the pooled layer equals the unquantized layer on the weights of those rows, and stays close to the
-    checkpoint's own dequantized weights."""
-    from pooled_runner.formats.nvfp4 import Nvfp4Format
+    and rounded to e4m3, which is logged. Each block's effective scale (block scale x global) stays within
+    e4m3's half step, 1/16, of the checkpoint's (these scales stay in e4m3's normal range), and the pooled layer
+    equals the unquantized layer on the weights those rows hold, dequantized here in plain torch."""
     from pooled_runner.sglang.runtime import set_runtime
 
     dtype = torch.bfloat16
@@ -190,33 +193,87 @@ def test_nvfp4_checkpoint_with_unsynced_gate_up_globals(sglang_context, checkpoi
         assert f"{E} of {E} experts have different gate and up global scales" in caplog.text
         moe = rt.require_moe()
         assert moe.bank is not None
-        served = {}  # the dense weights the rows hold, in the checkpoint's tensor names
+        served = {k: v for k, v in checkpoint.items() if ".mlp.experts." not in k}  # what the rows hold
         for i in range(NUM_LAYERS):
             for e in range(E):
-                row, want = moe.bank.row(i, e), expected_rows(ckpt, i, e)
-                assert_bank_row(row, want, f"layer {i} expert {e}")
-                w13, w2 = Nvfp4Format().expert_weights(row)
+                row = moe.bank.row(i, e)
+                assert_bank_row(row, expected_rows(ckpt, i, e), f"layer {i} expert {e}")
                 prefix = f"model.layers.{i}.mlp.experts.{e}."
-                for p, w in (("gate", w13[:I]), ("up", w13[I:]), ("down", w2)):
-                    served[f"{prefix}{p}_proj.weight"] = w
-                    exact = dequantize(
-                        ckpt[prefix + p + "_proj.weight"],
-                        ckpt[prefix + p + "_proj.weight_scale"],
-                        float(ckpt[prefix + p + "_proj.weight_scale_2"]),
+                g13, s13 = float(row["w13_g"]), row["w13_s"].float()
+                for p, half in (("gate", slice(0, I)), ("up", slice(I, 2 * I))):
+                    want = (
+                        ckpt[prefix + p + "_proj.weight_scale"].float()
+                        * ckpt[prefix + p + "_proj.weight_scale_2"]
                     )
-                    err = (w.float() - exact).abs().max() / exact.abs().max()
-                    assert err <= 1 / 16, f"layer {i} expert {e} {p}: relative change {err:.3g}"
-        served.update({k: v for k, v in checkpoint.items() if ".mlp.experts." not in k})
-        ref = reference_layers(served, dtype)  # the rows' weights, unquantized
-        assert_layers_agree(
-            pooled,
-            ref,
-            checkpoint,
-            dtype,
-            seed=19,
-            what="nvfp4 checkpoint (own globals)",
-            tolerance=TOLERANCE,
+                    change = ((s13[half] * g13 - want).abs() / want).max()
+                    assert change <= 1 / 16, (
+                        f"layer {i} expert {e} {p}: a block's scale changed by {change:.3g}"
+                    )
+                w13 = dequantize(row["w13"], row["w13_s"], g13)
+                w2 = dequantize(row["w2"], row["w2_s"], float(row["w2_g"]))
+                for p, w in (("gate", w13[:I]), ("up", w13[I:]), ("down", w2)):
+                    served[f"{prefix}{p}_proj.weight"] = w.to(dtype)
+        ref = reference_layers(served, dtype)
+        what = "nvfp4 checkpoint (own globals)"
+        assert_layers_agree(pooled, ref, checkpoint, dtype, seed=19, what=what, tolerance=TOLERANCE)
+    finally:
+        set_runtime(None)
+
+
+def test_nvfp4_layer_sizes_not_a_power_of_two_under_tensor_parallelism(sglang_context) -> None:  # type: ignore[no-untyped-def]
+    """H = 48 (3 scale groups), I = 96 (rank r of TP=2 holds 48 rows, 3 groups of down), 5 experts, unsynced
+    globals: each rank's rows are its slices of the checkpoint, byte for byte, with gate/up joined."""
+    from pooled_runner.sglang.layer import PooledFusedMoE
+    from pooled_runner.sglang.runtime import set_runtime
+
+    experts, hidden, inter = 5, 48, 96
+    gen = torch.Generator().manual_seed(23)
+    dense = {}
+    for e in range(experts):
+        prefix = f"model.layers.0.mlp.experts.{e}."
+        for p, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+            dense[prefix + p + "_proj.weight"] = torch.randn(*shape, generator=gen) * (1 + e)
+    ckpt = nvfp4_checkpoint(dense, seed=29, globals_="own")
+    for rank in (0, 1):
+        rt = nvfp4_runtime(pool_rows=4)  # fewer rows than experts: the experts live in the host bank
+        try:
+            layer = build(
+                PooledFusedMoE,
+                0,
+                torch.bfloat16,
+                quant_config=quant_config(),
+                num_experts=experts,
+                hidden_size=hidden,
+                intermediate_size=inter // 2,
+            )
+            layer.moe_tp_size, layer.moe_tp_rank = 2, rank
+            load(layer, 0, ckpt, num_experts=experts)
+            layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+            bank = rt.require_moe().bank
+            assert bank is not None
+            for e in range(experts):
+                want = expected_rows(ckpt, 0, e, rank, tp=2, inter=inter)
+                assert_bank_row(bank.row(0, e), want, f"rank {rank} expert {e}")
+        finally:
+            set_runtime(None)
+
+
+def test_an_nvfp4_layer_the_pool_does_not_take_fails_naming_the_fix(sglang_context) -> None:  # type: ignore[no-untyped-def]
+    """A bf16 pool leaves NVFP4 experts to SGLang's own NVFP4 method, which is refused without Blackwell or the
+    marlin runner: the error says why the pool did not take the layer and how to serve it."""
+    from pooled_runner.sglang.layer import PooledFusedMoE
+    from pooled_runner.sglang.runtime import set_runtime
+
+    nvfp4_runtime("bf16")
+    try:
+        with pytest.raises(ValueError) as info:
+            build(PooledFusedMoE, 0, torch.bfloat16, quant_config=quant_config())
+        message = str(info.value)
+        assert message.startswith(
+            "model.layers.0.mlp.experts: not pooled (quantization nvfp4 (serve it with "
         )
+        assert "SGLang's own NVFP4 experts refused it: Current platform does not support NVFP4" in message
+        assert message.endswith("or pass --no-moe-expert-pool")
     finally:
         set_runtime(None)
 
