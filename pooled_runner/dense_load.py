@@ -151,11 +151,13 @@ class DenseLoader:
         with self._lock:
             self.num_quantized += 1
 
-    def missing(self, layer: int) -> list[str]:
-        """`"expert e shard"` (`"expert e shard operand"` for a scale) for every shard of the layer's experts
-        not written yet, in expert order."""
+    def missing(self, layer: int, names: dict[str, str] | None = None) -> list[str]:
+        """`"expert e shard"` (`"expert e shard operand"` for a scale; the operand as `names` calls it, e.g. the
+        engine's parameter name, where given) for every shard of the layer's experts not written yet, in expert
+        order."""
+        names = names or {}
         return [
-            f"expert {e} {shard}" + ("" if op in DENSE_SHARDS else f" {op}")
+            f"expert {e} {shard}" + ("" if op in DENSE_SHARDS else f" {names.get(op, op)}")
             for e in range(self.moe.num_experts_per_layer[layer])
             for op in self.operands(layer)
             for shard in operand_shards(op)

@@ -204,6 +204,8 @@ def test_an_fp8_block_checkpoint_lands_in_place_beside_a_dense_layer() -> None:
         loader.written(0, e, "w2", "w2")
         loader.written(0, e, "w2", "w2_s")
     assert loader.missing(0) == ["expert 2 w1 w13_s", "expert 2 w3 w13_s"]
+    named = loader.missing(0, {"w13_s": "w13_weight_scale_inv"})  # as the engine calls them
+    assert named == ["expert 2 w1 w13_weight_scale_inv", "expert 2 w3 w13_weight_scale_inv"]
     loader.written(0, 2, "w1", "w13_s")
     loader.written(0, 2, "w3", "w13_s")
     assert loader.missing(0) == [] and loader.num_quantized == 0 and loader.num_pending == 0

@@ -338,7 +338,7 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
     def process_weights_after_loading(self, layer: Any) -> None:
         loader = self.runtime.ensure_loader()
         loader.set_operands(self.index, self.operands)
-        missing = loader.missing(self.index)
+        missing = loader.missing(self.index, self.params)  # scales by the layer's parameter names
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"{self.layer_name}: the checkpoint did not provide {shown}")

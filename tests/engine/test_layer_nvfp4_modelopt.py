@@ -307,7 +307,7 @@ def test_nvfp4_checkpoint_refuses_bad_globals(sglang_context, checkpoint) -> Non
     cases = {
         "two values": (torch.ones(2), r"expert 3\): a per-tensor scale is one value, got shape \(2,\)"),
         "zero": (torch.zeros(()), r"expert 3\): scale 0.0 is not a positive finite number"),
-        "missing": (None, r"did not provide expert 3 w3 w13_g"),
+        "missing": (None, r"did not provide expert 3 w3 w13_weight_scale_2$"),
     }
     for bad, message in cases.values():
         nvfp4_runtime()
