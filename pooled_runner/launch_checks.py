@@ -141,9 +141,10 @@ def pool_problems(
             f"quantization {facts.quantization!r}: the pool takes unquantized (bf16/fp16/fp32) experts, and fp8 "
             "e4m3 ones in square blocks of 16, 32, 64 or 128 (DeepSeek-style weight_block_size) or with one "
             "scale per tensor (quant_method fp8 without weight_block_size), and llm-compressor's fp8 "
-            "(compressed-tensors: fp8 weights and activations, per tensor, channel or square block), NVIDIA "
-            f"ModelOpt FP8 (quant_algo FP8) with {flag_name('weight_format')} fp8, and ModelOpt NVFP4 (quant_algo "
-            f"NVFP4 or W4A16_NVFP4, group 16) with {flag_name('weight_format')} nvfp4; "
+            "(compressed-tensors: fp8 weights and activations, per tensor, channel or square block) and NVFP4 "
+            f"(nvfp4-pack-quantized, with {flag_name('weight_format')} nvfp4), NVIDIA ModelOpt FP8 (quant_algo "
+            f"FP8) with {flag_name('weight_format')} fp8, and ModelOpt NVFP4 (quant_algo NVFP4 or W4A16_NVFP4, "
+            f"group 16) with {flag_name('weight_format')} nvfp4; "
             "use such a checkpoint or pass --no-moe-expert-pool"
         )
     elif decided and facts.native_format and weight_format != facts.native_format:

@@ -200,6 +200,14 @@ def test_compressed_tensors_fp8_checkpoints_are_served_in_their_format(tmp_path:
             "fp8-b128",
         ),
     }
+    # llm-compressor's NVFP4A16 and NVFP4 (W4A4: SGLang serves it weight-only below Blackwell, as the pool does)
+    nv = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16}
+    packed = "nvfp4-pack-quantized"
+    served["nvfp4a16"] = ({"format": packed, "weights": nv}, "nvfp4")
+    served["nvfp4"] = (
+        {"format": packed, "weights": nv, "input_activations": {**nv, "dynamic": "local"}},
+        "nvfp4",
+    )
     for name, (group, fmt) in served.items():
         base = folder(name, group)
         got = plan([*base, "--moe-expert-pool-weight-format", fmt])
@@ -225,6 +233,8 @@ def test_compressed_tensors_fp8_checkpoints_are_served_in_their_format(tmp_path:
     refused = {
         "int4": ({"weights": int4},),
         "fp8 weights only": ({"weights": {**fp8, "strategy": "channel"}},),
+        "nvfp4 groups of 32": ({"format": "nvfp4-pack-quantized", "weights": {**nv, "group_size": 32}},),
+        "nvfp4 not packed": ({"weights": nv},),
         # pairs SGLang's fp8 MoE scheme does not take (it asserts): per-tensor weights with per-token inputs,
         # per-channel weights with static inputs
         "tensor-token": ({"weights": {**fp8, "strategy": "tensor"}, "input_activations": dynamic},),
@@ -236,6 +246,7 @@ def test_compressed_tensors_fp8_checkpoints_are_served_in_their_format(tmp_path:
         message = refusal([*folder(name, *groups), "--moe-expert-pool-weight-format", "fp8"])
         assert "quantization 'compressed-tensors': the pool takes unquantized" in message, (name, message)
         assert "llm-compressor's fp8 (compressed-tensors" in message
+        assert "and NVFP4 (nvfp4-pack-quantized, with --moe-expert-pool-weight-format nvfp4)" in message
     # config.json alone does not settle the experts' format: no refusal on it, the layers decide
     ignore_experts = folder("ignore experts", served["channel"][0])
     config_path = Path(ignore_experts[1]) / "config.json"

@@ -7,7 +7,10 @@ Served as they are (the e4m3 weights are the rows; W8A16, activations stay in th
   per-channel scales);
 - `CompressedTensorsConfig` whose MoE scheme is `CompressedTensorsW8A8Fp8MoE` (llm-compressor's FP8 /
   FP8-dynamic / FP8-block checkpoints): strategy tensor (`weight_scale` [1]) or channel ([N, 1]) is fp8, block
-  is fp8-b{block} (`weight_scale` per tile);
+  is fp8-b{block} (`weight_scale` per tile); or an NVFP4 one (`CompressedTensorsW4A16Nvfp4MoE`, which SGLang
+  also picks for W4A4 checkpoints below Blackwell, or `CompressedTensorsW4A4Nvfp4MoE`; llm-compressor's NVFP4
+  and NVFP4A16): nvfp4, `weight_packed` and `weight_scale` as they are, `weight_global_scale` the reciprocal
+  of the format's global (w = e2m1 * s / global_scale);
 - NVIDIA ModelOpt's `ModelOptFp4Config` of an NVFP4 checkpoint (quant_algo NVFP4 or W4A16_NVFP4, groups of 16):
   nvfp4, its packed e2m1 `weight`, e4m3 `weight_scale` per 16 values and fp32 `weight_scale_2` are the format's
   `w`, `w_s` and `w_g` (W4A16: activations stay in the model's dtype, input scales are checked and not used).
@@ -196,8 +199,14 @@ def _is_compressed_tensors(quant_config: Any) -> bool:
 
 def _compressed_tensors_format(scheme: Any) -> str:
     from compressed_tensors.quantization import QuantizationStrategy
-    from sglang.srt.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A8Fp8MoE
+    from sglang.srt.layers.quantization.compressed_tensors.schemes import (
+        CompressedTensorsW4A4Nvfp4MoE,
+        CompressedTensorsW4A16Nvfp4MoE,
+        CompressedTensorsW8A8Fp8MoE,
+    )
 
+    if type(scheme) in (CompressedTensorsW4A16Nvfp4MoE, CompressedTensorsW4A4Nvfp4MoE):
+        return "nvfp4" if scheme.group_size == 16 else ""
     if type(scheme) is not CompressedTensorsW8A8Fp8MoE:
         return ""
     weights = scheme.weight_quant
@@ -221,5 +230,8 @@ def _scheme_method(quant_config: Any, scheme: Any) -> Any:
         def create_weights(self, layer: Any, *args: Any, **kwargs: Any) -> None:
             layer.scheme = scheme
             super().create_weights(layer, *args, **kwargs)
+            # the pool's rows are [gate; up] whatever runner the scheme was made for (SGLang's w4a4 NVFP4
+            # scheme loads up first for CUTLASS; its loader reads this flag off the method)
+            self.load_up_proj_weight_first = False
 
     return SchemeMethod(quant_config)

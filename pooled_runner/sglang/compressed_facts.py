@@ -1,9 +1,9 @@
 """What the launcher can tell from an llm-compressor (compressed-tensors) `quantization_config` alone: the pool
 format its MoE experts already are, or that only the layers can tell.
 
-It follows SGLang's `CompressedTensorsW8A8Fp8MoE` (the one compressed-tensors MoE scheme the pool serves as it
-is): fp8 e4m3 weights (8-bit float, symmetric, static) with fp8 activations in a format that carries them,
-paired as SGLang pairs them: weights per tensor with activations per tensor ("fp8"), per channel with dynamic
+It follows SGLang's NVFP4 MoE schemes (`nvfp4-pack-quantized`: e2m1 weights in groups of 16 with a global
+scale, with NVFP4 activations or none: "nvfp4") and `CompressedTensorsW8A8Fp8MoE`: fp8 e4m3 weights (8-bit
+float, symmetric, static) with fp8 activations in a format that carries them, paired as SGLang pairs them: weights per tensor with activations per tensor ("fp8"), per channel with dynamic
 per-token activations ("fp8"), square blocks ("fp8-b{block}"). Each group is normalised as compressed-tensors
 normalises it (strategy defaults, upper case, "128x128" blocks). The layers decide (`checkpoint_quant`), and the
 launcher does not refuse, when config.json does not settle one format for every expert: several groups of
@@ -62,6 +62,8 @@ def _group_format(group: dict[str, Any], fmt: object) -> str:
         acts = QuantizationArgs.model_validate(inputs) if isinstance(inputs, dict) else None
     except ValueError:  # pydantic's ValidationError: SGLang's own parse refuses it too
         return ""
+    if fmt == "nvfp4-pack-quantized" and _is_nvfp4(weights) and (acts is None or _is_nvfp4(acts)):
+        return "nvfp4"  # NVFP4A16, or NVFP4 (W4A4; SGLang serves it weight-only below Blackwell, as the pool does)
     if fmt not in ACTIVATION_FORMATS or acts is None:
         return ""
     if not (_is_e4m3(weights) and _is_e4m3(acts) and weights.symmetric and not weights.dynamic):
@@ -73,6 +75,20 @@ def _group_format(group: dict[str, Any], fmt: object) -> str:
     if weights.strategy == QuantizationStrategy.BLOCK:
         return block_format(weights.block_structure)
     return ""
+
+
+def _is_nvfp4(args: Any) -> bool:
+    """e2m1 values in groups of 16 with a global scale (strategy tensor_group), symmetric: SGLang's
+    `_is_fp4a16_nvfp4` / `_is_fp4a4_nvfp4`."""
+    from compressed_tensors.quantization import QuantizationStrategy
+
+    return (
+        args.num_bits == 4
+        and str(getattr(args.type, "value", args.type)) == "float"
+        and args.strategy == QuantizationStrategy.TENSOR_GROUP
+        and args.group_size == 16
+        and bool(args.symmetric)
+    )
 
 
 def _is_e4m3(args: Any) -> bool:

@@ -62,7 +62,7 @@ def _reason(args: dict[str, Any], weight_format: str, quant_config: Any, scheme:
         if not native:
             return (
                 f"quantization {quant_config.get_name()} (the pool takes unquantized experts, fp8 ones in "
-                "blocks, per channel or per tensor (ModelOpt FP8 too), and ModelOpt NVFP4 ones)"
+                "blocks, per channel or per tensor (ModelOpt FP8 too), and NVFP4 ones (ModelOpt, llm-compressor))"
             )
         if native != weight_format:
             return f"quantization {native} (serve it with --moe-expert-pool-weight-format {native})"

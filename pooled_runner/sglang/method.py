@@ -44,9 +44,13 @@ SCALES = {"w13_s": "w13_weight_scale", "w2_s": "w2_weight_scale"}
 # a ModelOpt NVFP4 checkpoint's global scales (`weight_scale_2`, one per projection: w13 [E, 2] gate and up,
 # w2 [E]), the nvfp4 format's `w13_g` [1] and `w2_g` [1]; gate and up share one when the layer is loaded
 GLOBALS = {"w13_g": "w13_weight_scale_2", "w2_g": "w2_weight_scale_2"}
+# compressed-tensors' NVFP4 (llm-compressor): the packed weights, and global scales that divide (w = e2m1 * s /
+# global_scale): the format's w_g is their reciprocal
+PACKED = {"w13": "w13_weight_packed", "w2": "w2_weight_packed"}
+RECIPROCAL_GLOBALS = {"w13_g": "w13_weight_global_scale", "w2_g": "w2_weight_global_scale"}
 # a static-activation fp8 checkpoint's input scales: the pool computes W8A16 (activations stay in the model's
 # dtype), so they are read, checked and not used
-INPUT_SCALES = ("w13_input_scale", "w2_input_scale")
+INPUT_SCALES = ("w13_input_scale", "w2_input_scale", "w13_input_global_scale", "w2_input_global_scale")
 
 
 def method_scales_routed_output(layer: Any) -> bool:
@@ -81,6 +85,7 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         # operand -> the layer's parameter (SCALES where the scales are named `weight_scale`)
         self.params = dict(PARAMS)
         self.tensor_scales = False  # an fp8 checkpoint with one scale per tensor (widened on load)
+        self.reciprocal_globals = False  # NVFP4 global scales that divide (compressed-tensors')
         # an NVFP4 checkpoint's gate and up global scales per expert [E, 2] (nan: not loaded), joined into the
         # rows' one w13_g after loading (`_share_gate_up_globals`)
         self.gate_up_globals: torch.Tensor | None = None
@@ -120,8 +125,11 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         if hasattr(layer, SCALES["w13_s"]) and not hasattr(layer, PARAMS["w13_s"]):
             self.params.update(SCALES)
             self.tensor_scales = tuple(getattr(layer, SCALES["w13_s"]).shape[1:]) == (2,)
-        if hasattr(layer, GLOBALS["w13_g"]):
-            self.params.update(GLOBALS)
+        if hasattr(layer, PACKED["w13"]):
+            self.params.update(PACKED)
+        self.reciprocal_globals = hasattr(layer, RECIPROCAL_GLOBALS["w13_g"])
+        if hasattr(layer, GLOBALS["w13_g"]) or self.reciprocal_globals:
+            self.params.update(RECIPROCAL_GLOBALS if self.reciprocal_globals else GLOBALS)
             # fp32 on the host whatever the default dtype and device (SGLang builds the model under the model's
             # dtype, e.g. bf16, and its device)
             self.gate_up_globals = torch.full((num_experts, 2), math.nan, dtype=torch.float32, device="cpu")
@@ -131,7 +139,7 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             param = getattr(layer, self.params[operand])
             if self.tensor_scales and operand in SCALES:
                 param.weight_loader = self._make_tensor_scale_loader(operand)
-            elif operand in GLOBALS:
+            elif operand in GLOBALS:  # GLOBALS and RECIPROCAL_GLOBALS name the same operands
                 param.weight_loader = self._make_global_loader(operand)
             else:
                 param.weight_loader = self._make_bank_loader(layer, operand)
@@ -267,13 +275,18 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         return self._weight_loader(operand, load)
 
     def _make_global_loader(self, operand: str) -> Any:
-        """The loader of an NVFP4 global scale (`weight_scale_2`, one value per shard): w2's goes into its row;
-        gate's and up's are kept until the layer is loaded, when `_share_gate_up_globals` joins them."""
+        """The loader of an NVFP4 global scale (ModelOpt's `weight_scale_2`, or the reciprocal of compressed-tensors'
+        `weight_global_scale`; one value per shard): w2's goes into its row; gate's and up's are kept until the
+        layer is loaded, when `_share_gate_up_globals` joins them."""
 
         def load(
             param: Any, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int
         ) -> None:
             value = _one_scale(weight_name, loaded_weight, expert_id)
+            if self.reciprocal_globals:  # compressed-tensors' global_scale divides: w = e2m1 * s / value
+                value = float(
+                    torch.tensor(1.0, dtype=torch.float32) / torch.tensor(value, dtype=torch.float32)
+                )
             if operand == "w2_g":
                 self._expert_view(expert_id, operand).fill_(value)
             else:

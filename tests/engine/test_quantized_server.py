@@ -94,11 +94,13 @@ def _fp8_checkpoint(embedded_model: Path, folder: Path, kind: str) -> tuple[Path
     return fp8_folder, dense_folder
 
 
-def _nvfp4_checkpoint(embedded_model: Path, folder: Path) -> tuple[Path, Path]:
-    """A ModelOpt NVFP4 copy of the embedded checkpoint (config.json's flat `quantization_config`, quant_method
-    modelopt, quant_algo NVFP4; attention and lm_head excluded), quantized in plain torch
-    (`test_layer_nvfp4_modelopt.quantize`, gate and up sharing one global as ModelOpt's export syncs them), and
-    a copy whose experts hold its dequantized weights in bf16."""
+def _nvfp4_checkpoint(embedded_model: Path, folder: Path, flavor: str) -> tuple[Path, Path]:
+    """An NVFP4 copy of the embedded checkpoint, quantized in plain torch (`test_layer_nvfp4_modelopt.quantize`,
+    gate and up sharing one global as ModelOpt's export syncs them; attention and lm_head left unquantized), and a
+    copy whose experts hold its dequantized weights in bf16. `flavor`: "modelopt" (config.json's flat
+    `quantization_config`, quant_method modelopt, quant_algo NVFP4: `weight`, `weight_scale`, `weight_scale_2`,
+    `input_scale`) or "compressed" (llm-compressor's NVFP4A16: compressed-tensors, `weight_packed`,
+    `weight_scale`, `weight_global_scale` = 1 / weight_scale_2, whose reciprocal the rows hold)."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -122,19 +124,45 @@ def _nvfp4_checkpoint(embedded_model: Path, folder: Path) -> tuple[Path, Path]:
             name = f"{prefix}.{p}_proj."
             q, scale = quantize(w[p], g)
             del nvfp4[name + "weight"]
-            nvfp4[name + "weight"], nvfp4[name + "weight_scale"] = q, scale
-            nvfp4[name + "weight_scale_2"] = g.reshape(()).clone()  # gate's and up's: one tensor each
-            nvfp4[name + "input_scale"] = torch.tensor(0.05)
+            nvfp4[name + "weight_scale"] = scale
+            if flavor == "modelopt":
+                nvfp4[name + "weight"] = q
+                nvfp4[name + "weight_scale_2"] = g.reshape(()).clone()  # gate's and up's: one tensor each
+                nvfp4[name + "input_scale"] = torch.tensor(0.05)
+            else:
+                global_scale = (torch.tensor(1.0) / g).reshape(())
+                nvfp4[name + "weight_packed"], nvfp4[name + "weight_global_scale"] = q, global_scale.clone()
+                g = torch.tensor(1.0) / global_scale  # what the rows hold
             dense[name + "weight"] = dequantize(q, scale, float(g)).to(torch.bfloat16).float()
     save_file(nvfp4, str(nvfp4_folder / "model.safetensors"))
     save_file(dense, str(dense_folder / "model.safetensors"))
     config = json.loads((embedded_model / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "modelopt",
-        "quant_algo": "NVFP4",
-        "group_size": 16,
-        "ignore": ["lm_head", "*self_attn*"],
-    }
+    if flavor == "modelopt":
+        quant = {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "group_size": 16,
+            "ignore": ["lm_head", "*self_attn*"],
+        }
+    else:
+        attention = sorted(
+            {n.rsplit(".", 1)[0] for n in sd if ".self_attn." in n and n.endswith("_proj.weight")}
+        )
+        nvfp4_args = {
+            "num_bits": 4,
+            "type": "float",
+            "symmetric": True,
+            "strategy": "tensor_group",
+            "group_size": 16,
+        }
+        quant = {
+            "quant_method": "compressed-tensors",
+            "format": "nvfp4-pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": nvfp4_args}},
+            "ignore": ["lm_head", *attention],
+        }
+    config["quantization_config"] = quant
     (nvfp4_folder / "config.json").write_text(json.dumps(config, indent=2))
     return nvfp4_folder, dense_folder
 
@@ -207,17 +235,18 @@ def test_int4_pool_serves_what_bf16_serves_of_the_dequantized_experts(
 
 
 @pytest.mark.parametrize(
-    "kind", ["blocks", "per-tensor", "compressed-channel", "modelopt-fp8", "modelopt-nvfp4"]
+    "kind",
+    ["blocks", "per-tensor", "compressed-channel", "modelopt-fp8", "modelopt-nvfp4", "compressed-nvfp4"],
 )
 def test_checkpoint_served_as_it_is_serves_what_bf16_serves_of_its_dequantized_experts(
     embedded_model: Path, prompt_ids: list[list[int]], tmp_path_factory: pytest.TempPathFactory, kind: str
 ) -> None:
     tmp = tmp_path_factory.mktemp("as-it-is")
-    if kind == "modelopt-nvfp4":
-        quantized, dense = _nvfp4_checkpoint(embedded_model, tmp)
+    if kind.endswith("nvfp4"):
+        quantized, dense = _nvfp4_checkpoint(embedded_model, tmp, kind.removesuffix("-nvfp4"))
     else:
         quantized, dense = _fp8_checkpoint(embedded_model, tmp, kind)
-    fmt = {"blocks": "fp8-b16", "modelopt-nvfp4": "nvfp4"}.get(kind, "fp8")
+    fmt = "fp8-b16" if kind == "blocks" else "nvfp4" if kind.endswith("nvfp4") else "fp8"
     served, log = _serve(
         ["--model-path", str(quantized), "--moe-expert-pool-weight-format", fmt],
         tmp / f"{kind}.log",
