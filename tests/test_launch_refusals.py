@@ -235,6 +235,13 @@ def test_compressed_tensors_fp8_checkpoints_are_served_in_their_format(tmp_path:
         "fp8 weights only": ({"weights": {**fp8, "strategy": "channel"}},),
         "nvfp4 groups of 32": ({"format": "nvfp4-pack-quantized", "weights": {**nv, "group_size": 32}},),
         "nvfp4 not packed": ({"weights": nv},),
+        "nvfp4 with fp8 activations": (
+            {
+                "format": "nvfp4-pack-quantized",
+                "weights": nv,
+                "input_activations": {**fp8, "strategy": "tensor"},
+            },
+        ),
         # pairs SGLang's fp8 MoE scheme does not take (it asserts): per-tensor weights with per-token inputs,
         # per-channel weights with static inputs
         "tensor-token": ({"weights": {**fp8, "strategy": "tensor"}, "input_activations": dynamic},),

@@ -3,11 +3,12 @@ format its MoE experts already are, or that only the layers can tell.
 
 It follows SGLang's NVFP4 MoE schemes (`nvfp4-pack-quantized`: e2m1 weights in groups of 16 with a global
 scale, with NVFP4 activations or none: "nvfp4") and `CompressedTensorsW8A8Fp8MoE`: fp8 e4m3 weights (8-bit
-float, symmetric, static) with fp8 activations in a format that carries them, paired as SGLang pairs them: weights per tensor with activations per tensor ("fp8"), per channel with dynamic
-per-token activations ("fp8"), square blocks ("fp8-b{block}"). Each group is normalised as compressed-tensors
-normalises it (strategy defaults, upper case, "128x128" blocks). The layers decide (`checkpoint_quant`), and the
-launcher does not refuse, when config.json does not settle one format for every expert: several groups of
-different formats, or an `ignore` entry that could name expert projections.
+float, symmetric, static) with fp8 activations in a format that carries them, paired as SGLang pairs them:
+weights per tensor with activations per tensor ("fp8"), per channel with dynamic per-token activations ("fp8"),
+square blocks ("fp8-b{block}"). Each group is normalised as compressed-tensors normalises it (strategy
+defaults, upper case, "128x128" blocks). The layers decide (`checkpoint_quant`), and the launcher does not
+refuse, when config.json does not settle one format for every expert: several groups of different formats, or
+an `ignore` entry that could name expert projections.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ EXPERT_NAMES = (
 
 @dataclass(frozen=True)
 class CompressedFacts:
-    native_format: str  # "" when not one fp8 format the pool serves as it is
+    native_format: str  # "" when not one format the pool serves as it is (fp8, fp8-b{block}, nvfp4)
     per_layer: bool = False  # config.json does not settle the experts' format: the layers decide
 
 

@@ -8,7 +8,8 @@ parameter's `weight_loader` is replaced by one that runs the layer's native per-
 an fp8-block checkpoint's weights and `weight_scale_inv` blocks into fp8-b{block}; an fp8 checkpoint with one
 `weight_scale` per tensor into fp8, each scale written on every row of its shard; a ModelOpt NVFP4 checkpoint's
 packed weights, `weight_scale` and `weight_scale_2` into nvfp4, gate and up sharing one global scale after
-loading), so bank rows have exactly the
+loading; an llm-compressor NVFP4 checkpoint's the same, its `weight_global_scale` as its reciprocal), so bank
+rows have exactly the
 layout the device weights would have, or a dense buffer that a quantized format (`--moe-expert-pool-weight-format`
 int4/fp8/NVFP4) quantizes into the bank when the expert's last shard is in. `apply` runs the pooled forward
 (`PooledMoE.forward`). Only `pooled_runner.sglang` imports SGLang.
@@ -48,8 +49,8 @@ GLOBALS = {"w13_g": "w13_weight_scale_2", "w2_g": "w2_weight_scale_2"}
 # global_scale): the format's w_g is their reciprocal
 PACKED = {"w13": "w13_weight_packed", "w2": "w2_weight_packed"}
 RECIPROCAL_GLOBALS = {"w13_g": "w13_weight_global_scale", "w2_g": "w2_weight_global_scale"}
-# a static-activation fp8 checkpoint's input scales: the pool computes W8A16 (activations stay in the model's
-# dtype), so they are read, checked and not used
+# input scales of static-activation checkpoints (fp8's `input_scale`, NVFP4 W4A4's `input_global_scale`): the
+# pool computes with activations in the model's dtype (W8A16, W4A16), so they are read, checked and not used
 INPUT_SCALES = ("w13_input_scale", "w2_input_scale", "w13_input_global_scale", "w2_input_global_scale")
 
 
@@ -323,9 +324,9 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             )
 
     def _make_input_scale_check(self, name: str) -> Any:
-        """The loader of a static-activation checkpoint's input scale: checked (one value per shard; SGLang takes
-        the largest, so an unused 0 is allowed) and dropped, since the pooled experts take activations in the
-        model's dtype (W8A16)."""
+        """The loader of a static-activation checkpoint's input scale (`INPUT_SCALES`): checked (one value per
+        shard; SGLang takes the largest, so an unused 0 is allowed) and dropped, since the pooled experts take
+        activations in the model's dtype (W8A16, W4A16)."""
 
         def load(
             param: Any, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int

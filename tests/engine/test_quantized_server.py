@@ -130,7 +130,7 @@ def _nvfp4_checkpoint(embedded_model: Path, folder: Path, flavor: str) -> tuple[
                 nvfp4[name + "weight_scale_2"] = g.reshape(()).clone()  # gate's and up's: one tensor each
                 nvfp4[name + "input_scale"] = torch.tensor(0.05)
             else:
-                global_scale = (torch.tensor(1.0) / g).reshape(())
+                global_scale = (torch.tensor(1.0) / g).reshape(1)  # [1], as llm-compressor writes it
                 nvfp4[name + "weight_packed"], nvfp4[name + "weight_global_scale"] = q, global_scale.clone()
                 g = torch.tensor(1.0) / global_scale  # what the rows hold
             dense[name + "weight"] = dequantize(q, scale, float(g)).to(torch.bfloat16).float()
