@@ -57,8 +57,8 @@ def share_gate_up_global(w13_s: torch.Tensor, gate_global: float, up_global: flo
 
     `w13_s`: the expert's block scales `[2I, K/16]` e4m3, gate rows `[0, I)`, up rows `[I, 2I)`, rewritten in
     place. Returns `(g, change)`: `g = max(gate_global, up_global)`, and the half with the smaller global gets
-    its block scales multiplied by `its global / g` (<= 1: no overflow) and rounded to e4m3, as TensorRT-LLM
-    and vLLM fold divergent gate/up scales. Equal globals, or a power-of-two ratio whose products stay normal
+    its block scales multiplied by `its global / g` (<= 1: no overflow) and rounded to e4m3, as TensorRT-LLM's
+    fused MoE folds divergent gate/up scales. Equal globals, or a power-of-two ratio whose products stay normal
     e4m3, change nothing but `g`; `change` is the largest relative change of a nonzero block's effective scale
     (`s * global`), 1.0 where a block scale rounded to zero.
     """

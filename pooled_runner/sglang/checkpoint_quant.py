@@ -206,7 +206,7 @@ def _compressed_tensors_format(scheme: Any) -> str:
     )
 
     if type(scheme) in (CompressedTensorsW4A16Nvfp4MoE, CompressedTensorsW4A4Nvfp4MoE):
-        return "nvfp4" if scheme.group_size == 16 else ""
+        return "nvfp4"  # SGLang picks them for groups of 16 only
     if type(scheme) is not CompressedTensorsW8A8Fp8MoE:
         return ""
     weights = scheme.weight_quant

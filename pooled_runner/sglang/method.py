@@ -254,9 +254,12 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
     def _expert_view(self, expert_id: int, operand: str) -> torch.Tensor:
         """Where a loader writes `operand` of an expert (`DenseLoader.expert_views`: its bank row in place, or a
         dense buffer quantized once the expert is complete)."""
+        return self._expert_views(expert_id)[operand]
+
+    def _expert_views(self, expert_id: int) -> dict[str, torch.Tensor]:
         loader = self.runtime.ensure_loader()
         loader.set_operands(self.index, self.operands)
-        return loader.expert_views(self.index, expert_id)[operand]
+        return loader.expert_views(self.index, expert_id)
 
     def _make_tensor_scale_loader(self, operand: str) -> Any:
         """The loader of a per-tensor fp8 scale (`w13_s` per shard, `w2_s`): the one value goes on every row of
@@ -300,26 +303,27 @@ class PooledMoEMethod(FusedMoEMethodBase, torch.nn.Module):
     def _share_gate_up_globals(self) -> None:
         """Each expert's gate and up global scales become its row's one `w13_g`, the larger of the two; the other
         half's block scales are rescaled onto it (`formats.nvfp4.share_gate_up_global`: exact where they are
-        equal, else rounded to e4m3, as TensorRT-LLM and vLLM fold them). Logged where any differed."""
+        equal, else rounded to e4m3, as TensorRT-LLM's fused MoE folds them). Logged where any differed."""
         from pooled_runner.formats.nvfp4 import share_gate_up_global
 
         assert self.gate_up_globals is not None
         num_rescaled, worst = 0, 0.0
         for expert_id, (gate, up) in enumerate(self.gate_up_globals.tolist()):
-            rows = self._expert_view(expert_id, "w13_s")
-            g, change = share_gate_up_global(rows, gate, up)
-            self._expert_view(expert_id, "w13_g").fill_(g)
+            rows = self._expert_views(expert_id)
+            g, change = share_gate_up_global(rows["w13_s"], gate, up)
+            rows["w13_g"].fill_(g)
             num_rescaled += gate != up
             worst = max(worst, change)
         if num_rescaled:
             # a rescaled block scale below e4m3's normal range (2^-6) keeps fewer bits, or none: say so louder
             (logger.warning if worst > 1 / 16 else logger.info)(
-                "pooled_runner: %s: %d of %d experts have different gate and up global scales (weight_scale_2); "
-                "the smaller one's block scales were rescaled onto the larger, rounded to e4m3 (largest relative "
-                "change of a block's scale: %.3g)",
+                "pooled_runner: %s: %d of %d experts have different gate and up global scales (%s); the smaller "
+                "one's block scales were rescaled onto the larger, rounded to e4m3 (largest relative change of a "
+                "block's scale: %.3g)",
                 self.layer_name,
                 num_rescaled,
                 self.num_experts,
+                self.params["w13_g"],
                 worst,
             )
 

@@ -34,8 +34,7 @@ EXPERT_CONTAINERS = ("mlp.experts", "block_sparse_moe.experts")
 
 @dataclass(frozen=True)
 class ModelOptFacts:
-    quant_algo: str | None  # None when the config names none
-    native_format: str  # "nvfp4", or "" when the pool cannot take the experts as they are
+    native_format: str  # "fp8" or "nvfp4", or "" when the pool cannot take the experts as they are
     per_layer: bool = False  # an exclude pattern may name experts: the layers decide
 
 
@@ -69,46 +68,36 @@ def modelopt_facts(quant: dict[str, Any], moe_layers: Sequence[int]) -> ModelOpt
     patterns are tested against."""
     algo = sglang_quant_algo(quant)
     if algo == "FP8":  # SGLang's modelopt_fp8: e4m3 weights, one weight_scale and input_scale per tensor
-        read = _fp8_config(quant)
-        native = "fp8"
+        exclude, native = _fp8_exclude(quant), "fp8"
     elif algo is not None and "FP4" in algo:
         read = _fp4_config(quant)
-        native = "nvfp4"
+        if read is None or read[0] not in SERVED_ALGOS or read[1] != GROUP:
+            return ModelOptFacts("")
+        exclude, native = read[2], "nvfp4"
     else:  # modelopt_mixed, w4afp8 or mxfp8
-        return ModelOptFacts(algo, "")
-    if read is None:  # SGLang's from_config raises
-        return ModelOptFacts(algo, "")
-    algo, group_size, exclude = read
-    if native == "nvfp4" and (algo not in SERVED_ALGOS or group_size != GROUP):
-        return ModelOptFacts(algo, "")
-    if native == "nvfp4":
-        # SGLang's own NVFP4 experts cannot be built on Hopper with the pool's triton runner: a layer left to
-        # them fails at build, so the pool must take every NVFP4 layer (the layers an exclude pattern leaves in
-        # bf16 stay on the device); only a checkpoint whose every MoE layer is excluded has no NVFP4 experts
-        every = all(
-            any(_may_name_experts(str(pattern), _expert_names([i])) for pattern in exclude)
-            for i in moe_layers
-        )
-        return (
-            ModelOptFacts(algo, "", per_layer=True) if moe_layers and every else ModelOptFacts(algo, native)
-        )
-    names = _expert_names(moe_layers)
-    if any(_may_name_experts(str(pattern), names) for pattern in exclude):
-        return ModelOptFacts(algo, "", per_layer=True)
-    return ModelOptFacts(algo, native)
+        return ModelOptFacts("")
+    if exclude is None:  # SGLang's from_config raises, or reads no list of patterns
+        return ModelOptFacts("")
+    excluded = [i for i in moe_layers if any(_may_name_experts(str(p), _expert_names([i])) for p in exclude)]
+    # FP8: a layer an exclude pattern names is bf16, so the layers decide. NVFP4: SGLang's own NVFP4 experts
+    # cannot be built on Hopper with the pool's triton runner, so the pool must take every NVFP4 layer (the
+    # excluded ones stay on the device); only a checkpoint whose every MoE layer is excluded leaves it to them
+    if excluded and (native == "fp8" or len(excluded) == len(moe_layers)):
+        return ModelOptFacts("", per_layer=True)
+    return ModelOptFacts(native)
 
 
-def _fp8_config(config: dict[str, Any]) -> tuple[str, object, list[Any]] | None:
-    """("FP8", None, exclude patterns) as `ModelOptFp8Config.from_config` reads them: `ignore` of the flat form,
-    `quantization.exclude_modules` of the nested one (absent or null: none); None for a list that is not one."""
+def _fp8_exclude(config: dict[str, Any]) -> list[Any] | None:
+    """The exclude patterns as `ModelOptFp8Config.from_config` reads them: `ignore` of the flat form,
+    `quantization.exclude_modules` of the nested one (absent or null: none); None for a value that is no list."""
     if config.get("quant_algo") is not None:
         exclude = config.get("ignore")
     else:
         nested = config.get("quantization")
         exclude = nested.get("exclude_modules") if isinstance(nested, dict) else None
     if exclude is None:
-        exclude = []
-    return ("FP8", None, exclude) if isinstance(exclude, list) else None
+        return []
+    return exclude if isinstance(exclude, list) else None
 
 
 def _fp4_config(config: dict[str, Any]) -> tuple[str, object, list[Any]] | None:
