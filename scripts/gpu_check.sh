@@ -45,7 +45,7 @@ step() {  # step NAME CAP_SECONDS COMMAND...   (SKIP="name ..." leaves steps out
 # faulthandler_timeout: a test still running after 45 s (the longest took 34 s on the H200) prints every thread's
 # Python stack into the log, before the step's cap stops it (one gpu_tests_stack run stopped at its cap on
 # 2026-12-02, after 36 tests, with no way to tell where it stood; hence also its cap of 360 s for ~270 s of tests)
-KERNEL_TESTS="tests/test_kernels_gpu.py tests/test_decode_variants_gpu.py tests/test_kernels_swap_gpu.py tests/test_pdl_gpu.py tests/test_splitk_gpu.py tests/test_gemv_words_gpu.py tests/test_gemv_half_gpu.py tests/test_gemv_schedule_gpu.py"
+KERNEL_TESTS="tests/test_kernels_gpu.py tests/test_decode_variants_gpu.py tests/test_kernels_swap_gpu.py tests/test_pdl_gpu.py tests/test_splitk_gpu.py tests/test_gemv_words_gpu.py tests/test_gemv_half_gpu.py tests/test_gemv_schedule_gpu.py tests/test_stock_sglang_gpu.py"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || true
 if [ "${QUICK:-0}" = 1 ]; then
   # ~330 + ~90 + ~130 s measured (2026-12-01): the caps leave the call's 10 minutes little room, and on
@@ -63,6 +63,9 @@ else
     step gpu_tests_stack "${GPU_TESTS_STACK_CAP:-360}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 -o faulthandler_timeout=45 tests $(for f in $KERNEL_TESTS; do printf -- '--ignore=%s ' "$f"; done)
   fi
   step bench_kernels "${BENCH_KERNELS_CAP:-200}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  # issue #4's "never slower than stock SGLang": stock's own kernels and tuned configs (bench/stock_sglang/), timed
+  # beside ours on this card, decode widths (M x top_k <= 64)
+  step bench_stock "${BENCH_STOCK_CAP:-150}" "$PY" -m bench.stock_compare --out "$OUT/bench_stock.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_variants "${BENCH_VARIANTS_CAP:-200}" "$PY" -m bench.kernels --variants --budget 150 --out "$OUT/bench_variants.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # Qwen3-like bf16 decode: the GEMV against the other paths (the default there is now the split path) (issue #4's 1.2x-stock target at M=1; the
   # general variants step above may run out of budget before the bf16 cases)

@@ -1,0 +1,99 @@
+"""Ours against stock SGLang 0.5.23's Triton fused MoE, both timed in this run on this card (GPU; issue #4).
+
+Per shape (the DeepSeek-like and Qwen3-like layers of `bench/kernels.py`) and decode width M: one bf16 layer
+with every expert resident, the same routing for both; our default `pooled_fused_moe` and stock's launch
+sequence on its own kernels (`bench/stock_sglang/`, its tuned configs for this card and Triton version), each
+captured in a CUDA graph and timed in turn for several rounds (`bench.common.time_graphs`). Reports µs, the share
+of the HBM read bound (distinct experts' bytes / HBM read bandwidth, measured here), stock / ours (> 1: ours
+faster) and the largest difference between the two outputs (relative to the output's largest magnitude): both
+compute the same MoE. M x top_k <= 64 only: above, stock runs a CUDA align kernel the GPU image lacks.
+
+Usage: python -m bench.stock_compare [--out stock.md] [--shapes qwen3,deepseek] [--ms 1,2,4,8] [--commit SHA]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+import triton
+from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe
+from pooled_runner.kernels.operands import kernel_format
+
+from bench.common import time_graphs, write
+from bench.kernels import SHAPES, measured_header, random_rows
+from bench.stock_sglang.moe import SMALL_NUMEL_LIMIT, pick_configs, stock_fused_experts
+from pooled_runner.formats import make_format
+
+
+def compare(shape: str, ms: list[int], hbm: float, g: torch.Generator) -> list[str]:
+    """The table rows of one shape (module docstring)."""
+    H, I, E, K = SHAPES[shape]
+    pool = random_rows("bf16", H, I, E, "cuda", g)
+    fmt = kernel_format(make_format("bf16", torch.bfloat16))
+    p13, p2 = make_projections(fmt, pool, None, H, I)
+    l2p = torch.arange(E, dtype=torch.int32, device="cuda")
+    row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
+    pdl = torch.cuda.get_device_capability()[0] >= 9  # stock's is_arch_support_pdl()
+    rows = []
+    for M in ms:
+        if M * K > SMALL_NUMEL_LIMIT:
+            rows.append(f"| {shape} | {M} | | | | | | not reproduced (M x top_k > {SMALL_NUMEL_LIMIT}) |")
+            continue
+        x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+        w, ids = torch.softmax(torch.randn(M, E, generator=g, device="cuda"), -1).topk(K, -1)
+        ids32 = ids.int().contiguous()  # SGLang's top-k gives int32 ids, fp32 weights
+        configs = pick_configs(M, E, I, torch.cuda.get_device_name(), triton.__version__)
+        ours = functools.partial(pooled_fused_moe, x, ids32, w, l2p, E, p13, p2, fmt)
+        stock = functools.partial(stock_fused_experts, x, pool["w13"], pool["w2"], w, ids32, configs, pdl=pdl)
+        ms_ = time_graphs({"ours": ours, "stock": stock}, rounds=5)
+        out_ours, out_stock = ours().float(), stock().float()
+        diff = (out_ours - out_stock).abs().max().item() / max(out_stock.abs().max().item(), 1e-30)
+        bound_us = torch.unique(ids).numel() * row_bytes / (hbm * 1e9) * 1e6
+        us_ours, us_stock = ms_["ours"] * 1e3, ms_["stock"] * 1e3
+        tiles = "/".join(str(configs[0][k]) for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"))
+        rows.append(
+            f"| {shape} | {M} | {us_ours:.1f} | {us_stock:.1f} | {100 * bound_us / us_ours:.0f}% | "
+            f"{100 * bound_us / us_stock:.0f}% | **{us_stock / us_ours:.2f}x** | {diff:.1e} (stock M/N/K {tiles}) |"
+        )
+        print(rows[-1], flush=True)
+    del pool, p13, p2
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--shapes", default="qwen3,deepseek", help=f"comma list of {', '.join(SHAPES)}")
+    ap.add_argument("--ms", default="1,2,4,8", help="comma list of decode widths M")
+    ap.add_argument("--commit", default="", help="commit to print (default: git rev-parse HEAD)")
+    args = ap.parse_args()
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown or not shapes:
+        raise SystemExit(f"--shapes {args.shapes!r}: unknown {unknown}; choose from {list(SHAPES)}")
+    ms = [int(m) for m in args.ms.split(",") if m]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hbm, _, lines = measured_header(args.commit)
+    lines += [
+        "ours vs stock SGLang 0.5.23 fused MoE, bf16, resident, graph replay, both in this run:",
+        "",
+        "| shape | M | ours µs | stock µs | ours % of HBM bound | stock % of HBM bound | stock / ours | max diff |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    for shape in shapes:
+        lines += compare(shape, ms, hbm, g)
+        write(args.out, lines)
+    lines += [
+        "",
+        "stock: SGLang 0.5.23's own Triton kernels and tuned configs (bench/stock_sglang/), its gated SiLU as its "
+        "Triton act_and_mul kernel in place of sgl_kernel's CUDA silu_and_mul (one elementwise launch either way).",
+    ]
+    write(args.out, lines)
+
+
+if __name__ == "__main__":
+    main()

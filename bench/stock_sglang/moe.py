@@ -1,0 +1,210 @@
+"""Stock SGLang 0.5.23's Triton fused MoE at decode widths, on its own kernels (`kernels.py`, copied verbatim).
+
+`stock_fused_experts` replays what SGLang's `fused_experts_impl` launches for resident bf16/fp16 experts without
+expert parallelism (every local expert owned: no expert filter), when M x top_k <= 64 and E + 1 > 64 buckets
+(every decode step of the benchmark's shapes up to M = 8 with top-8): the single-launch small-batch align, the
+gate/up GEMM, the gated SiLU, the down GEMM with the routing weights, the top-k sum (`moe_sum_reduce_triton`
+below 33 tokens). The launches' arguments, grids, PDL flags and tile configs are stock's
+(`fused_moe_triton_kernels.invoke_fused_moe_kernel`, `moe_align_block_size`, `fused_moe_triton_config`).
+
+One substitution: stock's gated SiLU is sgl_kernel's CUDA `silu_and_mul` (one elementwise launch), which the GPU
+image does not have; here it is stock's own Triton `act_and_mul_kernel` (one elementwise launch, the kernel
+stock uses where it filters experts), without the filter. Wider steps (the CUDA align kernel) and the
+tuned-config TMA paths are refused, not approximated.
+
+Shapes: x [M, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights [M, K] fp32;
+topk_ids [M, K] int32. `reference_fused_experts` is the plain torch MoE with the same signature.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from bench.stock_sglang import kernels
+
+# stock's gates for the single-launch align (moe_align_small_numel.SMALL_NUMEL_LIMIT and
+# moe_align_block_size._CUDA_SMALL_BATCH_MAX_BUCKETS)
+SMALL_NUMEL_LIMIT = 64
+CUDA_SMALL_BATCH_MAX_BUCKETS = 64
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in version.split("."))
+
+
+def load_configs(
+    E: int, N: int, device_name: str, triton_version: str, *, down: bool = False
+) -> dict[int, dict[str, Any]] | None:
+    """Stock's `get_moe_configs(E, N, dtype=None)` for bf16: the tuned file of this Triton version, else of the
+    newest other version that has one; a missing down file falls back to the up configs. None: the default."""
+    name = f"E={E},N={N},device_name={device_name.replace(' ', '_')}{'_down' if down else ''}.json"
+    versions = sorted(
+        (p.name.removeprefix("triton_").replace("_", ".") for p in CONFIG_DIR.glob("triton_*")),
+        key=_version_key,
+        reverse=True,
+    )
+    for version in [triton_version] + [v for v in versions if v != triton_version]:
+        path = CONFIG_DIR / f"triton_{version.replace('.', '_')}" / name
+        if path.exists():
+            return {int(k): v for k, v in json.loads(path.read_text()).items()}
+    return load_configs(E, N, device_name, triton_version) if down else None
+
+
+def default_config(M: int, E: int) -> dict[str, int]:
+    """Stock's `get_default_config` for bf16/fp16 (not deterministic mode, not marlin)."""
+    if M <= E:
+        return {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1}
+    return {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 8}
+
+
+def pick_configs(
+    M: int, E: int, I: int, device_name: str, triton_version: str
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(gate/up config, down config or None) as stock's `try_get_optimal_moe_config(return_down_config=True)`
+    resolves them for M tokens; a config asking for TMA is refused (that path is not reproduced here)."""
+    configs = load_configs(E, I, device_name, triton_version)
+    config = dict(configs[min(configs, key=lambda m: abs(m - M))] if configs else default_config(M, E))
+    down_configs = load_configs(E, I, device_name, triton_version, down=True)
+    down = dict(down_configs[min(down_configs, key=lambda m: abs(m - M))]) if down_configs else None
+    if down is not None:
+        down["BLOCK_SIZE_M"] = config["BLOCK_SIZE_M"]  # one align serves both GEMMs
+    for c in (config, down):
+        if c is not None and c.pop("USE_TMA", False):
+            raise NotImplementedError(f"M={M}: stock's tuned config asks for TMA ({c}); not reproduced here")
+    return config, down
+
+
+def _check(x, w13, w2, topk_weights, topk_ids) -> None:
+    M, H = x.shape
+    E, two_i, _ = w13.shape
+    assert x.dtype in (torch.bfloat16, torch.float16), x.dtype
+    assert w13.dtype == w2.dtype == x.dtype, (x.dtype, w13.dtype, w2.dtype)
+    assert w13.shape == (E, two_i, H) and w2.shape == (E, H, two_i // 2), (x.shape, w13.shape, w2.shape)
+    assert x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()
+    assert topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32, (
+        topk_ids.dtype,
+        topk_weights.dtype,
+    )
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == M, (
+        topk_ids.shape,
+        topk_weights.shape,
+        M,
+    )
+    assert topk_weights.stride(1) == 1 and topk_ids.is_contiguous()
+    assert 0 < topk_ids.numel() <= SMALL_NUMEL_LIMIT, (
+        f"M x top_k = {topk_ids.numel()}: stock runs the CUDA align kernel above {SMALL_NUMEL_LIMIT} (not here)"
+    )
+    assert E + 1 > CUDA_SMALL_BATCH_MAX_BUCKETS, f"E={E}: stock runs the CUDA align kernel at <= 64 buckets"
+
+
+def _gemm(A, B, C, topk_weights, topk_ids, sorted_ids, expert_ids, num_post, *, mul_routed_weight, top_k,
+          router_topk, config, pdl: bool) -> None:  # fmt: skip
+    """Stock's `invoke_fused_moe_kernel` for unquantized weights (no bias, no TMA, no LoRA, no fused sum)."""
+    grid = (
+        triton.cdiv(sorted_ids.shape[0], config["BLOCK_SIZE_M"])
+        * triton.cdiv(B.shape[1], config["BLOCK_SIZE_N"]),
+    )
+    pdl_kwargs = {"USE_GDC": True, "launch_pdl": True, "GDC_EARLY": A.shape[0] <= 512} if pdl else {}
+    kernels.fused_moe_kernel[grid](
+        A, None, B, None, None, C, None, None, topk_weights, sorted_ids, expert_ids, num_post, None,
+        B.shape[1], B.shape[2], sorted_ids.shape[0], topk_ids.numel(),
+        A.stride(0), A.stride(1), B.stride(0), B.stride(2), B.stride(1), 0, 0, C.stride(-2), C.stride(-1),
+        0, 0, 0, 0, 0, 0, 0,
+        MUL_ROUTED_WEIGHT=mul_routed_weight, top_k=top_k,
+        compute_type=tl.bfloat16 if A.dtype == torch.bfloat16 else tl.float16,
+        use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False, per_channel_quant=False,
+        even_Ks=B.shape[2] % config["BLOCK_SIZE_K"] == 0, c_sorted=False, swap_ab=False,
+        FUSE_ADD_TO_OUTPUT=False, A_OUTPUT_SLICES=1, A_OUTPUT_SLICE_WIDTH=0, A_OUTPUT_SLICE_K=0,
+        MASK_OUTPUT=False, FUSE_SUM_ALL_REDUCE=False, ROUTER_TOPK=router_topk, FUSE_SWIGLU=False,
+        **pdl_kwargs, **config,
+    )  # fmt: skip
+
+
+def stock_fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    configs: tuple[dict[str, Any], dict[str, Any] | None],
+    *,
+    pdl: bool,
+) -> torch.Tensor:
+    """[M, H] = sum_k topk_weights[m, k] * w2[e] @ (silu(gate_e x) * up_e x), e = topk_ids[m, k], as stock
+    launches it (module docstring). `configs`: `pick_configs(M, ...)`; `pdl`: stock's `is_arch_support_pdl()`
+    (compute capability >= 9). Allocates its buffers as stock does (graph capture keeps them)."""
+    _check(x, w13, w2, topk_weights, topk_ids)
+    config, down = configs
+    M, K = topk_ids.shape
+    E, N, H = w13.shape
+    numel, block = topk_ids.numel(), config["BLOCK_SIZE_M"]
+    # moe_align_block_size's buffers
+    max_padded = numel * block if numel < E + 1 else numel + (E + 1) * (block - 1)
+    max_padded = (max_padded + 3) // 4 * 4
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=x.device)
+    expert_ids = torch.empty(triton.cdiv(max_padded, block), dtype=torch.int32, device=x.device)
+    num_post = torch.empty(1, dtype=torch.int32, device=x.device)
+    gdc = {"USE_GDC": True, "launch_pdl": True} if pdl else {}
+    kernels._moe_align_small_numel_kernel[(1,)](
+        topk_ids, sorted_ids, expert_ids, num_post, E + 1, block, numel,
+        NP=triton.next_power_of_2(max(numel, 2)), NB=triton.next_power_of_2(max(expert_ids.numel(), 2)),
+        WRITE_INACTIVE_PREFIX_COUNT=False, num_warps=4, **gdc,
+    )  # fmt: skip
+    gate_up = torch.empty(numel, N, dtype=x.dtype, device=x.device)
+    routing = (topk_weights, topk_ids, sorted_ids, expert_ids, num_post)
+    _gemm(x, w13, gate_up, *routing, mul_routed_weight=False, top_k=K, router_topk=1, config=config, pdl=pdl)
+    act = torch.empty(numel, N // 2, dtype=x.dtype, device=x.device)
+    kernels.act_and_mul_kernel[(numel,)](
+        gate_up, act, N, None, 1, BLOCK_SIZE=512, ACTIVATION_TYPE="silu", SWIGLU_LIMIT=0.0,
+        HAS_SWIGLU_LIMIT=False, HAS_EXPERT_FILTER=False,
+    )  # fmt: skip
+    per_pair = torch.empty(M, K, H, dtype=x.dtype, device=x.device)
+    _gemm(
+        act,
+        w2,
+        per_pair,
+        *routing,
+        mul_routed_weight=True,
+        top_k=1,
+        router_topk=K,
+        config=down or config,
+        pdl=pdl,
+    )
+    out = torch.empty_like(x)
+    kernels._moe_sum_reduce_kernel[(M, triton.cdiv(H, 2048))](
+        per_pair, *per_pair.stride(), out, *out.stride(), token_num=M, topk_num=K, hidden_dim=H,
+        routed_scaling_factor=1.0, BLOCK_M=1, BLOCK_DIM=2048, NUM_STAGE=1, num_warps=16, **gdc,
+    )  # fmt: skip
+    return out
+
+
+def reference_fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    configs: tuple[dict[str, Any], dict[str, Any] | None] | None = None,
+    *,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """The same MoE in plain torch, fp32 accumulation, rounding where stock rounds (gate/up output, the SiLU
+    product, each pair's down output); `configs` and `pdl` are ignored (the signature is the kernel's)."""
+    M, K = topk_ids.shape
+    I = w13.shape[1] // 2
+    out = torch.zeros(M, x.shape[1], dtype=torch.float32, device=x.device)
+    for m in range(M):
+        for k in range(K):
+            e = int(topk_ids[m, k])
+            gu = (w13[e].float() @ x[m].float()).to(x.dtype).float()
+            act = (torch.nn.functional.silu(gu[:I]).to(x.dtype).float() * gu[I:]).to(x.dtype).float()
+            pair = (topk_weights[m, k] * (w2[e].float() @ act)).to(x.dtype)
+            out[m] += pair.float()
+    return out.to(x.dtype)
