@@ -8,7 +8,7 @@ of the HBM read bound (distinct experts' bytes / HBM read bandwidth, measured he
 faster) and the largest difference between the two outputs (relative to the output's largest magnitude): both
 compute the same MoE. M x top_k <= 64 only: above, stock runs a CUDA align kernel the GPU image lacks.
 
-Usage: python -m bench.stock_compare [--out stock.md] [--shapes qwen3,deepseek] [--ms 1,2,4,8] [--commit SHA]
+Usage: python -m bench.stock_compare [--out stock.md] [--shapes qwen3,deepseek] [--ms 1,2,4,8] [--seed 0] [--commit SHA]
 """
 
 from __future__ import annotations
@@ -69,16 +69,17 @@ def main() -> None:
     ap.add_argument("--shapes", default="qwen3,deepseek", help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--ms", default="1,2,4,8", help="comma list of decode widths M")
     ap.add_argument("--commit", default="", help="commit to print (default: git rev-parse HEAD)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the weights, inputs and routing")
     args = ap.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown or not shapes:
         raise SystemExit(f"--shapes {args.shapes!r}: unknown {unknown}; choose from {list(SHAPES)}")
     ms = [int(m) for m in args.ms.split(",") if m]
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device="cuda").manual_seed(args.seed)
     hbm, _, lines = measured_header(args.commit)
     lines += [
-        "ours vs stock SGLang 0.5.23 fused MoE, bf16, resident, graph replay, both in this run:",
+        f"ours vs stock SGLang 0.5.23 fused MoE, bf16, resident, graph replay, both in this run (seed {args.seed}):",
         "",
         "| shape | M | ours µs | stock µs | ours % of HBM bound | stock % of HBM bound | stock / ours | max diff |",
         "|---|---|---|---|---|---|---|---|",
