@@ -16,7 +16,7 @@ import torch
 from tests.interpreter import interpreter_imports
 
 with interpreter_imports():
-    from bench.stock_sglang import moe
+    from bench.stock_sglang import activation, moe
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
@@ -102,3 +102,23 @@ def test_wide_steps_refused():
         moe.stock_fused_experts(
             x, w13, w2, weights, ids, moe.pick_configs(9, 67, 16, "cpu", "3.6.0"), pdl=False
         )
+
+
+@pytest.mark.parametrize(("T", "I"), [(0, 8), (1, 8), (7, 24), (3, 776)])
+def test_silu_and_mul_stand_in(T, I):
+    """The Triton stand-in for stock's CUDA gated SiLU against torch (fp32, one rounding), fresh random rows;
+    3 x 776 spans two programs with a ragged end."""
+    dtype = torch.float16 if not torch.cuda.is_available() else torch.bfloat16
+    gate_up = (torch.randn(T, 2 * I, generator=torch.Generator().manual_seed(T * 31 + I)) * 3).to(dtype)
+    got = torch.full((T, I), float("nan"), dtype=dtype)
+    want = torch.empty(T, I, dtype=dtype)
+    activation.silu_and_mul(gate_up, got, pdl=False)
+    activation.reference_silu_and_mul(gate_up, want)
+    diff = (got.float() - want.float()).abs()
+    if T:
+        worst = divmod(int(diff.argmax()), I)
+        assert diff.max().item() <= 2e-3 * want.float().abs().max().item(), (
+            f"max |diff| {diff.max()} at {worst}"
+        )
+    with pytest.raises(AssertionError, match="16-byte"):
+        activation.silu_and_mul(torch.zeros(2, 12, dtype=dtype), torch.zeros(2, 6, dtype=dtype), pdl=False)

@@ -7,10 +7,12 @@ gate/up GEMM, the gated SiLU, the down GEMM with the routing weights, the top-k 
 below 33 tokens). The launches' arguments, grids, PDL flags and tile configs are stock's
 (`fused_moe_triton_kernels.invoke_fused_moe_kernel`, `moe_align_block_size`, `fused_moe_triton_config`).
 
-One substitution: stock's gated SiLU is sgl_kernel's CUDA `silu_and_mul` (one elementwise launch), which the GPU
-image does not have; here it is stock's own Triton `act_and_mul_kernel` (one elementwise launch, the kernel
-stock uses where it filters experts), without the filter. Wider steps (the CUDA align kernel) and the
-tuned-config TMA paths are refused, not approximated.
+One substitution: stock's gated SiLU is SGLang's CUDA `silu_and_mul` (`sglang.kernels.ops.activation`, compiled
+at run time through tvm-ffi, which the GPU image lacks); here it is a Triton kernel with the same grid, bytes and
+PDL hooks (`activation.py`). `skip_activation=True` leaves that launch out: a lower bound on stock's time. Wider
+steps (the CUDA align kernel) and the tuned-config TMA paths are refused, not approximated. On SM90+ (`pdl`)
+this is stock's sequence; below, stock sums the top-k with a torch.compile'd sum instead (same values).
+`routed_scaling_factor` is 1 (Qwen3's; DeepSeek-V3's 2.5 changes a constant of the same launch).
 
 Shapes: x [M, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights [M, K] fp32;
 topk_ids [M, K] int32. `reference_fused_experts` is the plain torch MoE with the same signature.
@@ -27,6 +29,7 @@ import triton
 import triton.language as tl
 
 from bench.stock_sglang import kernels
+from bench.stock_sglang.activation import silu_and_mul
 
 # stock's gates for the single-launch align (moe_align_small_numel.SMALL_NUMEL_LIMIT and
 # moe_align_block_size._CUDA_SMALL_BATCH_MAX_BUCKETS)
@@ -136,10 +139,12 @@ def stock_fused_experts(
     configs: tuple[dict[str, Any], dict[str, Any] | None],
     *,
     pdl: bool,
+    skip_activation: bool = False,
 ) -> torch.Tensor:
     """[M, H] = sum_k topk_weights[m, k] * w2[e] @ (silu(gate_e x) * up_e x), e = topk_ids[m, k], as stock
     launches it (module docstring). `configs`: `pick_configs(M, ...)`; `pdl`: stock's `is_arch_support_pdl()`
-    (compute capability >= 9). Allocates its buffers as stock does (graph capture keeps them)."""
+    (compute capability >= 9). `skip_activation`: leave the gated SiLU's launch out (for timing only: the down
+    GEMM then reads an unwritten buffer). Allocates its buffers as stock does (graph capture keeps them)."""
     _check(x, w13, w2, topk_weights, topk_ids)
     config, down = configs
     M, K = topk_ids.shape
@@ -161,10 +166,8 @@ def stock_fused_experts(
     routing = (topk_weights, topk_ids, sorted_ids, expert_ids, num_post)
     _gemm(x, w13, gate_up, *routing, mul_routed_weight=False, top_k=K, router_topk=1, config=config, pdl=pdl)
     act = torch.empty(numel, N // 2, dtype=x.dtype, device=x.device)
-    kernels.act_and_mul_kernel[(numel,)](
-        gate_up, act, N, None, 1, BLOCK_SIZE=512, ACTIVATION_TYPE="silu", SWIGLU_LIMIT=0.0,
-        HAS_SWIGLU_LIMIT=False, HAS_EXPERT_FILTER=False,
-    )  # fmt: skip
+    if not skip_activation:
+        silu_and_mul(gate_up, act, pdl=pdl)
     per_pair = torch.empty(M, K, H, dtype=x.dtype, device=x.device)
     _gemm(
         act,
@@ -194,9 +197,11 @@ def reference_fused_experts(
     configs: tuple[dict[str, Any], dict[str, Any] | None] | None = None,
     *,
     pdl: bool = False,
+    skip_activation: bool = False,
 ) -> torch.Tensor:
     """The same MoE in plain torch, fp32 accumulation, rounding where stock rounds (gate/up output, the SiLU
-    product, each pair's down output); `configs` and `pdl` are ignored (the signature is the kernel's)."""
+    product, each pair's down output); `configs`, `pdl` and `skip_activation` are ignored (the signature is the
+    kernel's)."""
     M, K = topk_ids.shape
     I = w13.shape[1] // 2
     out = torch.zeros(M, x.shape[1], dtype=torch.float32, device=x.device)
@@ -204,7 +209,7 @@ def reference_fused_experts(
         for k in range(K):
             e = int(topk_ids[m, k])
             gu = (w13[e].float() @ x[m].float()).to(x.dtype).float()
-            act = (torch.nn.functional.silu(gu[:I]).to(x.dtype).float() * gu[I:]).to(x.dtype).float()
+            act = (torch.nn.functional.silu(gu[:I]) * gu[I:]).to(x.dtype).float()
             pair = (topk_weights[m, k] * (w2[e].float() @ act)).to(x.dtype)
             out[m] += pair.float()
     return out.to(x.dtype)
