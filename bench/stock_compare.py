@@ -39,11 +39,6 @@ def compare(shape: str, ms: list[int], hbm: float, g: torch.Generator) -> list[s
     p13, p2 = make_projections(fmt, pool, None, H, I)
     l2p = torch.arange(E, dtype=torch.int32, device="cuda")
     row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
-    pdl = torch.cuda.get_device_capability()[0] >= 9  # stock's is_arch_support_pdl()
-    if not pdl:
-        raise SystemExit(
-            "stock's decode sequence is reproduced for sm_90+ only (its top-k sum differs below)"
-        )
     rows = []
     for M in ms:
         if M * K > SMALL_NUMEL_LIMIT:
@@ -54,7 +49,10 @@ def compare(shape: str, ms: list[int], hbm: float, g: torch.Generator) -> list[s
         ids32 = ids.int().contiguous()  # SGLang's top-k gives int32 ids, fp32 weights
         configs = pick_configs(M, E, I, torch.cuda.get_device_name(), triton.__version__)
         ours = functools.partial(pooled_fused_moe, x, ids32, w, l2p, E, p13, p2, fmt)
-        stock = functools.partial(stock_fused_experts, x, pool["w13"], pool["w2"], w, ids32, configs, pdl=pdl)
+        # pdl: stock's is_arch_support_pdl() on the sm_90+ cards main() admits
+        stock = functools.partial(
+            stock_fused_experts, x, pool["w13"], pool["w2"], w, ids32, configs, pdl=True
+        )
         no_silu = functools.partial(stock, skip_activation=True)
         ms_ = time_graphs({"ours": ours, "stock": stock, "no_silu": no_silu}, rounds=5)
         out_ours, out_stock = ours().float(), stock().float()
@@ -86,6 +84,10 @@ def main() -> None:
     if unknown or not shapes:
         raise SystemExit(f"--shapes {args.shapes!r}: unknown {unknown}; choose from {list(SHAPES)}")
     ms = [int(m) for m in args.ms.split(",") if m]
+    if torch.cuda.get_device_capability()[0] < 9:  # before any pool is built
+        raise SystemExit(
+            "stock's decode sequence is reproduced for sm_90+ only (its top-k sum differs below)"
+        )
     g = torch.Generator(device="cuda").manual_seed(args.seed)
     hbm, _, lines = measured_header(args.commit)
     lines += [
