@@ -47,7 +47,12 @@ BLOCK_K = (128, 256)
 # 26.15 with the one-load tail (since the default); every add masked off by a test on the data: 27.85, so the
 # fp64 adds cost nothing measurable there. Each program's down loop started at its own tile of H (fewer programs
 # adding into the same sums at once): from 0.6% slower to 1.1% faster over three runs and six shapes: dropped.
-FORMS = {"fp32": {"fp32_sums": True}}
+# And (2026-12-06, H100, 5 interleaved rounds): both projections as one loop, each iteration's other phase's loads
+# masked off (the first down tiles in flight during the last gate/up MMAs), bitwise equal: Qwen3-like M=1 / 2 /
+# 4 / 8 42.18 / 78.76 / 124.76 / 243.16 µs against 33.51 / 62.25 / 109.28 / 192.26 (down tiles of 128, 3 stages:
+# no better): dropped.
+# `bh256-w8`: the H200's tile where the card's default is another (`splitk.DEVICE_TILES`: the H100's)
+FORMS = {"fp32": {"fp32_sums": True}, "bh256-w8": {"block_h": 256, "num_warps": 8}}
 
 
 def _layer(shape: str, m: int, seed: int):  # type: ignore[no-untyped-def]

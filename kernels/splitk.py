@@ -34,6 +34,7 @@ Graph-safe: fixed buffers; the fp64 sums and the counter live in a per-device wo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,8 @@ SPLITK_TAIL_MAX = 4096  # sums rounded per load by the last program
 class SplitConfig:
     """Tiles of the one-launch path: `block_n` values of I per program (the down slice's K, so >= 16 for the
     MMA), `block_k` the gate/up K tile (of H), `block_h` the down tile (of H). Default: the best of the H200
-    sweep at Qwen3-like bf16 M=1 (docs/BENCHMARKS.md, eighteenth session)."""
+    sweep at Qwen3-like bf16 M=1 (docs/BENCHMARKS.md, eighteenth session); other cards' measured tiles are in
+    `DEVICE_TILES`."""
 
     block_n: int = 64
     block_k: int = 128
@@ -80,20 +82,36 @@ class SplitConfig:
 # shared memory of the default tile (Triton 3.6-3.8, sm_80-sm_120): more than sm_86 / sm_89 / sm_120 give a block
 DEFAULT_TILE_SMEM = 110_592
 
+# Tiles measured best on a card other than the H200 the default was swept on, by `torch.cuda.get_device_name`
+# (as SGLang keys its tuned configs). H100 SXM (2026-12-06, `bench.splitk_sweep`, Qwen3-like bf16, 5 interleaved
+# rounds, HBM read 2970 GB/s): down tiles of 128 with 4 warps against the default's 256 with 8, M = 1 / 2 / 4 / 8:
+# 33.09 / 59.90 / 106.75 / 191.20 µs vs 33.51 / 62.25 / 109.28 / 192.26.
+DEVICE_TILES: dict[str, SplitConfig] = {
+    "NVIDIA H100 80GB HBM3": SplitConfig(block_h=128, num_warps=4),
+}
+
 
 def splitk_configs(
     hidden_size: int, intermediate_size: int, device: torch.device | None = None
 ) -> SplitConfig:
-    """Default tiles (the interpreter gets small ones: its cost grows with tile size). On a CUDA `device` whose
-    blocks get less shared memory than the default tile needs (sm_86, sm_89, sm_120: 99 KiB), one stage less
-    (72 KiB; not measured there)."""
+    """Default tiles (the interpreter gets small ones: its cost grows with tile size). On a CUDA `device`: the
+    card's measured tiles where `DEVICE_TILES` has its name; else, where its blocks get less shared memory than
+    the default tile needs (sm_86, sm_89, sm_120: 99 KiB), one stage less (72 KiB; not measured there)."""
     if interpreting():
         return SplitConfig(16, 32, 32, num_stages=1)
     if device is not None and device.type == "cuda":
+        tiles = DEVICE_TILES.get(_device_name(device))
+        if tiles is not None:
+            return tiles
         props = torch.cuda.get_device_properties(device)
         if getattr(props, "shared_memory_per_block_optin", DEFAULT_TILE_SMEM) < DEFAULT_TILE_SMEM:
             return SplitConfig(num_stages=3)
     return SplitConfig()
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
 
 
 @triton.jit
