@@ -51,6 +51,9 @@ BLOCK_K = (128, 256)
 # masked off (the first down tiles in flight during the last gate/up MMAs), bitwise equal: Qwen3-like M=1 / 2 /
 # 4 / 8 42.18 / 78.76 / 124.76 / 243.16 µs against 33.51 / 62.25 / 109.28 / 192.26 (down tiles of 128, 3 stages:
 # no better): dropped.
+# And (2026-12-06, H100, H100 tiles, 5 interleaved rounds): the first 1 / 2 / 4 down tiles asked into L2
+# (`prefetch.global.L2`, one line per row) during the last gate/up iterations: M=1 32.42 / 32.42 / 33.17 µs
+# against 32.12, M=2 59.56 / 59.68 / 59.04 against 59.32, bitwise equal: dropped.
 # `bh256-w8`: the H200's tile where the card's default is another (`splitk.DEVICE_TILES`: the H100's)
 FORMS = {"fp32": {"fp32_sums": True}, "bh256-w8": {"block_h": 256, "num_warps": 8}}
 

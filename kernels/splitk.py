@@ -85,7 +85,8 @@ DEFAULT_TILE_SMEM = 110_592
 # Tiles measured best on a card other than the H200 the default was swept on, by `torch.cuda.get_device_name`
 # (as SGLang keys its tuned configs). H100 SXM (2026-12-06, `bench.splitk_sweep`, Qwen3-like bf16, 5 interleaved
 # rounds, HBM read 2970 GB/s): down tiles of 128 with 4 warps against the default's 256 with 8, M = 1 / 2 / 4 / 8:
-# 33.09 / 59.90 / 106.75 / 191.20 µs vs 33.51 / 62.25 / 109.28 / 192.26.
+# 33.09 / 59.90 / 106.75 / 191.20 µs vs 33.51 / 62.25 / 109.28 / 192.26; again on another H100 (HBM read 3000 GB/s),
+# M = 1 / 2 / 4: 32.12 / 59.32 / 105.74 vs 32.55 / 61.76 / 107.08.
 DEVICE_TILES: dict[str, SplitConfig] = {
     "NVIDIA H100 80GB HBM3": SplitConfig(block_h=128, num_warps=4),
 }

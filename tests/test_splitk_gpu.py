@@ -180,3 +180,15 @@ def test_splitk_fp32_sums_close_to_default(layers, M):
     base = splitk_moe(x, ids, w, l2p, E, p13, p2, fmt)
     cfg = dataclasses.replace(splitk_configs(H, 768), fp32_sums=True)
     assert_close(splitk_moe(x, ids, w, l2p, E, p13, p2, fmt, cfg), base, f"fp32 sums M={M}", rel=1e-2)
+
+
+def test_splitk_device_tiles():
+    """A card named in `DEVICE_TILES` gets its tiles from `splitk_configs`; any other card the default's (or one
+    stage less where its blocks get too little shared memory)."""
+    from pooled_runner.kernels.splitk import DEVICE_TILES, SplitConfig, splitk_configs
+
+    name = torch.cuda.get_device_name()
+    cfg = splitk_configs(2048, 768, torch.device("cuda"))
+    assert cfg == DEVICE_TILES.get(name, cfg), f"{name}: {cfg}, DEVICE_TILES has {DEVICE_TILES.get(name)}"
+    if name not in DEVICE_TILES:
+        assert cfg in (SplitConfig(), SplitConfig(num_stages=3)), f"{name}: {cfg}"
