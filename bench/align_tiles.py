@@ -24,15 +24,16 @@ from bench.kernel_variants import resident_layer
 from bench.kernels import SHAPES
 
 # (BN1, BN2, BK, warps, stages) with block_m 16 and group_m 1, both GEMMs; unswapped. The first is bf16's
-# default at these widths (pick_configs); (128, 128, 128, 8, 5) is stock SGLang 0.5.23's tuned H100 tile for the
-# Qwen3-like layer at M = 8 and 16 (triton 3.7.1 file)
+# default at these widths (pick_configs). Stock SGLang 0.5.23's tuned H100 tile for the Qwen3-like layer at M = 8
+# and 16 (triton 3.7.1 file) is N 128, K 128, 8 warps, 5 stages for both GEMMs; its gemm1 N tile spans gate and
+# up columns together, ours BN1 of each, so (64, 128, 128, 8, 5) reads what stock's does per program
 TILES = [
     (64, 64, 128, 4, 3),
     (64, 64, 128, 4, 4),
     (64, 128, 128, 4, 4),
-    (128, 128, 128, 8, 5),
-    (128, 128, 128, 8, 4),
-    (128, 128, 128, 4, 4),
+    (64, 128, 128, 8, 5),
+    (64, 128, 128, 8, 4),
+    (128, 128, 128, 4, 3),
     (64, 64, 256, 4, 3),
     (128, 64, 128, 8, 4),
 ]
@@ -80,11 +81,20 @@ def main() -> None:
             fns[t] = functools.partial(pooled_fused_moe, *layer.args, cfgs, variant=args.variant)
         ref = fns[TILES[0]]().float()
         scale = ref.abs().max().item() or 1.0
-        diffs = {t: (fn().float() - ref).abs().max().item() / scale for t, fn in fns.items()}
+        diffs, failed = {}, {}
+        for t, fn in list(fns.items()):
+            try:  # a tile this card cannot run (shared memory): its cell says so
+                diffs[t] = (fn().float() - ref).abs().max().item() / scale
+            except Exception as exc:
+                failed[t] = type(exc).__name__
+                del fns[t]
         times = {t: ms * 1e3 for t, ms in time_graphs(fns, rounds=args.rounds).items()}
         bound = layer.nbytes / (hbm * 1e9) * 1e6
         best = min(times, key=lambda t: times[t])
-        cells = " | ".join(f"{times[t]:.1f} ({bound / times[t]:.0%}) {diffs[t]:.0e}" for t in TILES)
+        cells = " | ".join(
+            failed[t] if t in failed else f"{times[t]:.1f} ({bound / times[t]:.0%}) {diffs[t]:.0e}"
+            for t in TILES
+        )
         d1, d2 = default
         lines.append(
             f"| {m} | {d1.block_n}/{d2.block_n}/{d1.block_k}/{d1.num_warps}/{d1.num_stages} | {cells} | "
