@@ -53,7 +53,8 @@ BLOCK_K = (128, 256)
 # no better): dropped.
 # And (2026-12-06, H100, H100 tiles, 5 interleaved rounds): the first 1 / 2 / 4 down tiles asked into L2
 # (`prefetch.global.L2`, one line per row) during the last gate/up iterations: M=1 32.42 / 32.42 / 33.17 µs
-# against 32.12, M=2 59.56 / 59.68 / 59.04 against 59.32, bitwise equal: dropped.
+# against 32.12, M=2 59.56 / 59.68 / 59.04 against 59.32, M=4 104.68 / 104.83 / 105.41 against 105.74 (one run),
+# bitwise equal: dropped.
 # `bh256-w8`: the H200's tile where the card's default is another (`splitk.DEVICE_TILES`: the H100's)
 FORMS = {"fp32": {"fp32_sums": True}, "bh256-w8": {"block_h": 256, "num_warps": 8}}
 
@@ -80,7 +81,8 @@ def _sweep(args_: tuple, deadline: float, lines: list[str], out: str | None) -> 
     ranked = []
     grid = list(itertools.product(BLOCK_N, BLOCK_H, STAGES, WARPS, BLOCK_K))
     random.Random(0).shuffle(grid)  # the budget may end the sweep: cover the grid evenly
-    grid.insert(0, grid.pop(grid.index((64, 256, 4, 8, 128))))  # the default tile first
+    d = splitk_configs(0, 0, torch.device("cuda"))  # this card's default tile first
+    grid.insert(0, grid.pop(grid.index((d.block_n, d.block_h, d.num_stages, d.num_warps, d.block_k))))
     for bn, bh, stages, warps, bk in grid:
         if time.perf_counter() > deadline:
             lines.append("| (budget reached) | |")

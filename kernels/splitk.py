@@ -101,7 +101,8 @@ def splitk_configs(
     if interpreting():
         return SplitConfig(16, 32, 32, num_stages=1)
     if device is not None and device.type == "cuda":
-        tiles = DEVICE_TILES.get(_device_name(device))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        tiles = DEVICE_TILES.get(_device_name(index))
         if tiles is not None:
             return tiles
         props = torch.cuda.get_device_properties(device)
@@ -111,8 +112,8 @@ def splitk_configs(
 
 
 @functools.cache
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 @triton.jit

@@ -75,6 +75,18 @@ def test_splitk_matches_references(H, I, T, K, cfg, dtype):
         assert int(cnt) == 0, f"arrival counter left at {int(cnt)}"
 
 
+def test_splitk_configs_per_card(monkeypatch):
+    """`splitk_configs` on a CUDA device whose name `DEVICE_TILES` has returns that card's tiles, and without a
+    device the default (CPU: the card's name and the compile mode faked; the launch through it: GPU tests)."""
+    from pooled_runner.kernels import splitk
+
+    monkeypatch.setattr(splitk, "interpreting", lambda: False)
+    monkeypatch.setattr(splitk, "_device_name", lambda index: "NVIDIA H100 80GB HBM3")
+    h100 = splitk.splitk_configs(2048, 768, torch.device("cuda", 0))
+    assert h100 == splitk.SplitConfig(block_h=128, num_warps=4), h100
+    assert splitk.splitk_configs(2048, 768) == splitk.SplitConfig()
+
+
 def test_splitk_overlap_and_variant():
     """OVERLAP (after_plan: pair by id, acquire loads) and the `variant="splitk"` dispatch give the same sums."""
     g, fmt, w13, w2, l2p = _layer("bf16", 40, 24, torch.bfloat16, seed=3)

@@ -178,17 +178,50 @@ def test_splitk_fp32_sums_close_to_default(layers, M):
     x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
     ids, w = routing(M, K, E, g)
     base = splitk_moe(x, ids, w, l2p, E, p13, p2, fmt)
-    cfg = dataclasses.replace(splitk_configs(H, 768), fp32_sums=True)
+    cfg = dataclasses.replace(splitk_configs(H, 768, x.device), fp32_sums=True)
     assert_close(splitk_moe(x, ids, w, l2p, E, p13, p2, fmt, cfg), base, f"fp32 sums M={M}", rel=1e-2)
 
 
-def test_splitk_device_tiles():
-    """A card named in `DEVICE_TILES` gets its tiles from `splitk_configs`; any other card the default's (or one
-    stage less where its blocks get too little shared memory)."""
-    from pooled_runner.kernels.splitk import DEVICE_TILES, SplitConfig, splitk_configs
+def test_splitk_device_tiles(layers, monkeypatch):
+    """The decode path launches with this card's `DEVICE_TILES` entry: one naming this card an invalid tile makes
+    `splitk_moe` (no config given) refuse it, on any card. The H100 SXM is in the table; another card gets the
+    default tile (or one stage less where its blocks get too little shared memory)."""
+    from pooled_runner.kernels import splitk
 
-    name = torch.cuda.get_device_name()
-    cfg = splitk_configs(2048, 768, torch.device("cuda"))
-    assert cfg == DEVICE_TILES.get(name, cfg), f"{name}: {cfg}, DEVICE_TILES has {DEVICE_TILES.get(name)}"
-    if name not in DEVICE_TILES:
-        assert cfg in (SplitConfig(), SplitConfig(num_stages=3)), f"{name}: {cfg}"
+    H, I, E, K = SHAPES["qwen3"]
+    _, _, l2p, fmt, p13, p2 = layers["qwen3"]
+    g = torch.Generator(device="cuda").manual_seed(600)
+    x = torch.randn(1, H, generator=g, device="cuda").bfloat16()
+    ids, w = routing(1, K, E, g)
+    name = torch.cuda.get_device_name(x.device)
+    cfg = splitk.splitk_configs(H, I, x.device)
+    if "H100" in name and "HBM3" in name:
+        assert name in splitk.DEVICE_TILES, f"{name!r}: not in DEVICE_TILES ({sorted(splitk.DEVICE_TILES)})"
+    if name in splitk.DEVICE_TILES:
+        assert cfg == splitk.DEVICE_TILES[name], (
+            f"{name}: {cfg}, DEVICE_TILES has {splitk.DEVICE_TILES[name]}"
+        )
+    else:
+        assert cfg in (splitk.SplitConfig(), splitk.SplitConfig(num_stages=3)), f"{name}: {cfg}"
+    monkeypatch.setitem(splitk.DEVICE_TILES, name, splitk.SplitConfig(block_h=24))
+    with pytest.raises(ValueError, match="powers of two"):
+        splitk.splitk_moe(x, ids, w, l2p, E, p13, p2, fmt)
+
+
+@pytest.mark.parametrize("M", [1, 2])
+def test_splitk_every_card_tile(layers, M):
+    """Every card's tile of `DEVICE_TILES`, run on this card: the default tile's sums and the reference's values
+    (the H100's tile is otherwise only run where an H100 runs the tests)."""
+    from pooled_runner.kernels.splitk import DEVICE_TILES, SplitConfig, splitk_moe
+
+    H, _, E, K = SHAPES["qwen3"]
+    _, _, l2p, fmt, p13, p2 = layers["qwen3"]
+    g = torch.Generator(device="cuda").manual_seed(700 + M)
+    x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+    ids, w = routing(M, K, E, g)
+    base = splitk_moe(x, ids, w, l2p, E, p13, p2, fmt, SplitConfig())
+    ref = pooled_reference(x, ids, w, l2p, E, p13, p2, fmt)
+    for name, cfg in DEVICE_TILES.items():
+        out = splitk_moe(x, ids, w, l2p, E, p13, p2, fmt, cfg)
+        assert_close(out, base, f"{name} tile vs the default tile M={M}", rel=1e-3)
+        assert_close(out, ref, f"{name} tile vs reference M={M}")
