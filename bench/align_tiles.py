@@ -11,19 +11,17 @@ Usage: python -m bench.align_tiles [--shape qwen3] [--format bf16] [--ms 4,8,16]
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 from collections.abc import Callable
 
 import torch
-import triton
 from pooled_runner.kernels.fused_moe import pick_configs, pooled_fused_moe
 from pooled_runner.kernels.moe_gemm import GemmConfig
 
-from bench.common import commit_id, read_bandwidth, time_graphs
+from bench.common import time_graphs
 from bench.common import write_progress as write
 from bench.kernel_variants import resident_layer
-from bench.kernels import SHAPES
+from bench.kernels import SHAPES, measured_header
 
 # (BN1, BN2, BK, warps, stages) with block_m 16 and group_m 1, both GEMMs; unswapped. The first is the dense
 # default from 3 to 32 tokens on experts with I <= 1024 (pick_configs; BN1 32 at 1-2 tokens). Stock SGLang 0.5.23's tuned H100 tile for the Qwen3-like layer at M = 8
@@ -58,16 +56,12 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.align_tiles needs a CUDA GPU")
+    hbm, _, lines = measured_header(args.commit)
     g = torch.Generator(device="cuda").manual_seed(0)
-    probe = torch.empty(1 << 28, dtype=torch.int32, device="cuda").random_()
-    hbm = read_bandwidth(probe)
-    del probe
     H, I, E, K = SHAPES[args.shape]
-    lines = [
-        f"date {datetime.date.today()}, GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
-        f"{triton.__version__}, commit {args.commit or commit_id()}; HBM read {hbm:.0f} GB/s",
+    lines += [
         f"{args.shape} {args.format}, variant {args.variant}, {args.rounds} interleaved rounds (graph replay); "
-        "tiles BN1/BN2/BK/warps/stages (block_m 16); µs (% of the HBM bound), max |diff| / max |default|",
+        "tiles BN1/BN2/BK/warps/stages (block_m 16); µs (% of the HBM bound), max |diff| / max |out| against the first tile that ran",
         "",
         "| M | default tiles | " + " | ".join(_label(t) for t in TILES) + " | fastest / first |",
         "|---|---|" + "---|" * len(TILES) + "---|",
