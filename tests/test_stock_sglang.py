@@ -16,7 +16,7 @@ import torch
 from tests.interpreter import interpreter_imports
 
 with interpreter_imports():
-    from bench.stock_sglang import activation, moe
+    from bench.stock_sglang import activation, align, kernels, moe
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
@@ -36,8 +36,8 @@ def test_vendored_copy_matches_installed_sglang():
 @pytest.mark.skipif(not HAS_SGLANG, reason="needs SGLang's own config lookup")
 @pytest.mark.parametrize("device_name", ["NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA B200"])
 @pytest.mark.parametrize("triton_version", ["3.6.0", "3.7.1", "3.1.0"])
-@pytest.mark.parametrize("shape", [(128, 768), (256, 2048)])
-@pytest.mark.parametrize("M", [1, 3, 4, 8])
+@pytest.mark.parametrize("shape", [(128, 768), (256, 2048), (8, 14336)])
+@pytest.mark.parametrize("M", [1, 3, 4, 8, 16, 64, 512, 4096])
 def test_config_choice_is_sglangs(monkeypatch, device_name, triton_version, shape, M):
     """pick_configs against SGLang's try_get_optimal_moe_config with the device name and Triton version set."""
     import triton
@@ -57,9 +57,10 @@ def test_config_choice_is_sglangs(monkeypatch, device_name, triton_version, shap
     finally:
         cfg.get_moe_configs.cache_clear()
     up = dict(up)
-    up.pop("USE_TMA", None)
-    if down is not None:
-        down.pop("USE_TMA", None)
+    if up.pop("USE_TMA", False) or (down is not None and down.pop("USE_TMA", False)):
+        with pytest.raises(NotImplementedError, match="TMA"):
+            moe.pick_configs(M, E, I, device_name, triton_version)
+        return
     assert moe.pick_configs(M, E, I, device_name, triton_version) == (up, down)
 
 
@@ -69,12 +70,17 @@ def test_tma_config_refused():
         moe.pick_configs(4096, 128, 768, "NVIDIA H100 80GB HBM3", "3.6.0")
 
 
+# the first three: stock's single-launch Triton align (<= 64 pairs, > 64 buckets); then its CUDA align's cases
+# (the torch stand-in): 72 pairs; 9 buckets (Mixtral-like top-2: the torch.add combine); top-1 (no combine);
+# 35 tokens (the CUDA top-k sum's stand-in, stock's Triton sum)
 @pytest.mark.parametrize(
-    ("M", "K", "E", "H", "I"), [(1, 8, 67, 48, 40), (3, 3, 65, 72, 24), (7, 8, 129, 40, 56)]
-)
+    ("M", "K", "E", "H", "I"),
+    [(1, 8, 67, 48, 40), (3, 3, 65, 72, 24), (7, 8, 129, 40, 56), (9, 8, 67, 48, 40), (5, 2, 8, 64, 40),
+     (3, 1, 8, 40, 24), (35, 3, 9, 40, 24)],
+)  # fmt: skip
 def test_stock_launches_compute_the_moe(M, K, E, H, I):
     """The vendored kernels through `stock_fused_experts` against the torch reference (fresh random inputs;
-    top-k 3 does not divide the M block of 16; E + 1 > 64 buckets, as stock's single-launch align needs)."""
+    top-k 3 does not divide the M block of 16), with the align stand-in where stock runs its CUDA align."""
     g = torch.Generator().manual_seed(M * 1000 + E)
     # fp16 (stock's other dense dtype): the interpreter's tl.dot multiplies bf16 operands' raw bits
     dtype = torch.float16 if not torch.cuda.is_available() else torch.bfloat16
@@ -85,7 +91,10 @@ def test_stock_launches_compute_the_moe(M, K, E, H, I):
     weights, ids = torch.softmax(logits, -1).topk(K, -1)
     ids = ids.int()
     configs = moe.pick_configs(M, E, I, "cpu", "3.6.0")
-    got = moe.stock_fused_experts(x, w13, w2, weights, ids, configs, pdl=False)
+    aligned = None
+    if moe.uses_cuda_align(ids.numel(), E):
+        aligned = align.align_stand_in(ids, configs[0]["BLOCK_SIZE_M"], E)
+    got = moe.stock_fused_experts(x, w13, w2, weights, ids, configs, pdl=False, aligned=aligned)
     want = moe.reference_fused_experts(x, w13, w2, weights, ids)
     diff = (got.float() - want.float()).abs()
     tol = 2e-2 * want.float().abs().max().item() + 1e-3
@@ -93,15 +102,76 @@ def test_stock_launches_compute_the_moe(M, K, E, H, I):
     assert diff.max().item() <= tol, f"max |diff| {diff.max().item():.3g} > {tol:.3g} at (token, h) {worst}"
 
 
-def test_wide_steps_refused():
-    """Above 64 (token, expert) pairs stock runs its CUDA align kernel, which is not reproduced."""
+def test_cuda_align_needs_the_stand_in():
+    """Above 64 (token, expert) pairs stock runs its CUDA align kernel: the caller must pass the stand-in's
+    buffers (of the right size); where stock's Triton align runs, they are refused."""
     x = torch.randn(9, 16).bfloat16()
     w13, w2 = torch.randn(67, 32, 16).bfloat16(), torch.randn(67, 16, 16).bfloat16()
     weights, ids = torch.rand(9, 8), torch.randint(0, 67, (9, 8), dtype=torch.int32)
+    configs = moe.pick_configs(9, 67, 16, "cpu", "3.6.0")
     with pytest.raises(AssertionError, match="CUDA align"):
-        moe.stock_fused_experts(
-            x, w13, w2, weights, ids, moe.pick_configs(9, 67, 16, "cpu", "3.6.0"), pdl=False
-        )
+        moe.stock_fused_experts(x, w13, w2, weights, ids, configs, pdl=False)
+    wrong_block = align.align_stand_in(ids, 2 * configs[0]["BLOCK_SIZE_M"], 67)
+    with pytest.raises(AssertionError, match="aligned buffers"):
+        moe.stock_fused_experts(x, w13, w2, weights, ids, configs, pdl=False, aligned=wrong_block)
+    small = ids[:1].contiguous()
+    small_aligned = align.align_stand_in(small, 16, 67)
+    with pytest.raises(AssertionError, match="Triton align"):
+        moe.stock_fused_experts(x[:1], w13, w2, weights[:1], small, configs, pdl=False, aligned=small_aligned)
+
+
+def _align_loops(ids: torch.Tensor, block: int, E: int) -> tuple[list[int], list[int], int]:
+    """moe_align_block_size's layout by plain loops: (sorted ids, block expert ids, padded total)."""
+    flat = ids.reshape(-1).tolist()
+    sorted_ids: list[int] = []
+    expert_ids: list[int] = []
+    for bucket in range(E + 1):
+        pairs = [p for p, e in enumerate(flat) if e + 1 == bucket]
+        num_blocks = -(-len(pairs) // block)
+        sorted_ids += pairs + [len(flat)] * (num_blocks * block - len(pairs))
+        expert_ids += [bucket - 1] * num_blocks
+    return sorted_ids, expert_ids, len(sorted_ids)
+
+
+@pytest.mark.parametrize(
+    ("M", "K", "E", "block", "filtered"),
+    [(1, 1, 8, 16, 0), (7, 2, 8, 16, 3), (33, 8, 67, 64, 5), (13, 3, 9, 128, 0), (50, 8, 256, 16, 40)],
+)
+def test_align_stand_in_layout(M, K, E, block, filtered):
+    """The CUDA align's stand-in against plain loops (fresh random ids, some -1 as expert parallelism filters
+    them): every sorted id written (padding = numel, also past the total), expert ids exact."""
+    g = torch.Generator().manual_seed(M * 131 + E)
+    ids = torch.randint(0, E, (M, K), generator=g, dtype=torch.int32)
+    ids.view(-1)[torch.randperm(M * K, generator=g)[:filtered]] = -1
+    sorted_ids, expert_ids, num_post = align.align_stand_in(ids, block, E)
+    want_sorted, want_experts, total = _align_loops(ids, block, E)
+    size = align.max_padded_tokens(M * K, E, block)
+    assert int(num_post) == total and total <= size, (int(num_post), total, size)
+    assert sorted_ids.tolist() == want_sorted + [M * K] * (size - total)
+    assert expert_ids.tolist()[: total // block] == want_experts
+    assert set(expert_ids.tolist()[total // block :]) <= {-1}
+
+
+@pytest.mark.parametrize(("M", "K", "E", "block"), [(1, 8, 67, 16), (7, 3, 128, 16), (8, 8, 129, 64)])
+def test_align_stand_in_is_stocks_triton_align(M, K, E, block):
+    """Where both apply (<= 64 pairs, > 64 buckets), the stand-in's layout is the one of stock's own
+    single-launch align (vendored, under the interpreter): the stand-in follows stock's contract."""
+    g = torch.Generator().manual_seed(M * 7 + E)
+    ids = torch.randint(0, E, (M, K), generator=g, dtype=torch.int32)
+    size = align.max_padded_tokens(M * K, E, block)
+    sorted_ids = torch.full((size,), -7, dtype=torch.int32)
+    expert_ids = torch.full(((size + block - 1) // block,), -7, dtype=torch.int32)
+    num_post = torch.zeros(1, dtype=torch.int32)
+    kernels._moe_align_small_numel_kernel[(1,)](
+        ids, sorted_ids, expert_ids, num_post, E + 1, block, M * K,
+        NP=max(2, 1 << (M * K - 1).bit_length()), NB=max(2, 1 << (expert_ids.numel() - 1).bit_length()),
+        WRITE_INACTIVE_PREFIX_COUNT=False,
+    )  # fmt: skip
+    want_sorted, want_experts, want_total = align.align_stand_in(ids, block, E)
+    total = int(num_post)
+    assert total == int(want_total), (total, int(want_total))
+    assert sorted_ids[:total].tolist() == want_sorted[:total].tolist()
+    assert expert_ids[: total // block].tolist() == want_experts[: total // block].tolist()
 
 
 @pytest.mark.parametrize(("T", "I"), [(0, 8), (1, 8), (7, 24), (3, 776)])

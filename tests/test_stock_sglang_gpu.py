@@ -7,12 +7,14 @@ import pytest
 import torch
 import triton
 
-from bench.stock_sglang import moe
+from bench.stock_sglang import align, moe
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize(("M", "K", "E", "H", "I"), [(1, 8, 128, 2048, 768), (4, 8, 128, 2048, 768), (8, 8, 128, 2048, 768), (7, 3, 257, 520, 72)])  # fmt: skip
+# the last four: stock's CUDA align (its torch stand-in): 128 pairs; 40 tokens (the CUDA top-k sum's stand-in);
+# 8 experts, top-2 (Mixtral-like, smaller); top-1
+@pytest.mark.parametrize(("M", "K", "E", "H", "I"), [(1, 8, 128, 2048, 768), (4, 8, 128, 2048, 768), (8, 8, 128, 2048, 768), (7, 3, 257, 520, 72), (16, 8, 128, 2048, 768), (40, 8, 128, 2048, 768), (5, 2, 8, 1024, 3584), (3, 1, 8, 520, 72)])  # fmt: skip
 def test_stock_matches_reference_on_gpu(M, K, E, H, I):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -25,7 +27,10 @@ def test_stock_matches_reference_on_gpu(M, K, E, H, I):
     configs = moe.pick_configs(M, E, I, torch.cuda.get_device_name(), triton.__version__)
     pdl = torch.cuda.get_device_capability()[0] >= 9
     out = torch.full((M, H), float("nan"), device="cuda", dtype=torch.bfloat16)
-    out.copy_(moe.stock_fused_experts(x, w13, w2, weights, ids, configs, pdl=pdl))
+    aligned = None
+    if moe.uses_cuda_align(ids.numel(), E):
+        aligned = align.align_stand_in(ids, configs[0]["BLOCK_SIZE_M"], E)
+    out.copy_(moe.stock_fused_experts(x, w13, w2, weights, ids, configs, pdl=pdl, aligned=aligned))
     want = moe.reference_fused_experts(x, w13, w2, weights, ids).float()
     diff = (out.float() - want).abs()
     tol = 2e-2 * want.abs().max().item()

@@ -1,18 +1,24 @@
 """Stock SGLang 0.5.23's Triton fused MoE at decode widths, on its own kernels (`kernels.py`, copied verbatim).
 
 `stock_fused_experts` replays what SGLang's `fused_experts_impl` launches for resident bf16/fp16 experts without
-expert parallelism (every local expert owned: no expert filter), when M x top_k <= 64 and E + 1 > 64 buckets
-(every decode step of the benchmark's shapes up to M = 8 with top-8): the single-launch small-batch align, the
-gate/up GEMM, the gated SiLU, the down GEMM with the routing weights, the top-k sum (`moe_sum_reduce_triton`
-below 33 tokens). The launches' arguments, grids, PDL flags and tile configs are stock's
-(`fused_moe_triton_kernels.invoke_fused_moe_kernel`, `moe_align_block_size`, `fused_moe_triton_config`).
+expert parallelism (every local expert owned: no expert filter): the align, the gate/up GEMM, the gated SiLU, the
+down GEMM with the routing weights, the top-k combine (`moe_sum_reduce_triton` up to 32 tokens, the CUDA
+`moe_sum_reduce` above, `torch.add` at top-2, none at top-1). The launches' arguments, grids, PDL flags and tile
+configs are stock's (`fused_moe_triton_kernels.invoke_fused_moe_kernel`, `moe_align_block_size`,
+`fused_moe_triton_config`, `fused_moe.moe_combine_topk`).
 
-One substitution: stock's gated SiLU is SGLang's CUDA `silu_and_mul` (`sglang.kernels.ops.activation`, compiled
-at run time through tvm-ffi, which the GPU image lacks); here it is a Triton kernel with the same grid, bytes and
-PDL hooks (`activation.py`). `skip_activation=True` leaves that launch out: a lower bound on stock's time. Wider
-steps (the CUDA align kernel) and the tuned-config TMA paths are refused, not approximated. On SM90+ (`pdl`)
-this is stock's sequence; below, stock sums the top-k with a torch.compile'd sum instead (same values).
-`routed_scaling_factor` is 1 (Qwen3's; DeepSeek-V3's 2.5 changes a constant of the same launch).
+Stock's CUDA kernels are not on the GPU image (SGLang's `sgl_kernel` and its tvm-ffi ops); each has a stand-in:
+- the gated SiLU (`silu_and_mul`): a Triton kernel with the same grid, bytes and PDL hooks (`activation.py`);
+- the top-k sum above 32 tokens (`moe_sum_reduce`): stock's own Triton top-k sum, the one it runs up to 32;
+- the align where stock runs its CUDA kernel (M x top_k > 64, or E + 1 <= 64 buckets): `align.align_stand_in`
+  in torch, computed by the caller once per routing and passed in (`aligned`), so that launch is not timed.
+Where stock's align is its single-launch Triton kernel (M x top_k <= 64 and E + 1 > 64: every decode step of
+the Qwen3-like and DeepSeek-like shapes up to M = 8 with top-8), that kernel runs. `skip_stand_ins=True` leaves
+the SiLU and the top-k sum stand-ins out (the down GEMM then reads an unwritten buffer): with the align outside,
+stock's own launches only, a lower bound on its time. Tuned configs asking for TMA are refused, not approximated.
+On SM90+ (`pdl`) this is stock's sequence; below, stock sums up to 32 tokens with a torch.compile'd sum instead
+(same values). `routed_scaling_factor` is 1 (Qwen3's and Mixtral's; DeepSeek-V3's 2.5 changes a constant of the
+same launches).
 
 Shapes: x [M, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights [M, K] fp32;
 topk_ids [M, K] int32. `reference_fused_experts` is the plain torch MoE with the same signature.
@@ -30,11 +36,15 @@ import triton.language as tl
 
 from bench.stock_sglang import kernels
 from bench.stock_sglang.activation import silu_and_mul
+from bench.stock_sglang.align import max_padded_tokens
 
 # stock's gates for the single-launch align (moe_align_small_numel.SMALL_NUMEL_LIMIT and
 # moe_align_block_size._CUDA_SMALL_BATCH_MAX_BUCKETS)
 SMALL_NUMEL_LIMIT = 64
 CUDA_SMALL_BATCH_MAX_BUCKETS = 64
+# fused_moe._use_moe_sum_reduce_torch_compile: up to this many tokens stock sums the top-k with its Triton kernel
+# (on SM90+), above with the CUDA moe_sum_reduce
+TRITON_SUM_MAX_TOKENS = 32
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
@@ -101,10 +111,23 @@ def _check(x, w13, w2, topk_weights, topk_ids) -> None:
         M,
     )
     assert topk_weights.stride(1) == 1 and topk_ids.is_contiguous()
-    assert 0 < topk_ids.numel() <= SMALL_NUMEL_LIMIT, (
-        f"M x top_k = {topk_ids.numel()}: stock runs the CUDA align kernel above {SMALL_NUMEL_LIMIT} (not here)"
+    assert topk_ids.numel() > 0, "no routed pairs"
+
+
+def uses_cuda_align(numel: int, num_experts: int) -> bool:
+    """Whether stock aligns `numel` routed pairs over `num_experts` with its CUDA kernel (not its single-launch
+    Triton one): above 64 pairs, or at most 64 buckets (`moe_align_block_size`)."""
+    return numel > SMALL_NUMEL_LIMIT or num_experts + 1 <= CUDA_SMALL_BATCH_MAX_BUCKETS
+
+
+def _check_aligned(aligned, numel: int, E: int, block: int) -> None:
+    size = max_padded_tokens(numel, E, block)
+    sorted_ids, expert_ids, num_post = aligned
+    assert sorted_ids.shape == (size,) and expert_ids.shape == (triton.cdiv(size, block),), (
+        f"aligned buffers {tuple(sorted_ids.shape)}, {tuple(expert_ids.shape)}: expected ({size},), "
+        f"({triton.cdiv(size, block)},) for {numel} pairs, {E} experts, M block {block}"
     )
-    assert E + 1 > CUDA_SMALL_BATCH_MAX_BUCKETS, f"E={E}: stock runs the CUDA align kernel at <= 64 buckets"
+    assert sorted_ids.dtype == expert_ids.dtype == num_post.dtype == torch.int32 and num_post.numel() >= 1
 
 
 def _gemm(A, B, C, topk_weights, topk_ids, sorted_ids, expert_ids, num_post, *, mul_routed_weight, top_k,
@@ -139,36 +162,49 @@ def stock_fused_experts(
     configs: tuple[dict[str, Any], dict[str, Any] | None],
     *,
     pdl: bool,
-    skip_activation: bool = False,
+    aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    skip_stand_ins: bool = False,
 ) -> torch.Tensor:
     """[M, H] = sum_k topk_weights[m, k] * w2[e] @ (silu(gate_e x) * up_e x), e = topk_ids[m, k], as stock
     launches it (module docstring). `configs`: `pick_configs(M, ...)`; `pdl`: stock's `is_arch_support_pdl()`
-    (compute capability >= 9). `skip_activation`: leave the gated SiLU's launch out (for timing only: the down
-    GEMM then reads an unwritten buffer). Allocates its buffers as stock does (graph capture keeps them)."""
+    (compute capability >= 9). `aligned`: where stock runs its CUDA align (`uses_cuda_align`), required:
+    `align.align_stand_in(topk_ids, configs[0]["BLOCK_SIZE_M"], E)`; elsewhere refused (stock's Triton align
+    runs). `skip_stand_ins`: leave the launches standing in for stock's CUDA kernels out (timing only: the result
+    is then not the MoE). Allocates its buffers as stock does (graph capture keeps them)."""
     _check(x, w13, w2, topk_weights, topk_ids)
     config, down = configs
     M, K = topk_ids.shape
     E, N, H = w13.shape
     numel, block = topk_ids.numel(), config["BLOCK_SIZE_M"]
-    # moe_align_block_size's buffers
-    max_padded = numel * block if numel < E + 1 else numel + (E + 1) * (block - 1)
-    max_padded = (max_padded + 3) // 4 * 4
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=x.device)
-    expert_ids = torch.empty(triton.cdiv(max_padded, block), dtype=torch.int32, device=x.device)
-    num_post = torch.empty(1, dtype=torch.int32, device=x.device)
     gdc = {"USE_GDC": True, "launch_pdl": True} if pdl else {}
-    kernels._moe_align_small_numel_kernel[(1,)](
-        topk_ids, sorted_ids, expert_ids, num_post, E + 1, block, numel,
-        NP=triton.next_power_of_2(max(numel, 2)), NB=triton.next_power_of_2(max(expert_ids.numel(), 2)),
-        WRITE_INACTIVE_PREFIX_COUNT=False, num_warps=4, **gdc,
-    )  # fmt: skip
+    if uses_cuda_align(numel, E):
+        assert aligned is not None, (
+            f"M x top_k = {numel}, E = {E}: stock runs its CUDA align kernel here; pass "
+            "aligned=align.align_stand_in(topk_ids, BLOCK_SIZE_M, E)"
+        )
+        _check_aligned(aligned, numel, E, block)
+        sorted_ids, expert_ids, num_post = aligned
+    else:
+        assert aligned is None, f"M x top_k = {numel}, E = {E}: stock's Triton align runs here, not `aligned`"
+        # moe_align_block_size's buffers
+        size = max_padded_tokens(numel, E, block)
+        sorted_ids = torch.empty(size, dtype=torch.int32, device=x.device)
+        expert_ids = torch.empty(triton.cdiv(size, block), dtype=torch.int32, device=x.device)
+        num_post = torch.empty(1, dtype=torch.int32, device=x.device)
+        kernels._moe_align_small_numel_kernel[(1,)](
+            topk_ids, sorted_ids, expert_ids, num_post, E + 1, block, numel,
+            NP=triton.next_power_of_2(max(numel, 2)), NB=triton.next_power_of_2(max(expert_ids.numel(), 2)),
+            WRITE_INACTIVE_PREFIX_COUNT=False, num_warps=4, **gdc,
+        )  # fmt: skip
     gate_up = torch.empty(numel, N, dtype=x.dtype, device=x.device)
     routing = (topk_weights, topk_ids, sorted_ids, expert_ids, num_post)
     _gemm(x, w13, gate_up, *routing, mul_routed_weight=False, top_k=K, router_topk=1, config=config, pdl=pdl)
     act = torch.empty(numel, N // 2, dtype=x.dtype, device=x.device)
-    if not skip_activation:
+    if not skip_stand_ins:
         silu_and_mul(gate_up, act, pdl=pdl)
-    per_pair = torch.empty(M, K, H, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    # top-1: the down GEMM writes the output itself (stock's `_use_intermediate` is False)
+    per_pair = out.view(M, 1, H) if K == 1 else torch.empty(M, K, H, dtype=x.dtype, device=x.device)
     _gemm(
         act,
         w2,
@@ -180,11 +216,14 @@ def stock_fused_experts(
         config=down or config,
         pdl=pdl,
     )
-    out = torch.empty_like(x)
-    kernels._moe_sum_reduce_kernel[(M, triton.cdiv(H, 2048))](
-        per_pair, *per_pair.stride(), out, *out.stride(), token_num=M, topk_num=K, hidden_dim=H,
-        routed_scaling_factor=1.0, BLOCK_M=1, BLOCK_DIM=2048, NUM_STAGE=1, num_warps=16, **gdc,
-    )  # fmt: skip
+    if K == 2:
+        torch.add(per_pair[:, 0], per_pair[:, 1], out=out)
+    elif K > 2 and (M <= TRITON_SUM_MAX_TOKENS or not skip_stand_ins):
+        # stock's moe_sum_reduce_triton; above 32 tokens it stands in for the CUDA moe_sum_reduce
+        kernels._moe_sum_reduce_kernel[(M, triton.cdiv(H, 2048))](
+            per_pair, *per_pair.stride(), out, *out.stride(), token_num=M, topk_num=K, hidden_dim=H,
+            routed_scaling_factor=1.0, BLOCK_M=1, BLOCK_DIM=2048, NUM_STAGE=1, num_warps=16, **gdc,
+        )  # fmt: skip
     return out
 
 
@@ -197,11 +236,12 @@ def reference_fused_experts(
     configs: tuple[dict[str, Any], dict[str, Any] | None] | None = None,
     *,
     pdl: bool = False,
-    skip_activation: bool = False,
+    aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    skip_stand_ins: bool = False,
 ) -> torch.Tensor:
     """The same MoE in plain torch, fp32 accumulation, rounding where stock rounds (gate/up output, the SiLU
-    product, each pair's down output); `configs`, `pdl` and `skip_activation` are ignored (the signature is the
-    kernel's)."""
+    product, each pair's down output); `configs`, `pdl`, `aligned` and `skip_stand_ins` are ignored (the
+    signature is the kernel's)."""
     M, K = topk_ids.shape
     I = w13.shape[1] // 2
     out = torch.zeros(M, x.shape[1], dtype=torch.float32, device=x.device)
