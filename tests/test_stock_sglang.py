@@ -152,12 +152,16 @@ def test_align_stand_in_layout(M, K, E, block, filtered):
     assert set(expert_ids.tolist()[total // block :]) <= {-1}
 
 
-@pytest.mark.parametrize(("M", "K", "E", "block"), [(1, 8, 67, 16), (7, 3, 128, 16), (8, 8, 129, 64)])
-def test_align_stand_in_is_stocks_triton_align(M, K, E, block):
+@pytest.mark.parametrize(
+    ("M", "K", "E", "block", "filtered"), [(1, 8, 67, 16, 0), (7, 3, 128, 16, 4), (8, 8, 129, 64, 9)]
+)
+def test_align_stand_in_is_stocks_triton_align(M, K, E, block, filtered):
     """Where both apply (<= 64 pairs, > 64 buckets), the stand-in's layout is the one of stock's own
-    single-launch align (vendored, under the interpreter): the stand-in follows stock's contract."""
+    single-launch align (vendored, under the interpreter), ids of -1 (filtered) included: the stand-in follows
+    stock's contract."""
     g = torch.Generator().manual_seed(M * 7 + E)
     ids = torch.randint(0, E, (M, K), generator=g, dtype=torch.int32)
+    ids.view(-1)[torch.randperm(M * K, generator=g)[:filtered]] = -1
     size = align.max_padded_tokens(M * K, E, block)
     sorted_ids = torch.full((size,), -7, dtype=torch.int32)
     expert_ids = torch.full(((size + block - 1) // block,), -7, dtype=torch.int32)
@@ -192,3 +196,69 @@ def test_silu_and_mul_stand_in(T, I):
         )
     with pytest.raises(AssertionError, match="16-byte"):
         activation.silu_and_mul(torch.zeros(2, 12, dtype=dtype), torch.zeros(2, 6, dtype=dtype), pdl=False)
+
+
+@pytest.mark.parametrize(
+    ("numel", "E", "block", "size"),
+    [
+        (2, 8, 16, 32),
+        (3, 65, 16, 48),
+        (128, 128, 16, 2048),
+        (129, 128, 16, 2064),
+        (105, 9, 16, 256),
+        (1, 8, 64, 64),
+    ],
+)
+def test_max_padded_tokens(numel, E, block, size):
+    """Stock's sorted-ids buffer length (`moe_align_block_size`): numel x block below E + 1 pairs, else numel +
+    (E + 1) x (block - 1), rounded up to 4 (by hand from its source); the GEMMs' grids follow it."""
+    assert align.max_padded_tokens(numel, E, block) == size
+
+
+@pytest.mark.skipif(not HAS_SGLANG, reason="needs the installed SGLang's constants")
+def test_gates_are_sglangs():
+    """Where stock switches align kernels and top-k sums: the constants moe.py keeps are SGLang's."""
+    utils = "sglang.srt.layers.moe.moe_runner.triton_utils"
+    # modules, not the functions of the same names the package re-exports
+    moe_align_small_numel = importlib.import_module("sglang.kernels.ops.moe.moe_align_small_numel")
+    moe_align_block_size = importlib.import_module(f"{utils}.moe_align_block_size")
+    fused_moe = importlib.import_module(f"{utils}.fused_moe")
+
+    assert moe.SMALL_NUMEL_LIMIT == moe_align_small_numel.SMALL_NUMEL_LIMIT
+    assert moe.CUDA_SMALL_BATCH_MAX_BUCKETS == moe_align_block_size._CUDA_SMALL_BATCH_MAX_BUCKETS
+    limit = moe.TRITON_SUM_MAX_TOKENS
+    assert fused_moe._use_moe_sum_reduce_torch_compile(limit)
+    assert not fused_moe._use_moe_sum_reduce_torch_compile(limit + 1)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize(("M", "K"), [(3, 1), (3, 2), (33, 2), (3, 3), (32, 3), (33, 3)])
+def test_combine_launches(monkeypatch, M, K, skip):
+    """Which combine runs (stock's `moe_combine_topk` at routed scaling 1 on CUDA): none at top-1 (the down GEMM
+    writes the output), one add at top-2, the Triton sum above (up to 32 tokens stock's own, kept by
+    `skip_stand_ins`; above, the stand-in for its CUDA sum, left out by it); the gated SiLU's stand-in runs
+    unless skipped. Launches are recorded, the GEMMs run."""
+    ran: list[str] = []
+
+    class _Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            return lambda *a, **k: ran.append(self.name)
+
+    monkeypatch.setattr(moe.kernels, "_moe_sum_reduce_kernel", _Recorder("sum"))
+    monkeypatch.setattr(moe, "silu_and_mul", lambda *a, **k: ran.append("silu"))
+    monkeypatch.setattr(moe, "_add_top2", lambda *a, **k: ran.append("add"))
+    E, H, I = 9, 16, 16
+    dtype = torch.float16
+    x = torch.randn(M, H).to(dtype)
+    w13, w2 = torch.randn(E, 2 * I, H).to(dtype), torch.randn(E, H, I).to(dtype)
+    weights, ids = torch.rand(M, K), torch.randint(0, E, (M, K), dtype=torch.int32)
+    configs = moe.pick_configs(M, E, I, "cpu", "3.6.0")
+    aligned = align.align_stand_in(ids, configs[0]["BLOCK_SIZE_M"], E)
+    moe.stock_fused_experts(
+        x, w13, w2, weights, ids, configs, pdl=False, aligned=aligned, skip_stand_ins=skip
+    )
+    combine = {1: [], 2: ["add"]}.get(K, [] if skip and M > 32 else ["sum"])
+    assert ran == ([] if skip else ["silu"]) + combine, (M, K, skip, ran)

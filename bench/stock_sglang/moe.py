@@ -1,4 +1,4 @@
-"""Stock SGLang 0.5.23's Triton fused MoE at decode widths, on its own kernels (`kernels.py`, copied verbatim).
+"""Stock SGLang 0.5.23's Triton fused MoE, decode to prefill, on its own kernels (`kernels.py`, copied verbatim).
 
 `stock_fused_experts` replays what SGLang's `fused_experts_impl` launches for resident bf16/fp16 experts without
 expert parallelism (every local expert owned: no expert filter): the align, the gate/up GEMM, the gated SiLU, the
@@ -88,9 +88,13 @@ def pick_configs(
     down = dict(down_configs[min(down_configs, key=lambda m: abs(m - M))]) if down_configs else None
     if down is not None:
         down["BLOCK_SIZE_M"] = config["BLOCK_SIZE_M"]  # one align serves both GEMMs
-    for c in (config, down):
-        if c is not None and c.pop("USE_TMA", False):
-            raise NotImplementedError(f"M={M}: stock's tuned config asks for TMA ({c}); not reproduced here")
+    for name, c in (("gate/up", config), ("down", down)):
+        if c is not None and c.get("USE_TMA", False):
+            raise NotImplementedError(
+                f"M={M}: stock's tuned {name} config asks for TMA ({c}); not reproduced here"
+            )
+        if c is not None:
+            c.pop("USE_TMA", None)
     return config, down
 
 
@@ -217,7 +221,7 @@ def stock_fused_experts(
         pdl=pdl,
     )
     if K == 2:
-        torch.add(per_pair[:, 0], per_pair[:, 1], out=out)
+        _add_top2(per_pair, out)
     elif K > 2 and (M <= TRITON_SUM_MAX_TOKENS or not skip_stand_ins):
         # stock's moe_sum_reduce_triton; above 32 tokens it stands in for the CUDA moe_sum_reduce
         kernels._moe_sum_reduce_kernel[(M, triton.cdiv(H, 2048))](
@@ -225,6 +229,11 @@ def stock_fused_experts(
             routed_scaling_factor=1.0, BLOCK_M=1, BLOCK_DIM=2048, NUM_STAGE=1, num_warps=16, **gdc,
         )  # fmt: skip
     return out
+
+
+def _add_top2(per_pair: torch.Tensor, out: torch.Tensor) -> None:
+    """Stock's top-2 combine (`moe_combine_topk` at routed scaling 1): one torch add."""
+    torch.add(per_pair[:, 0], per_pair[:, 1], out=out)
 
 
 def reference_fused_experts(
