@@ -11,7 +11,9 @@ bandwidth, measured here), stock / ours (> 1: ours faster) and the largest diffe
 Stock's CUDA kernels are not on the image; `bench/stock_sglang/moe.py` says what stands in for each. Where stock
 runs its CUDA align (M x top_k > 64, or Mixtral's 9 buckets), its output is computed once before capture and not
 timed (column "align"). So stock is timed (a) with the stand-ins of its gated SiLU and, above 32 tokens, its
-top-k sum, and (b) with its own launches only ("stock's own"): that ratio is the one at worst for ours. A tuned
+top-k sum ("stock": the ratio to read), and (b) with its own launches only ("stock's own"). (b) is not a bound:
+leaving a launch out also changes which kernel is the PDL dependent of which (on an H100, 2026-12-06, the
+Mixtral-like layer at M = 1-4 took 7-20% longer without the SiLU between its GEMMs). A tuned
 config that asks for TMA (the H100's at M = 4096) is not reproduced (row says so). sm_90+ only (below, stock's
 top-k sum is another path). Stock's kernels are compiled by this Triton, not the 3.8 that SGLang 0.5.23's torch
 pin brings.
@@ -123,8 +125,8 @@ def main() -> None:
         "stock: SGLang 0.5.23's own Triton kernels and tuned configs (bench/stock_sglang/), compiled by this run's "
         "Triton; its CUDA gated SiLU as a Triton kernel of the same grid, bytes and PDL hooks, its CUDA top-k sum "
         "(above 32 tokens) as its own Triton one; its CUDA align (M x top_k > 64, or <= 64 buckets) made before "
-        "capture, not timed. 'stock's own': stock's own launches only, without those stand-ins (a lower bound "
-        "on its time).",
+        "capture, not timed. 'stock's own': stock's own launches only, without those stand-ins (not a bound: it "
+        "changes the launches' PDL chain).",
     ]
     write(args.out, lines)
 

@@ -132,7 +132,7 @@ def _rank_in_chunk(ids, valid, CHUNK: tl.constexpr):
 def _align_small_kernel(
     ids_ptr,
     l2p_ptr,
-    scratch_ptr,  # [2 * E_POW2] int32: counts/cursor, ends
+    scratch_ptr,  # [2 * E_POW2] int32: (unused), ends
     sorted_ptr,
     block_experts_ptr,
     block_codes_ptr,
@@ -147,35 +147,33 @@ def _align_small_kernel(
     CHUNK: tl.constexpr,
     BLOCK_CHUNK: tl.constexpr,
 ):
+    """Counts and each expert's next free slot live in registers ([CHUNK, E_POW2] one-hot sums per chunk of
+    pairs): no global atomics and no barrier per chunk. (The first form kept them in global memory, an atomic
+    add and two barriers per chunk: Qwen3-like 128 / 512 / 1024 pairs took 11.7 / 28.1 / 46.8 µs on an H100,
+    2026-12-06, against 19.0 for 4096 pairs on the three-launch path.)"""
     e_offs = tl.arange(0, E_POW2)
-    cursor_ptr = scratch_ptr
     ends_ptr = scratch_ptr + E_POW2
-    tl.store(cursor_ptr + e_offs, 0)
     for s0 in range(0, max_blocks * BLOCK_M, CHUNK):
         s = s0 + tl.arange(0, CHUNK)
         tl.store(sorted_ptr + s, num_pairs, mask=s < max_blocks * BLOCK_M)
-    tl.debug_barrier()
+    counts = tl.zeros((E_POW2,), dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
-        offs, ids, valid = _chunk_ids(ids_ptr, start, num_pairs, num_experts, CHUNK)
-        tl.atomic_add(cursor_ptr + ids, 1, mask=valid)
-    tl.debug_barrier()
-    counts = tl.load(cursor_ptr + e_offs)
+        _offs, ids, valid = _chunk_ids(ids_ptr, start, num_pairs, num_experts, CHUNK)
+        counts += tl.sum(((ids[:, None] == e_offs[None, :]) & valid[:, None]).to(tl.int32), axis=0)
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     total = tl.sum(padded, axis=0)
-    tl.debug_barrier()
     tl.store(ends_ptr + e_offs, ends)
-    tl.store(cursor_ptr + e_offs, ends - padded)
     tl.store(num_post_ptr, total)
-    tl.debug_barrier()
+    cursor = ends - padded  # each expert's next free slot
+    tl.debug_barrier()  # the padding fill above before the scatter below; `ends` before _block_tables reads it
     for start in range(0, num_pairs, CHUNK):
         offs, ids, valid = _chunk_ids(ids_ptr, start, num_pairs, num_experts, CHUNK)
+        onehot = (ids[:, None] == e_offs[None, :]) & valid[:, None]  # [CHUNK, E_POW2]
+        base = tl.sum(tl.where(onehot, cursor[None, :], 0), axis=1)
         rank = _rank_in_chunk(ids, valid, CHUNK)
-        base = tl.load(cursor_ptr + ids, mask=valid, other=0)
         tl.store(sorted_ptr + base + rank, offs, mask=valid)
-        tl.debug_barrier()
-        tl.atomic_add(cursor_ptr + ids, 1, mask=valid)
-        tl.debug_barrier()
+        cursor += tl.sum(onehot.to(tl.int32), axis=0)
     _block_tables(
         ends_ptr,
         l2p_ptr,

@@ -207,6 +207,15 @@ def pick_configs(
         )
     block_m = 32 if num_tokens <= 128 else 64 if num_tokens <= 1024 else 128
     warps = 8 if block_m == 128 else 4
+    if block_m == 32 and weight_fmt == FMT_DENSE and I <= 1024:
+        # K tiles of 128 and no program grouping at 33-128 tokens on narrow dense experts (a few tokens per
+        # expert: still streaming weights): H100, 2026-12-06, bench.wide_tiles, Qwen3-like bf16, interleaved,
+        # M=64 430.0 µs against 450.4 with the tiles below, M=128 460.9 against 480.5 (stock SGLang 411.2 and
+        # 417.1 there); not measured on wider experts or quantized formats, which keep the tiles below
+        return (
+            GemmConfig(32, 64, 128, group_m=1, num_warps=4, num_stages=3),
+            GemmConfig(32, 128, 128, group_m=1, num_warps=4, num_stages=3),
+        )
     return (
         GemmConfig(block_m, 64, 64, group_m=8, num_warps=warps, num_stages=3),
         GemmConfig(block_m, 128, 64, group_m=8, num_warps=warps, num_stages=3),

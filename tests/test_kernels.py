@@ -47,8 +47,9 @@ ALIGN_FIELDS = ("sorted_pairs", "block_experts", "block_codes", "block_order", "
 
 @pytest.mark.parametrize(
     ("T", "K", "E", "block_m"),
-    [(0, 2, 3, 16), (1, 1, 1, 16), (7, 3, 5, 16), (5, 8, 9, 32), (40, 8, 33, 16), (200, 6, 61, 32)],
-)
+    [(0, 2, 3, 16), (1, 1, 1, 16), (7, 3, 5, 16), (5, 8, 9, 32), (40, 8, 33, 16), (200, 6, 61, 32),
+     (17, 8, 128, 32), (128, 8, 256, 16)],
+)  # fmt: skip
 def test_align_matches_reference(T, K, E, block_m):
     g = torch.Generator().manual_seed(T * 131 + E)
     R = max(1, E // 2)

@@ -15,7 +15,8 @@ Stock's CUDA kernels are not on the GPU image (SGLang's `sgl_kernel` and its tvm
 Where stock's align is its single-launch Triton kernel (M x top_k <= 64 and E + 1 > 64: every decode step of
 the Qwen3-like and DeepSeek-like shapes up to M = 8 with top-8), that kernel runs. `skip_stand_ins=True` leaves
 the SiLU and the top-k sum stand-ins out (the down GEMM then reads an unwritten buffer): with the align outside,
-stock's own launches only, a lower bound on its time. Tuned configs asking for TMA are refused, not approximated.
+stock's own launches only (not a lower bound on its time: the launches' PDL chain changes with them). Tuned
+configs asking for TMA are refused, not approximated.
 On SM90+ (`pdl`) this is stock's sequence; below, stock sums up to 32 tokens with a torch.compile'd sum instead
 (same values). `routed_scaling_factor` is 1 (Qwen3's and Mixtral's; DeepSeek-V3's 2.5 changes a constant of the
 same launches).
