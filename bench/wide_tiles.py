@@ -17,8 +17,7 @@ from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe
 from pooled_runner.kernels.moe_gemm import GemmConfig
 from pooled_runner.kernels.operands import kernel_format
 
-from bench.common import time_graphs
-from bench.common import write_progress as write
+from bench.common import time_graphs, write
 from bench.kernels import measured_header, random_rows
 from bench.stock_compare import STOCK_SHAPES
 from bench.stock_sglang.align import align_stand_in
