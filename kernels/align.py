@@ -146,15 +146,17 @@ def _align_small_kernel(
     E_POW2: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_CHUNK: tl.constexpr,
+    S_CHUNK: tl.constexpr,
 ):
     """Counts and each expert's next free slot live in registers ([CHUNK, E_POW2] one-hot sums per chunk of
     pairs): no global atomics and no barrier per chunk. (The first form kept them in global memory, an atomic
     add and two barriers per chunk: Qwen3-like 128 / 512 / 1024 pairs took 11.7 / 28.1 / 46.8 µs on an H100,
-    2026-12-06, against 19.0 for 4096 pairs on the three-launch path.)"""
+    2026-12-06, against 19.0 for 4096 pairs on the three-launch path.) `CHUNK` shrinks as E grows
+    (`small_chunk`) so that the [CHUNK, CHUNK] and [CHUNK, E_POW2] compares fit the registers."""
     e_offs = tl.arange(0, E_POW2)
     ends_ptr = scratch_ptr + E_POW2
-    for s0 in range(0, max_blocks * BLOCK_M, CHUNK):
-        s = s0 + tl.arange(0, CHUNK)
+    for s0 in range(0, max_blocks * BLOCK_M, S_CHUNK):
+        s = s0 + tl.arange(0, S_CHUNK)
         tl.store(sorted_ptr + s, num_pairs, mask=s < max_blocks * BLOCK_M)
     counts = tl.zeros((E_POW2,), dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
@@ -252,6 +254,13 @@ def _align_tiny_kernel(
 
 
 # ------------------------------------------------------------------------------------------------------------
+def small_chunk(e_pow2: int) -> int:
+    """Pairs per step of `_align_small_kernel` (8 warps): compiled for sm_90 with Triton 3.6 (2026-12-06), 128
+    pairs per step spilled at 4 warps (255 registers and 104-152 bytes of stack at E 128 and 256) and at 8
+    warps for E 256; 64 pairs at 8 warps use 128 / 174 registers at E 128 / 256, no stack."""
+    return max(16, min(64, 16384 // e_pow2))
+
+
 def _check_align_inputs(topk_ids: torch.Tensor, l2p: torch.Tensor, num_experts: int, block_m: int) -> None:
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}, expected [T, K]")
@@ -312,7 +321,8 @@ def align_blocks(
         _align_small_kernel[(1,)](
             ids, l2p, scratch, sorted_pairs, block_experts, block_codes, block_order, num_post,
             num_pairs, *common,
-            BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=CHUNK, BLOCK_CHUNK=BLOCK_CHUNK, num_warps=4,
+            BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=small_chunk(e_pow2), BLOCK_CHUNK=BLOCK_CHUNK, S_CHUNK=1024,
+            num_warps=8,
         )  # fmt: skip
     else:
         from .align_wide import align_wide  # imported here: it uses this module's jit helpers
