@@ -69,6 +69,8 @@ else
   # the rest of DESIGN.md §4's stock shapes: Qwen3-like wide steps and prefill, the Mixtral-like layer (stock's
   # CUDA align made before capture: bench/stock_sglang/align.py)
   step bench_stock_wide "${BENCH_STOCK_WIDE_CAP:-120}" "$PY" -m bench.stock_compare --shapes qwen3 --ms 64,512,4096 --out "$OUT/bench_stock_wide.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  # our align alone at the same widths (stock's CUDA align is not timed in the rows above)
+  step bench_align "${BENCH_ALIGN_CAP:-60}" "$PY" -m bench.align_time --out "$OUT/bench_align.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_stock_mixtral "${BENCH_STOCK_MIXTRAL_CAP:-150}" "$PY" -m bench.stock_compare --shapes mixtral --ms 1,4,16,512,4096 --out "$OUT/bench_stock_mixtral.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_variants "${BENCH_VARIANTS_CAP:-200}" "$PY" -m bench.kernels --variants --budget 150 --out "$OUT/bench_variants.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # Qwen3-like bf16 decode: the GEMV against the other paths (the default there is now the split path) (issue #4's 1.2x-stock target at M=1; the
