@@ -15,9 +15,9 @@ Upper bound of used blocks: each expert with c pairs uses ceil(c / block_m) bloc
 `max_blocks = min(N, ceil(N / block_m) + E)` with N = T*K.
 
 Three device paths with identical results: for decode steps (N <= TINY_MAX_PAIRS) one program computing
-everything in registers from one load of the ids and one gather of their codes; one program with phases
-through global memory (N <= SMALL_MAX_PAIRS, one launch); and three launches (count per chunk, scan, scatter)
-for wide steps.
+everything in registers from one load of the ids and one gather of their codes; one program stepping through
+the pairs with per-expert counts in registers (N <= SMALL_MAX_PAIRS, one launch); and three launches (count per
+chunk, scan, scatter) for wide steps.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _rank_in_chunk(ids, valid, CHUNK: tl.constexpr):
 def _align_small_kernel(
     ids_ptr,
     l2p_ptr,
-    scratch_ptr,  # [2 * E_POW2] int32: (unused), ends
+    ends_ptr,  # [E_POW2] int32 scratch: each expert's padded end slot (cumulative), for _block_tables
     sorted_ptr,
     block_experts_ptr,
     block_codes_ptr,
@@ -149,12 +149,11 @@ def _align_small_kernel(
     S_CHUNK: tl.constexpr,
 ):
     """Counts and each expert's next free slot live in registers ([CHUNK, E_POW2] one-hot sums per chunk of
-    pairs): no global atomics and no barrier per chunk. (The first form kept them in global memory, an atomic
+    pairs): no global atomics and no explicit barrier per chunk. (The first form kept them in global memory, an atomic
     add and two barriers per chunk: Qwen3-like 128 / 512 / 1024 pairs took 11.7 / 28.1 / 46.8 µs on an H100,
     2026-12-06, against 19.0 for 4096 pairs on the three-launch path.) `CHUNK` shrinks as E grows
     (`small_chunk`) so that the [CHUNK, CHUNK] and [CHUNK, E_POW2] compares fit the registers."""
     e_offs = tl.arange(0, E_POW2)
-    ends_ptr = scratch_ptr + E_POW2
     for s0 in range(0, max_blocks * BLOCK_M, S_CHUNK):
         s = s0 + tl.arange(0, S_CHUNK)
         tl.store(sorted_ptr + s, num_pairs, mask=s < max_blocks * BLOCK_M)
@@ -171,7 +170,8 @@ def _align_small_kernel(
     tl.debug_barrier()  # the padding fill above before the scatter below; `ends` before _block_tables reads it
     for start in range(0, num_pairs, CHUNK):
         offs, ids, valid = _chunk_ids(ids_ptr, start, num_pairs, num_experts, CHUNK)
-        onehot = (ids[:, None] == e_offs[None, :]) & valid[:, None]  # [CHUNK, E_POW2]
+        # [CHUNK, E_POW2] (`valid` for clarity: an invalid pair's slot is never stored, nor its column read)
+        onehot = (ids[:, None] == e_offs[None, :]) & valid[:, None]
         base = tl.sum(tl.where(onehot, cursor[None, :], 0), axis=1)
         rank = _rank_in_chunk(ids, valid, CHUNK)
         tl.store(sorted_ptr + base + rank, offs, mask=valid)
@@ -317,9 +317,9 @@ def align_blocks(
             BLOCK_M=block_m, P_POW2=max(16, triton.next_power_of_2(num_pairs)), S_CHUNK=1024, num_warps=4,
         )  # fmt: skip
     elif num_pairs <= SMALL_MAX_PAIRS:
-        scratch = torch.empty(2 * e_pow2, dtype=torch.int32, device=device)
+        ends = torch.empty(e_pow2, dtype=torch.int32, device=device)
         _align_small_kernel[(1,)](
-            ids, l2p, scratch, sorted_pairs, block_experts, block_codes, block_order, num_post,
+            ids, l2p, ends, sorted_pairs, block_experts, block_codes, block_order, num_post,
             num_pairs, *common,
             BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=small_chunk(e_pow2), BLOCK_CHUNK=BLOCK_CHUNK, S_CHUNK=1024,
             num_warps=8,

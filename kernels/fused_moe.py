@@ -211,7 +211,8 @@ def pick_configs(
         # K tiles of 128 and no program grouping at 33-128 tokens on narrow dense experts (a few tokens per
         # expert: still streaming weights): H100, 2026-12-06, bench.wide_tiles, Qwen3-like bf16, interleaved,
         # M=64 430.0 µs against 450.4 with the tiles below, M=128 460.9 against 480.5 (stock SGLang 411.2 and
-        # 417.1 there); not measured on wider experts or quantized formats, which keep the tiles below
+        # 417.1 there); fp16 follows bf16 unmeasured; not measured on wider experts or quantized formats, which
+        # keep the tiles below
         return (
             GemmConfig(32, 64, 128, group_m=1, num_warps=4, num_stages=3),
             GemmConfig(32, 128, 128, group_m=1, num_warps=4, num_stages=3),

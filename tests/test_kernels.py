@@ -48,12 +48,14 @@ ALIGN_FIELDS = ("sorted_pairs", "block_experts", "block_codes", "block_order", "
 @pytest.mark.parametrize(
     ("T", "K", "E", "block_m"),
     [(0, 2, 3, 16), (1, 1, 1, 16), (7, 3, 5, 16), (5, 8, 9, 32), (40, 8, 33, 16), (200, 6, 61, 32),
-     (17, 8, 128, 32), (128, 8, 256, 16)],
+     (17, 8, 128, 32), (128, 8, 256, 16), (300, 1, 600, 16)],
 )  # fmt: skip
 def test_align_matches_reference(T, K, E, block_m):
+    """Every path against the reference; ids of -1 and >= E (not placed), E its own power of two or not, and
+    E = 600 (the one-program path's steps of 16 pairs)."""
     g = torch.Generator().manual_seed(T * 131 + E)
     R = max(1, E // 2)
-    ids = torch.randint(-1, E, (T, K), generator=g)
+    ids = torch.randint(-1, E + 2, (T, K), generator=g)
     l2p = torch.randint(-1, R + E, (E + 3,), generator=g).int()
     l2p[E:] = -1
     for dtype in (torch.int64, torch.int32):
@@ -346,3 +348,22 @@ def test_fused_moe_zero_tokens():
         torch.empty(0, 16, dtype=torch.bfloat16), ids, torch.empty(0, 2), l2p, 3, w13, w2, fmt
     )
     assert out.shape == (0, 16)
+
+
+def test_wide_tiles_by_width_and_format(monkeypatch):
+    """The tiles a card gets (not the interpreter's) around the 33-128-token rule: K tiles of 128 ungrouped for
+    dense experts with I <= 1024 there, the old tiles outside it and for other formats; both GEMMs one block_m."""
+    from pooled_runner.kernels import fused_moe
+    from pooled_runner.kernels.dequant import FMT_DENSE, FMT_INT4
+
+    monkeypatch.setattr(fused_moe, "interpreting", lambda: False)
+
+    def tiles(T: int, I: int = 768, fmt: int = FMT_DENSE) -> tuple:  # type: ignore[type-arg]
+        cfg1, cfg2 = fused_moe.pick_configs(T, 8, 128, 2048, I, fmt)
+        assert cfg1.block_m == cfg2.block_m, (T, I, fmt, cfg1, cfg2)
+        return (cfg1.block_m, cfg1.block_n, cfg2.block_n, cfg1.block_k, cfg1.group_m)
+
+    assert tiles(32)[0] == 16  # decode tiles
+    assert tiles(33) == tiles(128) == tiles(64, I=1024) == (32, 64, 128, 128, 1)
+    assert tiles(129) == (64, 64, 128, 64, 8)
+    assert tiles(64, I=1025) == tiles(64, fmt=FMT_INT4) == (32, 64, 128, 64, 8)
