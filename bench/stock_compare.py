@@ -28,14 +28,12 @@ import argparse
 import functools
 
 import torch
-import triton
 from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe
 from pooled_runner.kernels.operands import kernel_format
 
 from bench.common import time_graphs, write
 from bench.kernels import SHAPES, measured_header, random_rows
-from bench.stock_sglang.align import align_stand_in
-from bench.stock_sglang.moe import pick_configs, stock_fused_experts, uses_cuda_align
+from bench.stock_sglang.moe import stock_call
 from pooled_runner.formats import make_format
 
 # (H, I, E, top_k): bench/kernels.py's shapes and DESIGN.md §4's Mixtral-like layer
@@ -52,23 +50,16 @@ def compare(shape: str, ms: list[int], hbm: float, g: torch.Generator) -> list[s
     row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
     rows = []
     for M in ms:
+        x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+        w, ids = torch.softmax(torch.randn(M, E, generator=g, device="cuda"), -1).topk(K, -1)
+        ids32 = ids.int().contiguous()  # SGLang's top-k gives int32 ids, fp32 weights
         try:
-            configs = pick_configs(M, E, I, torch.cuda.get_device_name(), triton.__version__)
+            stock, configs, cuda_align = stock_call(x, pool["w13"], pool["w2"], w, ids32)
         except NotImplementedError as e:
             rows.append(f"| {shape} | {M} | | | | | | | | | not reproduced: {e} |")
             print(rows[-1], flush=True)
             continue
-        x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
-        w, ids = torch.softmax(torch.randn(M, E, generator=g, device="cuda"), -1).topk(K, -1)
-        ids32 = ids.int().contiguous()  # SGLang's top-k gives int32 ids, fp32 weights
-        cuda_align = uses_cuda_align(ids32.numel(), E)
-        # stock's CUDA align: its stand-in's output, made once here (routing does not change while timed)
-        aligned = align_stand_in(ids32, configs[0]["BLOCK_SIZE_M"], E) if cuda_align else None
         ours = functools.partial(pooled_fused_moe, x, ids32, w, l2p, E, p13, p2, fmt)
-        # pdl: stock's is_arch_support_pdl() on the sm_90+ cards main() admits
-        stock = functools.partial(
-            stock_fused_experts, x, pool["w13"], pool["w2"], w, ids32, configs, pdl=True, aligned=aligned
-        )
         own = functools.partial(stock, skip_stand_ins=True)
         ms_ = time_graphs({"ours": ours, "stock": stock, "own": own}, rounds=5)
         out_ours, out_stock = ours().float(), stock().float()
@@ -83,7 +74,7 @@ def compare(shape: str, ms: list[int], hbm: float, g: torch.Generator) -> list[s
             f"{diff:.1e} (stock M/N/K {tiles}) |"
         )
         print(rows[-1], flush=True)
-        del x, w, ids, ids32, aligned, ours, stock, own, out_ours, out_stock
+        del x, w, ids, ids32, ours, stock, own, out_ours, out_stock
         torch.cuda.empty_cache()
     del pool, p13, p2
     torch.cuda.empty_cache()

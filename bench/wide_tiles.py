@@ -12,7 +12,6 @@ import argparse
 import functools
 
 import torch
-import triton
 from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe
 from pooled_runner.kernels.moe_gemm import GemmConfig
 from pooled_runner.kernels.operands import kernel_format
@@ -20,8 +19,7 @@ from pooled_runner.kernels.operands import kernel_format
 from bench.common import time_graphs, write
 from bench.kernels import measured_header, random_rows
 from bench.stock_compare import STOCK_SHAPES
-from bench.stock_sglang.align import align_stand_in
-from bench.stock_sglang.moe import pick_configs, stock_fused_experts, uses_cuda_align
+from bench.stock_sglang.moe import stock_call
 from pooled_runner.formats import make_format
 
 # (block_m, BN1, BN2, BK, group_m, warps, stages), both GEMMs
@@ -44,20 +42,14 @@ def _configs(t: tuple[int, ...]) -> tuple[GemmConfig, GemmConfig]:
 
 
 def run_case(shape: str, M: int, g: torch.Generator, layer: tuple) -> list[str]:  # type: ignore[type-arg]
-    H, I, E, K = STOCK_SHAPES[shape]
+    H, _, E, K = STOCK_SHAPES[shape]
     pool, p13, p2, fmt, l2p = layer
     x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
     w, ids = torch.softmax(torch.randn(M, E, generator=g, device="cuda"), -1).topk(K, -1)
     ids32 = ids.int().contiguous()
-    configs = pick_configs(M, E, I, torch.cuda.get_device_name(), triton.__version__)
-    aligned = (
-        align_stand_in(ids32, configs[0]["BLOCK_SIZE_M"], E) if uses_cuda_align(ids32.numel(), E) else None
-    )
     ours = functools.partial(pooled_fused_moe, x, ids32, w, l2p, E, p13, p2, fmt)
     fns = {
-        "stock": functools.partial(
-            stock_fused_experts, x, pool["w13"], pool["w2"], w, ids32, configs, pdl=True, aligned=aligned
-        ),
+        "stock": stock_call(x, pool["w13"], pool["w2"], w, ids32)[0],
         "default": ours,
     }
     if M <= 32:

@@ -27,6 +27,7 @@ topk_ids [M, K] int32. `reference_fused_experts` is the plain torch MoE with the
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ import triton.language as tl
 
 from bench.stock_sglang import kernels
 from bench.stock_sglang.activation import silu_and_mul
-from bench.stock_sglang.align import max_padded_tokens
+from bench.stock_sglang.align import align_stand_in, max_padded_tokens
 
 # stock's gates for the single-launch align (moe_align_small_numel.SMALL_NUMEL_LIMIT and
 # moe_align_block_size._CUDA_SMALL_BATCH_MAX_BUCKETS)
@@ -230,6 +231,24 @@ def stock_fused_experts(
             routed_scaling_factor=1.0, BLOCK_M=1, BLOCK_DIM=2048, NUM_STAGE=1, num_warps=16, **gdc,
         )  # fmt: skip
     return out
+
+
+def stock_call(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> tuple[functools.partial[torch.Tensor], tuple[dict[str, Any], dict[str, Any] | None], bool]:
+    """Stock's MoE of one routing on this card, ready to time: (the call, its tiles, whether stock would run
+    its CUDA align there). The tiles are this card's and Triton's (`pick_configs`; NotImplementedError where
+    they ask for TMA); where the CUDA align runs, its stand-in's output is made here, once, so it is not timed
+    (routing does not change while timed). `pdl`: stock's `is_arch_support_pdl()` on the sm_90+ cards the
+    benches admit."""
+    M, E, I = topk_ids.shape[0], w13.shape[0], w2.shape[2]
+    configs = pick_configs(M, E, I, torch.cuda.get_device_name(x.device), triton.__version__)
+    cuda_align = uses_cuda_align(topk_ids.numel(), E)
+    aligned = align_stand_in(topk_ids, configs[0]["BLOCK_SIZE_M"], E) if cuda_align else None
+    call = functools.partial(
+        stock_fused_experts, x, w13, w2, topk_weights, topk_ids, configs, pdl=True, aligned=aligned
+    )
+    return call, configs, cuda_align
 
 
 def _add_top2(per_pair: torch.Tensor, out: torch.Tensor) -> None:
