@@ -14,10 +14,10 @@ Padding ids (-1) and ids >= num_experts are not placed: their pairs contribute n
 Upper bound of used blocks: each expert with c pairs uses ceil(c / block_m) blocks, so
 `max_blocks = min(N, ceil(N / block_m) + E)` with N = T*K.
 
-Three device paths with identical results: for decode steps (N <= TINY_MAX_PAIRS) one program computing
-everything in registers from one load of the ids and one gather of their codes; one program stepping through
-the pairs with per-expert counts in registers (N <= SMALL_MAX_PAIRS, one launch); and three launches (count per
-chunk, scan, scatter) for wide steps.
+Device paths with identical results (`PATHS`; `default_path` picks one by N): "sort", one program that
+sorts (expert, pair) keys in registers (`align_sort.py`, N <= SORT_MAX_PAIRS); "wide", three launches (count
+per chunk, scan, scatter; `align_wide.py`) above; "tiny", one program of [N, N] compares in registers (here;
+forced only, up to TINY_FORCED_MAX_PAIRS).
 """
 
 from __future__ import annotations
@@ -28,10 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 128  # pairs per rank computation ([CHUNK, CHUNK] compare)
-BLOCK_CHUNK = 64  # blocks per step of the block-table pass
-SMALL_MAX_PAIRS = 1024  # up to this many pairs, the one-program path
-TINY_MAX_PAIRS = 64  # up to this many pairs, the register-only one-program path (`_align_tiny_kernel`)
+from .align_sort import SORT_MAX_PAIRS, _align_sort_kernel, sort_launch_args
 
 
 @dataclass(frozen=True)
@@ -55,141 +52,6 @@ class AlignOutput:
 def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Upper bound of used M-blocks for `num_pairs` routed pairs over `num_experts` experts."""
     return max(1, min(num_pairs, triton.cdiv(num_pairs, block_m) + num_experts))
-
-
-# ------------------------------------------------------------------------------------------------------------
-# jit helpers
-@triton.jit
-def _block_tables(
-    ends_ptr,  # [E_POW2] int32: padded end slot of each expert (cumulative)
-    l2p_ptr,
-    block_experts_ptr,
-    block_codes_ptr,
-    block_order_ptr,
-    num_experts,
-    num_rows,
-    max_blocks,
-    total,  # used slots
-    BLOCK_M: tl.constexpr,
-    E_POW2: tl.constexpr,
-    BLOCK_CHUNK: tl.constexpr,
-):
-    e_offs = tl.arange(0, E_POW2)
-    ends = tl.load(ends_ptr + e_offs)
-    num_host = 0
-    for b0 in range(0, max_blocks, BLOCK_CHUNK):
-        b = b0 + tl.arange(0, BLOCK_CHUNK)
-        pos = b * BLOCK_M
-        used = (pos < total) & (b < max_blocks)
-        before = (ends[None, :] <= pos[:, None]) & (e_offs[None, :] < num_experts)
-        expert = tl.sum(before.to(tl.int32), axis=1)
-        expert = tl.where(used, expert, -1)
-        code = tl.load(l2p_ptr + expert, mask=used, other=-1)
-        tl.store(block_experts_ptr + b, expert, mask=b < max_blocks)
-        tl.store(block_codes_ptr + b, code, mask=b < max_blocks)
-        num_host += tl.sum((used & (code >= num_rows)).to(tl.int32), axis=0)
-    tl.debug_barrier()  # the codes written above are read back by other threads below
-    # host-row blocks first, then the rest; each group keeps block order
-    host_seen = 0
-    other_seen = 0
-    for b0 in range(0, max_blocks, BLOCK_CHUNK):
-        b = b0 + tl.arange(0, BLOCK_CHUNK)
-        used = (b * BLOCK_M < total) & (b < max_blocks)
-        code = tl.load(block_codes_ptr + b, mask=used, other=-1)
-        is_host = used & (code >= num_rows)
-        is_other = used & (code < num_rows)
-        host_pos = host_seen + tl.cumsum(is_host.to(tl.int32), axis=0) - 1
-        other_pos = num_host + other_seen + tl.cumsum(is_other.to(tl.int32), axis=0) - 1
-        tl.store(block_order_ptr + host_pos, b, mask=is_host)
-        tl.store(block_order_ptr + other_pos, b, mask=is_other)
-        host_seen += tl.sum(is_host.to(tl.int32), axis=0)
-        other_seen += tl.sum(is_other.to(tl.int32), axis=0)
-    # blocks past the used ones: -1
-    num_used = host_seen + other_seen
-    for b0 in range(0, max_blocks, BLOCK_CHUNK):
-        b = b0 + tl.arange(0, BLOCK_CHUNK)
-        tl.store(block_order_ptr + b, -1, mask=(b >= num_used) & (b < max_blocks))
-
-
-@triton.jit
-def _chunk_ids(ids_ptr, start, num_pairs, num_experts, CHUNK: tl.constexpr):
-    offs = start + tl.arange(0, CHUNK)
-    in_range = offs < num_pairs
-    ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
-    valid = in_range & (ids >= 0) & (ids < num_experts)
-    return offs, ids, valid
-
-
-@triton.jit
-def _rank_in_chunk(ids, valid, CHUNK: tl.constexpr):
-    """For each pair: how many earlier valid pairs of the chunk have the same expert."""
-    i = tl.arange(0, CHUNK)
-    same = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None]) & valid[None, :]
-    return tl.sum(same.to(tl.int32), axis=1)
-
-
-@triton.jit
-def _align_small_kernel(
-    ids_ptr,
-    l2p_ptr,
-    ends_ptr,  # [E_POW2] int32 scratch: each expert's padded end slot (cumulative), for _block_tables
-    sorted_ptr,
-    block_experts_ptr,
-    block_codes_ptr,
-    block_order_ptr,
-    num_post_ptr,
-    num_pairs,
-    num_experts,
-    num_rows,
-    max_blocks,
-    BLOCK_M: tl.constexpr,
-    E_POW2: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_CHUNK: tl.constexpr,
-    S_CHUNK: tl.constexpr,
-):
-    """Counts and each expert's next free slot live in registers ([CHUNK, E_POW2] one-hot sums per chunk of
-    pairs): no global atomics and no explicit barrier per chunk. (The first form kept them in global memory, an atomic
-    add and two barriers per chunk: Qwen3-like 128 / 512 / 1024 pairs took 11.7 / 28.1 / 46.8 µs on an H100,
-    2026-12-06, against 19.0 for 4096 pairs on the three-launch path.) `CHUNK` shrinks as E grows
-    (`small_chunk`) so that the [CHUNK, CHUNK] and [CHUNK, E_POW2] compares fit the registers."""
-    e_offs = tl.arange(0, E_POW2)
-    for s0 in range(0, max_blocks * BLOCK_M, S_CHUNK):
-        s = s0 + tl.arange(0, S_CHUNK)
-        tl.store(sorted_ptr + s, num_pairs, mask=s < max_blocks * BLOCK_M)
-    counts = tl.zeros((E_POW2,), dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        _offs, ids, valid = _chunk_ids(ids_ptr, start, num_pairs, num_experts, CHUNK)
-        counts += tl.sum(((ids[:, None] == e_offs[None, :]) & valid[:, None]).to(tl.int32), axis=0)
-    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    total = tl.sum(padded, axis=0)
-    tl.store(ends_ptr + e_offs, ends)
-    tl.store(num_post_ptr, total)
-    cursor = ends - padded  # each expert's next free slot
-    tl.debug_barrier()  # the padding fill above before the scatter below; `ends` before _block_tables reads it
-    for start in range(0, num_pairs, CHUNK):
-        offs, ids, valid = _chunk_ids(ids_ptr, start, num_pairs, num_experts, CHUNK)
-        # [CHUNK, E_POW2] (`valid` for clarity: an invalid pair's slot is never stored, nor its column read)
-        onehot = (ids[:, None] == e_offs[None, :]) & valid[:, None]
-        base = tl.sum(tl.where(onehot, cursor[None, :], 0), axis=1)
-        rank = _rank_in_chunk(ids, valid, CHUNK)
-        tl.store(sorted_ptr + base + rank, offs, mask=valid)
-        cursor += tl.sum(onehot.to(tl.int32), axis=0)
-    _block_tables(
-        ends_ptr,
-        l2p_ptr,
-        block_experts_ptr,
-        block_codes_ptr,
-        block_order_ptr,
-        num_experts,
-        num_rows,
-        max_blocks,
-        total,
-        BLOCK_M,
-        E_POW2,
-        BLOCK_CHUNK,
-    )
 
 
 @triton.jit
@@ -254,11 +116,21 @@ def _align_tiny_kernel(
 
 
 # ------------------------------------------------------------------------------------------------------------
-def small_chunk(e_pow2: int) -> int:
-    """Pairs per step of `_align_small_kernel` (8 warps): compiled for sm_90 with Triton 3.6 (2026-12-06), 128
-    pairs per step spilled at 4 warps (255 registers and 104-152 bytes of stack at E 128 and 256) and at 8
-    warps for E 256; 64 pairs at 8 warps use 128 / 174 registers at E 128 / 256, no stack."""
-    return max(16, min(64, 16384 // e_pow2))
+PATHS = ("tiny", "sort", "wide")
+TINY_FORCED_MAX_PAIRS = 256  # the [P, P] compares of the tiny path, forced (bench, tests), up to here
+
+
+def default_path(num_pairs: int) -> str:
+    """The align path a step of `num_pairs` routed pairs takes."""
+    return "sort" if num_pairs <= SORT_MAX_PAIRS else "wide"
+
+
+def _check_path(path: str | None, num_pairs: int) -> None:
+    if path is None:
+        return
+    limit = {"tiny": TINY_FORCED_MAX_PAIRS, "sort": SORT_MAX_PAIRS}.get(path)
+    if path not in PATHS or (limit is not None and num_pairs > limit):
+        raise ValueError(f"align path {path!r} for {num_pairs} pairs: expected one of {PATHS} ({limit=})")
 
 
 def _check_align_inputs(topk_ids: torch.Tensor, l2p: torch.Tensor, num_experts: int, block_m: int) -> None:
@@ -287,6 +159,7 @@ def align_blocks(
     num_rows: int,
     block_m: int,
     before_plan: bool = False,
+    path: str | None = None,
 ) -> AlignOutput:
     """Align routed pairs into M-blocks per expert and locate each block (see the module docstring).
     `before_plan`: launched before the step's plan changes `l2p` (the output says so: `AlignOutput.before_plan`).
@@ -296,12 +169,14 @@ def align_blocks(
       l2p: `[E_max]` int32 location codes of this layer (E_max >= num_experts).
       num_experts: E of this layer. num_rows: R (codes >= R are host rows).
       block_m: rows per M-block (power of two >= 16).
+      path: one of `PATHS` (`default_path(T * K)` if None): every path gives the same outputs; benches and
+        tests force one ("tiny" up to `TINY_FORCED_MAX_PAIRS` pairs, "sort" up to `SORT_MAX_PAIRS`).
     """
     _check_align_inputs(topk_ids, l2p, num_experts, block_m)
+    _check_path(path, topk_ids.numel())
     device = topk_ids.device
     num_pairs = topk_ids.numel()
     max_blocks = max_blocks_for(num_pairs, num_experts, block_m)
-    e_pow2 = max(16, triton.next_power_of_2(num_experts))
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
     block_experts = torch.empty(max_blocks, dtype=torch.int32, device=device)
     block_codes = torch.empty(max_blocks, dtype=torch.int32, device=device)
@@ -310,19 +185,18 @@ def align_blocks(
     ids = topk_ids.reshape(-1)
     out = AlignOutput(sorted_pairs, block_experts, block_codes, block_order, num_post, block_m, before_plan)
     common = (num_experts, num_rows, max_blocks)
-    if num_pairs <= TINY_MAX_PAIRS:
+    path = path or default_path(num_pairs)
+    if path == "tiny":
+        p_pow2 = max(16, triton.next_power_of_2(num_pairs))
         _align_tiny_kernel[(1,)](
             ids, l2p, sorted_pairs, block_experts, block_codes, block_order, num_post,
             num_pairs, *common,
-            BLOCK_M=block_m, P_POW2=max(16, triton.next_power_of_2(num_pairs)), S_CHUNK=1024, num_warps=4,
+            BLOCK_M=block_m, P_POW2=p_pow2, S_CHUNK=1024, num_warps=4 if p_pow2 <= 64 else 8,
         )  # fmt: skip
-    elif num_pairs <= SMALL_MAX_PAIRS:
-        ends = torch.empty(e_pow2, dtype=torch.int32, device=device)
-        _align_small_kernel[(1,)](
-            ids, l2p, ends, sorted_pairs, block_experts, block_codes, block_order, num_post,
-            num_pairs, *common,
-            BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=small_chunk(e_pow2), BLOCK_CHUNK=BLOCK_CHUNK, S_CHUNK=1024,
-            num_warps=8,
+    elif path == "sort":
+        _align_sort_kernel[(1,)](
+            ids, l2p, sorted_pairs, block_experts, block_codes, block_order, num_post,
+            num_pairs, *common, BLOCK_M=block_m, **sort_launch_args(num_pairs, num_experts, max_blocks),
         )  # fmt: skip
     else:
         from .align_wide import align_wide  # imported here: it uses this module's jit helpers

@@ -1,4 +1,4 @@
-"""Align's wide path (more than `align.SMALL_MAX_PAIRS` routed pairs): three launches, count per chunk, scan,
+"""Align's wide path (more than `align_sort.SORT_MAX_PAIRS` routed pairs): three launches, count per chunk, scan,
 scatter; the same outputs as `align.align_blocks`' one-program paths (see `align.py` for their layout)."""
 
 from __future__ import annotations
@@ -7,7 +7,79 @@ import torch
 import triton
 import triton.language as tl
 
-from .align import BLOCK_CHUNK, CHUNK, AlignOutput, _block_tables, _chunk_ids, _rank_in_chunk
+from .align import AlignOutput
+
+CHUNK = 128  # pairs per rank computation ([CHUNK, CHUNK] compare)
+BLOCK_CHUNK = 64  # blocks per step of the block-table pass
+
+
+@triton.jit
+def _block_tables(
+    ends_ptr,  # [E_POW2] int32: padded end slot of each expert (cumulative)
+    l2p_ptr,
+    block_experts_ptr,
+    block_codes_ptr,
+    block_order_ptr,
+    num_experts,
+    num_rows,
+    max_blocks,
+    total,  # used slots
+    BLOCK_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BLOCK_CHUNK: tl.constexpr,
+):
+    e_offs = tl.arange(0, E_POW2)
+    ends = tl.load(ends_ptr + e_offs)
+    num_host = 0
+    for b0 in range(0, max_blocks, BLOCK_CHUNK):
+        b = b0 + tl.arange(0, BLOCK_CHUNK)
+        pos = b * BLOCK_M
+        used = (pos < total) & (b < max_blocks)
+        before = (ends[None, :] <= pos[:, None]) & (e_offs[None, :] < num_experts)
+        expert = tl.sum(before.to(tl.int32), axis=1)
+        expert = tl.where(used, expert, -1)
+        code = tl.load(l2p_ptr + expert, mask=used, other=-1)
+        tl.store(block_experts_ptr + b, expert, mask=b < max_blocks)
+        tl.store(block_codes_ptr + b, code, mask=b < max_blocks)
+        num_host += tl.sum((used & (code >= num_rows)).to(tl.int32), axis=0)
+    tl.debug_barrier()  # the codes written above are read back by other threads below
+    # host-row blocks first, then the rest; each group keeps block order
+    host_seen = 0
+    other_seen = 0
+    for b0 in range(0, max_blocks, BLOCK_CHUNK):
+        b = b0 + tl.arange(0, BLOCK_CHUNK)
+        used = (b * BLOCK_M < total) & (b < max_blocks)
+        code = tl.load(block_codes_ptr + b, mask=used, other=-1)
+        is_host = used & (code >= num_rows)
+        is_other = used & (code < num_rows)
+        host_pos = host_seen + tl.cumsum(is_host.to(tl.int32), axis=0) - 1
+        other_pos = num_host + other_seen + tl.cumsum(is_other.to(tl.int32), axis=0) - 1
+        tl.store(block_order_ptr + host_pos, b, mask=is_host)
+        tl.store(block_order_ptr + other_pos, b, mask=is_other)
+        host_seen += tl.sum(is_host.to(tl.int32), axis=0)
+        other_seen += tl.sum(is_other.to(tl.int32), axis=0)
+    # blocks past the used ones: -1
+    num_used = host_seen + other_seen
+    for b0 in range(0, max_blocks, BLOCK_CHUNK):
+        b = b0 + tl.arange(0, BLOCK_CHUNK)
+        tl.store(block_order_ptr + b, -1, mask=(b >= num_used) & (b < max_blocks))
+
+
+@triton.jit
+def _chunk_ids(ids_ptr, start, num_pairs, num_experts, CHUNK: tl.constexpr):
+    offs = start + tl.arange(0, CHUNK)
+    in_range = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+    valid = in_range & (ids >= 0) & (ids < num_experts)
+    return offs, ids, valid
+
+
+@triton.jit
+def _rank_in_chunk(ids, valid, CHUNK: tl.constexpr):
+    """For each pair: how many earlier valid pairs of the chunk have the same expert."""
+    i = tl.arange(0, CHUNK)
+    same = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None]) & valid[None, :]
+    return tl.sum(same.to(tl.int32), axis=1)
 
 
 @triton.jit

@@ -10,7 +10,13 @@ from tests.interpreter import interpreter_imports
 with interpreter_imports():
     import triton
     import triton.language as tl
-    from pooled_runner.kernels.align import SMALL_MAX_PAIRS, align_blocks, align_blocks_ref
+    from pooled_runner.kernels.align import (
+        PATHS,
+        TINY_FORCED_MAX_PAIRS,
+        align_blocks,
+        align_blocks_ref,
+    )
+    from pooled_runner.kernels.align_sort import SORT_MAX_PAIRS
     from pooled_runner.kernels.combine import combine, combine_ref
     from pooled_runner.kernels.dequant import e2m1_to_f32, e4m3_to_f32
     from pooled_runner.kernels.fused_moe import (
@@ -51,23 +57,26 @@ ALIGN_FIELDS = ("sorted_pairs", "block_experts", "block_codes", "block_order", "
      (17, 8, 128, 32), (128, 8, 256, 16), (300, 1, 600, 16)],
 )  # fmt: skip
 def test_align_matches_reference(T, K, E, block_m):
-    """Every path against the reference; ids of -1 and >= E (not placed), E its own power of two or not, and
-    E = 600 (the one-program path's steps of 16 pairs)."""
+    """The default path and every path forced where it reaches, against the reference; ids of -1 and >= E (not
+    placed), E its own power of two or not, and E = 600."""
     g = torch.Generator().manual_seed(T * 131 + E)
     R = max(1, E // 2)
     ids = torch.randint(-1, E + 2, (T, K), generator=g)
     l2p = torch.randint(-1, R + E, (E + 3,), generator=g).int()
     l2p[E:] = -1
-    for dtype in (torch.int64, torch.int32):
-        got, ref = align_blocks(ids.to(dtype), l2p, E, R, block_m), align_blocks_ref(ids, l2p, E, R, block_m)
+    limits = {"tiny": TINY_FORCED_MAX_PAIRS, "sort": SORT_MAX_PAIRS}
+    paths = [None, *(p for p in PATHS if T * K <= limits.get(p, T * K))]
+    ref = align_blocks_ref(ids, l2p, E, R, block_m)
+    for dtype, path in [(d, p) for d in (torch.int64, torch.int32) for p in paths]:
+        got = align_blocks(ids.to(dtype), l2p, E, R, block_m, path=path)
         for f in ALIGN_FIELDS:
             assert torch.equal(getattr(got, f), getattr(ref, f)), (
-                f"{f}: {getattr(got, f)} != {getattr(ref, f)}"
+                f"path {path}, {dtype}, {f}: {getattr(got, f)} != {getattr(ref, f)}"
             )
 
 
 def test_align_wide_path_used_and_exact():
-    T, K, E = SMALL_MAX_PAIRS // 4 + 3, 4, 7  # > SMALL_MAX_PAIRS pairs: the three-launch path
+    T, K, E = SORT_MAX_PAIRS // 4 + 3, 4, 7  # > SORT_MAX_PAIRS pairs: the three-launch path
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(-1, E, (T, K), generator=g)
     l2p = torch.tensor([0, 9, 1, 10, -1, 2, 13, -1], dtype=torch.int32)
@@ -81,25 +90,20 @@ def test_align_wide_path_used_and_exact():
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_align_tiny_path_exact(block_m, monkeypatch):
-    """The register-only decode path (N <= TINY_MAX_PAIRS) equals the reference and the phased one-program
-    path at every N up to the limit: repeated experts, padding ids, ids >= E, host, pool and absent codes."""
-    from pooled_runner.kernels import align
-
+def test_align_one_program_paths_every_width(block_m):
+    """The sort and tiny paths equal the reference at every N from 0 to 17 and around powers of two (the sort's
+    key and block widths): repeated experts, padding ids, ids >= E, host, pool and absent codes."""
     g = torch.Generator().manual_seed(block_m)
-    for n in [*range(0, 18), 31, 32, 33, 47, 63, align.TINY_MAX_PAIRS]:
+    for n in [*range(0, 18), 31, 32, 33, 47, 63, 64, 65, 127, 129]:
         E = int(torch.randint(1, 40, (1,), generator=g))
         R = int(torch.randint(1, E + 1, (1,), generator=g))
         ids = torch.randint(-1, E + 2, (n, 1), generator=g)
         l2p = torch.randint(-1, R + E, (E + 2,), generator=g).int()
         ref = align_blocks_ref(ids, l2p, E, R, block_m)
-        got = align_blocks(ids, l2p, E, R, block_m)
-        monkeypatch.setattr(align, "TINY_MAX_PAIRS", -1)
-        phased = align_blocks(ids, l2p, E, R, block_m)
-        monkeypatch.undo()
-        for f in ALIGN_FIELDS:
-            assert torch.equal(getattr(got, f), getattr(ref, f)), f"n={n} E={E} {f}"
-            assert torch.equal(getattr(phased, f), getattr(ref, f)), f"phased n={n} E={E} {f}"
+        for path in ("sort", "tiny"):
+            got = align_blocks(ids, l2p, E, R, block_m, path=path)
+            for f in ALIGN_FIELDS:
+                assert torch.equal(getattr(got, f), getattr(ref, f)), f"{path} n={n} E={E} {f}"
 
 
 def test_align_bad_input():
@@ -110,6 +114,10 @@ def test_align_bad_input():
         align_blocks(torch.zeros(2, 2, dtype=torch.int64), l2p.long(), 4, 2, 16)
     with pytest.raises(ValueError, match="contiguous"):
         align_blocks(torch.zeros(4, 4, dtype=torch.int64)[:, ::2], l2p, 4, 2, 16)
+    with pytest.raises(ValueError, match="align path 'steps'"):
+        align_blocks(torch.zeros(2, 2, dtype=torch.int64), l2p, 4, 2, 16, path="steps")
+    with pytest.raises(ValueError, match="align path 'tiny' for 260 pairs"):
+        align_blocks(torch.zeros(130, 2, dtype=torch.int64), l2p, 4, 2, 16, path="tiny")
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 300])

@@ -237,18 +237,24 @@ def test_int4_half_math_equals_fp32_tiles(name, M, monkeypatch):
     assert torch.equal(fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="align"), base)
 
 
-@pytest.mark.parametrize(("T", "K", "E", "block_m"), [(9, 8, 128, 16), (64, 8, 128, 32), (128, 8, 256, 32), (130, 7, 600, 16), (1024, 1, 61, 64)])  # fmt: skip
-def test_align_one_program_path_exact(T, K, E, block_m):
-    """The one-program align (65-1024 pairs) on the card, exact against the reference: the interpreter runs no
-    barrier, so only a GPU shows whether its padding fill lands before the scatter (ids of -1 and >= E, codes
+@pytest.mark.parametrize("path", [None, "tiny", "sort", "wide"])
+@pytest.mark.parametrize(("T", "K", "E", "block_m"), [(7, 3, 5, 16), (9, 8, 128, 16), (30, 8, 128, 16), (64, 8, 128, 32), (128, 8, 256, 32), (130, 7, 600, 16), (1024, 1, 61, 64), (1030, 8, 128, 64)])  # fmt: skip
+def test_align_paths_exact(T, K, E, block_m, path):
+    """Each align path where it reaches, on the card, exact against the reference: the interpreter runs no
+    barrier, so only a GPU shows whether a padding fill lands before the scatter (ids of -1 and >= E, codes
     of pool rows, host rows and absent experts, fresh random routing)."""
-    from pooled_runner.kernels.align import align_blocks, align_blocks_ref
+    from pooled_runner.kernels.align import TINY_FORCED_MAX_PAIRS, align_blocks, align_blocks_ref
+    from pooled_runner.kernels.align_sort import SORT_MAX_PAIRS
+
+    limit = {"tiny": TINY_FORCED_MAX_PAIRS, "sort": SORT_MAX_PAIRS}.get(path or "", T * K)
+    if T * K > limit:
+        pytest.skip(f"the {path} path takes at most {limit} pairs, not {T * K}")
 
     g = torch.Generator().manual_seed(T * 7 + E)
     R = E // 2
     ids = torch.randint(-1, E + 2, (T, K), generator=g)
     l2p = torch.randint(-1, R + E, (E + 2,), generator=g).int()
-    got = align_blocks(ids.cuda().int(), l2p.cuda(), E, R, block_m)
+    got = align_blocks(ids.cuda().int(), l2p.cuda(), E, R, block_m, path=path)
     want = align_blocks_ref(ids, l2p, E, R, block_m)
     for field in ("sorted_pairs", "block_experts", "block_codes", "block_order", "num_post_padded"):
         have, ref = getattr(got, field).cpu(), getattr(want, field)

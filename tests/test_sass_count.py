@@ -110,30 +110,32 @@ ALIGN_COMPILE = """
 import sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pooled_runner.kernels import align
+from pooled_runner.kernels import align, align_sort
 sys.path.insert(0, {scripts!r})
 from sass_count import resources
-fn = align._align_small_kernel
-for e_pow2 in (128, 256):
-    consts = dict(BLOCK_M=16, E_POW2=e_pow2, CHUNK=align.small_chunk(e_pow2), BLOCK_CHUNK=align.BLOCK_CHUNK,
-                  S_CHUNK=1024)
+fn = align_sort._align_sort_kernel
+for pairs, experts, block_m in ((1024, 256, 32), (8192, 256, 128), (1024, 600, 16)):
+    args = align_sort.sort_launch_args(pairs, experts, align.max_blocks_for(pairs, experts, block_m))
+    warps = args.pop("num_warps")
+    consts = dict(BLOCK_M=block_m, **args)
     sig = {{n: "constexpr" if n in consts else ("*i32" if n.endswith("_ptr") else "i32") for n in fn.arg_names}}
     c = triton.compile(ASTSource(fn, sig, consts, {{}}), target=GPUTarget("cuda", 90, 32),
-                       options={{"num_warps": 8}})
-    print(e_pow2, *resources(c))
+                       options={{"num_warps": warps}})
+    print(pairs, experts, *resources(c))
 """
 
 
 @pytest.mark.slow
-def test_align_small_kernel_fits_the_registers():
-    """The one-program align (65-1024 pairs) keeps per-expert counts in registers: compiled for sm_90 as the
-    launcher runs it (8 warps, `small_chunk`) at 128 and 256 experts, it spills nothing (at 128 pairs per step
-    and 4 warps it spilled 104-152 bytes)."""
+def test_align_sort_kernel_fits_the_registers():
+    """The sort align keeps every phase in registers: compiled for sm_90 as the launcher runs it
+    (`sort_launch_args`) at 1024 and 8192 pairs and at 256 and 600 experts, it spills nothing."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ALIGN_COMPILE.format(scripts=str(SCRIPT.parent))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line.split() for line in run.stdout.strip().splitlines()]
-    assert [r[0] for r in rows] == ["128", "256"], run.stdout
-    for e_pow2, regs, stack in rows:
-        assert int(stack) == 0, f"E_POW2 {e_pow2}: {regs} registers and {stack} stack bytes (spills)"
+    assert [r[:2] for r in rows] == [["1024", "256"], ["8192", "256"], ["1024", "600"]], run.stdout
+    for pairs, experts, regs, stack in rows:
+        assert int(stack) == 0, (
+            f"{pairs} pairs, {experts} experts: {regs} registers, {stack} stack bytes (spills)"
+        )
