@@ -207,6 +207,31 @@ def _nvfp4_tile(w_base, s_base, g_base, offs_n, mask_n, k0, K, w_sn, s_sn,
 
 
 @triton.jit
+def _fp8_block_scales(s_base, offs_n, mask_n, k0, K, s_sn, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                      K_MAJOR: tl.constexpr):  # fmt: skip
+    """fp8 block scales over a weight tile: `[BLOCK_N, BLOCK_K]` fp32 (`[BLOCK_K, BLOCK_N]` K_MAJOR), or one
+    column (row) that broadcasts to it where a group spans the tile's K. Loads only the tile's `[BLOCK_N,
+    BLOCK_K // GROUP]` scales and widens them in registers: the software pipeliner keeps what the K loop loads in
+    shared memory, and a scale per weight (as loaded before) cost 4 bytes there per fp8 weight byte: the
+    DeepSeek-like swapped decode gemm1 tile then needed 264,192 bytes on sm_90 (limit 232,448; Triton 3.6). The
+    same values as one load per weight, so the same bits."""
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    KB: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1  # scale columns of the tile
+    kb = k0 // GROUP + tl.arange(0, KB)
+    in_k = kb * GROUP < K
+    rows = (offs_n // GROUP) * s_sn
+    if K_MAJOR:
+        s = tl.load(s_base + rows[None, :] + kb[:, None], mask=mask_n[None, :] & in_k[:, None], other=0.0)
+        if KB > 1:
+            s = tl.reshape(tl.broadcast_to(s[:, None, :], (KB, GROUP, BLOCK_N)), (BLOCK_K, BLOCK_N))
+    else:
+        s = tl.load(s_base + rows[:, None] + kb[None, :], mask=mask_n[:, None] & in_k[None, :], other=0.0)
+        if KB > 1:
+            s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, KB, GROUP)), (BLOCK_N, BLOCK_K))
+    return s
+
+
+@triton.jit
 def load_w_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, mask_n, mask_k, k0, K, w_sn, s_sn, z_sn,
                 FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
                 COMPUTE: tl.constexpr, BLOCK_K: tl.constexpr, HALF_INT4: tl.constexpr = False):  # fmt: skip
@@ -230,7 +255,7 @@ def load_w_tile(w_base, s_base, z_base, g_base, offs_n, offs_k, mask_n, mask_k, 
         w = (q * s).to(COMPUTE)
     elif FMT == 3:
         q = tl.where(mask, e4m3_to_f32(tl.load(w_base + n * w_sn + k, mask=mask), NATIVE_FP8), 0.0)
-        s = tl.load(s_base + (n // GROUP) * s_sn + k // GROUP, mask=mask, other=0.0)
+        s = _fp8_block_scales(s_base, offs_n, mask_n, k0, K, s_sn, GROUP, BLOCK_K, False)
         w = (q * s).to(COMPUTE)
     else:
         w = _nvfp4_tile(w_base, s_base, g_base, offs_n, mask_n, k0, K, w_sn, s_sn, BLOCK_K, NATIVE_FP8).to(
@@ -280,7 +305,7 @@ def load_b_tile(
         w = (q * s).to(COMPUTE)
     else:
         q = tl.where(mask, e4m3_to_f32(tl.load(w_base + n * w_sn + k, mask=mask), NATIVE_FP8), 0.0)
-        s = tl.load(s_base + (n // GROUP) * s_sn + k // GROUP, mask=mask, other=0.0)
+        s = _fp8_block_scales(s_base, offs_n, mask_n, k0, K, s_sn, GROUP, BLOCK_K, True)
         w = (q * s).to(COMPUTE)
     return w
 

@@ -210,10 +210,14 @@ def test_gemm_stages_match_reference(name, H, I, dtype):
 
 
 @pytest.mark.parametrize(
-    ("name", "H", "I"), [("int4-g32", 128, 64), ("int4-g64-zp", 128, 64), ("nvfp4", 80, 64)]
-)
+    ("name", "H", "I"),
+    [("int4-g32", 128, 64), ("int4-g64-zp", 128, 64), ("nvfp4", 80, 64), ("fp8-b16", 80, 64),
+     ("fp8-b128", 80, 48), ("fp8-b32", 144, 96)],
+)  # fmt: skip
 def test_packed_tiles_spanning_groups(name, H, I):
-    """K tiles of 64 values: several int4 groups / NVFP4 scales per tile, and a partial last tile (H=80)."""
+    """K tiles of 64 values: several int4 groups / NVFP4 scales / fp8 blocks per tile (fp8-b128: one block
+    spanning several tiles), a partial last tile (H=80, 144), both operand orders (the fp8 block scales of a
+    tile are loaded once per block and widened, K-major or N-major)."""
     g = torch.Generator().manual_seed(H + I)
     E, R, T, K = 5, 2, 6, 2
     fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, R, g)
@@ -221,10 +225,12 @@ def test_packed_tiles_spanning_groups(name, H, I):
     w13, w2 = make_projections(fmt, pool, bank, H, I)
     x = torch.randn(T, H, generator=g).bfloat16()
     ids, w = random_routing(T, K, E, g)
-    cfg = GemmConfig(16, 16, 64, num_stages=1)
-    for decode in (False, True):
-        out = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, (cfg, cfg), decode=decode)
-        assert_close(out, pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt), f"{name} decode={decode}")
+    ref = pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt)
+    for swap in (False, True):
+        cfg = GemmConfig(16, 16, 64, num_stages=1, swap_ab=swap)
+        for decode in (False, True) if not swap else (False,):  # the decode path takes no swapped tiles
+            out = pooled_fused_moe(x, ids, w, l2p, E, w13, w2, fmt, (cfg, cfg), decode=decode)
+            assert_close(out, ref, f"{name} decode={decode} swap={swap}")
 
 
 @pytest.mark.parametrize(("name", "H", "I", "dtype"), FORMATS)
