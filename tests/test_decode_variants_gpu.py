@@ -5,6 +5,8 @@ rows, and captured GEMV steps replayed with new routing. Shapes and references i
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -132,3 +134,40 @@ def test_gemv_graph_replay_equals_eager(name, mode):
         assert torch.equal(out, run(base) if variant == "gemv" else run()), f"step {step}: replay != eager"
     assert gemv.spin_timeouts(x.device) == 0
     assert int(gemv._COUNTERS[x.device].abs().sum()) == 0
+
+
+WIDE_SHAPES = {"deepseek": SHAPES["deepseek"], "mixtral": (4096, 14336, 8, 2)}
+WIDE_CASES = [(n, "deepseek") for n in ("fp8-b128", "fp8-b16", "fp8", "int4-g128", "nvfp4")] + [
+    ("fp8-b128", "mixtral")
+]
+
+
+@functools.lru_cache(maxsize=1)  # one layer at a time: the cases of a layer are consecutive
+def _wide_layer(name: str, shape: str):
+    from tests.kernel_helpers import build_layer
+
+    fused_moe, operands = kernel_modules()
+    H, I, _, _ = WIDE_SHAPES[shape]
+    fmt_obj, pool, bank, l2p = build_layer(
+        name, H, I, 6, 4, torch.Generator().manual_seed(len(name)), device="cuda"
+    )
+    bank = {k: v.pin_memory() for k, v in bank.items()}
+    fmt = operands.kernel_format(fmt_obj)
+    return fmt, l2p, *fused_moe.make_projections(fmt, pool, bank, H, I)
+
+
+@pytest.mark.parametrize(("name", "shape", "M"), [(n, s, M) for n, s in WIDE_CASES for M in (1, 8, 64, 512)])
+def test_default_tiles_at_wide_shapes(name, shape, M):
+    """Each quantized format's default kernels at the DeepSeek-like expert size (and fp8 blocks at the
+    Mixtral-like one), 6 experts (their tiles are the real layer's), 4 in pool rows, M from decode to prefill,
+    against the reference over pool and pinned host rows. The fp8 block formats' swapped decode tiles at these
+    sizes once needed more shared memory than sm_90 gives (Triton raises at launch); no other GPU test ran them."""
+    fused_moe, _ = kernel_modules()
+    H, _, _, K = WIDE_SHAPES[shape]
+    fmt, l2p, p13, p2 = _wide_layer(name, shape)
+    g = torch.Generator(device="cuda").manual_seed(M)
+    x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+    ids, w = routing(M, min(K, 4), 6, g)
+    poison_allocator()
+    out = fused_moe.pooled_fused_moe(x, ids, w, l2p, 6, p13, p2, fmt)
+    assert_close(out, pooled_reference(x, ids, w, l2p, 6, p13, p2, fmt), f"{name} {shape} M={M}")
