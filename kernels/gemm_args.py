@@ -3,6 +3,7 @@ interpreter, the compute dtypes, the projections' pointer and stride arguments, 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -22,6 +23,24 @@ def interpreting() -> bool:
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
+NATIVE_FP8_CAPABILITY = (8, 9)  # Triton's fp8e4nv (hardware e4m3 converts): Ada, Hopper and newer
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Whether the kernels on `device` convert e4m3 (fp8 weights, NVFP4 scales) in hardware: CUDA cards of
+    compute capability 8.9 and newer. Elsewhere (sm_80 / sm_86, where Triton refuses the type with "type fp8e4nv
+    not supported in this architecture", and the interpreter) the kernels read the bytes and decode the bits
+    (`dequant.e4m3_to_f32`): the same values."""
+    if _INTERPRETING or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= NATIVE_FP8_CAPABILITY
+
 
 def _as_kernel_tensor(t: torch.Tensor, native_fp8: bool) -> torch.Tensor:
     if t.dtype == torch.float8_e4m3fn and not native_fp8:
@@ -30,8 +49,8 @@ def _as_kernel_tensor(t: torch.Tensor, native_fp8: bool) -> torch.Tensor:
 
 
 def _launch_args(proj: Projection, fmt: KernelFormat) -> tuple[list[torch.Tensor], list[int], bool]:
-    native_fp8 = not interpreting()
-    ptrs = [_as_kernel_tensor(t, native_fp8) for t in proj.pointers()]
+    native = native_fp8(proj.weight.device)
+    ptrs = [_as_kernel_tensor(t, native) for t in proj.pointers()]
     strides = proj.row_strides()
     if fmt.fmt == FMT_NVFP4:
         # the packed bytes read as int32 words (8 values each; K % 16 == 0, rows 4-byte aligned): one load per
@@ -39,7 +58,7 @@ def _launch_args(proj: Projection, fmt: KernelFormat) -> tuple[list[torch.Tensor
         ptrs[0], ptrs[4] = ptrs[0].view(torch.int32), ptrs[4].view(torch.int32)
         strides[0] //= 4
         strides[4] //= 4
-    return ptrs, strides, native_fp8
+    return ptrs, strides, native
 
 
 def _check_act_inputs(x: torch.Tensor, dtype: torch.dtype, name: str, k: int) -> None:

@@ -60,7 +60,14 @@ import triton.language as tl
 from . import pdl
 from .combine import combine
 from .dequant import FMT_FP8_BLOCK, FMT_FP8_CHANNEL, FMT_INT4, FMT_NVFP4
-from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _check_proj_shape, interpreting
+from .gemm_args import (
+    _TL_DTYPES,
+    _check_act_inputs,
+    _check_dense_dtype,
+    _check_proj_shape,
+    interpreting,
+    native_fp8,
+)
 from .gemv_config import _VALUES_PER_WORD as _VALUES_PER_WORD  # re-exported: gemv_one
 from .gemv_config import GemvConfig, gemv_configs, reg_limit
 from .gemv_config import _int4_block_k as _int4_block_k  # re-exported: the tests call it
@@ -173,7 +180,7 @@ def _k_unit(fmt_code: int) -> int:
 
 def _word_args(proj: Projection, fmt: KernelFormat) -> tuple[list[torch.Tensor], list[int], bool, int, int]:
     """Kernel pointers with the weight (pool and host view) as int32 words, row/N strides in words, bit masks."""
-    native = not interpreting()
+    native = native_fp8(proj.weight.device)
     ptrs = list(proj.pointers())
     strides = proj.row_strides()
     vpe = fmt.values_per_element()  # weight values per stored element

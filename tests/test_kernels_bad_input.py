@@ -169,3 +169,23 @@ def test_int4_groups_of_zeros_or_too_small_for_the_scale_dtype_dequantize_to_zer
     assert err.max() <= w.abs().max() / 7 + 1e-6, (
         f"max error {err.max():.3g} at {divmod(int(err.argmax()), 96)}"
     )
+
+
+def test_native_fp8_by_compute_capability(monkeypatch):
+    """e4m3 converts in hardware from sm_89 on; sm_80 / sm_86 (where Triton refuses fp8e4nv at compile) and the
+    CPU decode the bits instead: the launchers' flag and the operand views follow the card."""
+    from pooled_runner.kernels import gemm_args
+
+    monkeypatch.setattr(gemm_args, "_INTERPRETING", False)
+    for capability, want in [
+        ((8, 0), False),
+        ((8, 6), False),
+        ((8, 9), True),
+        ((9, 0), True),
+        ((12, 0), True),
+    ]:
+        monkeypatch.setattr(gemm_args, "_capability", lambda index, c=capability: c)
+        assert gemm_args.native_fp8(torch.device("cuda", 0)) is want, capability
+        w = torch.zeros(4, dtype=torch.float8_e4m3fn)
+        assert gemm_args._as_kernel_tensor(w, want).dtype == (torch.float8_e4m3fn if want else torch.uint8)
+    assert gemm_args.native_fp8(torch.device("cpu")) is False
