@@ -25,6 +25,7 @@ from .gemm_args import (
     _check_proj_shape,
     _launch_args,
     interpreting,
+    launch_fitting,
 )
 from .gemm_parts import GemmConfig, _mma
 from .operands import KernelFormat, Projection
@@ -210,7 +211,7 @@ def decode_moe(
     if T == 0:
         return out
     ptrs, deltas, strides, native = _delta_args(w13, fmt)
-    _gemm1_pairs_kernel[(num_pairs * triton.cdiv(I, cfg1.block_n),)](
+    launch_fitting(_gemm1_pairs_kernel, (num_pairs * triton.cdiv(I, cfg1.block_n),),
         hidden, act, ids, l2p, *ptrs, *deltas, *strides,
         num_pairs, num_experts, w13.num_rows, I, H, hidden.stride(0), act.stride(0),
         TOP_K=K, P_POW2=max(16, triton.next_power_of_2(num_pairs)), BLOCK_M=16, BLOCK_N=cfg1.block_n,
@@ -219,7 +220,7 @@ def decode_moe(
         num_warps=cfg1.num_warps, num_stages=cfg1.num_stages,
     )  # fmt: skip
     ptrs, deltas, strides, native = _delta_args(w2, fmt)
-    _gemm2_combine_kernel[(T * triton.cdiv(H, cfg2.block_n),)](
+    launch_fitting(_gemm2_combine_kernel, (T * triton.cdiv(H, cfg2.block_n),),
         act, out, ids, l2p, tw, *ptrs, *deltas, *strides,
         num_experts, w2.num_rows, H, I, act.stride(0), out.stride(0),
         TOP_K=K, BLOCK_M=16, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k,

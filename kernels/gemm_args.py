@@ -4,10 +4,13 @@ interpreter, the compute dtypes, the projections' pointer and stride arguments, 
 from __future__ import annotations
 
 import functools
+import logging
 import os
+from typing import Any
 
 import torch
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .dequant import FMT_NVFP4
 from .operands import KernelFormat, Projection
@@ -40,6 +43,38 @@ def native_fp8(device: torch.device) -> bool:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index) >= NATIVE_FP8_CAPABILITY
+
+
+# (kernel, device, stages asked, launch options) -> the stages that fit; empty until a card refuses a tile
+_FITTED_STAGES: dict[tuple[object, ...], int] = {}
+_log = logging.getLogger(__name__)
+
+
+def _fit_key(kernel: Any, num_stages: int, options: dict[str, Any]) -> tuple[object, ...]:
+    device = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    return (kernel, device, num_stages, *sorted((k, repr(v)) for k, v in options.items()))
+
+
+def launch_fitting(kernel: Any, grid: Any, *args: Any, num_stages: int, **options: Any) -> Any:
+    """`kernel[grid](*args, num_stages=num_stages, **options)`, with fewer software-pipeline stages where the
+    card's blocks cannot hold `num_stages` stages' shared memory (Triton raises OutOfResources when it loads the
+    compiled kernel, before anything runs): the most that fit, found once per kernel, device and options, then
+    remembered. The tiles are chosen per shape and format (`fused_moe.pick_configs`), not per card; this keeps a
+    tile sized on sm_90 (227 KiB a block) running on a card with less (sm_86 / sm_89 / sm_120: 99 KiB), where
+    it runs slower than a tile sized for it would (not measured there). The common path costs one dict test."""
+    key = _fit_key(kernel, num_stages, options) if _FITTED_STAGES else None
+    stages = _FITTED_STAGES.get(key, num_stages) if key is not None else num_stages
+    while True:
+        try:
+            return kernel[grid](*args, num_stages=stages, **options)
+        except OutOfResources as e:
+            if e.name != "shared memory" or stages <= 1:
+                raise
+            key = key if key is not None else _fit_key(kernel, num_stages, options)
+            _log.warning("%s: %d stages need %d bytes of shared memory, this card gives %d; trying %d",
+                         getattr(kernel, "__name__", kernel), stages, e.required, e.limit, stages - 1)  # fmt: skip
+            stages -= 1
+            _FITTED_STAGES[key] = stages
 
 
 def _as_kernel_tensor(t: torch.Tensor, native_fp8: bool) -> torch.Tensor:

@@ -29,7 +29,14 @@ from .decode_align import (
     overlap_mode,
 )
 from .dequant import FMT_INT4, load_b_tile, load_w_tile
-from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _check_proj_shape, _launch_args
+from .gemm_args import (
+    _TL_DTYPES,
+    _check_act_inputs,
+    _check_dense_dtype,
+    _check_proj_shape,
+    _launch_args,
+    launch_fitting,
+)
 from .gemm_args import interpreting as interpreting  # re-exported
 from .gemm_parts import GemmConfig as GemmConfig  # re-exported: the tile config's users import it from here
 from .gemm_parts import _block_of, _mma, _row_bases
@@ -273,7 +280,7 @@ def gemm1(
     grid = (max_blocks * triton.cdiv(I, config.block_n),)
     use_pdl = pdl.pdl_enabled(x, fmt.fmt)  # also a programmatic dependent of the kernel before it
     overlap = overlap_mode(align, routing, use_pdl)
-    _gemm1_kernel[grid](
+    launch_fitting(_gemm1_kernel, grid,
         x, act, *tables, ids, l2p, *ptrs, *strides,
         T * top_k, w13.num_rows, max_blocks, I, H, x.stride(0), act.stride(0), num_experts,
         TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -354,7 +361,7 @@ def gemm2(
         out, cnt = y, tables[0]
         ids, l2p = (routing.topk_ids, routing.l2p) if routing is not None else (tables[0], tables[1])
         tw = y
-    _gemm2_kernel[(max_blocks * num_nb,)](
+    launch_fitting(_gemm2_kernel, (max_blocks * num_nb,),
         act, y, *tables, ids, l2p, tw, out, cnt,
         *ptrs, *strides,
         num_pairs, w2.num_rows, max_blocks, H, I, act.stride(0), y.stride(0), num_experts, out.stride(0),

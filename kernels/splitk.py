@@ -50,6 +50,7 @@ from .gemm_args import (
     _check_proj_shape,
     _launch_args,
     interpreting,
+    launch_fitting,
 )
 from .gemm_parts import _mma, _row_bases
 from .gemv_tiles import _slot_pair, _slot_pair_by_id
@@ -263,7 +264,7 @@ def splitk_moe(
     grid = num_pairs * triton.cdiv(I, cfg.block_n)
     tail = min(SPLITK_TAIL_MAX, triton.next_power_of_2(T * H))
     use_pdl = pdl.pdl_enabled(hidden, fmt.fmt)
-    _splitk_kernel[(grid,)](
+    launch_fitting(_splitk_kernel, (grid,),
         hidden, out, sums, cnt, ids, l2p, tw,
         ptrs[0], ptrs[4], strides[0], strides[4], ptrs2[0], ptrs2[4], strides2[0], strides2[4],
         T, num_pairs, num_experts, w13.num_rows, I, H, hidden.stride(0), out.stride(0), grid,

@@ -189,3 +189,47 @@ def test_native_fp8_by_compute_capability(monkeypatch):
         w = torch.zeros(4, dtype=torch.float8_e4m3fn)
         assert gemm_args._as_kernel_tensor(w, want).dtype == (torch.float8_e4m3fn if want else torch.uint8)
     assert gemm_args.native_fp8(torch.device("cpu")) is False
+
+
+def test_launch_fitting_steps_stages_down(monkeypatch):
+    """A tile whose stages need more shared memory than the card gives runs with the most that fit, found once
+    and then launched directly; other resource errors and a refusal at 1 stage still raise."""
+    from pooled_runner.kernels import gemm_args
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.setattr(gemm_args, "_FITTED_STAGES", {})
+    calls = []
+
+    class Kernel:  # a JIT function's launch protocol: kernel[grid](*args, **options)
+        def __init__(self, fits: int, resource: str = "shared memory"):
+            self.fits, self.resource = fits, resource
+
+        def __getitem__(self, grid):
+            def launch(*args, num_stages, **options):
+                calls.append(num_stages)
+                if num_stages > self.fits:
+                    raise OutOfResources(40_000 * num_stages, 101_376, self.resource)
+                return (grid, args, num_stages, options)
+
+            return launch
+
+    small = Kernel(fits=2)
+    assert gemm_args.launch_fitting(small, (3,), "a", num_stages=4, BLOCK=16) == (
+        (3,),
+        ("a",),
+        2,
+        {"BLOCK": 16},
+    )
+    assert calls == [4, 3, 2]
+    calls.clear()
+    assert gemm_args.launch_fitting(small, (5,), "b", num_stages=4, BLOCK=16)[2] == 2
+    assert calls == [2]  # remembered: straight to the stages that fit
+    calls.clear()
+    assert gemm_args.launch_fitting(small, (5,), "b", num_stages=2, BLOCK=32)[2] == 2 and calls == [2]
+    roomy = Kernel(fits=5)
+    calls.clear()
+    assert gemm_args.launch_fitting(roomy, (1,), num_stages=4, BLOCK=16)[2] == 4 and calls == [4]
+    with pytest.raises(OutOfResources, match="threads"):
+        gemm_args.launch_fitting(Kernel(fits=1, resource="threads"), (1,), num_stages=3)
+    with pytest.raises(OutOfResources, match="shared memory"):
+        gemm_args.launch_fitting(Kernel(fits=0), (1,), num_stages=3)
