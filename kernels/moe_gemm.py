@@ -245,7 +245,15 @@ def _gemm2_kernel(
 HALF_INT4 = True
 
 
-def _half_int4(fmt: KernelFormat, dtype: torch.dtype) -> bool:
+# Triton 3.6 fails to compile the half-math int4 tiles of groups narrower than a K tile of 64 into the 64- and
+# 128-row (wgmma) tiles for sm_90 ("PassManager::run failed" in TritonGPUOptimizeDotOperands; compiled without a
+# GPU, 2026-12-07; Triton 3.8 compiles them): those take the fp32 int4 math, the same values
+HALF_INT4_MIN_GROUP_WIDE = 64
+
+
+def _half_int4(fmt: KernelFormat, dtype: torch.dtype, config: GemmConfig) -> bool:
+    if config.block_m >= 64 and fmt.group < HALF_INT4_MIN_GROUP_WIDE:
+        return False
     return HALF_INT4 and fmt.fmt == FMT_INT4 and (not interpreting() or dtype == torch.float16)
 
 
@@ -287,7 +295,7 @@ def gemm1(
         GROUP_M=config.group_m, FMT=fmt.fmt, GROUP=fmt.group, HAS_ZERO=fmt.has_zero,
         NATIVE_FP8=native, DOT_F32=interpreting(), COMPUTE=_TL_DTYPES[x.dtype],
         INLINE_ALIGN=align is None, P_POW2=routing.p_pow2() if routing is not None else 16,
-        HALF_INT4=_half_int4(fmt, x.dtype), SWAP_AB=config.swap_ab, PDL=use_pdl, OVERLAP=overlap,
+        HALF_INT4=_half_int4(fmt, x.dtype, config), SWAP_AB=config.swap_ab, PDL=use_pdl, OVERLAP=overlap,
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip
     return act
@@ -370,7 +378,7 @@ def gemm2(
         NATIVE_FP8=native, DOT_F32=interpreting(), COMPUTE=_TL_DTYPES[act.dtype],
         INLINE_ALIGN=align is None, FUSE_COMBINE=fuse_combine,
         P_POW2=routing.p_pow2() if routing is not None else 16, TOP_K=K, K_POW2=triton.next_power_of_2(K),
-        HALF_INT4=_half_int4(fmt, act.dtype), SWAP_AB=config.swap_ab, PDL=use_pdl,
+        HALF_INT4=_half_int4(fmt, act.dtype, config), SWAP_AB=config.swap_ab, PDL=use_pdl,
         OVERLAP=overlap_mode(align, routing, use_pdl),
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip
