@@ -21,7 +21,7 @@ from pooled_runner.kernels.align import (
     align_blocks_ref,
     default_path,
 )
-from pooled_runner.kernels.align_sort import SORT_MAX_PAIRS
+from pooled_runner.kernels.align_sort import SORT_COMPILED_MAX_PAIRS
 from pooled_runner.kernels.fused_moe import pick_configs
 
 from bench.common import time_graphs, write
@@ -30,7 +30,7 @@ from bench.kernels import SHAPES, measured_header
 FIELDS = ("sorted_pairs", "block_experts", "block_codes", "block_order", "num_post_padded")
 
 
-LIMITS = {"tiny": TINY_FORCED_MAX_PAIRS, "sort": SORT_MAX_PAIRS}
+LIMITS = {"tiny": TINY_FORCED_MAX_PAIRS, "sort": SORT_COMPILED_MAX_PAIRS}
 
 
 def main() -> None:

@@ -14,10 +14,10 @@ Padding ids (-1) and ids >= num_experts are not placed: their pairs contribute n
 Upper bound of used blocks: each expert with c pairs uses ceil(c / block_m) blocks, so
 `max_blocks = min(N, ceil(N / block_m) + E)` with N = T*K.
 
-Device paths with identical results (`PATHS`; `default_path` picks one by N): "sort", one program that
-sorts (expert, pair) keys in registers (`align_sort.py`, N <= SORT_MAX_PAIRS); "wide", three launches (count
-per chunk, scan, scatter; `align_wide.py`) above; "tiny", one program of [N, N] compares in registers (here;
-forced only, up to TINY_FORCED_MAX_PAIRS).
+Device paths with identical results (`PATHS`; `default_path` picks one by N): "tiny", one program of [N, N]
+compares in registers (here; N <= TINY_MAX_PAIRS, forced up to TINY_FORCED_MAX_PAIRS); "sort", one program
+that sorts (expert, pair) keys in registers (`align_sort.py`, N <= SORT_MAX_PAIRS, forced up to
+SORT_COMPILED_MAX_PAIRS); "wide", three launches (count per chunk, scan, scatter; `align_wide.py`) above.
 """
 
 from __future__ import annotations
@@ -28,7 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .align_sort import SORT_MAX_PAIRS, _align_sort_kernel, sort_launch_args
+from .align_sort import SORT_COMPILED_MAX_PAIRS, SORT_MAX_PAIRS, _align_sort_kernel, sort_launch_args
+
+# Up to this many pairs the [N, N]-compare program: 2.7-3.0 µs against the sort's 3.1-3.2 at Qwen3-like 8-32
+# pairs, 2.9-3.8 against 3.7-4.1 at DeepSeek-like ones; 6.4 against 3.7 at 64 (H100, 2026-12-07, bench.align_time)
+TINY_MAX_PAIRS = 32
 
 
 @dataclass(frozen=True)
@@ -122,13 +126,15 @@ TINY_FORCED_MAX_PAIRS = 256  # the [P, P] compares of the tiny path, forced (ben
 
 def default_path(num_pairs: int) -> str:
     """The align path a step of `num_pairs` routed pairs takes."""
+    if num_pairs <= TINY_MAX_PAIRS:
+        return "tiny"
     return "sort" if num_pairs <= SORT_MAX_PAIRS else "wide"
 
 
 def _check_path(path: str | None, num_pairs: int) -> None:
     if path is None:
         return
-    limit = {"tiny": TINY_FORCED_MAX_PAIRS, "sort": SORT_MAX_PAIRS}.get(path)
+    limit = {"tiny": TINY_FORCED_MAX_PAIRS, "sort": SORT_COMPILED_MAX_PAIRS}.get(path)
     if path not in PATHS or (limit is not None and num_pairs > limit):
         raise ValueError(f"align path {path!r} for {num_pairs} pairs: expected one of {PATHS} ({limit=})")
 
@@ -170,7 +176,7 @@ def align_blocks(
       num_experts: E of this layer. num_rows: R (codes >= R are host rows).
       block_m: rows per M-block (power of two >= 16).
       path: one of `PATHS` (`default_path(T * K)` if None): every path gives the same outputs; benches and
-        tests force one ("tiny" up to `TINY_FORCED_MAX_PAIRS` pairs, "sort" up to `SORT_MAX_PAIRS`).
+        tests force one ("tiny" up to `TINY_FORCED_MAX_PAIRS` pairs, "sort" up to `SORT_COMPILED_MAX_PAIRS`).
     """
     _check_align_inputs(topk_ids, l2p, num_experts, block_m)
     _check_path(path, topk_ids.numel())

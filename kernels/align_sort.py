@@ -11,10 +11,11 @@ Every id is loaded once and nothing steps through the pairs:
 The only global round trips: the ids, the l2p codes of the blocks, and the stores (the padding fill ordered
 before the scatter by one barrier).
 
-Measured (H100, 2026-12-07, `bench.align_time`, graph replay, Qwen3-like top-8 routing): 3.8 / 4.3 / 5.8 / 6.8
-/ 9.6 µs at 64 / 128 / 256 / 512 / 1024 pairs, against 6.4 µs for the [N, N]-compare program at 64 pairs, 12.9 /
-21.0 / 33.8 / 59.2 µs for the one-program path it replaced (steps of [64, E] one-hot sums; earlier, with global
-counters, 11.7 / 28.1 / 46.8 µs at 128 / 512 / 1024) and 18.5-18.8 µs for the three launches.
+Measured (H100, 2026-12-07, `bench.align_time`, graph replay, Qwen3-like top-8 routing): 3.7-3.8 / 4.3-4.6 /
+5.8 / 6.8-7.2 / 9.6 µs at 64 / 128 / 256 / 512 / 1024 pairs, against 6.4 / 14.2-14.5 µs for the [N, N]-compare
+program at 64 / 128 pairs (which is 0.3-0.9 µs faster up to 32 pairs: it keeps them), 12.9 / 21.0 / 33.8 / 59.2 µs
+for the one-program path it replaced (steps of [64, E] one-hot sums; earlier, with global counters, 11.7 / 28.1
+/ 46.8 µs at 128 / 512 / 1024) and 18.5-19.1 µs for the three launches.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Up to this many pairs the sort path (compiled for sm_90 with Triton 3.6 without a GPU: 39-128 registers, no
-# stack, 1-32 KiB of shared memory from 128 to 8192 pairs at E 128-1024)
-SORT_MAX_PAIRS = 8192
+# Up to this many pairs the sort path (H100, 2026-12-07, `bench.align_time`, graph replay, against the three
+# launches: Qwen3-like 2048 / 4096 / 8192 pairs 17.7 / 38.7 / 122.3 µs vs 18.8 / 18.9 / 21.4, DeepSeek-like 25.4
+# / 53.7 / 137.6 vs 30.5 / 30.3 / 34.3: one program's sort grows as P log^2 P, the three launches barely). It
+# compiles without spills to 8192 (sm_90, Triton 3.6: 39-128 registers, 1-32 KiB of shared memory)
+SORT_MAX_PAIRS = 2048
+SORT_COMPILED_MAX_PAIRS = 8192  # forced (bench, tests) up to here
 
 
 @triton.jit
@@ -95,7 +99,9 @@ def _align_sort_kernel(
 
 def sort_launch_args(num_pairs: int, num_experts: int, max_blocks: int) -> dict[str, int]:
     """The sort kernel's constexprs and warps for a step (asserting its limits)."""
-    assert 0 <= num_pairs <= SORT_MAX_PAIRS, f"{num_pairs} pairs: the sort path takes 0..{SORT_MAX_PAIRS}"
+    assert 0 <= num_pairs <= SORT_COMPILED_MAX_PAIRS, (
+        f"{num_pairs} pairs: the sort path takes 0..{SORT_COMPILED_MAX_PAIRS}"
+    )
     assert 0 < max_blocks <= max(1, num_pairs), f"max_blocks={max_blocks} for {num_pairs} pairs"
     p_pow2 = max(16, triton.next_power_of_2(num_pairs))
     e_pow2 = max(16, triton.next_power_of_2(num_experts))
@@ -105,6 +111,6 @@ def sort_launch_args(num_pairs: int, num_experts: int, max_blocks: int) -> dict[
         "E_POW2": e_pow2,
         "B_POW2": max(16, triton.next_power_of_2(max_blocks)),
         "S_CHUNK": 1024,
-        # 4 per 128 keys up to 128, 8 up to 1024 (measured), then 16 and 32 (compiled, not timed)
+        # 4 warps up to 128 keys, 8 up to 1024, 16 up to 2048 (measured), 32 above (forced only)
         "num_warps": 4 if p_pow2 <= 128 else 8 if p_pow2 <= 1024 else 16 if p_pow2 <= 2048 else 32,
     }

@@ -77,8 +77,9 @@ def resident_layer_set() -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     out = {}
     for name, (H, I, E, _) in SHAPES.items():
-        w13 = (torch.randn(E, 2 * I, H, generator=g, device="cuda") / H**0.5).bfloat16()
-        w2 = (torch.randn(E, H, I, generator=g, device="cuda") / I**0.5).bfloat16()
+        # drawn in bf16 and scaled in place (fp32 draws peak at ~60 GB for the DeepSeek-like layer)
+        w13 = torch.randn(E, 2 * I, H, generator=g, device="cuda", dtype=torch.bfloat16).div_(H**0.5)
+        w2 = torch.randn(E, H, I, generator=g, device="cuda", dtype=torch.bfloat16).div_(I**0.5)
         perm = torch.randperm(E, generator=g, device="cuda")
         pool = {"w13": w13[perm].contiguous(), "w2": w2[perm].contiguous()}  # row r holds expert perm[r]
         l2p = torch.empty(E, dtype=torch.int32, device="cuda")

@@ -142,6 +142,14 @@ WIDE_CASES = [(n, "deepseek") for n in ("fp8-b128", "fp8-b16", "fp8", "int4-g128
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_wide_layer():
+    """The last cached layer is freed with the module (later modules build layers of tens of GB)."""
+    yield
+    _wide_layer.cache_clear()
+    torch.cuda.empty_cache()
+
+
 @functools.lru_cache(maxsize=1)  # one layer at a time: the cases of a layer are consecutive
 def _wide_layer(name: str, shape: str):
     from tests.kernel_helpers import build_layer

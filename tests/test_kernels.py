@@ -16,7 +16,7 @@ with interpreter_imports():
         align_blocks,
         align_blocks_ref,
     )
-    from pooled_runner.kernels.align_sort import SORT_MAX_PAIRS
+    from pooled_runner.kernels.align_sort import SORT_COMPILED_MAX_PAIRS, SORT_MAX_PAIRS
     from pooled_runner.kernels.combine import combine, combine_ref
     from pooled_runner.kernels.dequant import e2m1_to_f32, e4m3_to_f32
     from pooled_runner.kernels.fused_moe import (
@@ -64,7 +64,7 @@ def test_align_matches_reference(T, K, E, block_m):
     ids = torch.randint(-1, E + 2, (T, K), generator=g)
     l2p = torch.randint(-1, R + E, (E + 3,), generator=g).int()
     l2p[E:] = -1
-    limits = {"tiny": TINY_FORCED_MAX_PAIRS, "sort": SORT_MAX_PAIRS}
+    limits = {"tiny": TINY_FORCED_MAX_PAIRS, "sort": SORT_COMPILED_MAX_PAIRS}
     paths = [None, *(p for p in PATHS if T * K <= limits.get(p, T * K))]
     ref = align_blocks_ref(ids, l2p, E, R, block_m)
     for dtype, path in [(d, p) for d in (torch.int64, torch.int32) for p in paths]:

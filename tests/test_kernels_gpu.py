@@ -244,9 +244,9 @@ def test_align_paths_exact(T, K, E, block_m, path):
     barrier, so only a GPU shows whether a padding fill lands before the scatter (ids of -1 and >= E, codes
     of pool rows, host rows and absent experts, fresh random routing)."""
     from pooled_runner.kernels.align import TINY_FORCED_MAX_PAIRS, align_blocks, align_blocks_ref
-    from pooled_runner.kernels.align_sort import SORT_MAX_PAIRS
+    from pooled_runner.kernels.align_sort import SORT_COMPILED_MAX_PAIRS
 
-    limit = {"tiny": TINY_FORCED_MAX_PAIRS, "sort": SORT_MAX_PAIRS}.get(path or "", T * K)
+    limit = {"tiny": TINY_FORCED_MAX_PAIRS, "sort": SORT_COMPILED_MAX_PAIRS}.get(path or "", T * K)
     if T * K > limit:
         pytest.skip(f"the {path} path takes at most {limit} pairs, not {T * K}")
 
