@@ -4,7 +4,7 @@ first; the default path of each width (`align.default_path`) and, with `--paths`
 reaches (`align.PATHS`), timed interleaved. Stock SGLang's CUDA align, which `bench.stock_compare` does not time,
 is of this kind: these rows say how much of a stock comparison's gap is the align.
 
-Usage: python -m bench.align_time [--ms 8,16,64,128,512] [--shapes qwen3,deepseek] [--paths tiny,sort,steps,wide]
+Usage: python -m bench.align_time [--ms 8,16,64,128,512] [--shapes qwen3,deepseek] [--paths tiny,sort,wide]
     [--out align.md]
 """
 
@@ -43,6 +43,9 @@ def main() -> None:
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    unknown = [p for p in args.paths.split(",") if p and p not in PATHS]
+    if unknown:
+        ap.error(f"--paths {args.paths!r}: unknown {unknown}; choose from {list(PATHS)}")
     _, _, lines = measured_header(args.commit)
     lines += ["", "| shape | M | pairs | block_m | path | align µs |", "|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)

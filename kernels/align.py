@@ -75,13 +75,16 @@ def _align_tiny_kernel(
     P_POW2: tl.constexpr,
     S_CHUNK: tl.constexpr,
 ):
-    """`_align_small_kernel` for N <= P_POW2 pairs with no global round trip between phases: counts, ranks,
+    """The [N, N]-compare path, for N <= P_POW2 pairs with no global round trip between phases: counts, ranks,
     segment starts and the block table come from [P, P] compares of the ids in registers; the only dependent
     loads are ids -> l2p codes (per pair, then selected per block), and one barrier orders the padding fill
     of `sorted_pairs` before the scatter of the pairs into it."""
     i = tl.arange(0, P_POW2)
-    e = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1).to(tl.int32)
-    valid = (i < num_pairs) & (e >= 0) & (e < num_experts)
+    raw = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1)
+    valid = (
+        (i < num_pairs) & (raw >= 0) & (raw < num_experts)
+    )  # on the loaded width (int64 ids not cut first)
+    e = raw.to(tl.int32)
     code = tl.load(l2p_ptr + e, mask=valid, other=-1)
     same = (e[:, None] == e[None, :]) & valid[:, None] & valid[None, :]  # [i, j]
     before = (i[None, :] < i[:, None]).to(tl.int32)
@@ -205,7 +208,7 @@ def align_blocks(
             num_pairs, *common, BLOCK_M=block_m, **sort_launch_args(num_pairs, num_experts, max_blocks),
         )  # fmt: skip
     else:
-        from .align_wide import align_wide  # imported here: it uses this module's jit helpers
+        from .align_wide import align_wide  # imported here: it imports AlignOutput from this module
 
         align_wide(ids, l2p, num_experts, num_rows, out)
     return out

@@ -59,8 +59,11 @@ def _align_sort_kernel(
     S_CHUNK: tl.constexpr,
 ):
     i = tl.arange(0, P_POW2)
-    e = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1).to(tl.int32)
-    valid = (i < num_pairs) & (e >= 0) & (e < num_experts)
+    raw = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1)
+    valid = (
+        (i < num_pairs) & (raw >= 0) & (raw < num_experts)
+    )  # on the loaded width (int64 ids not cut first)
+    e = raw.to(tl.int32)
     counts = tl.histogram(tl.where(valid, e, 0), E_POW2, mask=valid)  # [E_POW2]
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, axis=0)

@@ -69,9 +69,9 @@ def _block_tables(
 def _chunk_ids(ids_ptr, start, num_pairs, num_experts, CHUNK: tl.constexpr):
     offs = start + tl.arange(0, CHUNK)
     in_range = offs < num_pairs
-    ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
-    valid = in_range & (ids >= 0) & (ids < num_experts)
-    return offs, ids, valid
+    raw = tl.load(ids_ptr + offs, mask=in_range, other=-1)
+    valid = in_range & (raw >= 0) & (raw < num_experts)  # on the loaded width (int64 ids not cut first)
+    return offs, raw.to(tl.int32), valid
 
 
 @triton.jit

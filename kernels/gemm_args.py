@@ -45,14 +45,14 @@ def native_fp8(device: torch.device) -> bool:
     return _capability(index) >= NATIVE_FP8_CAPABILITY
 
 
-# (kernel, device, stages asked, launch options) -> the stages that fit; empty until a card refuses a tile
-_FITTED_STAGES: dict[tuple[object, ...], int] = {}
+# kernel -> {(device, stages asked, launch options): the stages that fit}; empty until a card refuses a tile
+_FITTED_STAGES: dict[Any, dict[tuple[object, ...], int]] = {}
 _log = logging.getLogger(__name__)
 
 
-def _fit_key(kernel: Any, num_stages: int, options: dict[str, Any]) -> tuple[object, ...]:
+def _fit_key(num_stages: int, options: dict[str, Any]) -> tuple[object, ...]:
     device = torch.cuda.current_device() if torch.cuda.is_available() else -1
-    return (kernel, device, num_stages, *sorted((k, repr(v)) for k, v in options.items()))
+    return (device, num_stages, *((k, repr(v)) for k, v in options.items()))
 
 
 def launch_fitting(kernel: Any, grid: Any, *args: Any, num_stages: int, **options: Any) -> Any:
@@ -61,20 +61,22 @@ def launch_fitting(kernel: Any, grid: Any, *args: Any, num_stages: int, **option
     compiled kernel, before anything runs): the most that fit, found once per kernel, device and options, then
     remembered. The tiles are chosen per shape and format (`fused_moe.pick_configs`), not per card; this keeps a
     tile sized on sm_90 (227 KiB a block) running on a card with less (sm_86 / sm_89 / sm_120: 99 KiB), where
-    it runs slower than a tile sized for it would (not measured there). The common path costs one dict test."""
-    key = _fit_key(kernel, num_stages, options) if _FITTED_STAGES else None
-    stages = _FITTED_STAGES.get(key, num_stages) if key is not None else num_stages
+    it runs slower than a tile sized for it would (not measured there). A kernel no card refused costs one dict
+    lookup per launch; one that was refused, the key of its options (the call sites pass them in one order)."""
+    fitted = _FITTED_STAGES.get(kernel)
+    key = _fit_key(num_stages, options) if fitted is not None else None
+    stages = fitted.get(key, num_stages) if fitted is not None and key is not None else num_stages
     while True:
         try:
             return kernel[grid](*args, num_stages=stages, **options)
         except OutOfResources as e:
             if e.name != "shared memory" or stages <= 1:
                 raise
-            key = key if key is not None else _fit_key(kernel, num_stages, options)
+            key = key if key is not None else _fit_key(num_stages, options)
             _log.warning("%s: %d stages need %d bytes of shared memory, this card gives %d; trying %d",
                          getattr(kernel, "__name__", kernel), stages, e.required, e.limit, stages - 1)  # fmt: skip
             stages -= 1
-            _FITTED_STAGES[key] = stages
+            _FITTED_STAGES.setdefault(kernel, {})[key] = stages
 
 
 def _as_kernel_tensor(t: torch.Tensor, native_fp8: bool) -> torch.Tensor:

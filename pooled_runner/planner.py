@@ -47,6 +47,14 @@ from pooled_runner.routing import check_router_scores
 from pooled_runner.telemetry import RouteTelemetry
 
 
+def _copy_rows(t: torch.Tensor) -> torch.Tensor:
+    """`[rows, n]` view of an operand for the row-copy kernels; 1-byte floats (fp8 weights, NVFP4 scales) as
+    bytes: a copy needs no values, and Triton refuses fp8e4nv before sm_89."""
+    if t.dtype.is_floating_point and t.element_size() == 1:
+        t = t.view(torch.uint8)
+    return t.view(t.shape[0], -1)
+
+
 class DevicePlanner:
     """Plans decode steps of `pool` on its device (see module docstring).
 
@@ -128,9 +136,9 @@ class DevicePlanner:
         self._counts = torch.zeros(EM + 1, dtype=torch.int64, device=dev)
         self._ones = torch.ones(max_routed, dtype=torch.int64, device=dev)
         self._arange = torch.arange(max(EM, R) + 1, dtype=torch.int64, device=dev)
-        self._rows_flat = {name: t.view(R, -1) for name, t in pool.rows_gpu.items()}
+        self._rows_flat = {name: _copy_rows(t) for name, t in pool.rows_gpu.items()}
         self._bank_flat = (
-            {name: t.view(t.shape[0], -1) for name, t in pool.bank.tensors_host.items()}
+            {name: _copy_rows(t) for name, t in pool.bank.tensors_host.items()}
             if pool.bank is not None
             else None
         )

@@ -137,9 +137,8 @@ def test_gemv_graph_replay_equals_eager(name, mode):
 
 
 WIDE_SHAPES = {"deepseek": SHAPES["deepseek"], "mixtral": (4096, 14336, 8, 2)}
-WIDE_CASES = [(n, "deepseek") for n in ("fp8-b128", "fp8-b16", "fp8", "int4-g128", "nvfp4")] + [
-    ("fp8-b128", "mixtral")
-]
+WIDE_CASES = [(n, "deepseek") for n in ("fp8-b128", "fp8-b16", "fp8", "int4-g128", "int4-g32", "nvfp4")]
+WIDE_CASES += [("fp8-b128", "mixtral")]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -358,3 +358,23 @@ def test_last_use_ticks_follow_the_clock_renumbering(make):
     now = policy.state_tensors()["last_use"]
     assert torch.equal(now[never], last[never])
     assert torch.equal(now[~never] - int(planner.clock), last[~never] - clock)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp8_operands_are_copied_as_bytes(fused):
+    """fp8 weights and e4m3 scales (fp8 formats, NVFP4) reach the row-copy kernels as bytes (Triton refuses
+    fp8e4nv before sm_89; a copy needs no values): every admitted row equals its bank row bit for bit."""
+    operands = (OperandSpec("w", (6,), torch.float8_e4m3fn), OperandSpec("s", (2,), torch.float32))
+    g = torch.Generator().manual_seed(3)
+    bank = ExpertBank(operands, [7], pin=False)
+    bank.tensors_host["w"].view(torch.uint8).copy_(
+        torch.randint(0, 255, bank.tensors_host["w"].shape, generator=g)
+    )
+    bank.tensors_host["s"].copy_(torch.randn(bank.tensors_host["s"].shape, generator=g))
+    pool = ExpertPool(operands, [7], 3, torch.device("cpu"), bank)
+    planner = DevicePlanner(pool, LRUPolicy(), max_routed=2, fused=fused)
+    assert planner._rows_flat["w"].dtype == torch.uint8 and planner._rows_flat["s"].dtype == torch.float32
+    for e in (0, 4, 6, 2, 4, 5):
+        planner.plan(0, torch.tensor([[e]]))
+    assert planner.counter_values()["admissions"] >= 4
+    assert_rows_hold_owners(pool, planner)
