@@ -28,7 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .align_sort import SORT_COMPILED_MAX_PAIRS, SORT_MAX_PAIRS, _align_sort_kernel, sort_launch_args
+from .align_sort import (
+    SORT_COMPILED_MAX_PAIRS,
+    SORT_MAX_PAIRS,
+    _align_sort_kernel,
+    sort_launch_args,
+    store_block_tables,
+)
 
 # Up to this many pairs the [N, N]-compare program: 2.7-3.0 µs against the sort's 3.1-3.2 at Qwen3-like 8-32
 # pairs, 2.9-3.8 against 3.7-4.1 at DeepSeek-like ones; 6.4 against 3.7 at 64 (H100, 2026-12-07, bench.align_time)
@@ -109,17 +115,8 @@ def _align_tiny_kernel(
     owner = first[None, :] & (start[None, :] <= pos[:, None]) & (pos[:, None] < (start + padded)[None, :])
     expert = tl.where(used, tl.sum(tl.where(owner, e[None, :], 0), axis=1), -1)
     bcode = tl.where(used, tl.sum(tl.where(owner, code[None, :], 0), axis=1), -1)
-    in_table = b < max_blocks
-    tl.store(block_experts_ptr + b, expert, mask=in_table)
-    tl.store(block_codes_ptr + b, bcode, mask=in_table)
-    # order: host-row blocks first, then the others, each in block order; -1 past the used blocks
-    is_host = used & (bcode >= num_rows)
-    is_other = used & (bcode < num_rows)
-    num_host = tl.sum(is_host.to(tl.int32), axis=0)
-    host_pos = tl.cumsum(is_host.to(tl.int32), axis=0) - 1
-    other_pos = num_host + tl.cumsum(is_other.to(tl.int32), axis=0) - 1
-    order_pos = tl.where(is_host, host_pos, tl.where(is_other, other_pos, b))
-    tl.store(block_order_ptr + order_pos, tl.where(used, b, -1), mask=in_table)
+    store_block_tables(block_experts_ptr, block_codes_ptr, block_order_ptr, b, used, expert, bcode, max_blocks,
+                       num_rows)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -88,10 +88,19 @@ def _align_sort_kernel(
     used = b * BLOCK_M < total
     expert = tl.where(used, _first_half(tl.cumsum(end_blocks, axis=0), B_POW2), -1)
     code = tl.load(l2p_ptr + expert, mask=used, other=-1)
+    store_block_tables(block_experts_ptr, block_codes_ptr, block_order_ptr, b, used, expert, code, max_blocks,
+                       num_rows)  # fmt: skip
+
+
+@triton.jit
+def store_block_tables(block_experts_ptr, block_codes_ptr, block_order_ptr, b, used, expert, code, max_blocks,
+                       num_rows):  # fmt: skip
+    """Every block's expert and code, and the block order (host-row blocks first, then the others, each in
+    block order; -1 past the used blocks), from the whole table in registers (`b`: all block indices, a
+    power of two >= max_blocks; the one-program paths)."""
     in_table = b < max_blocks
     tl.store(block_experts_ptr + b, expert, mask=in_table)
     tl.store(block_codes_ptr + b, code, mask=in_table)
-    # order: host-row blocks first, then the others, each in block order; -1 past the used blocks
     is_host = used & (code >= num_rows)
     is_other = used & (code < num_rows)
     num_host = tl.sum(is_host.to(tl.int32), axis=0)
