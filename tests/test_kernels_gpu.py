@@ -25,6 +25,9 @@ from tests.kernel_helpers import assert_close
 pytestmark = pytest.mark.gpu
 
 MS = [1, 2, 4, 8, 16, 64, 512, 4096]
+# the tests of the resident layers (tens of GB) run in one pytest-xdist worker (scripts/gpu_check.sh runs
+# the kernel tests with --dist loadgroup), so one process holds them, once
+RESIDENT_GROUP = pytest.mark.xdist_group("resident_layers")
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +42,7 @@ def resident_layers():
     torch.cuda.empty_cache()
 
 
+@RESIDENT_GROUP
 @pytest.mark.parametrize("M", MS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_bf16_resident_real_shapes(resident_layers, shape, M):
@@ -54,6 +58,7 @@ def test_bf16_resident_real_shapes(resident_layers, shape, M):
     assert_close(out, ref, f"{shape} M={M}")
 
 
+@RESIDENT_GROUP
 def test_graph_replay_with_new_routing_equals_eager(resident_layers):
     fused_moe, _ = kernel_modules()
     H, I, E, K = SHAPES["qwen3"]
@@ -90,6 +95,7 @@ def test_graph_replay_with_new_routing_equals_eager(resident_layers):
         del busy
 
 
+@RESIDENT_GROUP
 @pytest.mark.parametrize("M", [1, 2, 8])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_gemv_bf16_resident_real_shapes(resident_layers, shape, M):
@@ -105,6 +111,7 @@ def test_gemv_bf16_resident_real_shapes(resident_layers, shape, M):
     assert_close(out, ref, f"gemv {shape} M={M}")
 
 
+@RESIDENT_GROUP
 @pytest.mark.parametrize("variant", ["align-fc", "inline"])
 @pytest.mark.parametrize("M", [1, 4, 8])
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -10,6 +10,9 @@ from tests.kernel_gpu_helpers import SHAPES, gpu_reference, poison_allocator, po
 from tests.kernel_helpers import assert_close
 
 pytestmark = pytest.mark.gpu
+# the tests of the bf16 layers (tens of GB) run in one pytest-xdist worker (scripts/gpu_check.sh runs the
+# kernel tests with --dist loadgroup), so one process holds them, once
+LAYERS_GROUP = pytest.mark.xdist_group("splitk_layers")
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +40,7 @@ def layers():
     torch.cuda.empty_cache()
 
 
+@LAYERS_GROUP
 @pytest.mark.parametrize("M", [1, 2, 3, 8])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_splitk_resident_real_shapes(layers, shape, M):
@@ -63,6 +67,7 @@ def test_splitk_resident_real_shapes(layers, shape, M):
         assert torch.equal(out[1], torch.zeros_like(out[1])), "a token with no routed pair: row not zero"
 
 
+@LAYERS_GROUP
 @pytest.mark.parametrize(("shape", "M"), [("qwen3", 3), ("qwen3", 4), ("deepseek", 1), ("deepseek", 2)])
 def test_splitk_repeated_launches_agree(layers, shape, M):
     """20 launches with fresh inputs, each twice: the same bits both times and the reference's values. Cases
@@ -167,6 +172,7 @@ def test_splitk_graph_replay_with_new_routing(tail_max, monkeypatch):
         del busy
 
 
+@LAYERS_GROUP
 @pytest.mark.parametrize("M", [1, 3])
 def test_splitk_fp32_sums_close_to_default(layers, M):
     """The bench's fp32-sums form: within rounding of the default (fp64) form."""
@@ -184,6 +190,7 @@ def test_splitk_fp32_sums_close_to_default(layers, M):
     assert_close(splitk_moe(x, ids, w, l2p, E, p13, p2, fmt, cfg), base, f"fp32 sums M={M}", rel=1e-2)
 
 
+@LAYERS_GROUP
 def test_splitk_device_tiles(layers, monkeypatch):
     """The decode path launches with this card's `DEVICE_TILES` entry: one naming this card an invalid tile makes
     `splitk_moe` (no config given) refuse it, on any card. The H100 SXM is in the table; another card gets the
@@ -210,6 +217,7 @@ def test_splitk_device_tiles(layers, monkeypatch):
         splitk.splitk_moe(x, ids, w, l2p, E, p13, p2, fmt)
 
 
+@LAYERS_GROUP
 @pytest.mark.parametrize("M", [1, 2])
 def test_splitk_every_card_tile(layers, M):
     """Every card's tile of `DEVICE_TILES`, run on this card: the default tile's sums and the reference's values
