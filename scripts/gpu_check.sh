@@ -77,7 +77,7 @@ if [ "${QUICK:-0}" = 1 ]; then
   step bench_variants "${BENCH_VARIANTS_CAP:-130}" "$PY" -m bench.kernels --variants --budget 100 --out "$OUT/bench_variants.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
 else
   if [ -n "${GPU_TESTS:-}" ]; then
-    step gpu_tests "${GPU_TESTS_CAP:-330}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 -o faulthandler_timeout=45 $GPU_TESTS
+    step gpu_tests "${GPU_TESTS_CAP:-330}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 -o faulthandler_timeout=45 ${XDIST[@]+"${XDIST[@]}"} $GPU_TESTS
   else  # two steps: all GPU tests together outgrew one 10-minute device call (H200, 2026-11-30: > 540 s);
     # the kernel files alone took 304-319 s of pytest time (308-324 s per step) on 2026-12-01; on 2026-12-02 a
     # fresh machine ran 104 of the 108 in 400 s (no test over 45 s); since 2026-12-07 they are two steps (above)
