@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .ids import expert_or_none
+
 
 @triton.jit
 def _combine_kernel(
@@ -20,7 +22,7 @@ def _combine_kernel(
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for k in range(TOP_K):
         pair = t * TOP_K + k
-        e = tl.load(ids_ptr + pair).to(tl.int32)
+        e = expert_or_none(tl.load(ids_ptr + pair), num_experts)
         routed = (e >= 0) & (e < num_experts)
         code = tl.load(l2p_ptr + e, mask=routed, other=-1)
         routed = routed & (code >= 0)

@@ -28,6 +28,7 @@ from .gemm_args import (
     launch_fitting,
 )
 from .gemm_parts import GemmConfig, _mma
+from .ids import expert_or_none
 from .operands import KernelFormat, Projection
 
 DECODE_MAX_PAIRS = 64
@@ -35,7 +36,7 @@ DECODE_MAX_PAIRS = 64
 
 @triton.jit
 def _pair_code(ids_ptr, l2p_ptr, pair, num_experts):
-    e = tl.load(ids_ptr + pair).to(tl.int32)
+    e = expert_or_none(tl.load(ids_ptr + pair), num_experts)
     routed = (e >= 0) & (e < num_experts)
     return tl.where(routed, tl.load(l2p_ptr + e, mask=routed, other=-1), -1)
 
@@ -64,7 +65,7 @@ def _gemm1_pairs_kernel(
     pid_n = tl.program_id(0) % num_pid_n
     # the step's pairs in schedule order: host rows, then pool rows, then unrouted (skipped)
     p = tl.arange(0, P_POW2)
-    e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+    e = expert_or_none(tl.load(ids_ptr + p, mask=p < num_pairs, other=-1), num_experts)
     ok = (e >= 0) & (e < num_experts)
     codes = tl.where(ok, tl.load(l2p_ptr + e, mask=ok, other=-1), -1)
     host = (codes >= num_rows).to(tl.int32)

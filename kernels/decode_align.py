@@ -12,6 +12,7 @@ import triton.language as tl
 
 from .align import AlignOutput, max_blocks_for
 from .gemm_args import interpreting
+from .ids import expert_or_none
 from .pdl import load_acquire, settle_code
 
 INLINE_MAX_PAIRS = 32  # `inline` decode steps (align computed in every gemm program) up to this many pairs
@@ -23,7 +24,7 @@ def _inline_layout(ids_ptr, num_pairs, num_experts, BLOCK_M: tl.constexpr, P_POW
     `i`, expert `e`, routed `valid`, rank within its expert, first pair of each expert, the expert's blocks'
     first slot `start` and padded size, and the total of padded slots. Block b holds slots b * BLOCK_M on."""
     i = tl.arange(0, P_POW2)
-    e = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1).to(tl.int32)
+    e = expert_or_none(tl.load(ids_ptr + i, mask=i < num_pairs, other=-1), num_experts)
     valid = (i < num_pairs) & (e >= 0) & (e < num_experts)
     same = (e[:, None] == e[None, :]) & valid[:, None] & valid[None, :]  # [i, j]
     rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
@@ -112,7 +113,7 @@ def _aligned_block_by_id(pid_m, sorted_ptr, experts_ptr, num_post_ptr, l2p_ptr, 
 @triton.jit
 def _routed_here(ids_ptr, l2p_ptr, pairs, mask, num_experts):
     """Whether each pair (`pairs` any shape) is routed to an expert located here (id in [0, E), code >= 0)."""
-    e = tl.load(ids_ptr + pairs, mask=mask, other=-1).to(tl.int32)
+    e = expert_or_none(tl.load(ids_ptr + pairs, mask=mask, other=-1), num_experts)
     ok = mask & (e >= 0) & (e < num_experts)
     return ok & (tl.load(l2p_ptr + e, mask=ok, other=-1) >= 0)
 

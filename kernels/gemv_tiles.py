@@ -20,6 +20,7 @@ from .gemv_half import (
     x_half_scale,
 )
 from .gemv_words import _halves, _word_dot
+from .ids import expert_or_none
 from .pdl import load_acquire, settle_code
 
 
@@ -32,7 +33,7 @@ def _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2:
         pair = slot
     else:
         p = tl.arange(0, P_POW2)
-        e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+        e = expert_or_none(tl.load(ids_ptr + p, mask=p < num_pairs, other=-1), num_experts)
         ok = (e >= 0) & (e < num_experts)
         codes = tl.where(ok, tl.load(l2p_ptr + e, mask=ok, other=-1), -1)
         cls = tl.where(codes >= num_rows, 0, tl.where(codes >= 0, 1, 2))
@@ -45,7 +46,7 @@ def _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2:
 @triton.jit
 def _pair_code(ids_ptr, l2p_ptr, pair, num_experts):
     """The location code of `pair`'s expert (-1: not routed here)."""
-    e = tl.load(ids_ptr + pair).to(tl.int32)
+    e = expert_or_none(tl.load(ids_ptr + pair), num_experts)
     ok = (e >= 0) & (e < num_experts)
     return tl.where(ok, tl.load(l2p_ptr + e, mask=ok, other=-1), -1)
 
@@ -61,11 +62,11 @@ def _slot_pair_by_id(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P
         pair = slot
     else:
         p = tl.arange(0, P_POW2)
-        e = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+        e = expert_or_none(tl.load(ids_ptr + p, mask=p < num_pairs, other=-1), num_experts)
         ok = (e >= 0) & (e < num_experts)
         key = tl.where(p < num_pairs, tl.where(ok, e, num_experts) * P_POW2 + p, 2147483647)
         pair = tl.sum(tl.where(p == slot, tl.sort(key), 0), axis=0) % P_POW2
-    e_mine = tl.load(ids_ptr + pair).to(tl.int32)
+    e_mine = expert_or_none(tl.load(ids_ptr + pair), num_experts)
     ok_mine = (e_mine >= 0) & (e_mine < num_experts)
     e_mine = tl.where(ok_mine, e_mine, 0)
     code = tl.where(ok_mine, load_acquire(l2p_ptr + e_mine, PDL), -1)
@@ -372,7 +373,7 @@ def _down_tile(
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for k in tl.static_range(TOP_K):
                 pk = t * TOP_K + k
-                e = tl.load(ids_ptr + pk).to(tl.int32)
+                e = expert_or_none(tl.load(ids_ptr + pk), num_experts)
                 routed = (e >= 0) & (e < num_experts)
                 routed = routed & (tl.load(l2p_ptr + e, mask=routed, other=-1) >= 0)
                 wk = tl.load(tw_ptr + pk).to(tl.float32)
