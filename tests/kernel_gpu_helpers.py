@@ -7,6 +7,8 @@ E 128, top-8). References are independent: fp32 matmuls per logical expert from 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 # (H, I, E, top-k) of the two real shapes
@@ -63,9 +65,13 @@ def routing(T, K, E, g, device="cuda"):
 
 
 def poison_allocator():
-    """Fill freed caching-allocator blocks with NaN so unwritten outputs show up."""
+    """Fill freed caching-allocator blocks with NaN so unwritten outputs show up. The block stays reserved by this
+    process's caching allocator, so under pytest-xdist (scripts/gpu_check.sh) each of the workers sharing the GPU
+    poisons its share of 8 GB: six workers of 8 GB each left too little for the one holding the resident layers."""
+    num_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     free = torch.cuda.mem_get_info()[0]
-    junk = torch.full((min(free // 4, 8 << 30) // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    size = min(free // (4 * num_workers), (8 << 30) // num_workers)
+    junk = torch.full((size // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
     del junk
 
 
