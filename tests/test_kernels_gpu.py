@@ -25,9 +25,10 @@ from tests.kernel_helpers import assert_close
 pytestmark = pytest.mark.gpu
 
 MS = [1, 2, 4, 8, 16, 64, 512, 4096]
-# the tests of the resident layers (tens of GB) run in one pytest-xdist worker (scripts/gpu_check.sh runs
-# the kernel tests with --dist loadgroup), so one process holds them, once
-RESIDENT_GROUP = pytest.mark.xdist_group("resident_layers")
+# the tests of the real-shape bf16 layers (about 45 GB with their permuted pool copies, in this module and in
+# test_splitk_gpu.py / test_kernels_gpu.py) run in one pytest-xdist worker, one module's after the other's
+# (scripts/gpu_check.sh: --dist loadgroup): two processes holding both would not fit an H100's 80 GB
+RESIDENT_GROUP = pytest.mark.xdist_group("real_shape_layers")
 
 
 @pytest.fixture(scope="module")
