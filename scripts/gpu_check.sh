@@ -23,24 +23,25 @@ PY="${PYTHON:-python3}"
 if ! "$PY" -c "import pooled_runner.kernels" 2>/dev/null; then
   "$PY" -m pip install -q --no-build-isolation --no-deps -e . || { echo "pip install -e . failed"; exit 1; }
 fi
-# Triton's compile cache. Compiling the kernels' variants was most of the kernel tests' time on a fresh machine
-# (2026-12-07, H100: 205 of 217 kernel tests in two steps of 420 + 360 s, one test over 45 s compiling 72
-# variants). A cache carried in (run's carry: ".triton_cache", parts written by SAVE_TRITON_CACHE=1 below and
-# copied there) is unpacked first; Triton keys each entry by the kernel's source, options, its own version and
-# the target (sm_90 for the H100 and H200 alike), so a changed kernel compiles afresh and nothing stale is read
+# Triton's compile cache (scripts/triton_cache.py). Compiling the kernels' variants was most of the kernel tests'
+# time on a fresh machine (2026-12-07, H100: 204 of 217 kernel tests in two steps of 420 + 360 s, one test over
+# 45 s compiling 72 variants). A cache carried in (run's carry: ".triton_cache", holding the parts that
+# SAVE_TRITON_CACHE=1 wrote under $OUT) is unpacked first; Triton keys each entry by the kernel's source, options,
+# its own version and the target (sm_90 for the H100 and H200 alike), so a changed kernel compiles afresh.
+# Entries of kernels since changed stay in the cache: empty .triton_cache/ when its parts near 48 MiB
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
-mkdir -p "$TRITON_CACHE_DIR"
-if compgen -G ".triton_cache/triton_cache.tgz.*" >/dev/null; then
-  cat .triton_cache/triton_cache.tgz.* | tar -xz -C "$TRITON_CACHE_DIR" \
-    && echo "triton cache: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) kernels unpacked" \
-    || echo "triton cache: could not unpack .triton_cache (compiling afresh)"
-fi
-# the kernel tests run in pytest-xdist workers, compiling side by side (16 CPU cores on a device machine);
-# GPU_WORKERS=0 runs them in one process. --dist loadgroup: the tests of each large layer (tests' xdist_group
-# marks) run in one worker, so no two processes hold the tens of GB of one fixture
-GPU_WORKERS="${GPU_WORKERS:-6}"
-XDIST=()
-if [ "$GPU_WORKERS" -gt 0 ] && "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "$GPU_WORKERS" --dist loadgroup); fi
+"$PY" scripts/triton_cache.py unpack .triton_cache "$TRITON_CACHE_DIR"
+save_cache() {  # SAVE_TRITON_CACHE=1: after each kernel test step and at the end (a killed call keeps the last)
+  if [ "${SAVE_TRITON_CACHE:-0}" = 1 ]; then "$PY" scripts/triton_cache.py pack "$TRITON_CACHE_DIR" "$OUT"; fi
+}
+# the kernel tests run through scripts/gpu_pytest.sh: GPU_WORKERS pytest-xdist workers (default 6, of the device
+# machine's 16 cores) compiling side by side, the real-shape layers' tests in one process beside them
+kernel_tests() {  # kernel_tests STEP CAP FILES...: one step of kernel GPU tests
+  local name="$1" cap="$2"
+  shift 2
+  step "$name" "$cap" env LAYERS_LOG="$LOGS/$name.layers.log" PYTHON="$PY" bash scripts/gpu_pytest.sh "$@"
+  if [ "$STEP_RAN" = 1 ]; then save_cache; fi
+}
 SUMMARY=()
 FAILED_TESTS=()  # logs of pytest steps that failed
 WORST=0  # the first failing step's exit code: the script's own (a red step must not look green to the caller)
@@ -48,15 +49,17 @@ WORST=0  # the first failing step's exit code: the script's own (a red step must
 step() {  # step NAME CAP_SECONDS COMMAND...   (SKIP="name ..." leaves steps out)
   local name="$1" cap="$2"
   shift 2
+  STEP_RAN=0
   case " ${SKIP:-} " in *" $name "*) echo "=== $name skipped ==="; return ;; esac
   if [ -n "${ONLY:-}" ]; then case " $ONLY " in *" $name "*) ;; *) return ;; esac; fi
   local t0=$SECONDS
+  STEP_RAN=1
   echo "=== $name (cap ${cap}s) ==="
   timeout -k 15 "$cap" "$@" 2>&1 | tee "$LOGS/$name.log"
   local rc=${PIPESTATUS[0]}
   SUMMARY+=("| $name | $rc | $((SECONDS - t0)) s | logs/$name.log |")
   if [ "$rc" != 0 ] && [ "$WORST" = 0 ]; then WORST=$rc; fi
-  case " $* " in *" pytest "*) [ "$rc" = 0 ] || FAILED_TESTS+=("$name") ;; esac
+  case " $* " in *" pytest "* | *"gpu_pytest.sh"*) [ "$rc" = 0 ] || FAILED_TESTS+=("$name") ;; esac
 }
 
 # the kernel-level GPU tests (step gpu_tests); the others (planner, staging, transformers, TP) are gpu_tests_stack.
@@ -72,17 +75,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || tru
 if [ "${QUICK:-0}" = 1 ]; then
   # ~330 + ~90 + ~130 s measured (2026-12-01): the caps leave the call's 10 minutes little room, and on
   # 2026-12-02 a fresh machine needed over 400 s for the kernel tests alone: there, run the steps in two calls
-  step gpu_tests "${GPU_TESTS_CAP:-360}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 -o faulthandler_timeout=45 ${XDIST[@]+"${XDIST[@]}"} $KERNEL_TESTS
+  kernel_tests gpu_tests "${GPU_TESTS_CAP:-360}" $KERNEL_TESTS
   step bench_kernels "${BENCH_KERNELS_CAP:-130}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_variants "${BENCH_VARIANTS_CAP:-130}" "$PY" -m bench.kernels --variants --budget 100 --out "$OUT/bench_variants.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
 else
   if [ -n "${GPU_TESTS:-}" ]; then
-    step gpu_tests "${GPU_TESTS_CAP:-330}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 -o faulthandler_timeout=45 ${XDIST[@]+"${XDIST[@]}"} $GPU_TESTS
+    kernel_tests gpu_tests "${GPU_TESTS_CAP:-330}" $GPU_TESTS
   else  # two steps: all GPU tests together outgrew one 10-minute device call (H200, 2026-11-30: > 540 s);
     # the kernel files alone took 304-319 s of pytest time (308-324 s per step) on 2026-12-01; on 2026-12-02 a
     # fresh machine ran 104 of the 108 in 400 s (no test over 45 s); since 2026-12-07 they are two steps (above)
-    step gpu_tests "${GPU_TESTS_CAP:-420}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 -o faulthandler_timeout=45 ${XDIST[@]+"${XDIST[@]}"} $KERNEL_TESTS_A
-    step gpu_tests_b "${GPU_TESTS_B_CAP:-360}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 -o faulthandler_timeout=45 ${XDIST[@]+"${XDIST[@]}"} $KERNEL_TESTS_B
+    kernel_tests gpu_tests "${GPU_TESTS_CAP:-420}" $KERNEL_TESTS_A
+    kernel_tests gpu_tests_b "${GPU_TESTS_B_CAP:-360}" $KERNEL_TESTS_B
     step gpu_tests_stack "${GPU_TESTS_STACK_CAP:-360}" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=8 -o faulthandler_timeout=45 tests $(for f in $KERNEL_TESTS; do printf -- '--ignore=%s ' "$f"; done)
   fi
   step bench_kernels "${BENCH_KERNELS_CAP:-200}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
@@ -151,28 +154,17 @@ for name in ${FAILED_TESTS[@]+"${FAILED_TESTS[@]}"}; do  # near the end: it show
   echo "---"
   tail -n 60 "$LOGS/$name.log"
 done
-# SAVE_TRITON_CACHE=1: the compile cache back under $OUT, as triton_cache.tgz.NN parts of 15 MiB (a device run
-# returns files of at most 16 MiB); copy them into .triton_cache/ (ignored by git) and carry that folder. The IR
-# text stages are left out (only the cubin, its metadata and PTX are read on a hit); over 48 MiB in all, nothing
-# is written (the working tree that travels is at most 64 MiB)
-NUM_CACHE_PARTS=0
-if [ "${SAVE_TRITON_CACHE:-0}" = 1 ]; then
-  tar -cz -C "$TRITON_CACHE_DIR" --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.source' . \
-    | split -b 15m -d - "$OUT/triton_cache.tgz."
-  cache_bytes=$(cat "$OUT"/triton_cache.tgz.* | wc -c)
-  if [ "$cache_bytes" -gt $((48 << 20)) ]; then
-    echo "triton cache: $cache_bytes bytes packed, over 48 MiB: not written"
-    rm -f "$OUT"/triton_cache.tgz.*
-  else
-    NUM_CACHE_PARTS=$(compgen -G "$OUT/triton_cache.tgz.*" | wc -l)
-    echo "triton cache: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) kernels, $cache_bytes bytes in $NUM_CACHE_PARTS parts"
-  fi
-fi
+# SAVE_TRITON_CACHE=1: the compile cache back under $OUT as triton_cache.tgz.NN parts (scripts/triton_cache.py);
+# copy them into .triton_cache/ (ignored by git) and carry that folder in the next calls
+save_cache
+NUM_CACHE_PARTS=$(compgen -G "$OUT/triton_cache.tgz.*" | wc -l)
 # A device run returns at most MAX_FILES files from $OUT: results stay at the top level while they fit beside
 # logs.tar.gz (markdown, then PNGs, then JSON); the rest goes into the archive, under logs/.
 RESULTS=()
 for f in "$OUT"/*.md "$OUT"/*.png "$OUT"/*.json; do [ -f "$f" ] && RESULTS+=("$f"); done
-for f in ${RESULTS[@]+"${RESULTS[@]:$((${MAX_FILES:-8} - 1 - NUM_CACHE_PARTS))}"}; do
+KEEP_RESULTS=$((${MAX_FILES:-8} - 1 - NUM_CACHE_PARTS))
+[ "$KEEP_RESULTS" -ge 0 ] || KEEP_RESULTS=0
+for f in ${RESULTS[@]+"${RESULTS[@]:$KEEP_RESULTS}"}; do
   mv "$f" "$LOGS/" && echo "moved $(basename "$f") into logs.tar.gz (more than ${MAX_FILES:-8} files in $OUT)"
 done
 if tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs; then

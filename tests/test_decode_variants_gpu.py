@@ -163,15 +163,7 @@ def _wide_layer(name: str, shape: str):
     return fmt, l2p, *fused_moe.make_projections(fmt, pool, bank, H, I)
 
 
-# a layer's cases in one pytest-xdist group (scripts/gpu_check.sh: --dist loadgroup), so one worker builds it once
-@pytest.mark.parametrize(
-    ("name", "shape", "M"),
-    [
-        pytest.param(n, s, M, marks=pytest.mark.xdist_group(f"wide_{n}_{s}"))
-        for n, s in WIDE_CASES
-        for M in (1, 8, 64, 512)
-    ],
-)
+@pytest.mark.parametrize(("name", "shape", "M"), [(n, s, M) for n, s in WIDE_CASES for M in (1, 8, 64, 512)])
 def test_default_tiles_at_wide_shapes(name, shape, M):
     """Each quantized format's default kernels at the DeepSeek-like expert size (and fp8 blocks at the
     Mixtral-like one), 6 experts (their tiles are the real layer's), 4 in pool rows, M from decode to prefill,

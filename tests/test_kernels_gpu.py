@@ -25,10 +25,10 @@ from tests.kernel_helpers import assert_close
 pytestmark = pytest.mark.gpu
 
 MS = [1, 2, 4, 8, 16, 64, 512, 4096]
-# the tests of the real-shape bf16 layers (about 45 GB with their permuted pool copies, in this module and in
-# test_splitk_gpu.py / test_kernels_gpu.py) run in one pytest-xdist worker, one module's after the other's
-# (scripts/gpu_check.sh: --dist loadgroup): two processes holding both would not fit an H100's 80 GB
-RESIDENT_GROUP = pytest.mark.xdist_group("real_shape_layers")
+# the tests of the real-shape bf16 layers (about 45 GB with their permuted pool copies; this module's and
+# test_splitk_gpu.py's) run in one process, apart from the pytest-xdist workers of the other GPU tests
+# (scripts/gpu_pytest.sh): two processes holding such layers would not fit an H100's 80 GB
+RESIDENT_GROUP = pytest.mark.real_shape_layers
 
 
 @pytest.fixture(scope="module")
