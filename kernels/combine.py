@@ -23,7 +23,7 @@ def _combine_kernel(
     for k in range(TOP_K):
         pair = t * TOP_K + k
         e = expert_or_none(tl.load(ids_ptr + pair), num_experts)
-        routed = (e >= 0) & (e < num_experts)
+        routed = e >= 0  # expert_or_none: -1 outside [0, E)
         code = tl.load(l2p_ptr + e, mask=routed, other=-1)
         routed = routed & (code >= 0)
         wk = tl.load(w_ptr + pair).to(tl.float32)

@@ -37,7 +37,7 @@ DECODE_MAX_PAIRS = 64
 @triton.jit
 def _pair_code(ids_ptr, l2p_ptr, pair, num_experts):
     e = expert_or_none(tl.load(ids_ptr + pair), num_experts)
-    routed = (e >= 0) & (e < num_experts)
+    routed = e >= 0  # expert_or_none: -1 outside [0, E)
     return tl.where(routed, tl.load(l2p_ptr + e, mask=routed, other=-1), -1)
 
 
@@ -66,7 +66,7 @@ def _gemm1_pairs_kernel(
     # the step's pairs in schedule order: host rows, then pool rows, then unrouted (skipped)
     p = tl.arange(0, P_POW2)
     e = expert_or_none(tl.load(ids_ptr + p, mask=p < num_pairs, other=-1), num_experts)
-    ok = (e >= 0) & (e < num_experts)
+    ok = e >= 0  # masked pairs and ids outside [0, E) are -1
     codes = tl.where(ok, tl.load(l2p_ptr + e, mask=ok, other=-1), -1)
     host = (codes >= num_rows).to(tl.int32)
     pool = ((codes >= 0) & (codes < num_rows)).to(tl.int32)

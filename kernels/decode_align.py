@@ -25,7 +25,7 @@ def _inline_layout(ids_ptr, num_pairs, num_experts, BLOCK_M: tl.constexpr, P_POW
     first slot `start` and padded size, and the total of padded slots. Block b holds slots b * BLOCK_M on."""
     i = tl.arange(0, P_POW2)
     e = expert_or_none(tl.load(ids_ptr + i, mask=i < num_pairs, other=-1), num_experts)
-    valid = (i < num_pairs) & (e >= 0) & (e < num_experts)
+    valid = e >= 0  # masked pairs and ids outside [0, E) are -1
     same = (e[:, None] == e[None, :]) & valid[:, None] & valid[None, :]  # [i, j]
     rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
     count = tl.sum(same.to(tl.int32), axis=1)
@@ -114,7 +114,7 @@ def _aligned_block_by_id(pid_m, sorted_ptr, experts_ptr, num_post_ptr, l2p_ptr, 
 def _routed_here(ids_ptr, l2p_ptr, pairs, mask, num_experts):
     """Whether each pair (`pairs` any shape) is routed to an expert located here (id in [0, E), code >= 0)."""
     e = expert_or_none(tl.load(ids_ptr + pairs, mask=mask, other=-1), num_experts)
-    ok = mask & (e >= 0) & (e < num_experts)
+    ok = e >= 0  # masked pairs and ids outside [0, E) are -1
     return ok & (tl.load(l2p_ptr + e, mask=ok, other=-1) >= 0)
 
 

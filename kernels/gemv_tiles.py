@@ -34,7 +34,7 @@ def _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2:
     else:
         p = tl.arange(0, P_POW2)
         e = expert_or_none(tl.load(ids_ptr + p, mask=p < num_pairs, other=-1), num_experts)
-        ok = (e >= 0) & (e < num_experts)
+        ok = e >= 0  # masked pairs and ids outside [0, E) are -1
         codes = tl.where(ok, tl.load(l2p_ptr + e, mask=ok, other=-1), -1)
         cls = tl.where(codes >= num_rows, 0, tl.where(codes >= 0, 1, 2))
         key = (cls * (num_experts + 1) + tl.where(cls == 2, 0, e)) * P_POW2 + p
@@ -47,7 +47,7 @@ def _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2:
 def _pair_code(ids_ptr, l2p_ptr, pair, num_experts):
     """The location code of `pair`'s expert (-1: not routed here)."""
     e = expert_or_none(tl.load(ids_ptr + pair), num_experts)
-    ok = (e >= 0) & (e < num_experts)
+    ok = e >= 0  # expert_or_none: -1 outside [0, E)
     return tl.where(ok, tl.load(l2p_ptr + e, mask=ok, other=-1), -1)
 
 
@@ -63,11 +63,11 @@ def _slot_pair_by_id(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P
     else:
         p = tl.arange(0, P_POW2)
         e = expert_or_none(tl.load(ids_ptr + p, mask=p < num_pairs, other=-1), num_experts)
-        ok = (e >= 0) & (e < num_experts)
+        ok = e >= 0  # masked pairs and ids outside [0, E) are -1
         key = tl.where(p < num_pairs, tl.where(ok, e, num_experts) * P_POW2 + p, 2147483647)
         pair = tl.sum(tl.where(p == slot, tl.sort(key), 0), axis=0) % P_POW2
     e_mine = expert_or_none(tl.load(ids_ptr + pair), num_experts)
-    ok_mine = (e_mine >= 0) & (e_mine < num_experts)
+    ok_mine = e_mine >= 0
     e_mine = tl.where(ok_mine, e_mine, 0)
     code = tl.where(ok_mine, load_acquire(l2p_ptr + e_mine, PDL), -1)
     return pair, settle_code(code, l2p_ptr, e_mine, num_rows, PDL)
@@ -374,7 +374,7 @@ def _down_tile(
             for k in tl.static_range(TOP_K):
                 pk = t * TOP_K + k
                 e = expert_or_none(tl.load(ids_ptr + pk), num_experts)
-                routed = (e >= 0) & (e < num_experts)
+                routed = e >= 0  # expert_or_none: -1 outside [0, E)
                 routed = routed & (tl.load(l2p_ptr + e, mask=routed, other=-1) >= 0)
                 wk = tl.load(tw_ptr + pk).to(tl.float32)
                 if SPLIT == 1:
