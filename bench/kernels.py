@@ -32,7 +32,13 @@ from bench.common import commit_id, read_bandwidth, write
 from pooled_runner.formats import make_format
 
 SHAPES = {"deepseek": (7168, 2048, 256, 8), "qwen3": (2048, 768, 128, 8)}
-STOCK_SGLANG_US = {("qwen3", 1): 31.7, ("qwen3", 4): 76.0, ("qwen3", 16): 197.0, ("qwen3", 4096): 880.0}
+STOCK_SGLANG_H200_US = {("qwen3", 1): 31.7, ("qwen3", 4): 76.0, ("qwen3", 16): 197.0, ("qwen3", 4096): 880.0}
+
+
+def stock_us(shape: str, M: int, device_name: str) -> float | None:
+    """DESIGN.md §4's stock SGLang time for (shape, M), measured on an H200: None on any other card, where a
+    ratio to it would compare two GPUs (`bench.stock_compare` times stock on the same card)."""
+    return STOCK_SGLANG_H200_US.get((shape, M)) if "H200" in device_name else None
 
 
 def random_rows(
@@ -130,8 +136,9 @@ def main() -> None:
         return
     g = torch.Generator(device="cuda").manual_seed(0)
     hbm, zero_copy, lines = measured_header(args.commit)
+    device_name = torch.cuda.get_device_name()
     lines += [
-        "| shape | format | M | host rows | µs | GB/s | % of bound | vs torch grouped | vs stock SGLang (2026-11-29, not this run)* |",
+        "| shape | format | M | host rows | µs | GB/s | % of bound | vs torch grouped | vs stock SGLang (H200, 2026-11-29, not this run)* |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
@@ -200,7 +207,7 @@ def main() -> None:
                     if name == "bf16" and M >= 512 and frac == "0":
                         gg = grouped_gemm_us(x, ids, pool["w13"], pool["w2"])
                         base = f"{gg / us:.2f}x ({gg:.0f} µs)" if gg else "n/a"
-                    stock = STOCK_SGLANG_US.get((shape, M)) if name == "bf16" and frac == "0" else None
+                    stock = stock_us(shape, M, device_name) if name == "bf16" and frac == "0" else None
                     row = (
                         f"| {shape} | {name} | {M} | {frac} | {us:.1f} | {gbs:.0f} | {100 * bound_us / us:.0f}% | "
                         f"{base} | {f'{stock / us:.2f}x' if stock else ''} |"
@@ -221,7 +228,8 @@ def main() -> None:
         "",
         "% of bound: (hit bytes / HBM read + host bytes / zero-copy read) / measured time. 'vs torch grouped': "
         "torch._grouped_mm time / ours (> 1 = ours faster). *stock SGLang 0.5.23 fused MoE times are DESIGN.md §4 "
-        "numbers (measured 2026-11-29, not in this run; SGLang is not on the GPU image).",
+        "numbers (measured 2026-11-29 on an H200, not in this run; SGLang is not on the GPU image), shown on an H200 "
+        "only: `bench.stock_compare` times stock on the same card.",
     ]
     write(args.out, lines)
 

@@ -37,14 +37,25 @@ def build_layer(
     host_rows: bool = True,
 ):
     """A layer of E experts in format `format_name`: bank `[E, ...]` (host view), pool `[R, ...]` holding a
-    random R of them, l2p `[E + 2]` with codes row / R + e / -1 (`num_not_here` experts, and the 2 padding)."""
+    random R of them, l2p `[E + 2]` with codes row / R + e / -1 (`num_not_here` experts, and the 2 padding).
+
+    On a GPU `device` the weights are drawn and quantized there (a generator seeded from `g`), so the GPU tests'
+    real-H-and-I layers do not wait on CPU quantization in every pytest worker at once; the bank then comes
+    back to the CPU (not pinned), the pool and l2p stay on `device`."""
     fmt = make_format(format_name, dtype)
+    draw_g = g
+    if device != "cpu":
+        draw_g = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,), generator=g)))
     rows = [
-        fmt.quantize(torch.randn(2 * I, H, generator=g) / H**0.5, torch.randn(H, I, generator=g) / I**0.5)
+        fmt.quantize(
+            torch.randn(2 * I, H, generator=draw_g, device=device) / H**0.5,
+            torch.randn(H, I, generator=draw_g, device=device) / I**0.5,
+        )
         for _ in range(E)
     ]
     bank = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
-    pool = {k: torch.empty((R, *v.shape[1:]), dtype=v.dtype) for k, v in bank.items()}
+    del rows
+    pool = {k: torch.empty((R, *v.shape[1:]), dtype=v.dtype, device=device) for k, v in bank.items()}
     l2p = torch.full((E + 2,), -1, dtype=torch.int32)
     l2p[:E] = R + torch.arange(E, dtype=torch.int32)
     perm = torch.randperm(E, generator=g)
@@ -56,8 +67,8 @@ def build_layer(
     for e in perm[E - num_not_here :].tolist() if num_not_here else []:
         l2p[e] = -1
     if device != "cpu":
-        pool = {k: v.to(device) for k, v in pool.items()}
         l2p = l2p.to(device)
+        bank = {k: v.cpu() for k, v in bank.items()} if host_rows else {}
     return fmt, pool, (bank if host_rows else None), l2p
 
 

@@ -1,4 +1,4 @@
-"""bench/kernel_variants.py on the CPU: its columns and sweep tiles."""
+"""bench/kernel_variants.py and bench/kernels.py on the CPU: columns, sweep tiles, the stock column."""
 
 from __future__ import annotations
 
@@ -27,3 +27,15 @@ def test_sweep_tiles_and_cases_well_formed():
     for bn1, bn2, bk, warps, stages, swap in ALIGN_SWEEP_TILES:
         assert min(bn1, bn2) >= 16 and bk >= 16 and warps in (4, 8) and stages >= 1 and isinstance(swap, bool)
     assert all(variant in ("align", "inline") and M >= 1 for _, _, variant, M in ALIGN_SWEEP_CASES)
+
+
+def test_stock_ratio_only_on_the_card_it_was_measured_on():
+    """DESIGN.md §4's stock times are H200 numbers: bench.kernels shows a ratio to them on an H200 only (an H100
+    row against them read 0.99x at Qwen3-like M=1 where the same card's stock was 1.17x slower, 2026-12-07)."""
+    from bench.kernels import stock_us
+
+    assert stock_us("qwen3", 1, "NVIDIA H200") == 31.7
+    assert stock_us("qwen3", 16, "NVIDIA H200 NVL") == 197.0
+    assert stock_us("qwen3", 1, "NVIDIA H100 80GB HBM3") is None
+    assert stock_us("qwen3", 2, "NVIDIA H200") is None  # not measured there
+    assert stock_us("deepseek", 1, "NVIDIA H200") is None

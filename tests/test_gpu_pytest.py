@@ -27,7 +27,8 @@ TOY = """import json, os, pytest
 
 def _record(name):
     with open(os.environ["TOY_RECORD"], "a") as f:
-        f.write(json.dumps([name, os.environ.get("PYTEST_XDIST_WORKER", "main"), os.getpid()]) + "\\n")
+        row = [name, os.environ.get("PYTEST_XDIST_WORKER", "main"), os.getpid(), os.environ.get("OMP_NUM_THREADS")]
+        f.write(json.dumps(row) + "\\n")
 
 @pytest.mark.gpu
 @pytest.mark.real_shape_layers
@@ -46,12 +47,13 @@ def test_not_gpu_{mod}():
 """
 
 
-def _run(tmp_path: Path, files: list[str], workers: int) -> tuple[int, list, str]:
+def _run(tmp_path: Path, files: list[str], workers: int, **extra_env: str) -> tuple[int, list, str]:
     record = tmp_path / "record.jsonl"
     record.unlink(missing_ok=True)
     env = dict(os.environ, TOY_RECORD=str(record), GPU_WORKERS=str(workers), PYTHON=sys.executable)
-    env.pop("PYTEST_XDIST_WORKER", None)
-    env.pop("PYTEST_XDIST_WORKER_COUNT", None)
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "OMP_NUM_THREADS"):
+        env.pop(name, None)
+    env.update(extra_env)
     proc = subprocess.run(
         ["bash", str(SCRIPT), *files], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
@@ -79,6 +81,16 @@ def test_layers_tests_in_one_process_beside_the_workers(toy):
     assert {r[1] for r in rest} <= {"gw0", "gw1"} and layers[0][2] not in {r[2] for r in rest}, rows
     assert not any(r[0] == "not_gpu" for r in rows), "a test without the gpu marker ran"
     assert "real_shape_layers tests" in out
+    # the cores shared out among the workers and the layers process: each worker's torch is not started with
+    # a thread per core each (6 workers x 16 threads on 16 cores)
+    share = str(max(1, len(os.sched_getaffinity(0)) // 3))
+    assert {r[3] for r in rows} == {share}, rows
+
+
+def test_a_given_thread_count_is_kept(toy):
+    rc, rows, out = _run(toy, ["test_a.py"], workers=2, OMP_NUM_THREADS="5")
+    assert rc == 0, out
+    assert len(rows) == 12 and {r[3] for r in rows} == {"5"}, rows
 
 
 def test_one_process_without_workers(toy):
