@@ -38,7 +38,7 @@ PDL_CASES = [
 def _layer(name: str):
     fused_moe, operands = kernel_modules()
     H, I, E, K = SHAPES["qwen3"]
-    E = 24  # quantized on the CPU: a few at the real H and I
+    E = 24  # a few experts at the real H and I: each is quantized in its own launches
     cpu = torch.Generator().manual_seed(len(name) + 11)
     fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, 16, cpu, device="cuda", num_not_here=3)
     fmt = operands.kernel_format(fmt_obj)
