@@ -38,7 +38,8 @@ STOCK_SGLANG_H200_US = {("qwen3", 1): 31.7, ("qwen3", 4): 76.0, ("qwen3", 16): 1
 def stock_us(shape: str, M: int, device_name: str) -> float | None:
     """DESIGN.md §4's stock SGLang time for (shape, M), measured on an H200: None on any other card, where a
     ratio to it would compare two GPUs (`bench.stock_compare` times stock on the same card)."""
-    return STOCK_SGLANG_H200_US.get((shape, M)) if "H200" in device_name else None
+    on_h200 = "H200" in device_name and "GH200" not in device_name  # (Grace Hopper: another card)
+    return STOCK_SGLANG_H200_US.get((shape, M)) if on_h200 else None
 
 
 def random_rows(

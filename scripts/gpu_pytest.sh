@@ -17,6 +17,7 @@ if ! [[ "$workers" =~ ^[0-9]+$ ]]; then
   echo "GPU_WORKERS=$workers: expected a number of pytest-xdist workers (0: one process)"
   exit 2
 fi
+workers=$((10#$workers))  # "08": a number of workers, not an octal digit string
 if [ "$workers" -gt 0 ] && ! "$PY" -c "import xdist" 2>/dev/null; then
   echo "note: pytest-xdist is not installed: the GPU tests run in one process"
   workers=0
@@ -25,8 +26,8 @@ if [ "$workers" = 0 ]; then
   exec "$PY" -m pytest -m gpu "${ARGS[@]}" "$@"
 fi
 # the cores shared out among the workers and the layers process, unless OMP_NUM_THREADS is given: torch starts a
-# thread per core in each process otherwise (6 workers x 16 threads on 16 cores); on an H100 on 2026-12-07 most
-# of the workers' 45 s stack dumps were in that CPU work (quantizing test layers), with the compile cache warm
+# thread per core in each process otherwise (6 workers x 16 threads on 16 cores), for the tests' CPU work
+# (references, host banks); on an H100 on 2026-12-07 most of the workers' 45 s stack dumps were in such work
 cores=$(nproc 2>/dev/null || echo 1)
 share=$(( cores / (workers + 1) ))
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( share > 0 ? share : 1 ))}"

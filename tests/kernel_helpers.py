@@ -46,15 +46,16 @@ def build_layer(
     draw_g = g
     if device != "cpu":
         draw_g = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,), generator=g)))
-    rows = [
-        fmt.quantize(
+    bank: dict[str, torch.Tensor] = {}
+    for e in range(E):  # each expert into its bank row as it is made: no second copy of the bank on a GPU
+        row = fmt.quantize(
             torch.randn(2 * I, H, generator=draw_g, device=device) / H**0.5,
             torch.randn(H, I, generator=draw_g, device=device) / I**0.5,
         )
-        for _ in range(E)
-    ]
-    bank = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
-    del rows
+        for k, v in row.items():
+            if e == 0:
+                bank[k] = torch.empty((E, *v.shape), dtype=v.dtype, device=v.device)
+            bank[k][e] = v
     pool = {k: torch.empty((R, *v.shape[1:]), dtype=v.dtype, device=device) for k, v in bank.items()}
     l2p = torch.full((E + 2,), -1, dtype=torch.int32)
     l2p[:E] = R + torch.arange(E, dtype=torch.int32)
@@ -69,6 +70,8 @@ def build_layer(
     if device != "cpu":
         l2p = l2p.to(device)
         bank = {k: v.cpu() for k, v in bank.items()} if host_rows else {}
+        if torch.device(device).type == "cuda":  # the bank's device copy: not held by this worker's allocator
+            torch.cuda.empty_cache()
     return fmt, pool, (bank if host_rows else None), l2p
 
 

@@ -37,5 +37,6 @@ def test_stock_ratio_only_on_the_card_it_was_measured_on():
     assert stock_us("qwen3", 1, "NVIDIA H200") == 31.7
     assert stock_us("qwen3", 16, "NVIDIA H200 NVL") == 197.0
     assert stock_us("qwen3", 1, "NVIDIA H100 80GB HBM3") is None
+    assert stock_us("qwen3", 1, "NVIDIA GH200 480GB") is None
     assert stock_us("qwen3", 2, "NVIDIA H200") is None  # not measured there
     assert stock_us("deepseek", 1, "NVIDIA H200") is None

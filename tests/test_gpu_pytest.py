@@ -47,11 +47,11 @@ def test_not_gpu_{mod}():
 """
 
 
-def _run(tmp_path: Path, files: list[str], workers: int, **extra_env: str) -> tuple[int, list, str]:
+def _run(tmp_path: Path, files: list[str], workers: int | str, **extra_env: str) -> tuple[int, list, str]:
     record = tmp_path / "record.jsonl"
     record.unlink(missing_ok=True)
     env = dict(os.environ, TOY_RECORD=str(record), GPU_WORKERS=str(workers), PYTHON=sys.executable)
-    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "OMP_NUM_THREADS"):
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "OMP_NUM_THREADS", "OMP_THREAD_LIMIT"):
         env.pop(name, None)
     env.update(extra_env)
     proc = subprocess.run(
@@ -108,3 +108,5 @@ def test_exit_codes(toy):
     assert rc == 5 and rows == [], f"nothing collected: rc {rc}\n{out}"
     rc, _, out = _run(toy, ["test_a.py"], workers=-1)
     assert rc == 2 and "GPU_WORKERS" in out
+    rc, rows, out = _run(toy, ["test_a.py"], workers="08")
+    assert rc == 0 and len(rows) == 12, f"GPU_WORKERS=08 read as octal? rc {rc}\n{out}"

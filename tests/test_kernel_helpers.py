@@ -35,6 +35,11 @@ def test_build_layer_contract(name, device):
         for w, fan_in in ((w13, H), (w2, I)):
             std = w.float().std().item() * fan_in**0.5
             assert 0.8 < std < 1.2, f"{name} expert {e}: std x sqrt(fan-in) {std:.3f}"
+    experts = [fmt.expert_weights({k: v[e] for k, v in bank.items()})[0] for e in range(E)]
+    assert not any(torch.equal(experts[0], w) for w in experts[1:]), "experts drawn alike"
+    other = build_layer(name, H, I, E, R, torch.Generator().manual_seed(6), device=device, num_not_here=2)
+    k0 = next(iter(bank))
+    assert not torch.equal(other[2][k0], bank[k0]), "the seed does not reach the weights"
     again = build_layer(name, H, I, E, R, torch.Generator().manual_seed(5), device=device, num_not_here=2)
     assert torch.equal(again[3].cpu(), codes) and all(torch.equal(again[2][k], bank[k]) for k in bank), (
         "not seeded"

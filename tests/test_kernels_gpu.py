@@ -233,7 +233,9 @@ def test_int4_half_math_equals_fp32_tiles(name, M, monkeypatch):
     fused_moe, operands = kernel_modules()
     H, I, _, K = SHAPES["qwen3"]
     E, R = 12, 12
-    fmt_obj, pool, _, l2p = build_layer(name, H, I, E, R, torch.Generator().manual_seed(M), device="cuda")
+    fmt_obj, pool, _, l2p = build_layer(
+        name, H, I, E, R, torch.Generator().manual_seed(M), device="cuda", host_rows=False
+    )
     fmt = operands.kernel_format(fmt_obj)
     p13, p2 = fused_moe.make_projections(fmt, pool, None, H, I)
     g = torch.Generator(device="cuda").manual_seed(M)

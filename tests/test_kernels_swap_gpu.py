@@ -40,7 +40,7 @@ def test_swapped_operand_gemms_real_shapes(name, shape, M, variant):
     H, I, E, K = SHAPES[shape]
     E = 8 if M == 1 else 16  # few experts, at the real H and I: each is quantized in its own launches
     cpu = torch.Generator().manual_seed(len(name) + M + H)
-    fmt_obj, pool, _, l2p = build_layer(name, H, I, E, E, cpu, device="cuda", num_not_here=0)
+    fmt_obj, pool, _, l2p = build_layer(name, H, I, E, E, cpu, device="cuda", num_not_here=0, host_rows=False)
     fmt = operands.kernel_format(fmt_obj)
     p13, p2 = fused_moe.make_projections(fmt, pool, None, H, I)
     g = torch.Generator(device="cuda").manual_seed(M)
