@@ -26,12 +26,9 @@ from pooled_runner.kernels.operands import kernel_format
 
 from bench.common import commit_id, read_bandwidth, time_graphs
 from bench.common import write_progress as write
-from bench.kernels import SHAPES, random_rows, time_graph
+from bench.kernels import SHAPES, random_rows, stock_us, time_graph
 from pooled_runner.formats import make_format
 
-# Stock SGLang 0.5.23's fused MoE, Qwen3-like bf16 M=1, resident, graph replay (shared/DESIGN.md §4, measured
-# 2026-11-29 on the H200; SGLang cannot run on the GPU image, so it is not re-measured here)
-STOCK_QWEN3_BF16_M1_US = 31.7
 BLOCK_N = (16, 32, 64, 128)
 BLOCK_K = (64, 128, 256)
 WARPS = (4, 8)
@@ -94,16 +91,15 @@ def main() -> None:
         "",
         f"interleaved (7 rounds): gemm1 {_cfg(best[0])}, gemm2 {_cfg(best[1])}",
         "",
-        "| tiles | µs | / default | % of bound | stock SGLang (DESIGN.md §4) / this |",
+        "| tiles | µs | / default | % of bound | stock SGLang (DESIGN.md §4, H200 only) / this |",
         "|---|---|---|---|---|",
     ]
     for name, ms in t.items():
         us = ms * 1e3
-        stock = (
-            f"{STOCK_QWEN3_BF16_M1_US / us:.3f}x"
-            if (args.shape, args.format, args.m) == ("qwen3", "bf16", 1)
-            else "-"
+        stock_time = (
+            stock_us(args.shape, args.m, torch.cuda.get_device_name()) if args.format == "bf16" else None
         )
+        stock = f"{stock_time / us:.3f}x" if stock_time else "-"
         lines.append(f"| {name} | {us:.2f} | {ms / t['default']:.3f} | {bound_us / us:.0%} | {stock} |")
     write(args.out, lines)
 
