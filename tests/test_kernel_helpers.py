@@ -29,14 +29,13 @@ def test_build_layer_contract(name, device):
         for e in in_rows:  # a pool row holds its expert's bank row, bitwise
             assert torch.equal(pool[k][int(codes[e])].cpu(), rows[e]), (k, e)
     # the drawn weights' scale (1/sqrt(fan-in)) survives the format: dequantized rows of every expert
-    for e in range(E):
-        w13, w2 = fmt.expert_weights({k: v[e] for k, v in bank.items()})
+    experts = [fmt.expert_weights({k: v[e] for k, v in bank.items()}) for e in range(E)]
+    for e, (w13, w2) in enumerate(experts):
         assert w13.shape == (2 * I, H) and w2.shape == (H, I), (w13.shape, w2.shape)
         for w, fan_in in ((w13, H), (w2, I)):
             std = w.float().std().item() * fan_in**0.5
             assert 0.8 < std < 1.2, f"{name} expert {e}: std x sqrt(fan-in) {std:.3f}"
-    experts = [fmt.expert_weights({k: v[e] for k, v in bank.items()})[0] for e in range(E)]
-    assert not any(torch.equal(experts[0], w) for w in experts[1:]), "experts drawn alike"
+    assert not any(torch.equal(experts[0][0], w13) for w13, _ in experts[1:]), "experts drawn alike"
     other = build_layer(name, H, I, E, R, torch.Generator().manual_seed(6), device=device, num_not_here=2)
     k0 = next(iter(bank))
     assert not torch.equal(other[2][k0], bank[k0]), "the seed does not reach the weights"
