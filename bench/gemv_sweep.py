@@ -3,11 +3,13 @@
 For each case (shape, format, M; resident experts, softmax top-k routing of random logits) and each config
 around `gemv_configs`' default, the gate_up kernel alone and the down + combine kernel alone, in µs per call
 (CUDA graph replay) and % of the HBM read bandwidth measured in the same run for that kernel's bytes (gate_up
-reads 2/3 of a layer's expert bytes, down 1/3). Each row also gives max |difference| of its output to the
+reads 2/3 of a layer's expert bytes, down 1/3). `--host-rows`: every expert read from a pinned bank instead,
+and % of the zero-copy read measured in the same run. Each row also gives max |difference| of its output to the
 default config's (split K changes only the fp32 summation order). Seeded; the default config runs first.
 
 Usage: python -m bench.gemv_sweep [--cases "deepseek:int4-g128:1,8;qwen3:int4-g128:1"] [--set wide|focus|default|alt]
-                                 [--alt "stages=3;split_k2=2"] [--kernels gate_up,down,layer] [--out sweep.md]
+                                 [--alt "stages=3;split_k2=2"] [--kernels gate_up,down,layer] [--host-rows]
+                                 [--out sweep.md]
 `--set alt`: the default and each `--alt` config (GemvConfig fields replaced; configs separated by ";"), in
 turn, `--rounds` times;
 kernel `layer`: the whole GEMV layer (`pooled_fused_moe`, variant "gemv").
@@ -206,10 +208,13 @@ def sweep_case(
     only: list[str] | None = None,
     alts: list[dict] | None = None,
     rounds: int = 1,
+    host_rows: bool = False,
 ) -> list[str]:
-    """The rows of one case: gate_up configs, then down configs (down reads the default config's act)."""
+    """The rows of one case: gate_up configs, then down configs (down reads the default config's act). `hbm`:
+    the bandwidth (GB/s) of where the rows live, the HBM read or, with `host_rows` (every expert read from
+    the pinned bank), the zero-copy read."""
     H, I, _, _ = SHAPES[shape]
-    layer = resident_layer(shape, name, M, g)
+    layer = resident_layer(shape, name, M, g, host_rows)
     x, ids, tw, l2p, E, w13, w2, fmt = layer.args
     ids = ids.contiguous()
     base = gemv_configs(H, I, fmt.fmt, ids.numel(), fmt.group)
@@ -284,17 +289,24 @@ def main() -> None:
         help='--set alt: GemvConfig fields of the other configs, "k=v,k=v;k=v" (";" between)',
     )
     ap.add_argument("--rounds", type=int, default=3, help="--set alt: default / alt alternations")
+    ap.add_argument(
+        "--host-rows",
+        action="store_true",
+        help="every expert read from a pinned bank (host rows); %% of the zero-copy read instead of HBM",
+    )
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     deadline = time.perf_counter() + args.budget
     alts = [_alt_fields(one) for one in args.alt.split(";") if one]
-    hbm, _, lines = measured_header(args.commit)
+    hbm, zero_copy, lines = measured_header(args.commit)
+    where = "zero-copy read (every row on the host)" if args.host_rows else "HBM read"
     lines += [
-        "GEMV kernels apart (µs per call, graph replay; % HBM of that kernel's bytes; max |diff| to the default):",
+        f"GEMV kernels apart (µs per call, graph replay; % of the {where} for that kernel's bytes; max |diff| to "
+        "the default):",
         "",
         "| shape | format | M | kernel | BN | BK | warps | prefetch | split K | max regs | word dot | combine "
-        "| schedule | µs | % HBM | max diff |",
+        "| schedule | µs | % bound | max diff |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
@@ -302,8 +314,19 @@ def main() -> None:
     for case in args.cases.split(";"):
         shape, name, ms = case.split(":")
         for M in (int(m) for m in ms.split(",")):
+            bandwidth = zero_copy if args.host_rows else hbm
             lines += sweep_case(
-                shape, name, M, hbm, g, deadline, args.set, args.kernels.split(","), alts, args.rounds
+                shape,
+                name,
+                M,
+                bandwidth,
+                g,
+                deadline,
+                args.set,
+                args.kernels.split(","),
+                alts,
+                args.rounds,
+                args.host_rows,
             )
             torch.cuda.empty_cache()
     try:  # Triton internals: the sweep's rows must not be lost to a change there

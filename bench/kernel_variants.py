@@ -102,15 +102,19 @@ class DecodeLayer:
         return 100 * self.nbytes / (hbm_gbs * 1e9) / (us * 1e-6)
 
 
-def resident_layer(shape: str, name: str, M: int, g: torch.Generator) -> DecodeLayer:
+def resident_layer(shape: str, name: str, M: int, g: torch.Generator, host_rows: bool = False) -> DecodeLayer:
     """A layer of `shape` in format `name` with every expert in a pool row, and M tokens routed by softmax top-k
-    of random logits (CUDA)."""
+    of random logits (CUDA). `host_rows`: every expert read from a pinned bank copy of the pool instead (host
+    codes `E + expert` in l2p), as a step whose experts all missed the pool."""
     H, I, E, K = SHAPES[shape]
     fmt = kernel_format(make_format(name, torch.bfloat16))
     pool = random_rows(name, H, I, E, "cuda", g)
     row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
-    p13, p2 = make_projections(fmt, pool, None, H, I)
-    l2p = torch.arange(E, dtype=torch.int32, device="cuda")
+    bank = None
+    if host_rows:
+        bank = {k: torch.empty_like(v, device="cpu", pin_memory=True).copy_(v) for k, v in pool.items()}
+    p13, p2 = make_projections(fmt, pool, bank, H, I)
+    l2p = torch.arange(E, dtype=torch.int32, device="cuda") + (E if host_rows else 0)
     x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
     w, ids = torch.softmax(torch.randn(M, E, generator=g, device="cuda"), -1).topk(K, -1)
     return DecodeLayer((x, ids, w, l2p, E, p13, p2, fmt), torch.unique(ids).numel() * row_bytes)
