@@ -2,11 +2,10 @@
 scatter; the same outputs as `align.align_blocks`' one-program paths (see `align.py` for their layout).
 
 Nothing else is launched: each chunk's counts are its histogram, stored whole (no zeroed buffer to add into),
-and the padding slots of `sorted_pairs` are written where they become known, never overlapping a pair's slot
-(no fill before the scatter): each expert's slots past its pairs by the scan, every slot past the used ones by
-the scatter's programs. Until 2026-12-07 a memset
-of the counts and a fill of `sorted_pairs` ran before the three (18.8-21.4 µs for the five at Qwen3-like
-2048-8192 pairs, H100, `bench.align_time`; the three alone not yet timed)."""
+and the scatter's programs also write the padding slots of `sorted_pairs` (each expert's slots past its pairs,
+then every slot past the used ones), which never overlap a pair's slot: no fill before the scatter. Until
+2026-12-07 a memset of the counts and a fill of `sorted_pairs` ran before the three (18.9-21.4 µs for the five
+at Qwen3-like 4096-8192 pairs, H100, `bench.align_time`; the three alone not yet timed)."""
 
 from __future__ import annotations
 
@@ -101,27 +100,15 @@ def _align_count_kernel(
 
 
 @triton.jit
-def _pad_experts(sorted_ptr, starts, totals, ends, num_pairs, BLOCK_M: tl.constexpr, PAD_J: tl.constexpr):
-    """`num_pairs` into each expert's padding slots `[start + count, end)` (fewer than BLOCK_M). `starts`,
-    `totals`, `ends`: `[E_POW2]` per expert (a bin past the experts has start = end: no slots)."""
-    first_pad = starts + totals
-    for j0 in range(0, BLOCK_M, PAD_J):
-        slot = first_pad[:, None] + (j0 + tl.arange(0, PAD_J))[None, :]
-        tl.store(sorted_ptr + slot, num_pairs, mask=slot < ends[:, None])
-
-
-@triton.jit
 def _align_scan_kernel(
     counts_ptr,  # [P, E_POW2] int32 in: per-chunk counts; out: per-chunk base slot
-    ends_ptr,
-    sorted_ptr,
+    ends_ptr,  # [2, E_POW2] int32 out: each expert's padded end slot, then its first padding slot
     l2p_ptr,
     block_experts_ptr,
     block_codes_ptr,
     block_order_ptr,
     num_post_ptr,
     num_chunks,
-    num_pairs,
     num_experts,
     num_rows,
     max_blocks,
@@ -129,7 +116,6 @@ def _align_scan_kernel(
     E_POW2: tl.constexpr,
     P_BLOCK: tl.constexpr,
     BLOCK_CHUNK: tl.constexpr,
-    PAD_J: tl.constexpr,
 ):
     e_offs = tl.arange(0, E_POW2)
     totals = tl.zeros((E_POW2,), dtype=tl.int32)
@@ -143,8 +129,8 @@ def _align_scan_kernel(
     ends = tl.cumsum(padded, axis=0)
     total = tl.sum(padded, axis=0)
     tl.store(ends_ptr + e_offs, ends)
+    tl.store(ends_ptr + E_POW2 + e_offs, ends - padded + totals)  # each expert's first padding slot
     tl.store(num_post_ptr, total)
-    _pad_experts(sorted_ptr, ends - padded, totals, ends, num_pairs, BLOCK_M, PAD_J)
     carry = ends - padded
     for p0 in range(0, num_chunks, P_BLOCK):
         p = p0 + tl.arange(0, P_BLOCK)
@@ -173,16 +159,23 @@ def _align_scan_kernel(
 
 @triton.jit
 def _align_scatter_kernel(
-    ids_ptr, base_ptr, sorted_ptr, num_post_ptr, num_pairs, num_experts, max_slots,
-    E_POW2: tl.constexpr, CHUNK: tl.constexpr, S_CHUNK: tl.constexpr,
+    ids_ptr, base_ptr, ends_ptr, sorted_ptr, num_post_ptr, num_pairs, num_experts, max_slots,
+    BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, E_CHUNK: tl.constexpr,
+    S_CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Each pair of chunk `pid` to its slot; and, shared out among the programs (at least one, for no pairs),
-    `num_pairs` into the slots past the used ones, `[num_post_padded, max_slots)`."""
+    `num_pairs` into every padding slot: each expert's `[first padding slot, end)` (fewer than BLOCK_M; none for
+    a bin past the experts), then the slots past the used ones, `[num_post_padded, max_slots)`."""
     pid = tl.program_id(0)
     offs, ids, valid = _chunk_ids(ids_ptr, pid * CHUNK, num_pairs, num_experts, CHUNK)
     rank = _rank_in_chunk(ids, valid, CHUNK)
     base = tl.load(base_ptr + pid * E_POW2 + ids, mask=valid, other=0)
     tl.store(sorted_ptr + base + rank, offs, mask=valid)
+    for e0 in range(pid * E_CHUNK, E_POW2, tl.num_programs(0) * E_CHUNK):
+        e = e0 + tl.arange(0, E_CHUNK)
+        end = tl.load(ends_ptr + e)
+        slot = tl.load(ends_ptr + E_POW2 + e)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(sorted_ptr + slot, num_pairs, mask=slot < end[:, None])
     total = tl.load(num_post_ptr)
     for s0 in range(pid * S_CHUNK, max_slots, tl.num_programs(0) * S_CHUNK):
         slot = s0 + tl.arange(0, S_CHUNK)
@@ -197,16 +190,17 @@ def align_wide(
     e_pow2 = max(16, triton.next_power_of_2(num_experts))
     num_chunks = triton.cdiv(num_pairs, CHUNK)
     counts = torch.empty((num_chunks, e_pow2), dtype=torch.int32, device=ids.device)  # every bin written
-    ends = torch.empty(e_pow2, dtype=torch.int32, device=ids.device)
+    ends = torch.empty((2, e_pow2), dtype=torch.int32, device=ids.device)
     _align_count_kernel[(num_chunks,)](ids, counts, num_pairs, num_experts, E_POW2=e_pow2, CHUNK=CHUNK)
     p_block = max(1, min(64, 16384 // e_pow2))
-    pad_j = max(1, min(out.block_m, 4096 // e_pow2))  # [E_POW2, PAD_J] padding slots per store
     _align_scan_kernel[(1,)](
-        counts, ends, out.sorted_pairs, l2p, out.block_experts, out.block_codes, out.block_order,
-        out.num_post_padded, num_chunks, num_pairs, num_experts, num_rows, out.max_blocks,
-        BLOCK_M=out.block_m, E_POW2=e_pow2, P_BLOCK=p_block, BLOCK_CHUNK=BLOCK_CHUNK, PAD_J=pad_j, num_warps=4,
+        counts, ends, l2p, out.block_experts, out.block_codes, out.block_order, out.num_post_padded,
+        num_chunks, num_experts, num_rows, out.max_blocks,
+        BLOCK_M=out.block_m, E_POW2=e_pow2, P_BLOCK=p_block, BLOCK_CHUNK=BLOCK_CHUNK, num_warps=4,
     )  # fmt: skip
     _align_scatter_kernel[(max(1, num_chunks),)](
-        ids, counts, out.sorted_pairs, out.num_post_padded, num_pairs, num_experts, out.max_blocks * out.block_m,
-        E_POW2=e_pow2, CHUNK=CHUNK, S_CHUNK=1024,
+        ids, counts, ends, out.sorted_pairs, out.num_post_padded, num_pairs, num_experts,
+        out.max_blocks * out.block_m,
+        BLOCK_M=out.block_m, E_POW2=e_pow2, CHUNK=CHUNK, E_CHUNK=min(e_pow2, max(1, 2048 // out.block_m)),
+        S_CHUNK=1024,
     )  # fmt: skip
