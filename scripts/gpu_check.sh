@@ -31,12 +31,12 @@ fi
 # Entries of kernels since changed stay in the cache: empty .triton_cache/ when its parts near 48 MiB
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
 "$PY" scripts/triton_cache.py unpack .triton_cache "$TRITON_CACHE_DIR"
-save_cache() {  # SAVE_TRITON_CACHE=1: after each kernel test step and at the end (a killed call keeps the last)
+save_cache() {  # SAVE_TRITON_CACHE=1: after each GPU test step and at the end (a killed call keeps the last)
   if [ "${SAVE_TRITON_CACHE:-0}" = 1 ]; then "$PY" scripts/triton_cache.py pack "$TRITON_CACHE_DIR" "$OUT"; fi
 }
-# the kernel tests run through scripts/gpu_pytest.sh: GPU_WORKERS pytest-xdist workers (default 6, of the device
+# the GPU tests run through scripts/gpu_pytest.sh: GPU_WORKERS pytest-xdist workers (default 6, of the device
 # machine's 16 cores) compiling side by side, the real-shape layers' tests in one process beside them
-kernel_tests() {  # kernel_tests STEP CAP FILES...: one step of kernel GPU tests
+gpu_test_step() {  # gpu_test_step STEP CAP FILES_OR_PYTEST_ARGS...: one step of GPU tests
   local name="$1" cap="$2"
   shift 2
   step "$name" "$cap" env LAYERS_LOG="$LOGS/$name.layers.log" PYTHON="$PY" bash scripts/gpu_pytest.sh "$@"
@@ -75,21 +75,21 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || tru
 if [ "${QUICK:-0}" = 1 ]; then
   # ~330 + ~90 + ~130 s measured (2026-12-01): the caps leave the call's 10 minutes little room, and on
   # 2026-12-02 a fresh machine needed over 400 s for the kernel tests alone: there, run the steps in two calls
-  kernel_tests gpu_tests "${GPU_TESTS_CAP:-360}" $KERNEL_TESTS
+  gpu_test_step gpu_tests "${GPU_TESTS_CAP:-360}" $KERNEL_TESTS
   step bench_kernels "${BENCH_KERNELS_CAP:-130}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_variants "${BENCH_VARIANTS_CAP:-130}" "$PY" -m bench.kernels --variants --budget 100 --out "$OUT/bench_variants.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
 else
   if [ -n "${GPU_TESTS:-}" ]; then
-    kernel_tests gpu_tests "${GPU_TESTS_CAP:-330}" $GPU_TESTS
+    gpu_test_step gpu_tests "${GPU_TESTS_CAP:-330}" $GPU_TESTS
   else  # two steps: all GPU tests together outgrew one 10-minute device call (H200, 2026-11-30: > 540 s);
     # the kernel files alone took 304-319 s of pytest time (308-324 s per step) on 2026-12-01; on 2026-12-02 a
     # fresh machine ran 104 of the 108 in 400 s (no test over 45 s); since 2026-12-07 they are two steps (above)
-    kernel_tests gpu_tests "${GPU_TESTS_CAP:-420}" $KERNEL_TESTS_A
-    kernel_tests gpu_tests_b "${GPU_TESTS_B_CAP:-360}" $KERNEL_TESTS_B
+    gpu_test_step gpu_tests "${GPU_TESTS_CAP:-420}" $KERNEL_TESTS_A
+    gpu_test_step gpu_tests_b "${GPU_TESTS_B_CAP:-360}" $KERNEL_TESTS_B
     # the rest (planner, staging, transformers, TP) through the workers too: in one process a fresh H100 ran 40
     # of its 86 tests in 300 s, compiling (2026-12-07; 146 s with its compile cache warm); its kernels go into
     # the saved cache as well
-    kernel_tests gpu_tests_stack "${GPU_TESTS_STACK_CAP:-360}" tests $(for f in $KERNEL_TESTS; do printf -- '--ignore=%s ' "$f"; done)
+    gpu_test_step gpu_tests_stack "${GPU_TESTS_STACK_CAP:-360}" tests $(for f in $KERNEL_TESTS; do printf -- '--ignore=%s ' "$f"; done)
   fi
   step bench_kernels "${BENCH_KERNELS_CAP:-200}" "$PY" -m bench.kernels --quick --out "$OUT/bench_kernels.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # issue #4's "never slower than stock SGLang": stock's own kernels and tuned configs (bench/stock_sglang/), timed
