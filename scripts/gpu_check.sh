@@ -112,6 +112,10 @@ else
   # alternative: the tiles before them (fp32 dot, 256, 96 registers), which int4 keeps at M=8
   # its sweep stops 40 s before the step's cap (BENCH_GEMV_ALTS_CAP), so a smaller cap still writes its table
   step bench_gemv_alts "${BENCH_GEMV_ALTS_CAP:-240}" "$PY" -m bench.gemv_sweep --set alt --rounds 2 --budget $(( ${BENCH_GEMV_ALTS_CAP:-240} - 40 )) --kernels gate_up,down,layer --cases "${GEMV_ALT_CASES:-deepseek:nvfp4:1,8;deepseek:int4-g128:1,8;qwen3:nvfp4:1}" --alt "${GEMV_ALTS:-half_dot=0,block_k1=256,block_k2=256,max_registers=96,down_max_registers=-1,down_peel=0,schedule_width=64}" --out "$OUT/bench_gemv_alts.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  # issue #4's host rows >= 85% of the zero-copy read: NVFP4 read 79-84% (H100, 2026-12-07; every other format
+  # >= 91%). Its block scales are 1/8 of its bytes, read 32 B per row per K tile of 512: every row on the host,
+  # the default against wider K tiles (fewer, longer scale reads)
+  step bench_gemv_host "${BENCH_GEMV_HOST_CAP:-150}" "$PY" -m bench.gemv_sweep --host-rows --set alt --rounds 2 --budget $(( ${BENCH_GEMV_HOST_CAP:-150} - 30 )) --kernels gate_up,down --cases "qwen3:nvfp4:1;deepseek:nvfp4:1" --alt "block_k1=1024;block_k1=2048;block_k2=1024" --out "$OUT/bench_gemv_host.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # the one-launch split path (kernels/splitk.py): its tiles, then against the default decode path per shape and M
   step bench_splitk "${BENCH_SPLITK_CAP:-330}" "$PY" -m bench.splitk_sweep --budget 150 --out "$OUT/bench_splitk.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_pdl "${BENCH_PDL_CAP:-150}" "$PY" -m bench.kernel_pdl --budget 110 --out "$OUT/bench_pdl.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}

@@ -1,4 +1,4 @@
-"""scripts/gpu_pytest.sh, which runs the kernel GPU tests (scripts/gpu_check.sh): the tests marked
+"""scripts/gpu_pytest.sh, which runs the GPU test steps of scripts/gpu_check.sh: the tests marked
 real_shape_layers in one process apart from the pytest-xdist workers, the others in the workers, and its exit
 codes. On toy test files in a temporary folder (no GPU: the `gpu` marker only selects)."""
 
