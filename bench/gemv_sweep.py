@@ -201,7 +201,7 @@ def sweep_case(
     shape: str,
     name: str,
     M: int,
-    hbm: float,
+    bandwidth: float,
     g: torch.Generator,
     deadline: float,
     config_set: str = "wide",
@@ -210,9 +210,9 @@ def sweep_case(
     rounds: int = 1,
     host_rows: bool = False,
 ) -> list[str]:
-    """The rows of one case: gate_up configs, then down configs (down reads the default config's act). `hbm`:
-    the bandwidth (GB/s) of where the rows live, the HBM read or, with `host_rows` (every expert read from
-    the pinned bank), the zero-copy read."""
+    """The rows of one case: gate_up configs, then down configs (down reads the default config's act).
+    `bandwidth`: GB/s of where the rows live, the HBM read or, with `host_rows` (every expert read from the
+    pinned bank), the zero-copy read."""
     H, I, _, _ = SHAPES[shape]
     layer = resident_layer(shape, name, M, g, host_rows)
     x, ids, tw, l2p, E, w13, w2, fmt = layer.args
@@ -252,7 +252,9 @@ def sweep_case(
                 print(rows[-1], flush=True)
                 continue
             rows.append(
-                _row(shape, name, M, kernel, cfg, us, 100 * layer.nbytes * share / (hbm * 1e3) / us, diff)
+                _row(
+                    shape, name, M, kernel, cfg, us, 100 * layer.nbytes * share / (bandwidth * 1e3) / us, diff
+                )
             )
             print(rows[-1], flush=True)
     return rows
@@ -301,6 +303,7 @@ def main() -> None:
     alts = [_alt_fields(one) for one in args.alt.split(";") if one]
     hbm, zero_copy, lines = measured_header(args.commit)
     where = "zero-copy read (every row on the host)" if args.host_rows else "HBM read"
+    bandwidth = zero_copy if args.host_rows else hbm
     lines += [
         f"GEMV kernels apart (µs per call, graph replay; % of the {where} for that kernel's bytes; max |diff| to "
         "the default):",
@@ -314,7 +317,6 @@ def main() -> None:
     for case in args.cases.split(";"):
         shape, name, ms = case.split(":")
         for M in (int(m) for m in ms.split(",")):
-            bandwidth = zero_copy if args.host_rows else hbm
             lines += sweep_case(
                 shape,
                 name,

@@ -16,7 +16,7 @@ from pooled_runner.kernels.gemv import GemvConfig, gemv_configs
 from pooled_runner.kernels.operands import kernel_format
 
 from bench.common import write
-from bench.kernels import SHAPES, measured_header, random_rows, time_graph
+from bench.kernels import SHAPES, measured_header, pinned_bank, random_rows, time_graph
 from pooled_runner.formats import make_format
 
 # (shape, format, decode widths M, share of the step's experts read through the pinned host view): the cases
@@ -110,10 +110,7 @@ def resident_layer(shape: str, name: str, M: int, g: torch.Generator, host_rows:
     fmt = kernel_format(make_format(name, torch.bfloat16))
     pool = random_rows(name, H, I, E, "cuda", g)
     row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
-    bank = None
-    if host_rows:
-        bank = {k: torch.empty_like(v, device="cpu", pin_memory=True).copy_(v) for k, v in pool.items()}
-    p13, p2 = make_projections(fmt, pool, bank, H, I)
+    p13, p2 = make_projections(fmt, pool, pinned_bank(pool) if host_rows else None, H, I)
     l2p = torch.arange(E, dtype=torch.int32, device="cuda") + (E if host_rows else 0)
     x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
     w, ids = torch.softmax(torch.randn(M, E, generator=g, device="cuda"), -1).topk(K, -1)
@@ -157,7 +154,7 @@ def variants_main(args: argparse.Namespace) -> None:
         row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
         bank = None
         if host != "0":
-            bank = {k: torch.empty_like(v, device="cpu", pin_memory=True).copy_(v) for k, v in pool.items()}
+            bank = pinned_bank(pool)
         p13, p2 = make_projections(fmt, pool, bank, H, I)
         for M in ms:
             x = torch.randn(M, H, generator=g, device="cuda").bfloat16()

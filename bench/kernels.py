@@ -42,6 +42,11 @@ def stock_us(shape: str, M: int, device_name: str) -> float | None:
     return STOCK_SGLANG_H200_US.get((shape, M)) if on_h200 else None
 
 
+def pinned_bank(pool: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A pinned host copy of every operand of `pool` (the bank its host rows are read from)."""
+    return {k: torch.empty_like(v, device="cpu", pin_memory=True).copy_(v) for k, v in pool.items()}
+
+
 def random_rows(
     name: str, H: int, I: int, num: int, device: str, g: torch.Generator
 ) -> dict[str, torch.Tensor]:
@@ -159,7 +164,7 @@ def main() -> None:
             pool = random_rows(name, H, I, E, "cuda", g)
             row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
             # every format's rows in a pinned bank too: #4 asks for host rows (1/8, all) in each format
-            bank = {k: torch.empty_like(v, device="cpu", pin_memory=True).copy_(v) for k, v in pool.items()}
+            bank = pinned_bank(pool)
             p13, p2 = make_projections(fmt, pool, bank, H, I)
             for M in ms:
                 x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
