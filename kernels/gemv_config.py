@@ -158,14 +158,14 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group
         # with it (NVFP4 16.0 -> 17.3 µs, int4 14.9 -> 15.5). At 80 both kernels spill (slower at M=1).
         num_down = num_pairs * triton.cdiv(H, bn2)  # down programs
         if fmt == FMT_NVFP4 or _int4_wide(H, I, group, num_down):
-            return _half_wide_config(bn1, bn2, I)
+            return _half_wide_config(bn1, bn2, H, I, nvfp4=fmt == FMT_NVFP4)
         one_wave = num_down <= 4 * _num_sms()
         regs = PACKED_MAX_REGISTERS if bn2 >= 64 and not one_wave else 0
         return GemvConfig(bn1, bk1, bn2, bk2, num_warps=4, prefetch=False, max_registers=regs)
     return GemvConfig(bn1, bk, bn2, bk, num_warps=4, prefetch=True)
 
 
-def _half_wide_config(bn1: int, bn2: int, I: int) -> GemvConfig:
+def _half_wide_config(bn1: int, bn2: int, H: int, I: int, nvfp4: bool = True) -> GemvConfig:
     """NVFP4 (and int4 where `_int4_wide`): the half word dot with K tiles of 512 (32 words per thread) at 128
     registers in gate_up, and in down where I is whole 512 tiles (else tiles of 256 at 96 registers, one wave or
     not). H100, 2026-12-05 (bench.gemv_sweep --set alt, µs per layer against tiles of 256 with the fp32 dot): DeepSeek-like 92.2 -> 83.4 at M=1, 586.5 -> 545.7 at
@@ -186,7 +186,7 @@ def _half_wide_config(bn1: int, bn2: int, I: int) -> GemvConfig:
     bk2, regs2 = (512, -1) if I % 512 == 0 else (256, PACKED_MAX_REGISTERS)
     return GemvConfig(
         bn1,
-        512,
+        _half_gate_up_block_k(bn1, H, nvfp4),
         bn2,
         bk2,
         num_warps=4,
@@ -197,6 +197,18 @@ def _half_wide_config(bn1: int, bn2: int, I: int) -> GemvConfig:
         down_peel=True,
         schedule_width=8,
     )
+
+
+def _half_gate_up_block_k(bn1: int, H: int, nvfp4: bool) -> int:
+    """NVFP4 gate_up's K tile: 1024 where the tile has 16 rows (small I at few pairs: the Qwen3-like layer at one
+    token) and H is whole 1024 tiles, so a tile holds the 16K values that 32 rows x 512 hold; else 512. H100,
+    2026-12-07 (bench.gemv_sweep --set alt, two rounds, µs per layer at M=1, Qwen3-like): resident 14.6-14.8 ->
+    13.8-14.0; every row on the host 889-943 -> 786-816 (87-88% -> 96-103% of the zero-copy read: the wider
+    tile reads 512 bytes of codes and 64 of scales per row at a time, not 256 and 32). 128 registers, no spills.
+    Not taken at 32 rows (DeepSeek-like M=1, Qwen3-like M>=2): 44-52 registers spilled, the layer 12-40% slower
+    resident; 16 rows with 1024 there instead were 0-6% slower resident and 7-15% faster on the host. int4
+    (`_int4_wide`) keeps 512: not measured."""
+    return 1024 if nvfp4 and bn1 == 16 and H % 1024 == 0 else 512
 
 
 def _int4_wide(H: int, I: int, group: int, num_down_programs: int) -> bool:

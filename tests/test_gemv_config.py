@@ -72,8 +72,8 @@ def test_default_tiles_on_a_132_sm_gpu(monkeypatch):
     assert wide.down_peel and wide.schedule_width == 8, wide
     for fmt_code in (dequant.FMT_DENSE, dequant.FMT_FP8_CHANNEL, dequant.FMT_FP8_BLOCK):
         assert cfg(7168, 2048, fmt_code, 8).max_registers == 0, fmt_code
-    # NVFP4: the half dot, gate_up's K tiles of 512 at 128 registers; down's too where I is whole 512 tiles,
-    # else 256 at 96 (one wave or not)
+    # NVFP4: the half dot, gate_up's K tiles of 512 at 128 registers (1024 at 16 rows where H is whole 1024
+    # tiles); down's 512 too where I is whole 512 tiles, else 256 at 96 (one wave or not)
     nvfp4 = dequant.FMT_NVFP4
     for pairs in (8, 64):
         deepseek = cfg(7168, 2048, nvfp4, pairs)
@@ -90,22 +90,27 @@ def test_default_tiles_on_a_132_sm_gpu(monkeypatch):
             gemv_config.WIDE_REGISTERS,
             128,
         )
-    for pairs, bn2 in ((8, 32), (64, 64)):
+    for pairs, bn1, bk1, bn2 in ((8, 16, 1024, 32), (64, 32, 512, 64)):
         qwen3 = cfg(2048, 768, nvfp4, pairs)
         assert qwen3.half_dot
         assert (
+            qwen3.block_n1,
             qwen3.block_k1,
             qwen3.block_n2,
             qwen3.block_k2,
             qwen3.registers(),
             qwen3.registers(down=True),
         ) == (
-            512,
+            bn1,
+            bk1,
             bn2,
             256,
             128,
             96,
         )
+    # 16 rows on an H that is not whole 1024 tiles (a masked last tile) and int4 on the wide tiles keep 512
+    assert cfg(2560, 768, nvfp4, 8).block_k1 == 512
+    assert gemv_config._half_gate_up_block_k(16, 2048, nvfp4=False) == 512
 
     assert tiles(cfg(7168, 2048, dequant.FMT_INT4, 16, 128)) == (
         32,
