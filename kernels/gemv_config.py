@@ -203,10 +203,10 @@ def _half_gate_up_block_k(bn1: int, H: int, nvfp4: bool) -> int:
     """NVFP4 gate_up's K tile: 1024 where the tile has 16 rows (small I at few pairs: the Qwen3-like layer at one
     token) and H is whole 1024 tiles, so a tile holds the 16K values that 32 rows x 512 hold; else 512. H100,
     2026-12-07 (bench.gemv_sweep --set alt, two rounds, µs per layer at M=1, Qwen3-like): resident 14.6-14.8 ->
-    13.8-14.0; every row on the host 889-943 -> 786-816 (87-88% -> 96-103% of the zero-copy read: the wider
+    13.8-14.0; every row on the host 889-943 -> 786-816 (86-89% -> 96-103% of the zero-copy read: the wider
     tile reads 512 bytes of codes and 64 of scales per row at a time, not 256 and 32). 128 registers, no spills.
-    Not taken at 32 rows (DeepSeek-like M=1, Qwen3-like M>=2): 44-52 registers spilled, the layer 12-40% slower
-    resident; 16 rows with 1024 there instead were 0-6% slower resident and 7-15% faster on the host. int4
+    Not taken at 32 rows (DeepSeek-like M=1, Qwen3-like M>=2): 44-52 registers spilled, the layer 13-40% slower
+    resident; 16 rows with 1024 there instead were 0-6% slower resident and 0-15% faster on the host. int4
     (`_int4_wide`) keeps 512: not measured."""
     return 1024 if nvfp4 and bn1 == 16 and H % 1024 == 0 else 512
 
