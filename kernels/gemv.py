@@ -74,8 +74,9 @@ from .gemv_config import _int4_block_k as _int4_block_k  # re-exported: the test
 from .gemv_config import _k_split as _k_split  # re-exported: bench.gemv_sweep
 from .gemv_config import _pairs_pow2 as _pairs_pow2  # re-exported: gemv_one
 from .gemv_half import X_SCALE_CHUNK
-from .gemv_tiles import _down_tile, _gate_up_tile, _slot_pair_by_id
-from .gemv_tiles import _slot_pair as _slot_pair  # re-exported: the tests call it
+from .gemv_schedule import _slot_pair as _slot_pair  # re-exported: the tests call it
+from .gemv_schedule import _slot_pair_by_id
+from .gemv_tiles import _down_tile, _gate_up_tile
 from .operands import KernelFormat, Projection
 from .workspace import _COUNTERS as _COUNTERS  # re-exported: tests and the bench read the workspace here
 from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters, counters_ready, x_pairs_args
@@ -100,6 +101,7 @@ def _gate_up_kernel(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr, PDL: tl.constexpr, OVERLAP: tl.constexpr, HALF_X: tl.constexpr, X_PACK: tl.constexpr,
+    HOST_WIDE: tl.constexpr,
 ):  # fmt: skip
     if not OVERLAP:
         # the kernel before it; then down (reads l2p before its wait) may launch: kernels/pdl.py
@@ -119,7 +121,7 @@ def _gate_up_kernel(
         cnt_ptr, ids_ptr, l2p_ptr, xp_ptr, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se, w_sn, s_sn,
         z_sn, num_pairs, num_experts, num_rows, I, H, stride_x, stride_act, stride_xp, c0, c1,
         TOP_K, P_POW2, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, EVEN_K, SPLIT,
-        HALF_X, X_PACK,
+        HALF_X, X_PACK, HOST_WIDE,
     )  # fmt: skip
     if OVERLAP:
         # so that this kernel's completion implies the plan's (down and the next layer rely on it)
@@ -136,7 +138,7 @@ def _down_kernel(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, FUSE_COMBINE: tl.constexpr,
     EVEN_K: tl.constexpr, PDL: tl.constexpr, OVERLAP: tl.constexpr, SPLIT: tl.constexpr, HALF_X: tl.constexpr,
-    X_PACK: tl.constexpr, PEEL: tl.constexpr,
+    X_PACK: tl.constexpr, PEEL: tl.constexpr, HOST_WIDE: tl.constexpr,
 ):  # fmt: skip
     num_nb = tl.cdiv(H, BLOCK_N)
     item = tl.program_id(0) // SPLIT
@@ -158,7 +160,7 @@ def _down_kernel(
         cnt_ptr, ids_ptr, l2p_ptr, tw_ptr, xp_ptr, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se, w_sn,
         s_sn, z_sn, num_experts, num_rows, H, I, stride_act, stride_y, stride_out, stride_xp, c0, c1,
         TOP_K, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, FUSE_COMBINE,
-        EVEN_K, False, SPLIT, HALF_X, X_PACK, PEEL, PDL,
+        EVEN_K, False, SPLIT, HALF_X, X_PACK, PEEL, PDL, HOST_WIDE,
     )  # fmt: skip
 
 
@@ -275,10 +277,17 @@ def gemv_gate_up(
         COMPUTE=_TL_DTYPES[hidden.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(),
         EVEN_K=H % config.block_k1 == 0, SPLIT=split, PDL=use_pdl, OVERLAP=_overlap(after_plan, use_pdl),
         HALF_X=_half_x(config, fmt, H), X_PACK=config.half_x_pack,
+        HOST_WIDE=_host_wide(config.host_wide, H, config.block_k1, config.block_n1, split),
         num_warps=config.num_warps, num_stages=1,
         **({"launch_pdl": True} if use_pdl else {}), **reg_limit(config),
     )  # fmt: skip
     return act
+
+
+def _host_wide(wanted: bool, k: int, block_k: int, block_n: int, split: int) -> bool:
+    """The kernels' HOST_WIDE (`GemvConfig.host_wide`): where wanted, K is whole tiles of twice `block_k`, the
+    block has two rows at least and K is not split; elsewhere host rows take the pool rows' tiles."""
+    return bool(wanted) and k % (2 * block_k) == 0 and block_n >= 2 and split == 1
 
 
 def _half_x(config: GemvConfig, fmt: KernelFormat, k: int) -> int:
@@ -346,7 +355,9 @@ def gemv_down_combine(
         COMPUTE=_TL_DTYPES[act.dtype], VPW=_VALUES_PER_WORD[fmt.fmt], PREFETCH=config.prefetch_code(down=True),
         FUSE_COMBINE=config.fuse_combine, EVEN_K=I % config.block_k2 == 0, PDL=use_pdl,
         OVERLAP=_overlap(after_plan, use_pdl), SPLIT=split, HALF_X=_half_x(config, fmt, I),
-        X_PACK=config.half_x_pack, PEEL=config.down_peel and split == 1, num_warps=config.num_warps, num_stages=1,
+        X_PACK=config.half_x_pack, PEEL=config.down_peel and split == 1,
+        HOST_WIDE=_host_wide(config.host_wide, I, config.block_k2, config.block_n2, split),
+        num_warps=config.num_warps, num_stages=1,
         **({"launch_pdl": True} if use_pdl else {}),
         **reg_limit(config, down=True),
     )  # fmt: skip

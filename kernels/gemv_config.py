@@ -44,13 +44,17 @@ class GemvConfig:
     # the pairs, instead of converting, scaling and packing x per tile and thread (two launches only)
     half_x_pack: bool = False
     # the pair schedule's smallest width: every program sorts this many keys or the next power of two of the
-    # pairs (host pairs first, pool pairs by expert: `gemv_tiles._slot_pair`), so steps of up to this many pairs
+    # pairs (host pairs first, pool pairs by expert: `gemv_schedule._slot_pair`), so steps of up to this many pairs
     # share one compile; 0: no sort, slot s runs pair s (two launches only)
     schedule_width: int = 64
     # down: each program loads its first K tile before its PDL wait for gate_up and before act's row scale, so the
     # first weights stream in meanwhile (not with down's register prefetch; split K programs do not; gate_up
     # peeled the same way spilled at 128 registers, K tiles of 512 with the half dot, H100 2026-12-05)
     down_peel: bool = False
+    # host codes (bank rows read over PCIe) in tiles of half the rows and twice the K, in both kernels: as many
+    # values per tile (the same registers), each row read in pieces twice as long; pool rows keep their tiles.
+    # Only where K is whole tiles of twice block_k and K is not split (`gemv._host_wide`; two launches only)
+    host_wide: bool = False
 
     def __post_init__(self) -> None:
         """ValueError for a config no launch can take, at construction (not at every launch)."""
@@ -72,6 +76,11 @@ class GemvConfig:
             raise ValueError(
                 f"one launch: down_prefetch={self.down_prefetch}, down_max_registers={self.down_max_registers}: "
                 "one launch compiles both tiles alike (use -1)"
+            )
+        if self.host_wide and (self.one_launch or self.half_x_pack):
+            raise ValueError(
+                f"GEMV path: host_wide is for the two-launch path without packed x (one_launch={self.one_launch}, "
+                f"half_x_pack={self.half_x_pack}): set both False, or host_wide=False"
             )
         if self.half_x_pack and (not self.half_dot or self.one_launch):
             raise ValueError(
@@ -196,6 +205,9 @@ def _half_wide_config(bn1: int, bn2: int, H: int, I: int, nvfp4: bool = True) ->
         half_dot=True,
         down_peel=True,
         schedule_width=8,
+        # NVFP4's host rows in tiles of half the rows and twice the K (`GemvConfig.host_wide`): written after the
+        # H100 sweep of 2026-12-07 found wider K tiles 6-24% faster on host rows; not yet timed in this form
+        host_wide=nvfp4,
     )
 
 

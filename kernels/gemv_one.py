@@ -19,7 +19,8 @@ from .gemv import (
     _word_args,
     reg_limit,
 )
-from .gemv_tiles import _down_tile, _gate_up_tile, _slot_pair
+from .gemv_schedule import _slot_pair
+from .gemv_tiles import _down_tile, _gate_up_tile
 from .operands import KernelFormat, Projection
 from .workspace import SYNC_WORDS, _counters
 

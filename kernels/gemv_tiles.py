@@ -1,5 +1,5 @@
-"""GEMV decode path, the shared `@triton.jit` tiles (`gemv.py` has the kernels, launchers and the why): pair
-slots, packed-word loads, the rows' dot over K, the gate_up and down tiles (the per-format word dot products
+"""GEMV decode path, the shared `@triton.jit` tiles (`gemv.py` has the kernels, launchers and the why; the pair
+schedule is `gemv_schedule.py`): packed-word loads, the rows' dot over K, the gate_up and down tiles (the per-format word dot products
 are in `gemv_words.py`)."""
 
 from __future__ import annotations
@@ -21,56 +21,6 @@ from .gemv_half import (
 )
 from .gemv_words import _halves, _word_dot
 from .ids import expert_or_none
-from .pdl import load_acquire, settle_code
-
-
-@triton.jit
-def _slot_pair(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2: tl.constexpr):
-    """(pair, code) of schedule slot `slot`: host pairs first, then pool pairs, each by (expert, pair); pairs
-    not routed here (id -1, id >= E or code -1) last with code -1. A permutation of the pairs (a bitonic sort
-    of P_POW2 keys in registers, then the slot-th key); P_POW2 = 0: pair `slot` (no sort)."""
-    if P_POW2 == 0:  # (no early return: Triton's CUDA code generator refuses one in a branch)
-        pair = slot
-    else:
-        p = tl.arange(0, P_POW2)
-        e = expert_or_none(tl.load(ids_ptr + p, mask=p < num_pairs, other=-1), num_experts)
-        ok = e >= 0  # masked pairs and ids outside [0, E) are -1
-        codes = tl.where(ok, tl.load(l2p_ptr + e, mask=ok, other=-1), -1)
-        cls = tl.where(codes >= num_rows, 0, tl.where(codes >= 0, 1, 2))
-        key = (cls * (num_experts + 1) + tl.where(cls == 2, 0, e)) * P_POW2 + p
-        key = tl.where(p < num_pairs, key, 2147483647)
-        pair = tl.sum(tl.where(p == slot, tl.sort(key), 0), axis=0) % P_POW2
-    return pair, _pair_code(ids_ptr, l2p_ptr, pair, num_experts)
-
-
-@triton.jit
-def _pair_code(ids_ptr, l2p_ptr, pair, num_experts):
-    """The location code of `pair`'s expert (-1: not routed here)."""
-    e = expert_or_none(tl.load(ids_ptr + pair), num_experts)
-    ok = e >= 0  # expert_or_none: -1 outside [0, E)
-    return tl.where(ok, tl.load(l2p_ptr + e, mask=ok, other=-1), -1)
-
-
-@triton.jit
-def _slot_pair_by_id(ids_ptr, l2p_ptr, slot, num_pairs, num_experts, num_rows, P_POW2: tl.constexpr,
-                     PDL: tl.constexpr):  # fmt: skip
-    """As `_slot_pair`, for kernels that may run beside the plan (OVERLAP, `plan_copy.py`): an order that does not
-    read the location table (it may change meanwhile): pairs with an id in [0, E) by (expert, pair), the rest
-    last; the slot's code read once with acquire semantics (`pdl.load_acquire`) and settled (`pdl.settle_code`:
-    a host code waits for the kernel before). Returns (pair, code). P_POW2 = 0: pair `slot` (no sort)."""
-    if P_POW2 == 0:
-        pair = slot
-    else:
-        p = tl.arange(0, P_POW2)
-        e = expert_or_none(tl.load(ids_ptr + p, mask=p < num_pairs, other=-1), num_experts)
-        ok = e >= 0  # masked pairs and ids outside [0, E) are -1
-        key = tl.where(p < num_pairs, tl.where(ok, e, num_experts) * P_POW2 + p, 2147483647)
-        pair = tl.sum(tl.where(p == slot, tl.sort(key), 0), axis=0) % P_POW2
-    e_mine = expert_or_none(tl.load(ids_ptr + pair), num_experts)
-    ok_mine = e_mine >= 0
-    e_mine = tl.where(ok_mine, e_mine, 0)
-    code = tl.where(ok_mine, load_acquire(l2p_ptr + e_mine, PDL), -1)
-    return pair, settle_code(code, l2p_ptr, e_mine, num_rows, PDL)
 
 
 @triton.jit
@@ -269,9 +219,12 @@ def _gate_up_tile(
     TOP_K: tl.constexpr, P_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT: tl.constexpr, HALF_X: tl.constexpr, X_PACK: tl.constexpr,
+    SPLIT: tl.constexpr, HALF_X: tl.constexpr, X_PACK: tl.constexpr, HOST_WIDE: tl.constexpr = False,
 ):  # fmt: skip
     """`act[pair, nb block]` of a pair located at `code` (nothing for -1: not routed here).
+
+    HOST_WIDE (SPLIT 1, K whole tiles of 2 * BLOCK_K): a host code's block is read as two halves of its rows, each
+    over K in tiles twice as wide (`GemvConfig.host_wide`); pool codes as before.
 
     SPLIT > 1: this program sums K tiles `[split, split + 1) * tiles_per_split` only and stores its fp32 gate/up
     sums to `part_ptr` (`[pairs, N blocks, SPLIT, 2 * BLOCK_N]`); the last of the SPLIT arrivals at the (pair, N
@@ -287,36 +240,50 @@ def _gate_up_tile(
         r = tl.arange(0, 2 * BLOCK_N)
         n_local = nb * BLOCK_N + r // 2
         kw_lo, kw_hi = _split_words(split, tiles_per_split, H // VPW, BLOCK_K // VPW, SPLIT)
-        gu = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, n_local + (r % 2) * I, n_local < I, H, kw_lo,
-                       kw_hi, w_sn, s_sn, z_sn, c0, c1, 2 * BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8,
-                       COMPUTE, VPW, PREFETCH, EVEN_K, False, HALF_X, X_PACK)  # fmt: skip
         act_row = act_ptr + pair.to(tl.int64) * stride_act
-        if SPLIT == 1:
-            _store_act(gu, act_row, nb, I, BLOCK_N, COMPUTE)
+        if HOST_WIDE and code >= num_rows:
+            tl.static_assert(SPLIT == 1, "host-wide tiles run whole K")
+            # half the rows (interleaved gate/up: BLOCK_N of them), twice the K per tile: as many values, so
+            # as many registers, but each row's piece of a tile is twice as long (`GemvConfig.host_wide`)
+            rh = tl.arange(0, BLOCK_N)
+            for h in tl.static_range(2):
+                n_half = nb * BLOCK_N + h * (BLOCK_N // 2) + rh // 2
+                gu_h = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, n_half + (rh % 2) * I, n_half < I,
+                                 H, 0, H // VPW, w_sn, s_sn, z_sn, c0, c1, BLOCK_N, 2 * BLOCK_K, FMT, GROUP,
+                                 HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, EVEN_K, False, HALF_X,
+                                 X_PACK)  # fmt: skip
+                _store_act(gu_h, act_row, nb * BLOCK_N + h * (BLOCK_N // 2), I, BLOCK_N // 2, COMPUTE)
         else:
-            blk = pair * tl.cdiv(I, BLOCK_N) + nb
-            part = part_ptr + blk.to(tl.int64) * (SPLIT * 2 * BLOCK_N) + r
-            tl.store(part + split * (2 * BLOCK_N), gu)
-            # every thread's part stores before the (one-thread, release) arrival; the last arrival (acquire)
-            # reads the SPLIT parts from L2
-            tl.debug_barrier()
-            arrived = tl.atomic_add(cnt_ptr + blk, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT - 1:
-                tl.store(cnt_ptr + blk, 0)  # ready for the next launch
-                total = tl.load(part, cache_modifier=".cg")
-                for s in tl.static_range(1, SPLIT):
-                    total += tl.load(part + s * (2 * BLOCK_N), cache_modifier=".cg")
-                _store_act(total, act_row, nb, I, BLOCK_N, COMPUTE)
+            gu = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, n_local + (r % 2) * I, n_local < I, H, kw_lo,
+                           kw_hi, w_sn, s_sn, z_sn, c0, c1, 2 * BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8,
+                           COMPUTE, VPW, PREFETCH, EVEN_K, False, HALF_X, X_PACK)  # fmt: skip
+            if SPLIT == 1:
+                _store_act(gu, act_row, nb * BLOCK_N, I, BLOCK_N, COMPUTE)
+            else:
+                blk = pair * tl.cdiv(I, BLOCK_N) + nb
+                part = part_ptr + blk.to(tl.int64) * (SPLIT * 2 * BLOCK_N) + r
+                tl.store(part + split * (2 * BLOCK_N), gu)
+                # every thread's part stores before the (one-thread, release) arrival; the last arrival (acquire)
+                # reads the SPLIT parts from L2
+                tl.debug_barrier()
+                arrived = tl.atomic_add(cnt_ptr + blk, 1, sem="acq_rel", scope="gpu")
+                if arrived == SPLIT - 1:
+                    tl.store(cnt_ptr + blk, 0)  # ready for the next launch
+                    total = tl.load(part, cache_modifier=".cg")
+                    for s in tl.static_range(1, SPLIT):
+                        total += tl.load(part + s * (2 * BLOCK_N), cache_modifier=".cg")
+                    _store_act(total, act_row, nb * BLOCK_N, I, BLOCK_N, COMPUTE)
 
 
 @triton.jit
-def _store_act(gu, act_row, nb, I, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
-    """act of an N block from its interleaved fp32 gate/up sums `[2 * BLOCK_N]`, as `gemm1` rounds it."""
+def _store_act(gu, act_row, n0, I, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
+    """act of rows `[n0, n0 + BLOCK_N)` from their interleaved fp32 gate/up sums `[2 * BLOCK_N]`, as `gemm1`
+    rounds it."""
     gate, up = _halves(gu)
     gate = gate.to(COMPUTE).to(tl.float32)
     up = up.to(COMPUTE).to(tl.float32)
     act = (gate * tl.sigmoid(gate) * up).to(COMPUTE)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     tl.store(act_row + offs_n, act, mask=offs_n < I)
 
 
@@ -330,10 +297,13 @@ def _down_tile(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, FUSE_COMBINE: tl.constexpr,
     EVEN_K: tl.constexpr, X_CG: tl.constexpr, SPLIT: tl.constexpr, HALF_X: tl.constexpr, X_PACK: tl.constexpr,
-    PEEL: tl.constexpr = False, PDL: tl.constexpr = False,
+    PEEL: tl.constexpr = False, PDL: tl.constexpr = False, HOST_WIDE: tl.constexpr = False,
 ):  # fmt: skip
     """`y[pair, nb block]` (a pair routed here) and, with FUSE_COMBINE, the arrival of this (pair, block): the
     last of the token's K arrivals sums `out[t, nb block]`.
+
+    HOST_WIDE (SPLIT 1, K whole tiles of 2 * BLOCK_K): a host code's rows are read as two halves, each over K in
+    tiles twice as wide, as gate_up's (`_gate_up_tile`).
 
     PEEL: the caller has not waited for gate_up (PDL): a routed pair's program waits after its first tile's
     loads (`_rows_dot`), the others at once, before anything reads act or the counters.
@@ -353,13 +323,28 @@ def _down_tile(
         x_row = act_ptr + pair.to(tl.int64) * stride_act
         xp_row = xp_ptr + pair.to(tl.int64) * stride_xp  # X_PACK: the pair's act' pairs
         kw_lo, kw_hi = _split_words(split, tiles_per_split, I // VPW, BLOCK_K // VPW, SPLIT)
-        y = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, offs_n, n_ok, I, kw_lo, kw_hi, w_sn, s_sn,
-                      z_sn, c0, c1, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH,
-                      EVEN_K, X_CG, HALF_X, X_PACK, PEEL, PDL)  # fmt: skip
-        if SPLIT == 1:
-            tl.store(y_ptr + pair.to(tl.int64) * stride_y + offs_n, y.to(COMPUTE), mask=n_ok)
+        if HOST_WIDE and code >= num_rows:
+            tl.static_assert(SPLIT == 1, "host-wide tiles run whole K")
+            y_row = y_ptr + pair.to(tl.int64) * stride_y
+            # the first half waits for gate_up after its first tile's loads (PEEL), the second has waited
+            offs_a = nb * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+            y_a = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, offs_a, offs_a < H, I, 0, I // VPW,
+                            w_sn, s_sn, z_sn, c0, c1, BLOCK_N // 2, 2 * BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8,
+                            COMPUTE, VPW, PREFETCH, EVEN_K, X_CG, HALF_X, X_PACK, PEEL, PDL)  # fmt: skip
+            tl.store(y_row + offs_a, y_a.to(COMPUTE), mask=offs_a < H)
+            offs_b = offs_a + BLOCK_N // 2
+            y_b = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, offs_b, offs_b < H, I, 0, I // VPW,
+                            w_sn, s_sn, z_sn, c0, c1, BLOCK_N // 2, 2 * BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8,
+                            COMPUTE, VPW, PREFETCH, EVEN_K, X_CG, HALF_X, X_PACK)  # fmt: skip
+            tl.store(y_row + offs_b, y_b.to(COMPUTE), mask=offs_b < H)
         else:
-            tl.store(part_ptr + (pair * SPLIT + split).to(tl.int64) * H + offs_n, y, mask=n_ok)
+            y = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, offs_n, n_ok, I, kw_lo, kw_hi, w_sn,
+                          s_sn, z_sn, c0, c1, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW,
+                          PREFETCH, EVEN_K, X_CG, HALF_X, X_PACK, PEEL, PDL)  # fmt: skip
+            if SPLIT == 1:
+                tl.store(y_ptr + pair.to(tl.int64) * stride_y + offs_n, y.to(COMPUTE), mask=n_ok)
+            else:
+                tl.store(part_ptr + (pair * SPLIT + split).to(tl.int64) * H + offs_n, y, mask=n_ok)
     elif PEEL:
         pdl.wait(PDL)  # not routed here: no tile to load first (every program waits: see `_down_kernel`)
     if FUSE_COMBINE:

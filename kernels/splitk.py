@@ -1,7 +1,7 @@
 """One-launch decode path for dense weights (bf16/fp16): each program computes a slice of one routed pair's
 activation and at once that slice's share of the down projection, added into an fp64 sum per token.
 
-  program (slot, j): the pair of schedule slot `slot` (host pairs first, `gemv_tiles._slot_pair`) and the
+  program (slot, j): the pair of schedule slot `slot` (host pairs first, `gemv_schedule._slot_pair`) and the
       slice `n = j*BLOCK_N .. +BLOCK_N` of I:
       `act[n] = round(silu(round(x[t] @ gate[n].T)) * round(x[t] @ up[n].T))`   (as gemm1 stores it)
       `acc[t, :] += w[t, k] * (act[n] @ w2[:, n].T)`                  (fp64 atomic adds of fp32 values)
@@ -26,7 +26,7 @@ inputs (eager, graph replay, any schedule), but for such near-ties.
 
 PDL (`kernels/pdl.py`): launched as a programmatic dependent of the kernel before it and waits first thing; in
 OVERLAP (beside the plan + copy, `after_plan`) it takes its pair by id, reads the code with acquire, waits on a
-host code (`gemv_tiles._slot_pair_by_id`) and waits before it ends. It triggers nothing.
+host code (`gemv_schedule._slot_pair_by_id`) and waits before it ends. It triggers nothing.
 
 Graph-safe: fixed buffers; the fp64 sums and the counter live in a per-device workspace, zero between launches
 (one stream at a time), allocated by the first call of a size (make it before capture, as the compile).
@@ -53,7 +53,7 @@ from .gemm_args import (
     launch_fitting,
 )
 from .gemm_parts import _mma, _row_bases
-from .gemv_tiles import _slot_pair, _slot_pair_by_id
+from .gemv_schedule import _slot_pair, _slot_pair_by_id
 from .operands import KernelFormat, Projection
 from .workspace import MAX_SYNC_PAIRS, SYNC_WORDS, _counters, _float_sums, counters_ready, sums_ready
 

@@ -68,7 +68,7 @@ def test_default_tiles_on_a_132_sm_gpu(monkeypatch):
         assert not narrow.half_dot and narrow.block_k1 <= 256, narrow
         # the fp32 dot: no peel (1.3% slower at M=8), the schedule's usual width
         assert not narrow.down_peel and narrow.schedule_width == 64, narrow
-    # the half dot's wide tiles peel down and sort 8 keys at least (the same order: `gemv_tiles._slot_pair`)
+    # the half dot's wide tiles peel down and sort 8 keys at least (the same order: `gemv_schedule._slot_pair`)
     assert wide.down_peel and wide.schedule_width == 8, wide
     for fmt_code in (dequant.FMT_DENSE, dequant.FMT_FP8_CHANNEL, dequant.FMT_FP8_BLOCK):
         assert cfg(7168, 2048, fmt_code, 8).max_registers == 0, fmt_code
@@ -110,6 +110,9 @@ def test_default_tiles_on_a_132_sm_gpu(monkeypatch):
         )
     # 16 rows on an H that is not whole 1024 tiles (a masked last tile) and int4 on the wide tiles keep 512
     assert cfg(2560, 768, nvfp4, 8).block_k1 == 512
+    # NVFP4 reads host rows in tiles of half the rows and twice the K; int4 on the same wide tiles does not
+    assert cfg(7168, 2048, nvfp4, 8).host_wide and cfg(2048, 768, nvfp4, 64).host_wide
+    assert not cfg(7168, 2048, dequant.FMT_INT4, 8, 128).host_wide
     assert gemv_config._half_gate_up_block_k(16, 2048, nvfp4=False) == 512
 
     assert tiles(cfg(7168, 2048, dequant.FMT_INT4, 16, 128)) == (

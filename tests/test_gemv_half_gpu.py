@@ -147,3 +147,36 @@ def test_packed_x_in_split_masked_and_pipelined_loops(name, cfg, monkeypatch):
         for t in (t for t in range(M) if routed[t]):
             want_row = packed_x_pairs(x[t], top)
             assert torch.equal(workspaces[0][t].view(-1, 4), want_row), f"token {t}"
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "M"),
+    [("nvfp4", "deepseek", 1), ("nvfp4", "qwen3", 1), ("nvfp4", "qwen3", 8), ("int4-g128", "deepseek", 1)],
+)
+def test_host_wide_tiles_against_plain_tiles_and_reference(name, shape, M):
+    """Host rows in tiles of half the rows and twice the K (`GemvConfig.host_wide`, NVFP4's default), compiled
+    for CUDA, on layers with pinned host rows: within bf16 rounding of the plain tiles and of the dense torch
+    reference, every output written (poisoned allocator); on a layer without host rows, bitwise the plain
+    tiles' output (pool rows take the same tiles)."""
+    from pooled_runner.kernels import fused_moe
+    from pooled_runner.kernels.gemv import gemv_configs
+
+    H, I, _, K = SHAPES[shape]
+    E = 13
+    g = torch.Generator(device="cuda").manual_seed(40 + M)
+    x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
+    ids, w = routing(M, K, E, g)
+    base = gemv_configs(H, I, 4 if name == "nvfp4" else 1, M * K, 128)
+    plain, wide = (dataclasses.replace(base, host_wide=on) for on in (False, True))
+    poison_allocator()
+    for R in (5, E):  # 8 of 13 experts on the host, then none
+        fmt, p13, p2, l2p = _layer(name, shape, E, R, seed=40 + M)
+        got = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=wide)
+        want = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=plain)
+        if R == E:
+            assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+            continue
+        assert bool((l2p[ids] >= R).any()), "no host pair routed"
+        assert_close(got, want, f"{name}: host-wide vs plain tiles {shape} M={M}", rel=1e-2)
+        ref = pooled_reference(x, ids, w, l2p, E, p13, p2, fmt)
+        assert_close(got, ref, f"{name}: host-wide vs dense reference {shape} M={M}")

@@ -1,4 +1,4 @@
-"""GPU test of the GEMV pair schedule's width (`GemvConfig.schedule_width`, kernels/gemv_tiles.py `_slot_pair`)
+"""GPU test of the GEMV pair schedule's width (`GemvConfig.schedule_width`, kernels/gemv_schedule.py `_slot_pair`)
 and of the first tile loaded ahead of the PDL wait (`GemvConfig.down_peel`), as compiled for CUDA, where programs run
 side by side, down's programs start while gate_up's run, and the fused combine's last arrival depends on the
 order (the interpreter runs programs one at a time: tests/test_kernels_gemv.py). Run by scripts/gpu_check.sh."""

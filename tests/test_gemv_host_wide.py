@@ -1,0 +1,148 @@
+"""Host rows in tiles of half the rows and twice the K (`GemvConfig.host_wide`) on the CPU, under Triton's
+interpreter: host pairs against the references, pool pairs bitwise the plain tiles, and the fallback where K is not
+whole wide tiles."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.interpreter import interpreter_imports
+
+with interpreter_imports():
+    from pooled_runner.kernels import gemv
+    from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe_ref
+    from pooled_runner.kernels.gemv import (
+        GemvConfig,
+        gemv_down_combine,
+        gemv_down_combine_ref,
+        gemv_gate_up,
+        gemv_gate_up_ref,
+        gemv_moe,
+    )
+    from pooled_runner.kernels.operands import kernel_format
+
+from tests.kernel_helpers import assert_close, build_layer, random_routing
+
+pytestmark = pytest.mark.interpreter(gpu="tests/test_gemv_half_gpu.py")
+
+# (format, H, I, dtype, config): K tiles of 32 (wide: 64) in both kernels unless said
+CASES = [
+    (
+        "nvfp4",
+        64,
+        64,
+        torch.bfloat16,
+        GemvConfig(16, 32, 16, 32, prefetch=False, half_dot=True, down_peel=True),
+    ),
+    (
+        "nvfp4",
+        128,
+        64,
+        torch.bfloat16,
+        GemvConfig(8, 32, 32, 32, prefetch=False),
+    ),  # the fp32 dot, 8-row blocks
+    ("int4-g32-zp", 128, 64, torch.float16, GemvConfig(16, 32, 16, 32, stages=3)),  # pipelined
+    (
+        "bf16",
+        64,
+        64,
+        torch.bfloat16,
+        GemvConfig(16, 16, 16, 16),
+    ),  # the register prefetch; 40 -> 48 rows below
+    (
+        "fp8",
+        64,
+        40,
+        torch.bfloat16,
+        GemvConfig(16, 16, 16, 16, prefetch=False),
+    ),  # I past the last gate_up block
+]
+
+
+def _layer(name, H, I, dtype, E=7, R=3, seed=0):
+    g = torch.Generator().manual_seed(seed + 3 * H + I)
+    fmt_obj, pool, bank, l2p = build_layer(name, H, I, E, R, g, dtype)
+    fmt = kernel_format(fmt_obj)
+    return g, fmt, *make_projections(fmt, pool, bank, H, I), l2p
+
+
+class _LaunchSpy:
+    """Records each launch's HOST_WIDE of the wrapped kernel (so a test knows the wide tiles ran)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.host_wide = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.host_wide.append(kwargs["HOST_WIDE"])
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def _routing(H, dtype, E, R, l2p, g, T=3, K=3):
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids, w = random_routing(T, K, E, g)
+    ids[1, 2] = -1  # a pair not routed
+    codes = l2p[ids.clamp(min=0)]
+    assert bool(((codes >= R) & (ids >= 0)).any()) and bool(((codes >= 0) & (codes < R)).any()), (ids, l2p)
+    return x, ids, w, codes
+
+
+@pytest.mark.parametrize(("name", "H", "I", "dtype", "cfg"), CASES, ids=[c[0] + str(c[1]) for c in CASES])
+def test_host_wide_against_references_and_pool_rows_unchanged(name, H, I, dtype, cfg, monkeypatch):
+    """Host pairs in wide tiles equal the references (gate_up's act, down's combined output, the layer) within
+    rounding; pool pairs are bitwise what the plain tiles give (they take the same tiles); rows of unrouted pairs
+    are not written in either; the combine counters end at zero."""
+    E, R = 7, 3
+    g, fmt, w13, w2, l2p = _layer(name, H, I, dtype, E, R)
+    x, ids, w, codes = _routing(H, dtype, E, R, l2p, g)
+    wide = dataclasses.replace(cfg, host_wide=True)
+    gate_up_spy = _LaunchSpy(gemv._gate_up_kernel)
+    down_spy = _LaunchSpy(gemv._down_kernel)
+    monkeypatch.setattr(gemv, "_gate_up_kernel", gate_up_spy)
+    monkeypatch.setattr(gemv, "_down_kernel", down_spy)
+    act_plain = gemv_gate_up(x, ids, l2p, E, w13, fmt, cfg)
+    act_wide = gemv_gate_up(x, ids, l2p, E, w13, fmt, wide)
+    assert gate_up_spy.host_wide == [False, True], gate_up_spy.host_wide
+    routed = (ids.flatten() >= 0) & (codes.flatten() >= 0)
+    pool = routed & (codes.flatten() < R)
+    host = routed & (codes.flatten() >= R)
+    assert torch.equal(act_wide[pool], act_plain[pool]), "pool pairs' act changed"
+    ref = gemv_gate_up_ref(x, ids, l2p, E, w13, fmt, wide)
+    assert_close(act_wide[host], ref[host], f"{name} host gate_up")
+    assert_close(act_plain[host], ref[host], f"{name} host gate_up, plain tiles")
+    out = gemv_down_combine(act_wide, ids, w, l2p, E, w2, fmt, wide)
+    assert down_spy.host_wide == [I % (2 * cfg.block_k2) == 0], (down_spy.host_wide, I, cfg.block_k2)
+    assert_close(out, gemv_down_combine_ref(act_wide, ids, w, l2p, E, w2, fmt, wide), f"{name} host down")
+    layer = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, wide)
+    assert_close(layer, pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt), f"{name} layer")
+    assert int(gemv._COUNTERS[x.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("after_plan", [False, True])
+def test_host_wide_falls_back_where_k_is_not_whole_wide_tiles(after_plan):
+    """K = 96 over tiles of 32 (wide: 64, not whole) in gate_up, and a split down: both keep the plain tiles, so
+    the output is bitwise host_wide=False's; beside the plan too."""
+    name, H, I, dtype = "nvfp4", 96, 64, torch.bfloat16
+    cfg = GemvConfig(16, 32, 16, 32, prefetch=False, split_k2=2)
+    assert not gemv._host_wide(True, H, 32, 16, 1) and not gemv._host_wide(True, I, 32, 16, 2)
+    g, fmt, w13, w2, l2p = _layer(name, H, I, dtype)
+    x, ids, w, _ = _routing(H, dtype, 7, 3, l2p, g)
+    want = gemv_moe(x, ids, w, l2p, 7, w13, w2, fmt, cfg, after_plan=after_plan)
+    got = gemv_moe(
+        x, ids, w, l2p, 7, w13, w2, fmt, dataclasses.replace(cfg, host_wide=True), after_plan=after_plan
+    )
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+
+
+def test_host_wide_refuses_one_launch_and_packed_x():
+    """host_wide is the two-launch path's, without packed x: a ValueError naming the fix."""
+    for bad in ({"one_launch": True}, {"half_dot": True, "half_x_pack": True}):
+        with pytest.raises(ValueError, match="host_wide"):
+            GemvConfig(host_wide=True, **bad)
+    assert not gemv._host_wide(True, 64, 32, 1, 1)  # one row a block: no halves
+    assert not gemv._host_wide(False, 64, 32, 16, 1)
