@@ -53,7 +53,7 @@ class GemvConfig:
     down_peel: bool = False
     # host codes (bank rows read over PCIe) in tiles of half the rows and twice the K, in both kernels: as many
     # values per tile (the same registers), each row read in pieces twice as long; pool rows keep their tiles.
-    # Only where K is whole tiles of twice block_k and K is not split (`gemv._host_wide`; two launches only)
+    # Only where K is whole tiles of twice block_k and K is not split (`gemv._host_wide`); one launch ignores it
     host_wide: bool = False
 
     def __post_init__(self) -> None:
@@ -76,11 +76,6 @@ class GemvConfig:
             raise ValueError(
                 f"one launch: down_prefetch={self.down_prefetch}, down_max_registers={self.down_max_registers}: "
                 "one launch compiles both tiles alike (use -1)"
-            )
-        if self.host_wide and (self.one_launch or self.half_x_pack):
-            raise ValueError(
-                f"GEMV path: host_wide is for the two-launch path without packed x (one_launch={self.one_launch}, "
-                f"half_x_pack={self.half_x_pack}): set both False, or host_wide=False"
             )
         if self.half_x_pack and (not self.half_dot or self.one_launch):
             raise ValueError(

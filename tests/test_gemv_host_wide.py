@@ -139,10 +139,19 @@ def test_host_wide_falls_back_where_k_is_not_whole_wide_tiles(after_plan):
     assert torch.equal(got, want), (got.float() - want.float()).abs().max()
 
 
-def test_host_wide_refuses_one_launch_and_packed_x():
-    """host_wide is the two-launch path's, without packed x: a ValueError naming the fix."""
-    for bad in ({"one_launch": True}, {"half_dot": True, "half_x_pack": True}):
-        with pytest.raises(ValueError, match="host_wide"):
-            GemvConfig(host_wide=True, **bad)
+def test_host_wide_with_packed_x_and_one_launch():
+    """Packed x (`half_x_pack`) under host_wide: bitwise host_wide's unpacked output (the same x' values, the same
+    sums); one launch ignores host_wide (it has the plain tiles only): bitwise one launch without it."""
+    name, H, I, dtype = "nvfp4", 64, 64, torch.bfloat16
+    cfg = GemvConfig(16, 32, 16, 32, prefetch=False, half_dot=True, host_wide=True)
+    g, fmt, w13, w2, l2p = _layer(name, H, I, dtype)
+    x, ids, w, _ = _routing(H, dtype, 7, 3, l2p, g)
+    want = gemv_moe(x, ids, w, l2p, 7, w13, w2, fmt, cfg)
+    got = gemv_moe(x, ids, w, l2p, 7, w13, w2, fmt, dataclasses.replace(cfg, half_x_pack=True))
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    one = dataclasses.replace(cfg, one_launch=True)
+    got = gemv_moe(x, ids, w, l2p, 7, w13, w2, fmt, one)
+    want = gemv_moe(x, ids, w, l2p, 7, w13, w2, fmt, dataclasses.replace(one, host_wide=False))
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
     assert not gemv._host_wide(True, 64, 32, 1, 1)  # one row a block: no halves
     assert not gemv._host_wide(False, 64, 32, 16, 1)
