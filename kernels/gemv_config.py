@@ -53,7 +53,10 @@ class GemvConfig:
     down_peel: bool = False
     # host codes (bank rows read over PCIe) in tiles of half the rows and twice the K, in both kernels: as many
     # values per tile (the same registers), each row read in pieces twice as long; pool rows keep their tiles.
-    # Only where K is whole tiles of twice block_k and K is not split (`gemv._host_wide`); one launch ignores it
+    # Only where K is whole tiles of twice block_k and K is not split (`gemv._host_wide`); one launch ignores it.
+    # Not a default: with it the kernels took 3-4% longer on resident rows at one token (NVFP4, H100, 2026-12-07:
+    # DeepSeek-like layer 79.2 -> 82.5-82.9 µs, Qwen3-like 14.1 -> 14.5-14.6), for 4-5% on a DeepSeek-like layer
+    # read wholly from the host and none on the Qwen3-like one (docs/kernels.md)
     host_wide: bool = False
 
     def __post_init__(self) -> None:
@@ -200,9 +203,6 @@ def _half_wide_config(bn1: int, bn2: int, H: int, I: int, nvfp4: bool = True) ->
         half_dot=True,
         down_peel=True,
         schedule_width=8,
-        # NVFP4's host rows in tiles of half the rows and twice the K (`GemvConfig.host_wide`): written after the
-        # H100 sweep of 2026-12-07 found wider K tiles 6-24% faster on host rows; not yet timed in this form
-        host_wide=nvfp4,
     )
 
 

@@ -154,7 +154,7 @@ def test_packed_x_in_split_masked_and_pipelined_loops(name, cfg, monkeypatch):
     [("nvfp4", "deepseek", 1), ("nvfp4", "qwen3", 1), ("nvfp4", "qwen3", 8), ("int4-g128", "deepseek", 1)],
 )
 def test_host_wide_tiles_against_plain_tiles_and_reference(name, shape, M):
-    """Host rows in tiles of half the rows and twice the K (`GemvConfig.host_wide`, NVFP4's default), compiled
+    """Host rows in tiles of half the rows and twice the K (`GemvConfig.host_wide`), compiled
     for CUDA, on layers with pinned host rows: within bf16 rounding of the plain tiles and of the dense torch
     reference, every output written (poisoned allocator); on a layer without host rows, bitwise the plain
     tiles' output (pool rows take the same tiles)."""
