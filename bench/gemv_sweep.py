@@ -119,7 +119,7 @@ def focus_configs(base: GemvConfig, kernel: str) -> list[GemvConfig]:
 # the tile fields each kernel reads (`layer` reads all): an --alt config equal to the default in these and in
 # the kernel's warps, load mode and register cap is not rerun
 _KERNEL_FIELDS = {
-    "gate_up": ("block_n1", "block_k1", "split_k1", "half_dot", "half_x_pack", "schedule_width"),
+    "gate_up": ("block_n1", "block_k1", "split_k1", "half_dot", "half_x_pack", "schedule_width", "host_wide"),
     "down": (
         "block_n2",
         "block_k2",
@@ -129,6 +129,7 @@ _KERNEL_FIELDS = {
         "half_x_pack",
         "schedule_width",
         "down_peel",
+        "host_wide",
     ),
 }
 

@@ -14,7 +14,7 @@ from .gemm_args import interpreting
 from .workspace import MAX_SYNC_PAIRS
 
 PACKED_MAX_REGISTERS = 96  # int4 and NVFP4 GEMV kernels: registers per thread at most (`gemv_configs`)
-WIDE_REGISTERS = 128  # the half dot's K tiles of 512 (`_half_wide_config`)
+WIDE_REGISTERS = 128  # the half dot's K tiles of 512, gate_up's of 1024 at 16 rows (`_half_wide_config`)
 _VALUES_PER_WORD = {FMT_DENSE: 2, FMT_INT4: 8, FMT_NVFP4: 8, FMT_FP8_CHANNEL: 4, FMT_FP8_BLOCK: 4}
 
 
@@ -54,7 +54,7 @@ class GemvConfig:
     # host codes (bank rows read over PCIe) in tiles of half the rows and twice the K, in both kernels: as many
     # values per tile (the same registers), each row read in pieces twice as long; pool rows keep their tiles.
     # Only where K is whole tiles of twice block_k and K is not split (`gemv._host_wide`); one launch ignores it.
-    # Not a default: with it the kernels took 3-4% longer on resident rows at one token (NVFP4, H100, 2026-12-07:
+    # Not a default: with it the kernels took 3-5% longer on resident rows at one token (NVFP4, H100, 2026-12-07:
     # DeepSeek-like layer 79.2 -> 82.5-82.9 µs, Qwen3-like 14.1 -> 14.5-14.6), for 4-5% on a DeepSeek-like layer
     # read wholly from the host and none on the Qwen3-like one (docs/kernels.md)
     host_wide: bool = False
@@ -130,8 +130,8 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group
     128 (or a multiple) and K is a multiple of 256 (else a tile would load a scale per word: 3x slower with the
     fp32 dot at 256; the wide tiles of `_int4_wide`, 512 values over four groups, load them per word too and were
     faster on the H100 all the same). int4 caps the registers (`max_registers`) where the down grid needs more
-    than one wave; NVFP4 takes the half word dot with K tiles of 512 and its own caps (`_half_wide_config`), and
-    so does int4 at one token on wide layers (`_int4_wide`); configs derived from these with
+    than one wave; NVFP4 takes the half word dot with K tiles of 512 (gate_up 1024 at 16 rows) and its own caps
+    (`_half_wide_config`), and so does int4 at one token on wide layers (`_int4_wide`); configs derived from these with
     `dataclasses.replace` keep the caps unless they set them (a one-launch config must reset down's own cap and
     peel: `down_max_registers=-1, down_peel=False`)."""
     if interpreting():  # the interpreter's cost grows with tile size; correctness only
@@ -172,10 +172,10 @@ def gemv_configs(H: int, I: int, fmt: int = FMT_DENSE, num_pairs: int = 8, group
     return GemvConfig(bn1, bk, bn2, bk, num_warps=4, prefetch=True)
 
 
-def _half_wide_config(bn1: int, bn2: int, H: int, I: int, nvfp4: bool = True) -> GemvConfig:
-    """NVFP4 (and int4 where `_int4_wide`): the half word dot with K tiles of 512 (32 words per thread) at 128
-    registers in gate_up, and in down where I is whole 512 tiles (else tiles of 256 at 96 registers, one wave or
-    not). H100, 2026-12-05 (bench.gemv_sweep --set alt, µs per layer against tiles of 256 with the fp32 dot): DeepSeek-like 92.2 -> 83.4 at M=1, 586.5 -> 545.7 at
+def _half_wide_config(bn1: int, bn2: int, H: int, I: int, *, nvfp4: bool) -> GemvConfig:
+    """NVFP4 (and int4 where `_int4_wide`): the half word dot with K tiles of 512 (32 words per thread; NVFP4 at 16
+    rows 1024, `_half_gate_up_block_k`) at 128 registers in gate_up, and in down where I is whole 512 tiles
+    (else tiles of 256 at 96 registers, one wave or not). H100, 2026-12-05 (bench.gemv_sweep --set alt, µs per layer against tiles of 256 with the fp32 dot): DeepSeek-like 92.2 -> 83.4 at M=1, 586.5 -> 545.7 at
     M=8; Qwen3-like (I 768: down at 256) 17.3 -> 15.9 at M=1, 74.2 -> 69.1 at M=8. Down at 96 registers on one
     wave too: the Qwen3-like M=1 layer took 17.6 µs with down uncapped (the H200 sweep of 2026-12-04 had found
     the cap 4-8% slower there with the fp32 dot; recheck on the H200). Down's tiles of 512 at 96 registers were
@@ -208,10 +208,10 @@ def _half_wide_config(bn1: int, bn2: int, H: int, I: int, nvfp4: bool = True) ->
 
 def _half_gate_up_block_k(bn1: int, H: int, nvfp4: bool) -> int:
     """NVFP4 gate_up's K tile: 1024 where the tile has 16 rows (small I at few pairs: the Qwen3-like layer at one
-    token) and H is whole 1024 tiles, so a tile holds the 16K values that 32 rows x 512 hold; else 512. H100,
-    2026-12-07 (bench.gemv_sweep --set alt, two rounds, µs per layer at M=1, Qwen3-like): resident 14.6-14.8 ->
-    13.8-14.0; every row on the host 889-943 -> 786-816 (86-89% -> 96-103% of the zero-copy read: the wider
-    tile reads 512 bytes of codes and 64 of scales per row at a time, not 256 and 32). 128 registers, no spills.
+    token) and H is whole 1024 tiles, so a tile holds as many values as one of 32 rows x 512; else 512. H100,
+    2026-12-07, zero-copy read 26-27 GB/s (bench.gemv_sweep --set alt, two rounds, µs per layer at M=1,
+    Qwen3-like): resident 14.6-14.8 -> 13.8-14.0; every row on the host 889-943 -> 786-816 (86-89% -> 96-103%
+    of the zero-copy read: the wider tile reads 512 bytes of codes and 64 of scales per row at a time, not 256 and 32). 128 registers, no spills.
     Not taken at 32 rows (DeepSeek-like M=1, Qwen3-like M>=2): 44-52 registers spilled, the layer 13-40% slower
     resident; 16 rows with 1024 there instead were 0-6% slower resident and 0-15% faster on the host. int4
     (`_int4_wide`) keeps 512: not measured."""

@@ -245,14 +245,18 @@ def _gate_up_tile(
             tl.static_assert(SPLIT == 1, "host-wide tiles run whole K")
             # half the rows (interleaved gate/up: BLOCK_N of them), twice the K per tile: as many values, so
             # as many registers, but each row's piece of a tile is twice as long (`GemvConfig.host_wide`)
+            # (the launcher's `gemv._host_wide`: K is whole tiles of 2 * BLOCK_K, so EVEN_K holds for them too)
             rh = tl.arange(0, BLOCK_N)
             for h in tl.static_range(2):
-                n_half = nb * BLOCK_N + h * (BLOCK_N // 2) + rh // 2
-                gu_h = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, n_half + (rh % 2) * I, n_half < I,
-                                 H, 0, H // VPW, w_sn, s_sn, z_sn, c0, c1, BLOCK_N, 2 * BLOCK_K, FMT, GROUP,
-                                 HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, EVEN_K, False, HALF_X,
-                                 X_PACK)  # fmt: skip
-                _store_act(gu_h, act_row, nb * BLOCK_N + h * (BLOCK_N // 2), I, BLOCK_N // 2, COMPUTE)
+                n0 = nb * BLOCK_N + h * (BLOCK_N // 2)
+                # a half wholly past I is skipped: its masked rows would read row n0 (past the expert's rows)
+                if n0 < I:
+                    n_half = n0 + rh // 2
+                    gu_h = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, n_half + (rh % 2) * I,
+                                     n_half < I, H, 0, H // VPW, w_sn, s_sn, z_sn, c0, c1, BLOCK_N, 2 * BLOCK_K, FMT,
+                                     GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, EVEN_K, False, HALF_X,
+                                     X_PACK)  # fmt: skip
+                    _store_act(gu_h, act_row, n0, I, BLOCK_N // 2, COMPUTE)
         else:
             gu = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, n_local + (r % 2) * I, n_local < I, H, kw_lo,
                            kw_hi, w_sn, s_sn, z_sn, c0, c1, 2 * BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8,
@@ -332,11 +336,13 @@ def _down_tile(
                             w_sn, s_sn, z_sn, c0, c1, BLOCK_N // 2, 2 * BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8,
                             COMPUTE, VPW, PREFETCH, EVEN_K, X_CG, HALF_X, X_PACK, PEEL, PDL)  # fmt: skip
             tl.store(y_row + offs_a, y_a.to(COMPUTE), mask=offs_a < H)
-            offs_b = offs_a + BLOCK_N // 2
-            y_b = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, offs_b, offs_b < H, I, 0, I // VPW,
-                            w_sn, s_sn, z_sn, c0, c1, BLOCK_N // 2, 2 * BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8,
-                            COMPUTE, VPW, PREFETCH, EVEN_K, X_CG, HALF_X, X_PACK)  # fmt: skip
-            tl.store(y_row + offs_b, y_b.to(COMPUTE), mask=offs_b < H)
+            # a second half wholly past H is skipped: its masked rows would read row H (past the expert's rows)
+            if nb * BLOCK_N + BLOCK_N // 2 < H:
+                offs_b = offs_a + BLOCK_N // 2
+                y_b = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, offs_b, offs_b < H, I, 0, I // VPW,
+                                w_sn, s_sn, z_sn, c0, c1, BLOCK_N // 2, 2 * BLOCK_K, FMT, GROUP, HAS_ZERO,
+                                NATIVE_FP8, COMPUTE, VPW, PREFETCH, EVEN_K, X_CG, HALF_X, X_PACK)  # fmt: skip
+                tl.store(y_row + offs_b, y_b.to(COMPUTE), mask=offs_b < H)
         else:
             y = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, offs_n, n_ok, I, kw_lo, kw_hi, w_sn,
                           s_sn, z_sn, c0, c1, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW,

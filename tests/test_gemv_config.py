@@ -109,8 +109,9 @@ def test_default_tiles_on_a_132_sm_gpu(monkeypatch):
             96,
         )
     # 16 rows on an H that is not whole 1024 tiles (a masked last tile) and int4 on the wide tiles keep 512
-    assert cfg(2560, 768, nvfp4, 8).block_k1 == 512
-    # host rows in their own tiles (`GemvConfig.host_wide`) are not a default: they cost resident steps 3-4%
+    narrow = cfg(2560, 768, nvfp4, 8)
+    assert (narrow.block_n1, narrow.block_k1) == (16, 512), narrow
+    # host rows in their own tiles (`GemvConfig.host_wide`) are not a default: they cost resident steps 3-5%
     assert not cfg(7168, 2048, nvfp4, 8).host_wide and not cfg(2048, 768, nvfp4, 64).host_wide
     assert not cfg(7168, 2048, dequant.FMT_INT4, 8, 128).host_wide
     assert gemv_config._half_gate_up_block_k(16, 2048, nvfp4=False) == 512

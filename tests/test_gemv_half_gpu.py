@@ -166,11 +166,11 @@ def test_host_wide_tiles_against_plain_tiles_and_reference(name, shape, M):
     g = torch.Generator(device="cuda").manual_seed(40 + M)
     x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
     ids, w = routing(M, K, E, g)
-    base = gemv_configs(H, I, 4 if name == "nvfp4" else 1, M * K, 128)
-    plain, wide = (dataclasses.replace(base, host_wide=on) for on in (False, True))
     poison_allocator()
     for R in (5, E):  # 8 of 13 experts on the host, then none
         fmt, p13, p2, l2p = _layer(name, shape, E, R, seed=40 + M)
+        base = gemv_configs(H, I, fmt.fmt, M * K, fmt.group)
+        plain, wide = (dataclasses.replace(base, host_wide=on) for on in (False, True))
         got = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=wide)
         want = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=plain)
         if R == E:

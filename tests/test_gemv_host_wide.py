@@ -5,6 +5,7 @@ whole wide tiles."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -29,36 +30,16 @@ from tests.kernel_helpers import assert_close, build_layer, random_routing
 pytestmark = pytest.mark.interpreter(gpu="tests/test_gemv_half_gpu.py")
 
 # (format, H, I, dtype, config): K tiles of 32 (wide: 64) in both kernels unless said
+_HALF = GemvConfig(16, 32, 16, 32, prefetch=False, half_dot=True, down_peel=True)
 CASES = [
-    (
-        "nvfp4",
-        64,
-        64,
-        torch.bfloat16,
-        GemvConfig(16, 32, 16, 32, prefetch=False, half_dot=True, down_peel=True),
-    ),
-    (
-        "nvfp4",
-        128,
-        64,
-        torch.bfloat16,
-        GemvConfig(8, 32, 32, 32, prefetch=False),
-    ),  # the fp32 dot, 8-row blocks
+    ("nvfp4", 64, 64, torch.bfloat16, _HALF),
+    ("nvfp4", 128, 64, torch.bfloat16, GemvConfig(8, 32, 32, 32, prefetch=False)),  # fp32 dot, 8-row blocks
     ("int4-g32-zp", 128, 64, torch.float16, GemvConfig(16, 32, 16, 32, stages=3)),  # pipelined
-    (
-        "bf16",
-        64,
-        64,
-        torch.bfloat16,
-        GemvConfig(16, 16, 16, 16),
-    ),  # the register prefetch; 40 -> 48 rows below
-    (
-        "fp8",
-        64,
-        40,
-        torch.bfloat16,
-        GemvConfig(16, 16, 16, 16, prefetch=False),
-    ),  # I past the last gate_up block
+    ("bf16", 64, 64, torch.bfloat16, GemvConfig(16, 16, 16, 16)),  # the register prefetch
+    ("fp8", 64, 40, torch.bfloat16, GemvConfig(16, 16, 16, 16, prefetch=False)),  # I past a gate_up block
+    # H = 96 over down blocks of 64: the last block's second half lies past H (skipped); I = 48 over gate_up
+    # blocks of 32: the second block's second half lies past I (skipped)
+    ("bf16", 96, 48, torch.bfloat16, GemvConfig(32, 16, 64, 8, prefetch=False, down_peel=True)),
 ]
 
 
@@ -83,6 +64,12 @@ class _LaunchSpy:
         return launch
 
 
+def _nan_empty(empty, *args, **kwargs):
+    """`torch.empty` filled with NaN (floating dtypes): rows a kernel leaves unwritten stay NaN."""
+    out = empty(*args, **kwargs)
+    return out.fill_(float("nan")) if out.is_floating_point() else out
+
+
 def _routing(H, dtype, E, R, l2p, g, T=3, K=3):
     x = torch.randn(T, H, generator=g).to(dtype)
     ids, w = random_routing(T, K, E, g)
@@ -96,7 +83,7 @@ def _routing(H, dtype, E, R, l2p, g, T=3, K=3):
 def test_host_wide_against_references_and_pool_rows_unchanged(name, H, I, dtype, cfg, monkeypatch):
     """Host pairs in wide tiles equal the references (gate_up's act, down's combined output, the layer) within
     rounding; pool pairs are bitwise what the plain tiles give (they take the same tiles); rows of unrouted pairs
-    are not written in either; the combine counters end at zero."""
+    stay as the allocator left them in both (NaN-filled here); the combine counters end at zero."""
     E, R = 7, 3
     g, fmt, w13, w2, l2p = _layer(name, H, I, dtype, E, R)
     x, ids, w, codes = _routing(H, dtype, E, R, l2p, g)
@@ -105,13 +92,17 @@ def test_host_wide_against_references_and_pool_rows_unchanged(name, H, I, dtype,
     down_spy = _LaunchSpy(gemv._down_kernel)
     monkeypatch.setattr(gemv, "_gate_up_kernel", gate_up_spy)
     monkeypatch.setattr(gemv, "_down_kernel", down_spy)
-    act_plain = gemv_gate_up(x, ids, l2p, E, w13, fmt, cfg)
-    act_wide = gemv_gate_up(x, ids, l2p, E, w13, fmt, wide)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "empty", functools.partial(_nan_empty, torch.empty))
+        act_plain = gemv_gate_up(x, ids, l2p, E, w13, fmt, cfg)
+        act_wide = gemv_gate_up(x, ids, l2p, E, w13, fmt, wide)
     assert gate_up_spy.host_wide == [False, True], gate_up_spy.host_wide
     routed = (ids.flatten() >= 0) & (codes.flatten() >= 0)
     pool = routed & (codes.flatten() < R)
     host = routed & (codes.flatten() >= R)
     assert torch.equal(act_wide[pool], act_plain[pool]), "pool pairs' act changed"
+    unrouted = ~routed
+    assert bool(act_wide[unrouted].isnan().all()) and bool(act_plain[unrouted].isnan().all()), "unrouted rows"
     ref = gemv_gate_up_ref(x, ids, l2p, E, w13, fmt, wide)
     assert_close(act_wide[host], ref[host], f"{name} host gate_up")
     assert_close(act_plain[host], ref[host], f"{name} host gate_up, plain tiles")
