@@ -28,17 +28,11 @@ from .gemm_args import (
     launch_fitting,
 )
 from .gemm_parts import GemmConfig, _mma
+from .gemv_schedule import _pair_code
 from .ids import expert_or_none
 from .operands import KernelFormat, Projection
 
 DECODE_MAX_PAIRS = 64
-
-
-@triton.jit
-def _pair_code(ids_ptr, l2p_ptr, pair, num_experts):
-    e = expert_or_none(tl.load(ids_ptr + pair), num_experts)
-    routed = e >= 0  # expert_or_none: -1 outside [0, E)
-    return tl.where(routed, tl.load(l2p_ptr + e, mask=routed, other=-1), -1)
 
 
 @triton.jit
