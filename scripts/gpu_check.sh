@@ -28,7 +28,8 @@ fi
 # 45 s compiling 72 variants). A cache carried in (run's carry: ".triton_cache", holding the parts that
 # SAVE_TRITON_CACHE=1 wrote under $OUT) is unpacked first; Triton keys each entry by the kernel's source, options,
 # its own version and the target (sm_90 for the H100 and H200 alike), so a changed kernel compiles afresh.
-# Entries of kernels since changed stay in the cache: empty .triton_cache/ when its parts near 48 MiB
+# Entries of kernels since changed stay in the cache until its parts reach 48 MiB; then the least recently used
+# are left out of the packed parts
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
 "$PY" scripts/triton_cache.py unpack .triton_cache "$TRITON_CACHE_DIR"
 save_cache() {  # SAVE_TRITON_CACHE=1: after each GPU test step and at the end (a killed call keeps the last)

@@ -5,7 +5,8 @@ compiles afresh) lets it skip that.
 
   pack CACHE_DIR OUT_DIR     write CACHE_DIR as OUT_DIR/triton_cache.tgz.NN parts of 15 MiB (a device run returns
                              files of at most 16 MiB), without the IR text stages a cache hit does not read;
-                             nothing above 48 MiB (the working tree that travels is at most 64 MiB)
+                             at most 48 MiB (the working tree that travels is at most 64 MiB): over that, the
+                             entries last used longest ago are left out (they compile afresh when next needed)
   unpack PARTS_DIR CACHE_DIR unpack the parts into CACHE_DIR, pointing each entry's group file at CACHE_DIR (Triton
                              records its files by absolute path); a damaged archive unpacks nothing
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import shutil
 import sys
 import tarfile
@@ -28,25 +30,76 @@ MAX_BYTES = 48 << 20
 SKIPPED_SUFFIXES = (".ttir", ".ttgir", ".llir", ".source")  # a hit reads the cubin, its json and the PTX
 
 
+def _tgz(cache_dir: Path, files: list[Path]) -> bytes:
+    """`files` as a gzipped tar, named relative to `cache_dir`; each file's access time is put back after its
+    read, so packing does not make every entry look used (`_entries_by_last_use`)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for p in files:
+            st = p.stat()
+            tar.add(p, arcname=str(p.relative_to(cache_dir)))
+            os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return buf.getvalue()
+
+
+def _entries_by_last_use(cache_dir: Path, files: list[Path]) -> list[list[Path]]:
+    """The files grouped by cache entry (the top-level folder: one kernel variant), most recently used first: by
+    the newest access or modification time of its files. A hit reads the entry's files, and a carried-in entry
+    keeps its packed mtime, so under the default relatime mounts the access time tells an entry this machine used
+    from one it only unpacked."""
+    entries: dict[str, list[Path]] = {}
+    for p in files:
+        entries.setdefault(p.relative_to(cache_dir).parts[0], []).append(p)
+
+    def last_use(paths: list[Path]) -> float:
+        return max(max(st.st_atime, st.st_mtime) for st in (p.stat() for p in paths))
+
+    return sorted(entries.values(), key=last_use, reverse=True)
+
+
+def _newest_that_fit(cache_dir: Path, entries: list[list[Path]], max_bytes: int) -> list[Path]:
+    """The files of the most recently used entries whose archive fits `max_bytes` (each entry's own compressed
+    size summed, with 5% room for the archive's framing; [] where not even the newest fits)."""
+    kept: list[Path] = []
+    total = 0
+    for paths in entries:
+        total += len(_tgz(cache_dir, paths))
+        if total > 0.95 * max_bytes:
+            break
+        kept += paths
+    return kept
+
+
 def pack(cache_dir: Path, out_dir: Path, max_bytes: int = MAX_BYTES, part_bytes: int = PART_BYTES) -> int:
-    """Parts written (0: none, with the reason printed). Old parts in `out_dir` are removed first."""
+    """Parts written (0: none, with the reason printed). Old parts in `out_dir` are removed first. Over
+    `max_bytes`, the entries last used longest ago are left out until the rest fits."""
     for old in out_dir.glob(PART_PREFIX + "*"):
         old.unlink()
     files = sorted(p for p in cache_dir.rglob("*") if p.is_file() and not p.name.endswith(SKIPPED_SUFFIXES))
     files = [p for p in files if not p.name.endswith(".tmp") and p.name != "lock"]
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for p in files:
-            tar.add(p, arcname=str(p.relative_to(cache_dir)))
-    data = buf.getvalue()
+    data = _tgz(cache_dir, files)
+    left_out = ""
     if len(data) > max_bytes:
-        print(f"triton cache: {len(data)} bytes packed, over {max_bytes}: not written (empty .triton_cache/)")
-        return 0
+        entries = _entries_by_last_use(cache_dir, files)
+        kept = sorted(_newest_that_fit(cache_dir, entries, max_bytes))
+        kept_data = _tgz(cache_dir, kept)
+        if not kept or len(kept_data) > max_bytes:
+            print(
+                f"triton cache: {len(data)} bytes packed, over {max_bytes}, and no newest entries fit: not written"
+            )
+            return 0
+        num_kept = len({p.relative_to(cache_dir).parts[0] for p in kept})
+        left_out = (
+            f" ({len(entries) - num_kept} of {len(entries)} entries, the least recently used, left out)"
+        )
+        data, files = kept_data, kept
     parts = [data[i : i + part_bytes] for i in range(0, len(data), part_bytes)]
     for i, part in enumerate(parts):
         (out_dir / f"{PART_PREFIX}{i:02d}").write_bytes(part)
     num_kernels = sum(p.suffix == ".cubin" for p in files)
-    print(f"triton cache: {num_kernels} kernels, {len(data)} bytes in {len(parts)} parts under {out_dir}")
+    print(
+        f"triton cache: {num_kernels} kernels, {len(data)} bytes in {len(parts)} parts under {out_dir}{left_out}"
+    )
     return len(parts)
 
 

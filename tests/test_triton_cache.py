@@ -84,6 +84,32 @@ def test_oversized_cache_not_written_and_no_parts_nothing_unpacked(tmp_path, mon
     assert triton_cache.unpack(out, dst) == 0 and not dst.exists()
 
 
+def test_oversized_cache_keeps_the_most_recently_used_entries(tmp_path, monkeypatch):
+    """Over the limit, the entries used longest ago (newest access or modification time of their files) are left
+    out, and what is packed still unpacks whole."""
+    src, out, dst = tmp_path / "src", tmp_path / "out", tmp_path / "dst"
+    out.mkdir()
+    written = _fill(src, monkeypatch, 11, seed=5)
+    keys = list(written)
+    order = torch.randperm(len(keys), generator=torch.Generator().manual_seed(5)).tolist()
+    for rank, i in enumerate(order):  # keys[order[0]] used last, keys[order[-1]] first
+        entry_time = 1_700_000_000 - 1000 * rank
+        for p in (src / keys[i]).iterdir():
+            # one entry only read recently (a carried-in hit: its mtime is old, its atime new)
+            atime = entry_time if rank != 1 else entry_time + 10
+            os.utime(p, (atime, entry_time - 5000 if rank == 1 else entry_time))
+    assert triton_cache.pack(src, out) >= 1
+    limit = sum(p.stat().st_size for p in out.iterdir()) // 2
+    assert triton_cache.pack(src, out, max_bytes=limit) >= 1
+    assert sum(p.stat().st_size for p in out.iterdir()) <= limit
+    num_kept = triton_cache.unpack(out, dst)
+    assert 2 <= num_kept < len(keys), num_kept
+    kept = {p.name for p in dst.iterdir()}
+    assert kept == {keys[i] for i in order[:num_kept]}, (sorted(kept), order)
+    assert triton_cache.pack(src, out, max_bytes=100) == 0, "not even the newest entry fits: nothing written"
+    assert list(out.iterdir()) == []
+
+
 def test_command_line(tmp_path, monkeypatch, capsys):
     src, out = tmp_path / "src", tmp_path / "out"
     _fill(src, monkeypatch, 2, seed=4)
