@@ -53,7 +53,7 @@ class GemvConfig:
     down_peel: bool = False
     # host codes (bank rows read over PCIe) in tiles of half the rows and twice the K, in both kernels: as many
     # values per tile (the same registers), each row read in pieces twice as long; pool rows keep their tiles.
-    # Only where K is whole tiles of twice block_k and K is not split (`gemv._host_wide`); one launch ignores it.
+    # Only where K is whole tiles of twice block_k and K is not split (`gemv_args._host_wide`); one launch ignores it.
     # Not a default: with it the kernels took 3-5% longer on resident rows at one token (NVFP4, H100, 2026-12-07:
     # DeepSeek-like layer 79.2 -> 82.5-82.9 µs, Qwen3-like 14.1 -> 14.5-14.6), for 4-5% on a DeepSeek-like layer
     # read wholly from the host and none on the Qwen3-like one (docs/kernels.md)

@@ -9,16 +9,9 @@ import triton
 import triton.language as tl
 
 from .gemm_args import _TL_DTYPES, _check_act_inputs, _check_dense_dtype, _check_proj_shape
-from .gemv import (
-    _VALUES_PER_WORD,
-    SPIN_LIMIT,
-    GemvConfig,
-    _check_gemv,
-    _half_x,
-    _pairs_pow2,
-    _word_args,
-    reg_limit,
-)
+from .gemv import SPIN_LIMIT
+from .gemv_args import _check_gemv, _half_x, _word_args
+from .gemv_config import _VALUES_PER_WORD, GemvConfig, _pairs_pow2, reg_limit
 from .gemv_schedule import _slot_pair
 from .gemv_tiles import _down_tile, _gate_up_tile
 from .operands import KernelFormat, Projection

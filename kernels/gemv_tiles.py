@@ -245,7 +245,7 @@ def _gate_up_tile(
             tl.static_assert(SPLIT == 1, "host-wide tiles run whole K")
             # half the rows (interleaved gate/up: BLOCK_N of them), twice the K per tile: as many values, so
             # as many registers, but each row's piece of a tile is twice as long (`GemvConfig.host_wide`)
-            # (the launcher's `gemv._host_wide`: K is whole tiles of 2 * BLOCK_K, so EVEN_K holds for them too)
+            # (the launcher's `gemv_args._host_wide`: K is whole tiles of 2 * BLOCK_K, so EVEN_K holds for them too)
             rh = tl.arange(0, BLOCK_N)
             for h in tl.static_range(2):
                 n0 = nb * BLOCK_N + h * (BLOCK_N // 2)
