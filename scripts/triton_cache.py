@@ -34,7 +34,8 @@ def _tgz(cache_dir: Path, files: list[Path]) -> bytes:
     """`files` as a gzipped tar, named relative to `cache_dir`; each file's access time is put back after its
     read, so packing does not make every entry look used (`_entries_by_last_use`)."""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+    # gzip level 6, not tarfile's 9: 1092 kernels packed in 6.5 s against 21 s (CI's CPU), for 2% more bytes
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
         for p in files:
             st = p.stat()
             tar.add(p, arcname=str(p.relative_to(cache_dir)))
@@ -57,14 +58,13 @@ def _entries_by_last_use(cache_dir: Path, files: list[Path]) -> list[list[Path]]
     return sorted(entries.values(), key=last_use, reverse=True)
 
 
-def _newest_that_fit(cache_dir: Path, entries: list[list[Path]], max_bytes: int) -> list[Path]:
-    """The files of the most recently used entries whose archive fits `max_bytes` (each entry's own compressed
-    size summed, with 5% room for the archive's framing; [] where not even the newest fits)."""
+def _newest_that_fit(entries: list[list[Path]], num_bytes: int) -> list[Path]:
+    """The files of the most recently used entries whose raw sizes sum to at most `num_bytes`."""
     kept: list[Path] = []
     total = 0
     for paths in entries:
-        total += len(_tgz(cache_dir, paths))
-        if total > 0.95 * max_bytes:
+        total += sum(p.stat().st_size for p in paths)
+        if total > num_bytes:
             break
         kept += paths
     return kept
@@ -80,9 +80,18 @@ def pack(cache_dir: Path, out_dir: Path, max_bytes: int = MAX_BYTES, part_bytes:
     data = _tgz(cache_dir, files)
     left_out = ""
     if len(data) > max_bytes:
+        # raw bytes to keep, from the archive's compression ratio, 5% short; at most three tries (each one more
+        # compression: the per-entry archives would cost one each, over a thousand on a full cache)
         entries = _entries_by_last_use(cache_dir, files)
-        kept = sorted(_newest_that_fit(cache_dir, entries, max_bytes))
-        kept_data = _tgz(cache_dir, kept)
+        raw_bytes = sum(p.stat().st_size for p in files)
+        keep_bytes = raw_bytes * max_bytes / len(data)
+        for _ in range(3):
+            keep_bytes *= 0.95
+            kept = sorted(_newest_that_fit(entries, int(keep_bytes)))
+            kept_data = _tgz(cache_dir, kept)
+            if len(kept_data) <= max_bytes:
+                break
+            keep_bytes *= max_bytes / len(kept_data)
         if not kept or len(kept_data) > max_bytes:
             print(
                 f"triton cache: {len(data)} bytes packed, over {max_bytes}, and no newest entries fit: not written"
