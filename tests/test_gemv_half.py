@@ -13,7 +13,7 @@ from tests.kernel_helpers import assert_close, packed_x_pairs, random_routing, r
 from tests.test_kernels_gemv import (
     GemvConfig,
     _layer,
-    gemv,
+    gemv_args,
     gemv_gate_up,
     gemv_moe,
     gemv_moe_ref,
@@ -40,7 +40,7 @@ def test_half_dot_matches_references(name, H, I, T, cfg, chunk, monkeypatch):
     (in the row scale's last chunk) and a value of 1e-3: the half dot gives the path's fp32
     reference and the align path's dense reference within bf16 rounding, and the fp32 word dot's output within 1e-2 (it is not bitwise that output: the half
     path ran); act rows of routed pairs likewise."""
-    monkeypatch.setattr(gemv, "X_SCALE_CHUNK", chunk)
+    monkeypatch.setattr(gemv_args, "X_SCALE_CHUNK", chunk)  # `_half_x` reads it there
     E, K = 7, 3
     g, fmt, w13, w2, l2p = _layer(name, H, I, torch.bfloat16, E, seed=9)
     x = torch.randn(T, H, generator=g)

@@ -238,7 +238,7 @@ def test_launch_fitting_steps_stages_down(monkeypatch):
 def test_launchers_take_the_native_fp8_flag(monkeypatch):
     """The MoE GEMMs' and the GEMV's launch arguments follow `native_fp8` for fp8 weights: fp8 pointers and the
     flag set where the card converts e4m3, bytes and the flag clear where it does not."""
-    from pooled_runner.kernels import gemm_args, gemv
+    from pooled_runner.kernels import gemm_args, gemv_args
 
     from tests.kernel_helpers import build_layer
 
@@ -247,7 +247,7 @@ def test_launchers_take_the_native_fp8_flag(monkeypatch):
     w13, _ = make_projections(fmt, pool, bank, 32, 16)
     for native in (True, False):
         monkeypatch.setattr(gemm_args, "native_fp8", lambda device, n=native: n)
-        monkeypatch.setattr(gemv, "native_fp8", lambda device, n=native: n)
+        monkeypatch.setattr(gemv_args, "native_fp8", lambda device, n=native: n)
         ptrs, _, flag = gemm_args._launch_args(w13, fmt)
         assert flag is native and ptrs[0].dtype == (torch.float8_e4m3fn if native else torch.uint8)
-        assert gemv._word_args(w13, fmt)[2] is native
+        assert gemv_args._word_args(w13, fmt)[2] is native

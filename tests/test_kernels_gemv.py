@@ -12,7 +12,7 @@ from tests.interpreter import interpreter_imports
 with interpreter_imports():
     import triton
     import triton.language as tl
-    from pooled_runner.kernels import gemv, gemv_words
+    from pooled_runner.kernels import gemv, gemv_args, gemv_words
     from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe, pooled_fused_moe_ref
     from pooled_runner.kernels.gemv import (
         GemvConfig,
@@ -395,5 +395,5 @@ def test_gemv_rejects_bad_input():
         with pytest.raises(ValueError, match="block_k=8 must be a power of two >= 16"):
             gemv_gate_up(x16, ids, l2p16, 7, w13_16, fmt16, GemvConfig(16, 8, 16, 16))
         with pytest.raises(ValueError, match=rf"K=40 is not a multiple of 16 values \({unit}\)"):
-            gemv._check_gemv(fmt16, 40, 16)
-        assert not gemv.gemv_supported(fmt16, 40, 32) and gemv.gemv_supported(fmt16, H, 32), name
+            gemv_args._check_gemv(fmt16, 40, 16)
+        assert not gemv_args.gemv_supported(fmt16, 40, 32) and gemv_args.gemv_supported(fmt16, H, 32), name
