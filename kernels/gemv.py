@@ -67,7 +67,7 @@ from .gemm_args import (
     interpreting,
 )
 from .gemv_args import _check_gemv, _half_x, _host_wide, _word_args
-from .gemv_args import gemv_supported as gemv_supported  # re-exported: fused_moe, the tests
+from .gemv_args import gemv_supported as gemv_supported  # re-exported: fused_moe
 from .gemv_config import _VALUES_PER_WORD, GemvConfig, _pairs_pow2, gemv_configs, reg_limit
 from .gemv_config import _int4_block_k as _int4_block_k  # re-exported: the tests call it
 from .gemv_config import _k_split as _k_split  # re-exported: bench.gemv_sweep

@@ -31,14 +31,21 @@ SKIPPED_SUFFIXES = (".ttir", ".ttgir", ".llir", ".source")  # a hit reads the cu
 
 
 def _tgz(cache_dir: Path, files: list[Path]) -> bytes:
-    """`files` as a gzipped tar, named relative to `cache_dir`; each file's access time is put back after its
-    read, so packing does not make every entry look used (`_entries_by_last_use`)."""
+    """`files` as a gzipped tar, named relative to `cache_dir`, each with its last use (newest access or
+    modification time) as its mtime, so the next machine ranks the entries as this one did; each file's access time
+    is put back after its read, so packing does not make every entry look used (`_entries_by_last_use`)."""
     buf = io.BytesIO()
     # gzip level 6, not tarfile's 9: 1092 kernels packed in 6.5 s against 21 s (CI's CPU), for 2% more bytes
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
         for p in files:
             st = p.stat()
-            tar.add(p, arcname=str(p.relative_to(cache_dir)))
+            last_use = max(st.st_atime, st.st_mtime)  # as its mtime: a tar keeps no access time
+
+            def with_last_use(info: tarfile.TarInfo, t: float = last_use) -> tarfile.TarInfo:
+                info.mtime = t
+                return info
+
+            tar.add(p, arcname=str(p.relative_to(cache_dir)), filter=with_last_use)
             os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
     return buf.getvalue()
 
@@ -46,8 +53,8 @@ def _tgz(cache_dir: Path, files: list[Path]) -> bytes:
 def _entries_by_last_use(cache_dir: Path, files: list[Path]) -> list[list[Path]]:
     """The files grouped by cache entry (the top-level folder: one kernel variant), most recently used first: by
     the newest access or modification time of its files. A hit reads the entry's files, and a carried-in entry
-    keeps its packed mtime, so under the default relatime mounts the access time tells an entry this machine used
-    from one it only unpacked."""
+    keeps its packed mtime (its last use on the machine that packed it), so under the default relatime mounts the
+    access time tells an entry this machine used from one it only unpacked."""
     entries: dict[str, list[Path]] = {}
     for p in files:
         entries.setdefault(p.relative_to(cache_dir).parts[0], []).append(p)
@@ -70,46 +77,69 @@ def _newest_that_fit(entries: list[list[Path]], num_bytes: int) -> list[Path]:
     return kept
 
 
-def pack(cache_dir: Path, out_dir: Path, max_bytes: int = MAX_BYTES, part_bytes: int = PART_BYTES) -> int:
-    """Parts written (0: none, with the reason printed). Old parts in `out_dir` are removed first. Over
-    `max_bytes`, the entries last used longest ago are left out until the rest fits."""
+def _recent_that_fit(
+    cache_dir: Path, files: list[Path], whole: bytes, max_bytes: int
+) -> tuple[list[Path], bytes]:
+    """The files of the most recently used entries and their archive, at most `max_bytes` ([] and b"" where not
+    even the newest entry fits). The raw bytes to keep come from the last archive's compression ratio, 5% short:
+    one compression per try (an archive per entry would cost over a thousand on a full cache)."""
+    entries = _entries_by_last_use(cache_dir, files)
+    raw_bytes, packed_bytes = sum(p.stat().st_size for p in files), len(whole)
+    while raw_bytes:
+        kept = sorted(_newest_that_fit(entries, int(0.95 * raw_bytes * max_bytes / packed_bytes)))
+        if not kept:
+            break
+        data = _tgz(cache_dir, kept)
+        if len(data) <= max_bytes:
+            return kept, data
+        raw_bytes, packed_bytes = sum(p.stat().st_size for p in kept), len(data)
+    return [], b""
+
+
+def _write_parts(out_dir: Path, data: bytes, part_bytes: int) -> int:
+    """`data` as numbered parts in `out_dir`, in place of the old ones (removed only now: a call killed while
+    packing keeps the last parts written)."""
     for old in out_dir.glob(PART_PREFIX + "*"):
         old.unlink()
-    files = sorted(p for p in cache_dir.rglob("*") if p.is_file() and not p.name.endswith(SKIPPED_SUFFIXES))
-    files = [p for p in files if not p.name.endswith(".tmp") and p.name != "lock"]
-    data = _tgz(cache_dir, files)
-    left_out = ""
-    if len(data) > max_bytes:
-        # raw bytes to keep, from the archive's compression ratio, 5% short; at most three tries (each one more
-        # compression: the per-entry archives would cost one each, over a thousand on a full cache)
-        entries = _entries_by_last_use(cache_dir, files)
-        raw_bytes = sum(p.stat().st_size for p in files)
-        keep_bytes = raw_bytes * max_bytes / len(data)
-        for _ in range(3):
-            keep_bytes *= 0.95
-            kept = sorted(_newest_that_fit(entries, int(keep_bytes)))
-            kept_data = _tgz(cache_dir, kept)
-            if len(kept_data) <= max_bytes:
-                break
-            keep_bytes *= max_bytes / len(kept_data)
-        if not kept or len(kept_data) > max_bytes:
-            print(
-                f"triton cache: {len(data)} bytes packed, over {max_bytes}, and no newest entries fit: not written"
-            )
-            return 0
-        num_kept = len({p.relative_to(cache_dir).parts[0] for p in kept})
-        left_out = (
-            f" ({len(entries) - num_kept} of {len(entries)} entries, the least recently used, left out)"
-        )
-        data, files = kept_data, kept
     parts = [data[i : i + part_bytes] for i in range(0, len(data), part_bytes)]
     for i, part in enumerate(parts):
         (out_dir / f"{PART_PREFIX}{i:02d}").write_bytes(part)
+    return len(parts)
+
+
+def pack(cache_dir: Path, out_dir: Path, max_bytes: int = MAX_BYTES, part_bytes: int = PART_BYTES) -> int:
+    """Parts written in place of `out_dir`'s old ones (0: none, the old ones removed, with the reason printed).
+    Over `max_bytes`, the entries last used longest ago are left out until the rest fits."""
+    try:
+        files = sorted(
+            p for p in cache_dir.rglob("*") if p.is_file() and not p.name.endswith(SKIPPED_SUFFIXES)
+        )
+        files = [p for p in files if not p.name.endswith(".tmp") and p.name != "lock"]
+        data = _tgz(cache_dir, files)
+        left_out = ""
+        if len(data) > max_bytes:
+            kept, kept_data = _recent_that_fit(cache_dir, files, data, max_bytes)
+            if not kept:
+                print(
+                    f"triton cache: {len(data)} bytes packed, over {max_bytes}, and its newest entry alone does not fit"
+                )
+                _write_parts(out_dir, b"", part_bytes)
+                return 0
+            num_entries = len({p.relative_to(cache_dir).parts[0] for p in files})
+            num_kept = len({p.relative_to(cache_dir).parts[0] for p in kept})
+            left_out = (
+                f" ({num_entries - num_kept} of {num_entries} entries, the least recently used, left out)"
+            )
+            data, files = kept_data, kept
+        num_parts = _write_parts(out_dir, data, part_bytes)
+    except OSError as e:  # a file gone while packing, a full disk: no cache rather than a failed step
+        print(f"triton cache: could not pack {cache_dir} ({type(e).__name__}: {e}): nothing written")
+        return 0
     num_kernels = sum(p.suffix == ".cubin" for p in files)
     print(
-        f"triton cache: {num_kernels} kernels, {len(data)} bytes in {len(parts)} parts under {out_dir}{left_out}"
+        f"triton cache: {num_kernels} kernels, {len(data)} bytes in {num_parts} parts under {out_dir}{left_out}"
     )
-    return len(parts)
+    return num_parts
 
 
 def unpack(parts_dir: Path, cache_dir: Path) -> int:
@@ -131,6 +161,7 @@ def unpack(parts_dir: Path, cache_dir: Path) -> int:
             for group in entry.glob("__grp__*.json"):
                 # children by absolute path: name them where they go, and only those packed (Triton 3.6 skips
                 # a missing child; later versions refuse the whole group)
+                st = group.stat()  # its times back after the rewrite: `_entries_by_last_use` reads them
                 children = json.loads(group.read_text())["child_paths"]
                 moved = {
                     name: str(cache_dir / entry.name / Path(path).name)
@@ -138,6 +169,7 @@ def unpack(parts_dir: Path, cache_dir: Path) -> int:
                     if (entry / Path(path).name).is_file()
                 }
                 group.write_text(json.dumps({"child_paths": moved}))
+                os.utime(group, ns=(st.st_atime_ns, st.st_mtime_ns))
             if not (cache_dir / entry.name).exists():
                 entry.rename(cache_dir / entry.name)
                 added += 1

@@ -1,7 +1,7 @@
 """scripts/triton_cache.py, which carries Triton's compile cache between device machines (scripts/gpu_check.sh):
 entries written by Triton's own cache manager, packed in parts and unpacked into another folder, are found there
-by Triton's own group lookup, byte for byte, without the IR text stages; damaged or oversized archives give no
-cache rather than a broken one."""
+by Triton's own group lookup, byte for byte, without the IR text stages; a damaged archive gives no cache rather
+than a broken one; an oversized cache keeps its most recently used entries, across machines."""
 
 from __future__ import annotations
 
@@ -106,6 +106,23 @@ def test_oversized_cache_keeps_the_most_recently_used_entries(tmp_path, monkeypa
     assert 2 <= num_kept < len(keys), num_kept
     kept = {p.name for p in dst.iterdir()}
     assert kept == {keys[i] for i in order[:num_kept]}, (sorted(kept), order)
+    # the next machine: the unpacked entries keep their order (the rank-1 entry's access time included), though
+    # unpack rewrote each group file
+    out2, dst2 = tmp_path / "out2", tmp_path / "dst2"
+    out2.mkdir()
+    assert triton_cache.pack(dst, out2) >= 1
+    limit2 = sum(p.stat().st_size for p in out2.iterdir()) * 4 // 5
+    assert triton_cache.pack(dst, out2, max_bytes=limit2) >= 1
+    num_kept2 = triton_cache.unpack(out2, dst2)
+    assert 2 <= num_kept2 < num_kept, (num_kept2, num_kept)  # rank 1 (its order from its atime) decides
+    assert {p.name for p in dst2.iterdir()} == {keys[i] for i in order[:num_kept2]}, order
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(dst2))
+    for key in {p.name for p in dst2.iterdir()}:  # what is packed unpacks whole (a read: after the ranking)
+        group = FileCacheManager(key).get_group("k.json")
+        assert group is not None and {n: Path(p).read_bytes() for n, p in group.items()} == {
+            n: written[key][n] for n in group
+        }, key
+    (out / "triton_cache.tgz.07").write_bytes(b"stale")
     assert triton_cache.pack(src, out, max_bytes=100) == 0, "not even the newest entry fits: nothing written"
     assert list(out.iterdir()) == []
 
