@@ -80,8 +80,8 @@ def _newest_that_fit(entries: list[list[Path]], num_bytes: int) -> list[Path]:
 def _recent_that_fit(
     cache_dir: Path, files: list[Path], whole: bytes, max_bytes: int
 ) -> tuple[list[Path], bytes]:
-    """The files of the most recently used entries and their archive, at most `max_bytes` ([] and b"" where not
-    even the newest entry fits). The raw bytes to keep come from the last archive's compression ratio, 5% short:
+    """The files of the most recently used entries and their archive, at most `max_bytes` ([] and b"" where the
+    estimate leaves no entry, the newest one's raw bytes alone over it). The raw bytes to keep come from the last archive's compression ratio, 5% short:
     one compression per try (an archive per entry would cost over a thousand on a full cache)."""
     entries = _entries_by_last_use(cache_dir, files)
     raw_bytes, packed_bytes = sum(p.stat().st_size for p in files), len(whole)
@@ -121,7 +121,7 @@ def pack(cache_dir: Path, out_dir: Path, max_bytes: int = MAX_BYTES, part_bytes:
             kept, kept_data = _recent_that_fit(cache_dir, files, data, max_bytes)
             if not kept:
                 print(
-                    f"triton cache: {len(data)} bytes packed, over {max_bytes}, and its newest entry alone does not fit"
+                    f"triton cache: {len(data)} bytes packed, over {max_bytes}, and no most recently used entries fit"
                 )
                 _write_parts(out_dir, b"", part_bytes)
                 return 0
