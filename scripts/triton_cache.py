@@ -39,15 +39,21 @@ def _tgz(cache_dir: Path, files: list[Path]) -> bytes:
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
         for p in files:
             st = p.stat()
-            last_use = max(st.st_atime, st.st_mtime)  # as its mtime: a tar keeps no access time
-
-            def with_last_use(info: tarfile.TarInfo, t: float = last_use) -> tarfile.TarInfo:
-                info.mtime = t
-                return info
-
-            tar.add(p, arcname=str(p.relative_to(cache_dir)), filter=with_last_use)
+            info = tar.gettarinfo(p, arcname=str(p.relative_to(cache_dir)))
+            info.mtime = _last_use(st)  # a tar keeps no access time
+            with p.open("rb") as f:
+                tar.addfile(info, f)
             os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
     return buf.getvalue()
+
+
+def _last_use(st: os.stat_result) -> float:
+    return max(st.st_atime, st.st_mtime)
+
+
+def _entry_name(cache_dir: Path, p: Path) -> str:
+    """The cache entry (top-level folder: one kernel variant) holding file `p`."""
+    return p.relative_to(cache_dir).parts[0]
 
 
 def _entries_by_last_use(cache_dir: Path, files: list[Path]) -> list[list[Path]]:
@@ -57,15 +63,11 @@ def _entries_by_last_use(cache_dir: Path, files: list[Path]) -> list[list[Path]]
     access time tells an entry this machine used from one it only unpacked."""
     entries: dict[str, list[Path]] = {}
     for p in files:
-        entries.setdefault(p.relative_to(cache_dir).parts[0], []).append(p)
-
-    def last_use(paths: list[Path]) -> float:
-        return max(max(st.st_atime, st.st_mtime) for st in (p.stat() for p in paths))
-
-    return sorted(entries.values(), key=last_use, reverse=True)
+        entries.setdefault(_entry_name(cache_dir, p), []).append(p)
+    return sorted(entries.values(), key=lambda paths: max(_last_use(p.stat()) for p in paths), reverse=True)
 
 
-def _newest_that_fit(entries: list[list[Path]], num_bytes: int) -> list[Path]:
+def _prefix_within(entries: list[list[Path]], num_bytes: int) -> list[Path]:
     """The files of the most recently used entries whose raw sizes sum to at most `num_bytes`."""
     kept: list[Path] = []
     total = 0
@@ -86,7 +88,7 @@ def _recent_that_fit(
     entries = _entries_by_last_use(cache_dir, files)
     raw_bytes, packed_bytes = sum(p.stat().st_size for p in files), len(whole)
     while raw_bytes:
-        kept = sorted(_newest_that_fit(entries, int(0.95 * raw_bytes * max_bytes / packed_bytes)))
+        kept = sorted(_prefix_within(entries, int(0.95 * raw_bytes * max_bytes / packed_bytes)))
         if not kept:
             break
         data = _tgz(cache_dir, kept)
@@ -125,8 +127,8 @@ def pack(cache_dir: Path, out_dir: Path, max_bytes: int = MAX_BYTES, part_bytes:
                 )
                 _write_parts(out_dir, b"", part_bytes)
                 return 0
-            num_entries = len({p.relative_to(cache_dir).parts[0] for p in files})
-            num_kept = len({p.relative_to(cache_dir).parts[0] for p in kept})
+            num_entries = len({_entry_name(cache_dir, p) for p in files})
+            num_kept = len({_entry_name(cache_dir, p) for p in kept})
             left_out = (
                 f" ({num_entries - num_kept} of {num_entries} entries, the least recently used, left out)"
             )
