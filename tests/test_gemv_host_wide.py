@@ -13,7 +13,7 @@ import torch
 from tests.interpreter import interpreter_imports
 
 with interpreter_imports():
-    from pooled_runner.kernels import gemv
+    from pooled_runner.kernels import gemv, gemv_args
     from pooled_runner.kernels.fused_moe import make_projections, pooled_fused_moe_ref
     from pooled_runner.kernels.gemv import (
         GemvConfig,
@@ -120,7 +120,7 @@ def test_host_wide_falls_back_where_k_is_not_whole_wide_tiles(after_plan):
     the output is bitwise host_wide=False's; beside the plan too."""
     name, H, I, dtype = "nvfp4", 96, 64, torch.bfloat16
     cfg = GemvConfig(16, 32, 16, 32, prefetch=False, split_k2=2)
-    assert not gemv._host_wide(True, H, 32, 16, 1) and not gemv._host_wide(True, I, 32, 16, 2)
+    assert not gemv_args._host_wide(True, H, 32, 16, 1) and not gemv_args._host_wide(True, I, 32, 16, 2)
     g, fmt, w13, w2, l2p = _layer(name, H, I, dtype)
     x, ids, w, _ = _routing(H, dtype, 7, 3, l2p, g)
     want = gemv_moe(x, ids, w, l2p, 7, w13, w2, fmt, cfg, after_plan=after_plan)
@@ -144,5 +144,5 @@ def test_host_wide_with_packed_x_and_one_launch():
     got = gemv_moe(x, ids, w, l2p, 7, w13, w2, fmt, one)
     want = gemv_moe(x, ids, w, l2p, 7, w13, w2, fmt, dataclasses.replace(one, host_wide=False))
     assert torch.equal(got, want), (got.float() - want.float()).abs().max()
-    assert not gemv._host_wide(True, 64, 32, 1, 1)  # one row a block: no halves
-    assert not gemv._host_wide(False, 64, 32, 16, 1)
+    assert not gemv_args._host_wide(True, 64, 32, 1, 1)  # one row a block: no halves
+    assert not gemv_args._host_wide(False, 64, 32, 16, 1)
