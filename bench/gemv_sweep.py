@@ -4,11 +4,12 @@ For each case (shape, format, M; resident experts, softmax top-k routing of rand
 around `gemv_configs`' default, the gate_up kernel alone and the down + combine kernel alone, in µs per call
 (CUDA graph replay) and % of the HBM read bandwidth measured in the same run for that kernel's bytes (gate_up
 reads 2/3 of a layer's expert bytes, down 1/3). `--host-rows`: every expert read from a pinned bank instead,
-and % of the zero-copy read measured in the same run. Each row also gives max |difference| of its output to the
+and % of the zero-copy read measured in the same run; `--host-every 8`: every eighth distinct expert of the step
+from the bank (bench.kernels' "1/8"), % of the pool rows' bytes at the HBM read plus the host rows' at zero-copy. Each row also gives max |difference| of its output to the
 default config's (split K changes only the fp32 summation order). Seeded; the default config runs first.
 
 Usage: python -m bench.gemv_sweep [--cases "deepseek:int4-g128:1,8;qwen3:int4-g128:1"] [--set wide|focus|default|alt]
-                                 [--alt "stages=3;split_k2=2"] [--kernels gate_up,down,layer] [--host-rows]
+                                 [--alt "stages=3;split_k2=2"] [--kernels gate_up,down,layer] [--host-rows | --host-every N]
                                  [--out sweep.md]
 `--set alt`: the default and each `--alt` config (GemvConfig fields replaced; configs separated by ";"), in
 turn, `--rounds` times;
@@ -202,20 +203,21 @@ def sweep_case(
     shape: str,
     name: str,
     M: int,
-    bandwidth: float,
+    bandwidths: tuple[float, float],
     g: torch.Generator,
     deadline: float,
     config_set: str = "wide",
     only: list[str] | None = None,
     alts: list[dict] | None = None,
     rounds: int = 1,
-    host_rows: bool = False,
+    host_every: int = 0,
 ) -> list[str]:
     """The rows of one case: gate_up configs, then down configs (down reads the default config's act).
-    `bandwidth`: GB/s of where the rows live, the HBM read or, with `host_rows` (every expert read from the
-    pinned bank), the zero-copy read."""
+    `bandwidths`: GB/s of the HBM read and the zero-copy read; `host_every` (`resident_layer`): every n-th
+    distinct expert read from the pinned bank (1: all, 0: none). % bound: of the time to read the pool rows'
+    bytes at the HBM read and the host rows' at the zero-copy read (each kernel its share of both)."""
     H, I, _, _ = SHAPES[shape]
-    layer = resident_layer(shape, name, M, g, host_rows)
+    layer = resident_layer(shape, name, M, g, host_every=host_every)
     x, ids, tw, l2p, E, w13, w2, fmt = layer.args
     ids = ids.contiguous()
     base = gemv_configs(H, I, fmt.fmt, ids.numel(), fmt.group)
@@ -253,9 +255,7 @@ def sweep_case(
                 print(rows[-1], flush=True)
                 continue
             rows.append(
-                _row(
-                    shape, name, M, kernel, cfg, us, 100 * layer.nbytes * share / (bandwidth * 1e3) / us, diff
-                )
+                _row(shape, name, M, kernel, cfg, us, 100 * share * layer.bound_us(*bandwidths) / us, diff)
             )
             print(rows[-1], flush=True)
     return rows
@@ -297,14 +297,28 @@ def main() -> None:
         action="store_true",
         help="every expert read from a pinned bank (host rows); %% of the zero-copy read instead of HBM",
     )
+    ap.add_argument(
+        "--host-every",
+        type=int,
+        default=0,
+        help="every n-th distinct expert of the step read from a pinned bank, the rest from the pool (8: "
+        "bench.kernels' 1/8; 1: --host-rows); %% of the pool rows' bytes at HBM plus the host rows' at zero-copy",
+    )
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.host_every < 0 or (args.host_rows and args.host_every not in (0, 1)):
+        raise SystemExit(f"--host-every {args.host_every}: >= 0, and 0 or 1 with --host-rows (every row)")
+    host_every = 1 if args.host_rows else args.host_every
     deadline = time.perf_counter() + args.budget
     alts = [_alt_fields(one) for one in args.alt.split(";") if one]
     hbm, zero_copy, lines = measured_header(args.commit)
-    where = "zero-copy read (every row on the host)" if args.host_rows else "HBM read"
-    bandwidth = zero_copy if args.host_rows else hbm
+    where = {
+        0: "HBM read",
+        1: "zero-copy read (every row on the host)",
+    }.get(
+        host_every, f"HBM read for pool rows and zero-copy read for host rows (every {host_every}-th expert)"
+    )
     lines += [
         f"GEMV kernels apart (µs per call, graph replay; % of the {where} for that kernel's bytes; max |diff| to "
         "the default):",
@@ -322,14 +336,14 @@ def main() -> None:
                 shape,
                 name,
                 M,
-                bandwidth,
+                (hbm, zero_copy),
                 g,
                 deadline,
                 args.set,
                 args.kernels.split(","),
                 alts,
                 args.rounds,
-                args.host_rows,
+                host_every,
             )
             torch.cuda.empty_cache()
     try:  # Triton internals: the sweep's rows must not be lost to a change there

@@ -96,25 +96,47 @@ class DecodeLayer:
 
     args: tuple  # pooled_fused_moe's (hidden, topk_ids, topk_weights, l2p, num_experts, w13, w2, fmt)
     nbytes: int  # the step's distinct experts' bytes (weights + scales)
+    host_nbytes: int = 0  # of those, the bytes of experts read from the pinned bank (host codes)
 
     def pct_hbm(self, us: float, hbm_gbs: float) -> float:
         """% of the HBM read bandwidth `hbm_gbs` (GB/s) that reading `nbytes` in `us` µs achieves."""
         return 100 * self.nbytes / (hbm_gbs * 1e9) / (us * 1e-6)
 
+    def bound_us(self, hbm_gbs: float, zero_copy_gbs: float) -> float:
+        """µs to read the pool rows' bytes at `hbm_gbs` and then the host rows' at `zero_copy_gbs` (GB/s), the
+        bound of bench.kernels."""
+        pool_nbytes = self.nbytes - self.host_nbytes
+        return (
+            (pool_nbytes / (hbm_gbs * 1e3) + self.host_nbytes / (zero_copy_gbs * 1e3)) if self.nbytes else 0.0
+        )
 
-def resident_layer(shape: str, name: str, M: int, g: torch.Generator, host_rows: bool = False) -> DecodeLayer:
+
+def resident_layer(
+    shape: str, name: str, M: int, g: torch.Generator, host_rows: bool = False, host_every: int = 0
+) -> DecodeLayer:
     """A layer of `shape` in format `name` with every expert in a pool row, and M tokens routed by softmax top-k
     of random logits (CUDA). `host_rows`: every expert read from a pinned bank copy of the pool instead (host
-    codes `E + expert` in l2p), as a step whose experts all missed the pool."""
+    codes `E + expert` in l2p), as a step whose experts all missed the pool. `host_every` (>= 1): every
+    `host_every`-th of the step's distinct experts (in expert order, the first included) read from the bank, the
+    others from the pool, as bench.kernels' "1/8" (`host_every=8`); 1 is `host_rows`."""
+    if host_every < 0:
+        raise ValueError(
+            f"host_every={host_every}: 0 (none) or >= 1 (every n-th distinct expert on the host)"
+        )
     H, I, E, K = SHAPES[shape]
     fmt = kernel_format(make_format(name, torch.bfloat16))
     pool = random_rows(name, H, I, E, "cuda", g)
     row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
-    p13, p2 = make_projections(fmt, pool, pinned_bank(pool) if host_rows else None, H, I)
-    l2p = torch.arange(E, dtype=torch.int32, device="cuda") + (E if host_rows else 0)
+    on_host = host_rows or host_every > 0
+    p13, p2 = make_projections(fmt, pool, pinned_bank(pool) if on_host else None, H, I)
     x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
     w, ids = torch.softmax(torch.randn(M, E, generator=g, device="cuda"), -1).topk(K, -1)
-    return DecodeLayer((x, ids, w, l2p, E, p13, p2, fmt), torch.unique(ids).numel() * row_bytes)
+    distinct = torch.unique(ids)
+    host = distinct[:: 1 if host_rows else host_every] if on_host else distinct[:0]
+    l2p = torch.arange(E, dtype=torch.int32, device="cuda")
+    l2p[host] += E
+    args = (x, ids, w, l2p, E, p13, p2, fmt)
+    return DecodeLayer(args, distinct.numel() * row_bytes, host.numel() * row_bytes)
 
 
 def _time_variant(fn) -> tuple[float | None, torch.Tensor | None, str]:

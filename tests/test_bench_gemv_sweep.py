@@ -8,6 +8,7 @@ import pytest
 from pooled_runner.kernels.gemv import GemvConfig
 
 from bench.gemv_sweep import _alt_fields, _differs_for, _row, down_configs, gate_up_configs
+from bench.kernel_variants import DecodeLayer
 
 
 def test_alt_fields_parse_each_config():
@@ -96,3 +97,14 @@ def test_config_sets_build_from_every_default(monkeypatch, fmt_name):
     with pytest.raises(SystemExit, match="down_peel"):
         _apply_alt(peeled, {"prefetch": 1})
     assert _apply_alt(peeled, {"prefetch": 1, "down_peel": 0}).prefetch_code(down=True) == 1
+
+
+def test_bound_adds_pool_rows_at_hbm_and_host_rows_at_zero_copy():
+    # 3 experts of 7e6 bytes: 2 pool rows at 3000 GB/s and 1 host row at 50 GB/s
+    layer = DecodeLayer(args=(), nbytes=3 * 7_000_000, host_nbytes=7_000_000)
+    assert layer.bound_us(3000.0, 50.0) == pytest.approx(2 * 7e6 / 3000e3 + 7e6 / 50e3)
+    resident = DecodeLayer(args=(), nbytes=21_000_000)
+    assert resident.bound_us(3000.0, 50.0) == pytest.approx(21e6 / 3000e3)
+    assert resident.pct_hbm(resident.bound_us(3000.0, 50.0), 3000.0) == pytest.approx(100.0)
+    every_row = DecodeLayer(args=(), nbytes=21_000_000, host_nbytes=21_000_000)
+    assert every_row.bound_us(3000.0, 50.0) == pytest.approx(21e6 / 50e3)
