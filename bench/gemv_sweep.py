@@ -131,6 +131,7 @@ _KERNEL_FIELDS = {
         "schedule_width",
         "down_peel",
         "host_wide",
+        "host_tall",
     ),
 }
 
@@ -360,7 +361,7 @@ def compiled_resources() -> list[str]:
     (Triton's `CompiledKernel`)."""
     from pooled_runner.kernels import gemv
 
-    keep = ("BLOCK_N", "BLOCK_K", "FMT", "PREFETCH", "HALF_X", "X_PACK", "SPLIT", "HOST_WIDE")
+    keep = ("BLOCK_N", "BLOCK_K", "FMT", "PREFETCH", "HALF_X", "X_PACK", "SPLIT", "HOST_WIDE", "HOST_TALL")
     out = ["Compiled GEMV kernels (registers per thread, spilled registers; constexprs):", ""]
     for kernel in (gemv._gate_up_kernel, gemv._down_kernel):
         for caches in kernel.device_caches.values():

@@ -66,7 +66,7 @@ from .gemm_args import (
     _check_proj_shape,
     interpreting,
 )
-from .gemv_args import _check_gemv, _half_x, _host_wide, _word_args
+from .gemv_args import _check_gemv, _half_x, _host_tall, _host_wide, _word_args
 from .gemv_args import gemv_supported as gemv_supported  # re-exported: fused_moe
 from .gemv_config import _VALUES_PER_WORD, GemvConfig, _pairs_pow2, gemv_configs, reg_limit
 from .gemv_config import _int4_block_k as _int4_block_k  # re-exported: the tests call it
@@ -130,7 +130,7 @@ def _down_kernel(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATIVE_FP8: tl.constexpr,
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, FUSE_COMBINE: tl.constexpr,
     EVEN_K: tl.constexpr, PDL: tl.constexpr, OVERLAP: tl.constexpr, SPLIT: tl.constexpr, HALF_X: tl.constexpr,
-    X_PACK: tl.constexpr, PEEL: tl.constexpr, HOST_WIDE: tl.constexpr,
+    X_PACK: tl.constexpr, PEEL: tl.constexpr, HOST_WIDE: tl.constexpr, HOST_TALL: tl.constexpr,
 ):  # fmt: skip
     num_nb = tl.cdiv(H, BLOCK_N)
     item = tl.program_id(0) // SPLIT
@@ -152,7 +152,7 @@ def _down_kernel(
         cnt_ptr, ids_ptr, l2p_ptr, tw_ptr, xp_ptr, wp, sp, zp, gp, wb, sb, zb, gb, w_se, s_se, z_se, g_se, w_sn,
         s_sn, z_sn, num_experts, num_rows, H, I, stride_act, stride_y, stride_out, stride_xp, c0, c1,
         TOP_K, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW, PREFETCH, FUSE_COMBINE,
-        EVEN_K, False, SPLIT, HALF_X, X_PACK, PEEL, PDL, HOST_WIDE,
+        EVEN_K, False, SPLIT, HALF_X, X_PACK, PEEL, PDL, HOST_WIDE, HOST_TALL,
     )  # fmt: skip
 
 
@@ -262,6 +262,7 @@ def gemv_down_combine(
     ptrs, strides, native, c0, c1 = _word_args(w2, fmt)
     use_pdl = pdl.gemv_pdl_enabled(act)
     xp, stride_xp = x_pairs_args(config.half_x_pack, num_pairs, I, l2p)
+    wide = _host_wide(config.host_wide, I, config.block_k2, config.block_n2, split)
     _down_kernel[(num_pairs * num_nb * split,)](
         act, y, part, out, cnt, topk_ids, l2p, tw, xp,
         *ptrs, *strides, num_pairs, num_experts, w2.num_rows, H, I, act.stride(0), H, out.stride(0), stride_xp,
@@ -272,7 +273,8 @@ def gemv_down_combine(
         FUSE_COMBINE=config.fuse_combine, EVEN_K=I % config.block_k2 == 0, PDL=use_pdl,
         OVERLAP=_overlap(after_plan, use_pdl), SPLIT=split, HALF_X=_half_x(config, fmt, I),
         X_PACK=config.half_x_pack, PEEL=config.down_peel and split == 1,
-        HOST_WIDE=_host_wide(config.host_wide, I, config.block_k2, config.block_n2, split),
+        HOST_WIDE=wide,
+        HOST_TALL=_host_tall(config.host_tall, split, wide),
         num_warps=config.num_warps, num_stages=1,
         **({"launch_pdl": True} if use_pdl else {}),
         **reg_limit(config, down=True),

@@ -82,6 +82,12 @@ def _host_wide(wanted: bool, k: int, block_k: int, block_n: int, split: int) -> 
     return bool(wanted) and k % (2 * block_k) == 0 and block_n >= 2 and split == 1
 
 
+def _host_tall(wanted: bool, split: int, host_wide: bool) -> bool:
+    """down's HOST_TALL (`GemvConfig.host_tall`): where wanted, K is not split and the host rows do not take
+    host_wide's tiles (`_host_wide`, which wins); elsewhere host rows take the pool rows' tiles."""
+    return bool(wanted) and split == 1 and not host_wide
+
+
 def _half_x(config: GemvConfig, fmt: KernelFormat, k: int) -> int:
     """The kernels' HALF_X for a projection over K = `k`: 0 for the fp32 word dot; with `config.half_dot`, the
     x values its row scale loads at once (`gemv_half`). ValueError for a format other than NVFP4 and int4."""

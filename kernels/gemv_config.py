@@ -58,6 +58,10 @@ class GemvConfig:
     # DeepSeek-like layer 79.2 -> 82.5-82.9 µs, Qwen3-like 14.1 -> 14.5-14.6), for 4-5% on a DeepSeek-like layer
     # read wholly from the host and none on the Qwen3-like one (docs/kernels.md)
     host_wide: bool = False
+    # down: a host code's even N block reads its rows and the next block's as one tile of 2 x block_n2 rows (twice
+    # the bytes in flight over the link per program), its odd block none; pool rows keep their tiles. Where K is
+    # not split and host_wide does not take down (`gemv_args._host_tall`); one launch ignores it
+    host_tall: bool = False
 
     def __post_init__(self) -> None:
         """ValueError for a config no launch can take, at construction (not at every launch)."""

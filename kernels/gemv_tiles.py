@@ -302,9 +302,14 @@ def _down_tile(
     COMPUTE: tl.constexpr, VPW: tl.constexpr, PREFETCH: tl.constexpr, FUSE_COMBINE: tl.constexpr,
     EVEN_K: tl.constexpr, X_CG: tl.constexpr, SPLIT: tl.constexpr, HALF_X: tl.constexpr, X_PACK: tl.constexpr,
     PEEL: tl.constexpr = False, PDL: tl.constexpr = False, HOST_WIDE: tl.constexpr = False,
+    HOST_TALL: tl.constexpr = False,
 ):  # fmt: skip
     """`y[pair, nb block]` (a pair routed here) and, with FUSE_COMBINE, the arrival of this (pair, block): the
     last of the token's K arrivals sums `out[t, nb block]`.
+
+    HOST_TALL (SPLIT 1, not with HOST_WIDE): a host code's even block reads its rows and the next block's as one
+    tile of 2 * BLOCK_N rows, twice the bytes in flight over the link per program, and stores and arrives for
+    both; the odd block's program reads nothing and does not arrive. Pool codes keep their tiles.
 
     HOST_WIDE (SPLIT 1, K whole tiles of 2 * BLOCK_K): a host code's rows are read as two halves, each over K in
     tiles twice as wide, as gate_up's (`_gate_up_tile`).
@@ -317,6 +322,9 @@ def _down_tile(
     each pair's parts in split order, rounds that y as the unsplit kernel stores it, and combines (deterministic).
     Smaller work items, so the grid's last wave is fuller (y is not stored)."""
     tl.static_assert(SPLIT == 1 or FUSE_COMBINE, "a split down sums its parts in the fused combine")
+    tl.static_assert(
+        not HOST_TALL or (SPLIT == 1 and not HOST_WIDE), "host-tall tiles: whole K, no host_wide"
+    )
     num_nb = tl.cdiv(H, BLOCK_N)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
@@ -343,6 +351,15 @@ def _down_tile(
                                 w_sn, s_sn, z_sn, c0, c1, BLOCK_N // 2, 2 * BLOCK_K, FMT, GROUP, HAS_ZERO,
                                 NATIVE_FP8, COMPUTE, VPW, PREFETCH, EVEN_K, X_CG, HALF_X, X_PACK)  # fmt: skip
                 tl.store(y_row + offs_b, y_b.to(COMPUTE), mask=offs_b < H)
+        elif HOST_TALL and code >= num_rows:
+            if nb % 2 == 0:  # rows past H read the tile's first row (`_rows_dot`) and are not stored
+                offs_t = nb * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+                y_t = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, offs_t, offs_t < H, I, 0, I // VPW,
+                                w_sn, s_sn, z_sn, c0, c1, 2 * BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8,
+                                COMPUTE, VPW, PREFETCH, EVEN_K, X_CG, HALF_X, X_PACK, PEEL, PDL)  # fmt: skip
+                tl.store(y_ptr + pair.to(tl.int64) * stride_y + offs_t, y_t.to(COMPUTE), mask=offs_t < H)
+            elif PEEL:
+                pdl.wait(PDL)  # the odd block's program of a host pair: no tile (every program waits)
         else:
             y = _rows_dot(w_base, s_base, z_base, g_base, x_row, xp_row, offs_n, n_ok, I, kw_lo, kw_hi, w_sn,
                           s_sn, z_sn, c0, c1, BLOCK_N, BLOCK_K, FMT, GROUP, HAS_ZERO, NATIVE_FP8, COMPUTE, VPW,
@@ -354,30 +371,47 @@ def _down_tile(
     elif PEEL:
         pdl.wait(PDL)  # not routed here: no tile to load first (every program waits: see `_down_kernel`)
     if FUSE_COMBINE:
-        t = pair // TOP_K
-        # every thread's y stores happen before the (one-thread, release) arrival; the last of the token's
-        # K * SPLIT arrivals (acquire) sums the K rows of y, read from L2
+        # every thread's y stores happen before the (one-thread, release) arrival
         tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + t * num_nb + nb, 1, sem="acq_rel", scope="gpu")
-        if arrived == TOP_K * SPLIT - 1:
-            tl.store(cnt_ptr + t * num_nb + nb, 0)  # ready for the next launch
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for k in tl.static_range(TOP_K):
-                pk = t * TOP_K + k
-                e = expert_or_none(tl.load(ids_ptr + pk), num_experts)
-                routed = e >= 0  # expert_or_none: -1 outside [0, E)
-                routed = routed & (tl.load(l2p_ptr + e, mask=routed, other=-1) >= 0)
-                wk = tl.load(tw_ptr + pk).to(tl.float32)
-                if SPLIT == 1:
-                    yk = tl.load(y_ptr + pk.to(tl.int64) * stride_y + offs_n, mask=n_ok & routed, other=0.0,
-                                 cache_modifier=".cg").to(tl.float32)  # fmt: skip
-                else:
-                    yk = _sum_parts(
-                        part_ptr + (pk * SPLIT).to(tl.int64) * H + offs_n, H, n_ok & routed, SPLIT
-                    )
-                    yk = yk.to(COMPUTE).to(tl.float32)
-                acc += tl.where(routed, wk * yk, 0.0)
-            tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, acc.to(COMPUTE), mask=n_ok)
+        if HOST_TALL:
+            # a host code's even block arrives for itself and the next block (where there is one), its odd none
+            num_arrive = tl.where(code >= num_rows, tl.where(nb % 2 == 0, tl.minimum(num_nb - nb, 2), 0), 1)
+            for j in range(num_arrive):
+                _arrive_and_combine(pair, nb + j, y_ptr, part_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
+                                    num_experts, H, stride_y, stride_out, TOP_K, BLOCK_N, COMPUTE, SPLIT)  # fmt: skip
+        else:
+            _arrive_and_combine(pair, nb, y_ptr, part_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr,
+                                num_experts, H, stride_y, stride_out, TOP_K, BLOCK_N, COMPUTE, SPLIT)  # fmt: skip
+
+
+@triton.jit
+def _arrive_and_combine(pair, nb, y_ptr, part_ptr, out_ptr, cnt_ptr, ids_ptr, l2p_ptr, tw_ptr, num_experts, H,
+                        stride_y, stride_out, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr,
+                        SPLIT: tl.constexpr):  # fmt: skip
+    """The arrival of (pair, block `nb`) after its y (or parts) are stored: the last of the token's K * SPLIT
+    arrivals (acquire) sums `out[t, nb block]` from the K rows of y, read from L2, and resets the counter."""
+    t = pair // TOP_K
+    num_nb = tl.cdiv(H, BLOCK_N)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    arrived = tl.atomic_add(cnt_ptr + t * num_nb + nb, 1, sem="acq_rel", scope="gpu")
+    if arrived == TOP_K * SPLIT - 1:
+        tl.store(cnt_ptr + t * num_nb + nb, 0)  # ready for the next launch
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            pk = t * TOP_K + k
+            e = expert_or_none(tl.load(ids_ptr + pk), num_experts)
+            routed = e >= 0  # expert_or_none: -1 outside [0, E)
+            routed = routed & (tl.load(l2p_ptr + e, mask=routed, other=-1) >= 0)
+            wk = tl.load(tw_ptr + pk).to(tl.float32)
+            if SPLIT == 1:
+                yk = tl.load(y_ptr + pk.to(tl.int64) * stride_y + offs_n, mask=n_ok & routed, other=0.0,
+                             cache_modifier=".cg").to(tl.float32)  # fmt: skip
+            else:
+                yk = _sum_parts(part_ptr + (pk * SPLIT).to(tl.int64) * H + offs_n, H, n_ok & routed, SPLIT)
+                yk = yk.to(COMPUTE).to(tl.float32)
+            acc += tl.where(routed, wk * yk, 0.0)
+        tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, acc.to(COMPUTE), mask=n_ok)
 
 
 @triton.jit

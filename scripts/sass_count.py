@@ -60,6 +60,7 @@ def compile_gemv(
     x_pack: bool = False,
     peel: bool = False,
     host_wide: bool = False,
+    host_tall: bool = False,
 ):
     """The compiled `_gate_up_kernel` / `_down_kernel` for sm_90 at the given tile (top-8, 64-pair schedule,
     bf16 activations, K a multiple of the tile, symmetric int4); `max_registers` > 0: ptxas' `maxnreg`, as
@@ -67,14 +68,14 @@ def compile_gemv(
     (`GemvConfig.half_dot`), x's row scale loaded that many values at a time; `x_pack`: x' packed once per
     program, loaded by the K loop (`GemvConfig.half_x_pack`); `peel`: down's first tile loaded ahead of its
     wait (`GemvConfig.down_peel`); `host_wide`: host rows in tiles of half the rows and twice the K as well
-    (`GemvConfig.host_wide`)."""
+    (`GemvConfig.host_wide`); `host_tall`: down's host rows in tiles of twice the rows (`GemvConfig.host_tall`)."""
     fmt_code, vpw, group = FORMATS[fmt]
     fn = gemv._gate_up_kernel if kernel == "gate_up" else gemv._down_kernel
     consts = dict(TOP_K=8, P_POW2=64, BLOCK_N=block_n, BLOCK_K=block_k, FMT=fmt_code, GROUP=group,
                   HAS_ZERO=False, NATIVE_FP8=True, COMPUTE=tl.bfloat16, VPW=vpw, PREFETCH=prefetch,
                   EVEN_K=True, PDL=False, OVERLAP=False)  # fmt: skip
     consts |= {"SPLIT": split, "HALF_X": half_x, "X_PACK": x_pack, "HOST_WIDE": host_wide}
-    consts |= {} if kernel == "gate_up" else {"FUSE_COMBINE": True, "PEEL": peel}
+    consts |= {} if kernel == "gate_up" else {"FUSE_COMBINE": True, "PEEL": peel, "HOST_TALL": host_tall}
     scale = "*fp8e4nv" if fmt == "nvfp4" else "*fp32"
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -156,6 +157,11 @@ def main() -> None:
     ap.add_argument(
         "--host-wide", action="store_true", help="host rows' own tiles too (GemvConfig.host_wide)"
     )
+    ap.add_argument(
+        "--host-tall",
+        action="store_true",
+        help="down: host rows in tiles of twice the rows (GemvConfig.host_tall)",
+    )
     ap.add_argument("--dump", default=None, help="write the whole SASS here")
     args = ap.parse_args()
     compiled = compile_gemv(
@@ -171,6 +177,7 @@ def main() -> None:
         args.x_pack,
         args.peel,
         args.host_wide,
+        args.host_tall,
     )
     sass = _cuobjdump(compiled, "-sass")
     if args.dump:

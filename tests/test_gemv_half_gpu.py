@@ -149,15 +149,16 @@ def test_packed_x_in_split_masked_and_pipelined_loops(name, cfg, monkeypatch):
             assert torch.equal(workspaces[0][t].view(-1, 4), want_row), f"token {t}"
 
 
+@pytest.mark.parametrize("field", ["host_wide", "host_tall"])
 @pytest.mark.parametrize(
     ("name", "shape", "M"),
     [("nvfp4", "deepseek", 1), ("nvfp4", "qwen3", 1), ("nvfp4", "qwen3", 8), ("int4-g128", "deepseek", 1)],
 )
-def test_host_wide_tiles_against_plain_tiles_and_reference(name, shape, M):
-    """Host rows in tiles of half the rows and twice the K (`GemvConfig.host_wide`), compiled
-    for CUDA, on layers with pinned host rows: within bf16 rounding of the plain tiles and of the dense torch
-    reference, every output written (poisoned allocator); on a layer without host rows, bitwise the plain
-    tiles' output (pool rows take the same tiles)."""
+def test_host_wide_tiles_against_plain_tiles_and_reference(name, shape, M, field):
+    """Host rows in their own tiles, compiled for CUDA: half the rows and twice the K (`GemvConfig.host_wide`), or
+    down's twice the rows (`host_tall`), on layers with pinned host rows: within bf16 rounding of the plain tiles
+    and of the dense torch reference, every output written (poisoned allocator); on a layer without host rows,
+    bitwise the plain tiles' output (pool rows take the same tiles)."""
     from pooled_runner.kernels import fused_moe
     from pooled_runner.kernels.gemv import gemv_configs
 
@@ -170,13 +171,13 @@ def test_host_wide_tiles_against_plain_tiles_and_reference(name, shape, M):
     for R in (5, E):  # 8 of 13 experts on the host, then none
         fmt, p13, p2, l2p = _layer(name, shape, E, R, seed=40 + M)
         base = gemv_configs(H, I, fmt.fmt, M * K, fmt.group)
-        plain, wide = (dataclasses.replace(base, host_wide=on) for on in (False, True))
+        plain, wide = (dataclasses.replace(base, **{field: on}) for on in (False, True))
         got = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=wide)
         want = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=plain)
         if R == E:
             assert torch.equal(got, want), (got.float() - want.float()).abs().max()
             continue
         assert bool((l2p[ids] >= R).any()), "no host pair routed"
-        assert_close(got, want, f"{name}: host-wide vs plain tiles {shape} M={M}", rel=1e-2)
+        assert_close(got, want, f"{name}: {field} vs plain tiles {shape} M={M}", rel=1e-2)
         ref = pooled_reference(x, ids, w, l2p, E, p13, p2, fmt)
-        assert_close(got, ref, f"{name}: host-wide vs dense reference {shape} M={M}")
+        assert_close(got, ref, f"{name}: {field} vs dense reference {shape} M={M}")

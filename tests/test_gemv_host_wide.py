@@ -51,14 +51,15 @@ def _layer(name, H, I, dtype, E=7, R=3, seed=0):
 
 
 class _LaunchSpy:
-    """Records each launch's HOST_WIDE of the wrapped kernel (so a test knows the wide tiles ran)."""
+    """Records each launch's constexpr `flag` (HOST_WIDE, HOST_TALL) of the wrapped kernel in `flags` (so a test
+    knows the host tiles ran)."""
 
-    def __init__(self, kernel):
-        self.kernel, self.host_wide = kernel, []
+    def __init__(self, kernel, flag="HOST_WIDE"):
+        self.kernel, self.flag, self.flags = kernel, flag, []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.host_wide.append(kwargs["HOST_WIDE"])
+            self.flags.append(kwargs[self.flag])
             return self.kernel[grid](*args, **kwargs)
 
         return launch
@@ -96,7 +97,7 @@ def test_host_wide_against_references_and_pool_rows_unchanged(name, H, I, dtype,
         patch.setattr(torch, "empty", functools.partial(_nan_empty, torch.empty))
         act_plain = gemv_gate_up(x, ids, l2p, E, w13, fmt, cfg)
         act_wide = gemv_gate_up(x, ids, l2p, E, w13, fmt, wide)
-    assert gate_up_spy.host_wide == [False, True], gate_up_spy.host_wide
+    assert gate_up_spy.flags == [False, True], gate_up_spy.flags
     routed = (ids.flatten() >= 0) & (codes.flatten() >= 0)
     pool = routed & (codes.flatten() < R)
     host = routed & (codes.flatten() >= R)
@@ -107,7 +108,7 @@ def test_host_wide_against_references_and_pool_rows_unchanged(name, H, I, dtype,
     assert_close(act_wide[host], ref[host], f"{name} host gate_up")
     assert_close(act_plain[host], ref[host], f"{name} host gate_up, plain tiles")
     out = gemv_down_combine(act_wide, ids, w, l2p, E, w2, fmt, wide)
-    assert down_spy.host_wide == [I % (2 * cfg.block_k2) == 0], (down_spy.host_wide, I, cfg.block_k2)
+    assert down_spy.flags == [I % (2 * cfg.block_k2) == 0], (down_spy.flags, I, cfg.block_k2)
     assert_close(out, gemv_down_combine_ref(act_wide, ids, w, l2p, E, w2, fmt, wide), f"{name} host down")
     layer = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, wide)
     assert_close(layer, pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt), f"{name} layer")
@@ -146,3 +147,56 @@ def test_host_wide_with_packed_x_and_one_launch():
     assert torch.equal(got, want), (got.float() - want.float()).abs().max()
     assert not gemv_args._host_wide(True, 64, 32, 1, 1)  # one row a block: no halves
     assert not gemv_args._host_wide(False, 64, 32, 16, 1)
+
+
+# (format, H, I, dtype, config): down blocks of 16 rows (tall: 32) over H = 80 (five blocks: the last even block
+# has no next one) and H = 72 (the tall tile's second block partly past H); int4 with zero points (K a multiple
+# of its group), bf16 with the
+# register prefetch, fp8 with I past a K tile, NVFP4 in the half dot with down's first tile ahead of its wait
+TALL_CASES = [
+    ("nvfp4", 80, 64, torch.bfloat16, _HALF),
+    ("int4-g32-zp", 96, 64, torch.float16, GemvConfig(16, 32, 32, 32, prefetch=False)),  # three blocks of 32
+    ("bf16", 80, 48, torch.bfloat16, GemvConfig(16, 16, 16, 16)),
+    ("fp8", 72, 40, torch.bfloat16, GemvConfig(16, 16, 16, 16, prefetch=False, down_peel=True)),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "H", "I", "dtype", "cfg"), TALL_CASES, ids=[c[0] + str(c[1]) for c in TALL_CASES]
+)
+@pytest.mark.parametrize("after_plan", [False, True])
+def test_host_tall_against_references_and_pool_rows_unchanged(
+    name, H, I, dtype, cfg, after_plan, monkeypatch
+):
+    """down with host rows in tiles of twice the rows (`GemvConfig.host_tall`): the combined output equals the
+    reference within rounding and the layer equals `pooled_fused_moe_ref`; pool pairs' y and every unrouted row
+    are what the plain tiles leave (bitwise, the combine unfused); the arrival counters end at zero."""
+    E, R = 7, 3
+    g, fmt, w13, w2, l2p = _layer(name, H, I, dtype, E, R, seed=1)
+    x, ids, w, codes = _routing(H, dtype, E, R, l2p, g)
+    tall = dataclasses.replace(cfg, host_tall=True)
+    act = gemv_gate_up(x, ids, l2p, E, w13, fmt, cfg)
+    down_spy = _LaunchSpy(gemv._down_kernel, "HOST_TALL")
+    monkeypatch.setattr(gemv, "_down_kernel", down_spy)
+    out = gemv_down_combine(act, ids, w, l2p, E, w2, fmt, tall, after_plan)
+    assert down_spy.flags == [True], down_spy.flags
+    assert_close(out, gemv_down_combine_ref(act, ids, w, l2p, E, w2, fmt, tall), f"{name} host-tall down")
+    assert int(gemv._COUNTERS[x.device].abs().sum()) == 0
+    # y itself, the combine left to `combine`: pool pairs bitwise the plain tiles', host pairs the reference's
+    unfused = dataclasses.replace(tall, fuse_combine=False)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "empty", functools.partial(_nan_empty, torch.empty))
+        patch.setattr(gemv, "combine", lambda y, *args: y)
+        y_tall = gemv_down_combine(act, ids, w, l2p, E, w2, fmt, unfused)
+        y_plain = gemv_down_combine(
+            act, ids, w, l2p, E, w2, fmt, dataclasses.replace(unfused, host_tall=False)
+        )
+    routed = (ids.flatten() >= 0) & (codes.flatten() >= 0)
+    pool, host = routed & (codes.flatten() < R), routed & (codes.flatten() >= R)
+    assert torch.equal(y_tall[pool], y_plain[pool]), "pool pairs' y changed"
+    assert bool(y_tall[~routed].isnan().all()) and bool(y_plain[~routed].isnan().all()), "unrouted rows"
+    assert not bool(y_tall[host].isnan().any()), "a host row of y left unwritten"
+    assert_close(y_tall[host], y_plain[host], f"{name} host y against the plain tiles")
+    layer = gemv_moe(x, ids, w, l2p, E, w13, w2, fmt, tall)
+    assert_close(layer, pooled_fused_moe_ref(x, ids, w, l2p, E, w13, w2, fmt), f"{name} host-tall layer")
+    assert int(gemv._COUNTERS[x.device].abs().sum()) == 0
