@@ -119,9 +119,9 @@ else
   step bench_gemv_host "${BENCH_GEMV_HOST_CAP:-150}" "$PY" -m bench.gemv_sweep --host-rows --set alt --rounds 2 --budget $(( ${BENCH_GEMV_HOST_CAP:-150} - 30 )) --kernels gate_up,down --cases "qwen3:nvfp4:1;deepseek:nvfp4:1" --alt "block_k1=1024;block_k1=2048;block_k2=1024" --out "$OUT/bench_gemv_host.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # the cell still under 85%: the Qwen3-like NVFP4 layer at one token with one of its eight experts on the host
   # (81-84%, H100, 2026-12-07; its one host expert's gate_up has 48 programs, its down 64, each reading its tiles
-  # in turn): the default against split K (more host programs, each fewer tiles in turn: more bytes in flight over
-  # the link), down's register prefetch (the next tile's loads in flight during this one's) and host_wide
-  step bench_gemv_host8 "${BENCH_GEMV_HOST8_CAP:-150}" "$PY" -m bench.gemv_sweep --host-every 8 --set alt --rounds 2 --budget $(( ${BENCH_GEMV_HOST8_CAP:-150} - 30 )) --kernels gate_up,down,layer --cases "${GEMV_HOST8_CASES:-qwen3:nvfp4:1}" --alt "${GEMV_HOST8_ALTS:-split_k1=2;split_k2=3;split_k1=2,split_k2=3;host_wide=1;down_peel=0,down_prefetch=1}" --out "$OUT/bench_gemv_host8.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
+  # in turn): the default against the host rows' own tiles, down's twice as tall (host_tall) and gate_up's twice as
+  # wide (host_wide). Split K, down's register prefetch and whole-row down tiles were slower there (2026-12-07)
+  step bench_gemv_host8 "${BENCH_GEMV_HOST8_CAP:-150}" "$PY" -m bench.gemv_sweep --host-every 8 --set alt --rounds 2 --budget $(( ${BENCH_GEMV_HOST8_CAP:-150} - 30 )) --kernels gate_up,down,layer --cases "${GEMV_HOST8_CASES:-qwen3:nvfp4:1}" --alt "${GEMV_HOST8_ALTS:-host_tall=1;host_wide=1;host_wide=1,host_tall=1}" --out "$OUT/bench_gemv_host8.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   # the one-launch split path (kernels/splitk.py): its tiles, then against the default decode path per shape and M
   step bench_splitk "${BENCH_SPLITK_CAP:-330}" "$PY" -m bench.splitk_sweep --budget 150 --out "$OUT/bench_splitk.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
   step bench_pdl "${BENCH_PDL_CAP:-150}" "$PY" -m bench.kernel_pdl --budget 110 --out "$OUT/bench_pdl.md" ${GIT_COMMIT:+--commit "$GIT_COMMIT"}
