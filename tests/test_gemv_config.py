@@ -114,6 +114,8 @@ def test_default_tiles_on_a_132_sm_gpu(monkeypatch):
     # host rows in their own tiles (`GemvConfig.host_wide`) are not a default: they cost resident steps 3-5%
     assert not cfg(7168, 2048, nvfp4, 8).host_wide and not cfg(2048, 768, nvfp4, 64).host_wide
     assert not cfg(7168, 2048, dequant.FMT_INT4, 8, 128).host_wide
+    # nor down's taller host tiles (`host_tall`): under 1% on the layer with one host expert, resident cost untimed
+    assert not any(cfg(2048, 768, f, 8).host_tall for f in (nvfp4, dequant.FMT_INT4, dequant.FMT_DENSE))
     assert gemv_config._half_gate_up_block_k(16, 2048, nvfp4=False) == 512
 
     assert tiles(cfg(7168, 2048, dequant.FMT_INT4, 16, 128)) == (
