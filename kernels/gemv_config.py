@@ -60,7 +60,9 @@ class GemvConfig:
     host_wide: bool = False
     # down: a host code's even N block reads its rows and the next block's as one tile of 2 x block_n2 rows (twice
     # the bytes in flight over the link per program), its odd block none; pool rows keep their tiles. Where K is
-    # not split and host_wide does not take down (`gemv_args._host_tall`); one launch ignores it
+    # not split and host_wide does not take down (`gemv_args._host_tall`); one launch ignores it. The tall tile keeps
+    # down's register cap: measured at 32-row blocks (64-row tiles, 94 registers, no spill); at the DeepSeek-like
+    # defaults (64-row blocks) it spills (sm_90, Triton 3.8: NVFP4 80 -> 528 stack bytes). Not a default
     host_tall: bool = False
 
     def __post_init__(self) -> None:

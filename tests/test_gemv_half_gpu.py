@@ -159,7 +159,7 @@ def test_host_wide_tiles_against_plain_tiles_and_reference(name, shape, M, field
     down's twice the rows (`host_tall`), on layers with pinned host rows: within bf16 rounding of the plain tiles
     and of the dense torch reference, every output written (poisoned allocator); on a layer without host rows,
     bitwise the plain tiles' output (pool rows take the same tiles)."""
-    from pooled_runner.kernels import fused_moe
+    from pooled_runner.kernels import fused_moe, gemv
     from pooled_runner.kernels.gemv import gemv_configs
 
     H, I, _, K = SHAPES[shape]
@@ -172,6 +172,8 @@ def test_host_wide_tiles_against_plain_tiles_and_reference(name, shape, M, field
         fmt, p13, p2, l2p = _layer(name, shape, E, R, seed=40 + M)
         base = gemv_configs(H, I, fmt.fmt, M * K, fmt.group)
         plain, wide = (dataclasses.replace(base, **{field: on}) for on in (False, True))
+        # host_tall runs only where down's K is not split and host_wide does not take down (`gemv_args`)
+        assert field != "host_tall" or (base.split_k2 == 1 and not base.host_wide), base
         got = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=wide)
         want = fused_moe.pooled_fused_moe(x, ids, w, l2p, E, p13, p2, fmt, variant="gemv", gemv_config=plain)
         if R == E:
@@ -181,3 +183,4 @@ def test_host_wide_tiles_against_plain_tiles_and_reference(name, shape, M, field
         assert_close(got, want, f"{name}: {field} vs plain tiles {shape} M={M}", rel=1e-2)
         ref = pooled_reference(x, ids, w, l2p, E, p13, p2, fmt)
         assert_close(got, ref, f"{name}: {field} vs dense reference {shape} M={M}")
+        assert int(gemv._COUNTERS[x.device].abs().sum()) == 0, "arrival counters not reset"

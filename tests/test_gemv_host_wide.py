@@ -150,13 +150,15 @@ def test_host_wide_with_packed_x_and_one_launch():
 
 
 # (format, H, I, dtype, config): down blocks of 16 rows (tall: 32) over H = 80 (five blocks: the last even block
-# has no next one) and H = 72 (the tall tile's second block partly past H); int4 with zero points (K a multiple
-# of its group), bf16 with the
+# has no next one), H = 72 (the same, that block partly past H) and H = 88 (six blocks: the last tall tile's second
+# block partly past H, stored and arrived for by the even program); int4 with zero points (K a multiple of its
+# group), bf16 with the
 # register prefetch, fp8 with I past a K tile, NVFP4 in the half dot with down's first tile ahead of its wait
 TALL_CASES = [
     ("nvfp4", 80, 64, torch.bfloat16, _HALF),
     ("int4-g32-zp", 96, 64, torch.float16, GemvConfig(16, 32, 32, 32, prefetch=False)),  # three blocks of 32
     ("bf16", 80, 48, torch.bfloat16, GemvConfig(16, 16, 16, 16)),
+    ("bf16", 88, 48, torch.bfloat16, GemvConfig(16, 16, 16, 16)),
     ("fp8", 72, 40, torch.bfloat16, GemvConfig(16, 16, 16, 16, prefetch=False, down_peel=True)),
 ]
 
