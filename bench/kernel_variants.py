@@ -106,19 +106,14 @@ class DecodeLayer:
         """µs to read the pool rows' bytes at `hbm_gbs` and then the host rows' at `zero_copy_gbs` (GB/s), the
         bound of bench.kernels."""
         pool_nbytes = self.nbytes - self.host_nbytes
-        return (
-            (pool_nbytes / (hbm_gbs * 1e3) + self.host_nbytes / (zero_copy_gbs * 1e3)) if self.nbytes else 0.0
-        )
+        return pool_nbytes / (hbm_gbs * 1e3) + self.host_nbytes / (zero_copy_gbs * 1e3)
 
 
-def resident_layer(
-    shape: str, name: str, M: int, g: torch.Generator, host_rows: bool = False, host_every: int = 0
-) -> DecodeLayer:
+def resident_layer(shape: str, name: str, M: int, g: torch.Generator, host_every: int = 0) -> DecodeLayer:
     """A layer of `shape` in format `name` with every expert in a pool row, and M tokens routed by softmax top-k
-    of random logits (CUDA). `host_rows`: every expert read from a pinned bank copy of the pool instead (host
-    codes `E + expert` in l2p), as a step whose experts all missed the pool. `host_every` (>= 1): every
-    `host_every`-th of the step's distinct experts (in expert order, the first included) read from the bank, the
-    others from the pool, as bench.kernels' "1/8" (`host_every=8`); 1 is `host_rows`."""
+    of random logits (CUDA). `host_every` (>= 1): every `host_every`-th of the step's distinct experts (in expert
+    order, the first included) read from a pinned bank copy of the pool instead (host codes `E + expert` in l2p),
+    as bench.kernels' "1/8" (`host_every=8`); 1: every expert, a step whose experts all missed the pool."""
     if host_every < 0:
         raise ValueError(
             f"host_every={host_every}: 0 (none) or >= 1 (every n-th distinct expert on the host)"
@@ -127,12 +122,11 @@ def resident_layer(
     fmt = kernel_format(make_format(name, torch.bfloat16))
     pool = random_rows(name, H, I, E, "cuda", g)
     row_bytes = sum(t[0].numel() * t.element_size() for t in pool.values())
-    on_host = host_rows or host_every > 0
-    p13, p2 = make_projections(fmt, pool, pinned_bank(pool) if on_host else None, H, I)
+    p13, p2 = make_projections(fmt, pool, pinned_bank(pool) if host_every else None, H, I)
     x = torch.randn(M, H, generator=g, device="cuda").bfloat16()
     w, ids = torch.softmax(torch.randn(M, E, generator=g, device="cuda"), -1).topk(K, -1)
     distinct = torch.unique(ids)
-    host = distinct[:: 1 if host_rows else host_every] if on_host else distinct[:0]
+    host = distinct[::host_every] if host_every else distinct[:0]
     l2p = torch.arange(E, dtype=torch.int32, device="cuda")
     l2p[host] += E
     args = (x, ids, w, l2p, E, p13, p2, fmt)
